@@ -1,0 +1,162 @@
+"""The per-database differences: bounding lock waits, reading the clock, and
+telling transient errors (retry) from real ones (surface).
+
+Everything vendor-specific lives here so ``core.py`` reads as the algorithm.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.conf import settings
+from django.db import DatabaseError, InterfaceError, OperationalError
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models.functions import Now
+from django.db.models.sql.compiler import SQLCompiler
+
+
+class Failure(enum.Enum):
+    """Why a statement failed, as far as retrying is concerned."""
+
+    CONTENTION = "contention"  # deadlock, lock wait timeout, busy: retry
+    DISCONNECT = "disconnect"  # connection lost or server restarting: reconnect, retry
+
+
+# MySQL/MariaDB server and client error codes.
+MYSQL_CONTENTION = frozenset(
+    {
+        1205,  # ER_LOCK_WAIT_TIMEOUT
+        1213,  # ER_LOCK_DEADLOCK (also Galera certification failures)
+    }
+)
+MYSQL_DISCONNECT = frozenset(
+    {
+        1047,  # WSREP has not yet prepared node for application use (Galera)
+        1053,  # ER_SERVER_SHUTDOWN
+        1077,  # ER_NORMAL_SHUTDOWN
+        1927,  # ER_CONNECTION_KILLED (MariaDB)
+        2002,  # CR_CONNECTION_ERROR
+        2003,  # CR_CONN_HOST_ERROR
+        2006,  # CR_SERVER_GONE_ERROR
+        2013,  # CR_SERVER_LOST
+        4031,  # ER_CLIENT_INTERACTION_TIMEOUT (MySQL 8)
+    }
+)
+# PostgreSQL SQLSTATEs: deadlock, lock_not_available, serialization_failure.
+POSTGRES_CONTENTION = frozenset({"40P01", "55P03", "40001"})
+# Class 08 is "connection exception"; 57P0x are shutdowns and crashes.
+POSTGRES_DISCONNECT_PREFIXES = ("08", "57P01", "57P02", "57P03")
+
+
+def classify(connection: BaseDatabaseWrapper, exc: DatabaseError) -> Failure | None:
+    """Whether ``exc`` is worth retrying, and how; ``None`` means surface it."""
+    if isinstance(exc, InterfaceError):
+        return Failure.DISCONNECT
+    vendor = connection.vendor
+    if vendor == "mysql":
+        code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
+        if code in MYSQL_CONTENTION:
+            return Failure.CONTENTION
+        if code in MYSQL_DISCONNECT:
+            return Failure.DISCONNECT
+        return None
+    if vendor == "postgresql":
+        sqlstate = getattr(exc.__cause__, "sqlstate", None)
+        if sqlstate in POSTGRES_CONTENTION:
+            return Failure.CONTENTION
+        if sqlstate is None:
+            # psycopg reports a dropped socket as an OperationalError without
+            # a SQLSTATE; an error the server raised always carries one.
+            return Failure.DISCONNECT if isinstance(exc, OperationalError) else None
+        if sqlstate.startswith(POSTGRES_DISCONNECT_PREFIXES):
+            return Failure.DISCONNECT
+        return None
+    if vendor == "sqlite":
+        message = str(exc)
+        if "database is locked" in message or "database table is locked" in message:
+            return Failure.CONTENTION
+    return None
+
+
+@contextmanager
+def bounded_lock_wait(connection: BaseDatabaseWrapper, seconds: float) -> Iterator[None]:
+    """Bound how long the next transaction waits for a row lock, then restore.
+
+    Wraps the whole ``atomic()`` block. PostgreSQL is bounded from inside the
+    transaction instead (see :func:`start_bounded_transaction`).
+    """
+    vendor = connection.vendor
+    if vendor == "mysql":
+        # Integer seconds, at least 1. The old value is kept server-side in a
+        # user variable so the bound costs no extra round trip to read it.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SET @django_semaphore_lock_wait = @@SESSION.innodb_lock_wait_timeout,"
+                " SESSION innodb_lock_wait_timeout = %s",
+                [max(1, math.ceil(seconds))],
+            )
+        try:
+            yield
+        finally:
+            _restore_quietly(
+                connection,
+                "SET SESSION innodb_lock_wait_timeout = @django_semaphore_lock_wait",
+            )
+    elif vendor == "sqlite":
+        # The busy timeout is what BEGIN IMMEDIATE waits for the write lock.
+        with connection.cursor() as cursor:
+            cursor.execute("PRAGMA busy_timeout")
+            previous = cursor.fetchone()[0]
+            cursor.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+        try:
+            yield
+        finally:
+            _restore_quietly(connection, f"PRAGMA busy_timeout = {int(previous)}")
+    else:
+        yield
+
+
+def start_bounded_transaction(connection: BaseDatabaseWrapper, seconds: float) -> None:
+    """First statement inside the grant transaction."""
+    if connection.vendor == "postgresql":
+        # SET LOCAL ends with the transaction: nothing to restore.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{int(seconds * 1000)}ms"])
+
+
+def _restore_quietly(connection: BaseDatabaseWrapper, sql: str) -> None:
+    # If the connection died mid-transaction there is nothing left to restore:
+    # the session that carried the setting is gone with it.
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql)
+    except DatabaseError:
+        pass
+
+
+def sqlite_uses_immediate_transactions(connection: BaseDatabaseWrapper) -> bool:
+    """Without BEGIN IMMEDIATE, two SQLite writers fail instead of queueing."""
+    mode = connection.settings_dict.get("OPTIONS", {}).get("transaction_mode") or ""
+    return mode.upper() in {"IMMEDIATE", "EXCLUSIVE"}
+
+
+class DatabaseNow(Now):
+    """The database's clock, in UTC, as Django stores datetimes.
+
+    Expiry is decided by one clock (the database's), never by each client's.
+    Django's ``Now()`` is the MySQL session's local time; with ``USE_TZ`` the
+    stored values are UTC, so MySQL must read ``UTC_TIMESTAMP``.
+    """
+
+    def as_mysql(
+        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
+    ) -> tuple[str, list[Any]]:
+        if settings.USE_TZ and connection.timezone_name == "UTC":
+            return self.as_sql(
+                compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context
+            )
+        return super().as_mysql(compiler, connection, **extra_context)  # type: ignore[no-any-return]

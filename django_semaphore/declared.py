@@ -1,0 +1,32 @@
+"""Semaphores declared in settings, created after ``migrate``.
+
+Only missing ones are created: from then on capacity belongs to the admin and
+the capacity API, where every change is recorded, so settings never overwrite it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import router
+
+from django_semaphore.conf import app_settings
+
+
+def create_declared_semaphores(using: str, **kwargs: Any) -> None:
+    from django_semaphore.models import Semaphore
+
+    if using != app_settings.DATABASE or not router.allow_migrate_model(using, Semaphore):
+        return
+    declared = app_settings.SEMAPHORES
+    existing = set(
+        Semaphore.objects.using(using).filter(name__in=declared).values_list("name", flat=True)
+    )
+    Semaphore.objects.using(using).bulk_create(
+        [
+            Semaphore(name=name, capacity=capacity)
+            for name, capacity in sorted(declared.items())
+            if name not in existing
+        ],
+        ignore_conflicts=True,
+    )

@@ -1,0 +1,78 @@
+"""Every error the app raises; driver errors are translated into these at the
+boundary and never reach callers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class SemaphoreError(Exception):
+    """Base class of every error raised by django-semaphore."""
+
+
+class InvalidRequest(SemaphoreError, ValueError):
+    """An argument is malformed; raised before anything is written."""
+
+
+class SemaphoreNotFound(SemaphoreError, LookupError):
+    """One or more semaphore names do not exist."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = sorted(names)
+        super().__init__(f"No such semaphore: {', '.join(self.names)}")
+
+
+class SemaphoreExhausted(SemaphoreError):
+    """No room right now; ``names`` lists the semaphores lacking capacity."""
+
+    def __init__(self, names: Iterable[str], message: str = "") -> None:
+        self.names = sorted(names)
+        super().__init__(message or f"No capacity left on: {', '.join(self.names)}")
+
+
+class AcquireTimeout(SemaphoreExhausted, TimeoutError):
+    """Still no room when the caller's ``timeout`` ran out."""
+
+
+class CapacityExceeded(InvalidRequest):
+    """A count asks for more than the semaphore could ever grant."""
+
+
+class IdempotencyConflict(SemaphoreError):
+    """An ``external_id`` was reused with other names or counts."""
+
+
+class PermitAlreadyReleased(SemaphoreError):
+    """The request is released (done, expired or revoked): the holder must stop."""
+
+
+class PermitNotFound(PermitAlreadyReleased, LookupError):
+    """No request has this ``external_id`` (never acquired, or long cleaned up)."""
+
+
+class PermitLost(SemaphoreError):
+    """A held permit was expired or revoked while its holder worked."""
+
+
+class StaleFencingToken(SemaphoreError):
+    """A fencing token lower than one already seen for the resource."""
+
+    def __init__(self, resource: str, token: int, highest: int) -> None:
+        self.resource = resource
+        self.token = token
+        self.highest = highest
+        super().__init__(
+            f"Fencing token {token} for {resource!r} is stale: {highest} was seen."
+        )
+
+
+class NestedTransactionError(SemaphoreError, RuntimeError):
+    """``acquire`` was called inside an open ``atomic()`` block on its alias."""
+
+
+class LockContention(SemaphoreError, TimeoutError):
+    """Deadlocks or lock-wait timeouts persisted through every retry."""
+
+
+class DatabaseUnavailable(SemaphoreError, ConnectionError):
+    """The database connection kept failing through every retry."""

@@ -1,0 +1,67 @@
+"""Fencing for downstream resources (Kleppmann): reject a stale holder's write.
+
+A TTL can expire while its holder is paused; a newer holder then gets a higher
+token. A resource that calls :func:`advance` with the token before each write
+refuses the old holder when it wakes up. Call it in the same transaction as
+the write it guards so that the check and the write commit together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import IntegrityError, connections, transaction
+
+from django_semaphore.conf import app_settings
+from django_semaphore.core import run_with_retries
+from django_semaphore.exceptions import InvalidRequest, StaleFencingToken
+from django_semaphore.validation import MAX_LENGTH
+
+
+def advance(resource: str, token: int, *, using: str | None = None) -> None:
+    """Record ``token`` as the highest seen for ``resource``, or refuse it.
+
+    Equal tokens pass (one holder writing twice). Atomic under concurrency:
+    the check and the update are one conditional statement.
+
+    Args:
+        resource: names what is guarded, e.g. ``"s3://bucket/report.csv"``.
+        token: the fencing token of the permit held for the write.
+        using: database alias of the fencing table; defaults to the app's.
+
+    Raises:
+        StaleFencingToken: a higher token was already seen for ``resource``.
+        InvalidRequest: an empty or over-long resource, or a token that is not
+            a non-negative int.
+    """
+    _validate(resource, token)
+    connection = connections[using or app_settings.DATABASE]
+    run_with_retries(connection, lambda: _advance(connection.alias, resource, token))
+
+
+def _advance(alias: str, resource: str, token: int) -> None:
+    from django_semaphore.models import FencingMark
+
+    marks = FencingMark.objects.using(alias)
+    if marks.filter(resource=resource, token__lte=token).update(token=token):
+        return
+    try:
+        # Savepoint: a duplicate insert must not spoil the caller's transaction.
+        with transaction.atomic(using=alias):
+            marks.create(resource=resource, token=token)
+        return
+    except IntegrityError:
+        pass  # another writer recorded the resource first: compare with it
+    if marks.filter(resource=resource, token__lte=token).update(token=token):
+        return
+    highest = marks.values_list("token", flat=True).get(resource=resource)
+    raise StaleFencingToken(resource, token, highest)
+
+
+def _validate(resource: Any, token: Any) -> None:
+    if not isinstance(resource, str) or not resource:
+        raise InvalidRequest("The fencing resource must be a non-empty str.")
+    if len(resource) > MAX_LENGTH:
+        raise InvalidRequest(f"The fencing resource must be at most {MAX_LENGTH} characters.")
+    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+        raise InvalidRequest(f"A fencing token must be a non-negative int, not {token!r}.")

@@ -1,0 +1,194 @@
+"""What is stored: semaphores, the requests holding them, and their audit trails."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.utils.functional import cached_property
+from django.utils.translation import gettext_lazy as _
+
+from django_semaphore.managers import PermitRequestManager, SemaphoreManager
+
+MAX_NAME_LENGTH = 255
+
+
+class State(models.TextChoices):
+    """One-way lifecycle of requests and permits: ACQUIRED -> RELEASED, never back."""
+
+    ACQUIRED = "ACQUIRED", _("acquired")
+    RELEASED = "RELEASED", _("released")
+
+
+class ReleaseReason(models.TextChoices):
+    RELEASED = "released", _("released by its holder")
+    EXPIRED = "expired", _("TTL expired")
+    OWNER_DEAD = "owner_dead", _("owner no longer alive")
+    STALE = "stale", _("held past the staleness limit")
+    ADMIN = "admin", _("force-released by staff")
+
+
+class Semaphore(models.Model):
+    """One counting semaphore; acquire locks this row to serialize its grants."""
+
+    name = models.CharField(_("name"), max_length=MAX_NAME_LENGTH, unique=True)
+    capacity = models.PositiveIntegerField(_("capacity"))
+    # Bumped under the row lock by every grant: the fencing token source, and
+    # the write that makes concurrent grants conflict on Galera (see DESIGN).
+    fencing_counter = models.PositiveBigIntegerField(
+        _("last fencing token"), default=0, editable=False
+    )
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True)
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
+
+    objects: ClassVar[SemaphoreManager] = SemaphoreManager()
+
+    class Meta:
+        verbose_name = _("semaphore")
+        verbose_name_plural = _("semaphores")
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(capacity__gte=0), name="semaphore_capacity_gte_0"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class PermitRequest(models.Model):
+    """One acquire call: all the permits it was granted, over 1..n semaphores."""
+
+    external_id = models.CharField(
+        _("key"),
+        max_length=MAX_NAME_LENGTH,
+        unique=True,
+        help_text=_("Idempotency key chosen by the caller: job id, task id, UUID."),
+    )
+    owner = models.CharField(_("owner"), max_length=MAX_NAME_LENGTH, blank=True)
+    state = models.CharField(
+        _("state"), max_length=8, choices=State.choices, default=State.ACQUIRED
+    )
+    ttl = models.PositiveIntegerField(
+        _("TTL (seconds)"), null=True, blank=True, help_text=_("Empty: no TTL.")
+    )
+    expires_at = models.DateTimeField(_("expires at"), null=True, blank=True)
+    created_at = models.DateTimeField(_("created at"))
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
+    released_at = models.DateTimeField(_("released at"), null=True, blank=True)
+    release_reason = models.CharField(
+        _("release reason"), max_length=16, choices=ReleaseReason.choices, blank=True
+    )
+
+    objects: ClassVar[PermitRequestManager] = PermitRequestManager()
+
+    class Meta:
+        verbose_name = _("permit request")
+        verbose_name_plural = _("permit requests")
+        indexes = [
+            # The TTL sweep and inline reclaim look up ACQUIRED rows by expiry.
+            models.Index(fields=["state", "expires_at"], name="semaphore_req_expiry"),
+            # The staleness sweep and the retention clean-up scan by age.
+            models.Index(fields=["state", "created_at"], name="semaphore_req_age"),
+        ]
+
+    def __str__(self) -> str:
+        return self.external_id
+
+    @property
+    def is_held(self) -> bool:
+        return self.state == State.ACQUIRED
+
+    @cached_property
+    def fencing_tokens(self) -> dict[str, int]:
+        """Semaphore name -> the fencing token of this request's permit on it."""
+        return dict(self.permits.values_list("semaphore__name", "fencing_token"))
+
+    def token(self, name: str) -> int:
+        """The fencing token to hand to downstream writes guarded by ``name``."""
+        try:
+            return self.fencing_tokens[name]
+        except KeyError:
+            raise KeyError(f"Request {self.external_id!r} holds no permit on {name!r}.") from None
+
+
+class Permit(models.Model):
+    """The share of one request on one semaphore."""
+
+    semaphore = models.ForeignKey(
+        Semaphore, on_delete=models.CASCADE, related_name="permits"
+    )
+    request = models.ForeignKey(
+        PermitRequest, on_delete=models.CASCADE, related_name="permits"
+    )
+    count = models.PositiveIntegerField(_("count"), default=1)
+    state = models.CharField(
+        _("state"), max_length=8, choices=State.choices, default=State.ACQUIRED
+    )
+    fencing_token = models.PositiveBigIntegerField(_("fencing token"))
+
+    class Meta:
+        verbose_name = _("permit")
+        verbose_name_plural = _("permits")
+        indexes = [
+            # Covers the in-use sum (semaphore, state) -> SUM(count) so it reads
+            # the index alone and never the history of released permits.
+            models.Index(
+                fields=["semaphore", "state", "count"], name="semaphore_permit_in_use"
+            ),
+        ]
+        constraints = [
+            models.CheckConstraint(condition=Q(count__gte=1), name="semaphore_permit_count_gte_1"),
+            models.UniqueConstraint(
+                fields=["semaphore", "fencing_token"], name="semaphore_permit_unique_token"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.request_id}:{self.semaphore_id}x{self.count}"
+
+
+class CapacityChange(models.Model):
+    """Audit trail: every capacity change, from the admin or from code."""
+
+    semaphore = models.ForeignKey(
+        Semaphore, on_delete=models.CASCADE, related_name="capacity_changes"
+    )
+    old_capacity = models.PositiveIntegerField(_("old capacity"))
+    new_capacity = models.PositiveIntegerField(_("new capacity"))
+    changed_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="+",
+        verbose_name=_("changed by"),
+    )
+    changed_at = models.DateTimeField(_("changed at"), auto_now_add=True, db_index=True)
+    reason = models.CharField(_("reason"), max_length=MAX_NAME_LENGTH, blank=True)
+
+    class Meta:
+        verbose_name = _("capacity change")
+        verbose_name_plural = _("capacity changes")
+        ordering = ["-changed_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.semaphore_id}: {self.old_capacity} -> {self.new_capacity}"
+
+
+class FencingMark(models.Model):
+    """The highest fencing token a downstream resource has accepted."""
+
+    resource = models.CharField(_("resource"), max_length=MAX_NAME_LENGTH, unique=True)
+    token = models.PositiveBigIntegerField(_("highest token"))
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
+
+    class Meta:
+        verbose_name = _("fencing mark")
+        verbose_name_plural = _("fencing marks")
+
+    def __str__(self) -> str:
+        return f"{self.resource}@{self.token}"
