@@ -136,9 +136,12 @@ def _run(
 ) -> subprocess.CompletedProcess[str]:
     """Run a helper quietly; on failure raise with its output, which says why."""
     args = [str(part) for part in cmd]
-    result = subprocess.run(
-        args, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True
-    )
+    try:
+        result = subprocess.run(
+            args, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True
+        )
+    except FileNotFoundError:
+        raise ServerError(f"{args[0]} not found; is it installed?") from None
     if check and result.returncode != 0:
         output = (result.stdout + result.stderr).strip()
         raise ServerError(
@@ -606,7 +609,11 @@ def _postgres_initialise(home: Path) -> None:
 
 def _postgres_launch(home: Path) -> None:
     """Start the cluster on our port, with its socket in `home`, and wait for it."""
-    settings = [f"-c{name}={value}" for name, value in POSTGRES_SETTINGS.items()]
+    settings = [
+        part
+        for name, value in POSTGRES_SETTINGS.items()
+        for part in ("-c", f"{name}={value}")
+    ]
     options = shlex.join(["-p", str(port("postgres")), "-k", str(home), *settings])
     log = home / "postgres.log"
     timeout = str(int(START_TIMEOUT))
