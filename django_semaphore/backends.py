@@ -125,7 +125,9 @@ def start_bounded_transaction(connection: BaseDatabaseWrapper, seconds: float) -
     if connection.vendor == "postgresql":
         # SET LOCAL ends with the transaction: nothing to restore.
         with connection.cursor() as cursor:
-            cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{int(seconds * 1000)}ms"])
+            cursor.execute(
+                "SELECT set_config('lock_timeout', %s, true)", [f"{int(seconds * 1000)}ms"]
+            )
 
 
 def _restore_quietly(connection: BaseDatabaseWrapper, sql: str) -> None:
@@ -138,10 +140,15 @@ def _restore_quietly(connection: BaseDatabaseWrapper, sql: str) -> None:
         pass
 
 
-def sqlite_uses_immediate_transactions(connection: BaseDatabaseWrapper) -> bool:
-    """Without BEGIN IMMEDIATE, two SQLite writers fail instead of queueing."""
-    mode = connection.settings_dict.get("OPTIONS", {}).get("transaction_mode") or ""
-    return mode.upper() in {"IMMEDIATE", "EXCLUSIVE"}
+def is_sqlite_without_immediate_transactions(database: dict[str, Any]) -> bool:
+    """Without BEGIN IMMEDIATE, two SQLite writers fail instead of queueing.
+
+    Takes the ``DATABASES`` entry, so it can be checked without connecting.
+    """
+    if not database.get("ENGINE", "").endswith("sqlite3"):
+        return False
+    mode = database.get("OPTIONS", {}).get("transaction_mode") or ""
+    return mode.upper() not in {"IMMEDIATE", "EXCLUSIVE"}
 
 
 class DatabaseNow(Now):
@@ -154,9 +161,7 @@ class DatabaseNow(Now):
 
     def as_mysql(
         self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
-    ) -> tuple[str, list[Any]]:
+    ) -> tuple[str, tuple[str | int, ...]]:
         if settings.USE_TZ and connection.timezone_name == "UTC":
-            return self.as_sql(
-                compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context
-            )
-        return super().as_mysql(compiler, connection, **extra_context)  # type: ignore[no-any-return]
+            return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context)
+        return super().as_mysql(compiler, connection, **extra_context)

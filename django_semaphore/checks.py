@@ -8,7 +8,6 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
-from django.db import connections
 from django.utils.module_loading import import_string
 
 from django_semaphore import backends
@@ -53,7 +52,9 @@ def _check_value(key: str, value: Any) -> list[CheckMessage]:
             return [_error(5, f"DJANGO_SEMAPHORE[{key!r}] must be an int of at least 1.")]
     elif key in DURATION_KEYS:
         if not (_positive_number(value) or (isinstance(value, timedelta) and value > timedelta(0))):
-            return [_error(6, f"DJANGO_SEMAPHORE[{key!r}] must be positive seconds or a timedelta.")]
+            return [
+                _error(6, f"DJANGO_SEMAPHORE[{key!r}] must be positive seconds or a timedelta.")
+            ]
     elif key == "LIVENESS_CHECKERS":
         return _check_checkers(value)
     elif key == "VIEW_STATUS_CODE":
@@ -96,11 +97,10 @@ def _check_declared(value: Any) -> list[CheckMessage]:
 def check_sqlite_transactions(**kwargs: Any) -> list[CheckMessage]:
     """Deferred SQLite transactions make concurrent acquirers fail with
     "database is locked" instead of waiting their turn."""
-    alias = getattr(settings, "DJANGO_SEMAPHORE", {}).get("DATABASE", DEFAULTS["DATABASE"])
-    if alias not in settings.DATABASES:
-        return []
-    connection = connections[alias]
-    if connection.vendor != "sqlite" or backends.sqlite_uses_immediate_transactions(connection):
+    user = getattr(settings, "DJANGO_SEMAPHORE", {})
+    alias = user.get("DATABASE", DEFAULTS["DATABASE"]) if isinstance(user, Mapping) else ""
+    database = settings.DATABASES.get(alias)
+    if database is None or not backends.is_sqlite_without_immediate_transactions(database):
         return []
     return [
         Warning(

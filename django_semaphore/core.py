@@ -12,6 +12,7 @@ This is the only module that takes locks.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import threading
@@ -118,7 +119,10 @@ def acquire(
             lock_wait = min(lock_wait, max(deadline - time.monotonic(), 1.0))
         try:
             return run_with_retries(
-                connection, lambda: _acquire_once(connection, demand, key, owner, ttl_seconds, lock_wait)
+                connection,
+                functools.partial(
+                    _acquire_once, connection, demand, key, owner, ttl_seconds, lock_wait
+                ),
             )
         except SemaphoreExhausted as exc:
             remaining = deadline - time.monotonic()
@@ -161,10 +165,12 @@ def _acquire_once(
         return _reattach(connection.alias, existing, demand)
     with _prelocked(demand.names):
         try:
-            with backends.bounded_lock_wait(connection, lock_wait):
-                with transaction.atomic(using=connection.alias, durable=True):
-                    backends.start_bounded_transaction(connection, lock_wait)
-                    outcome = _grant(connection.alias, demand, key, owner, ttl)
+            with (
+                backends.bounded_lock_wait(connection, lock_wait),
+                transaction.atomic(using=connection.alias, durable=True),
+            ):
+                backends.start_bounded_transaction(connection, lock_wait)
+                outcome = _grant(connection.alias, demand, key, owner, ttl)
         except IntegrityError:
             # Two first calls with one key: the unique key let one insert win;
             # the loser answers with the winner's request.
@@ -265,11 +271,7 @@ def _lacking_room(
         .values_list("semaphore_id", "total")
         .order_by()
     )
-    return [
-        s
-        for s in locked
-        if in_use.get(s.id, 0) + demand.counts[s.name] > s.capacity
-    ]
+    return [s for s in locked if in_use.get(s.id, 0) + demand.counts[s.name] > s.capacity]
 
 
 def _reclaim_expired(alias: str, semaphore_ids: list[int], now: datetime) -> int:
@@ -326,7 +328,7 @@ def _reattach(alias: str, request: PermitRequest, demand: Demand) -> PermitReque
 
 
 def _describe(held: dict[str, tuple[int, int]]) -> str:
-    return ", ".join(f"{name}×{count}" for name, (count, _) in sorted(held.items())) or "nothing"
+    return ", ".join(f"{name}x{count}" for name, (count, _) in sorted(held.items())) or "nothing"
 
 
 def _raise_if_not_held(alias: str, request: PermitRequest, reason: str) -> None:
@@ -387,9 +389,9 @@ def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int
 
     if not request_ids:
         return 0
-    Permit.objects.using(alias).filter(
-        request_id__in=request_ids, state=State.ACQUIRED
-    ).update(state=State.RELEASED)
+    Permit.objects.using(alias).filter(request_id__in=request_ids, state=State.ACQUIRED).update(
+        state=State.RELEASED
+    )
     return (
         PermitRequest.objects.using(alias)
         .filter(pk__in=request_ids, state=State.ACQUIRED)
@@ -486,7 +488,7 @@ def _set_capacity(
                 semaphore=semaphore,
                 old_capacity=semaphore.capacity,
                 new_capacity=capacity,
-                changed_by=changed_by,
+                changed_by_id=None if changed_by is None else changed_by.pk,
                 reason=reason,
             )
             semaphore.capacity = capacity
@@ -523,7 +525,9 @@ def run_with_retries(connection: BaseDatabaseWrapper, operation: Callable[[], T]
             break
         time.sleep(random.uniform(0.01, 0.05) * attempt)
     if failure is Failure.DISCONNECT:
-        raise DatabaseUnavailable(f"Database unavailable after {attempts} attempts: {cause}") from cause
+        raise DatabaseUnavailable(
+            f"Database unavailable after {attempts} attempts: {cause}"
+        ) from cause
     raise LockContention(f"Gave up after {attempts} attempts: {cause}") from cause
 
 

@@ -61,9 +61,7 @@ class StaleFencingToken(SemaphoreError):
         self.resource = resource
         self.token = token
         self.highest = highest
-        super().__init__(
-            f"Fencing token {token} for {resource!r} is stale: {highest} was seen."
-        )
+        super().__init__(f"Fencing token {token} for {resource!r} is stale: {highest} was seen.")
 
 
 class NestedTransactionError(SemaphoreError, RuntimeError):

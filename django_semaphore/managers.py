@@ -25,9 +25,7 @@ class SemaphoreQuerySet(models.QuerySet["Semaphore"]):
     def with_usage(self) -> SemaphoreQuerySet:
         """Annotate ``in_use``: the sum of counts of ACQUIRED permits."""
         return self.annotate(
-            in_use=Coalesce(
-                Sum("permits__count", filter=Q(permits__state=ACQUIRED)), 0
-            )
+            in_use=Coalesce(Sum("permits__count", filter=Q(permits__state=ACQUIRED)), 0)
         )
 
 
@@ -50,17 +48,13 @@ class SemaphoreManager(models.Manager["Semaphore"]):
         timeout: int | float | timedelta = 0,
     ) -> PermitRequest:
         """See :func:`django_semaphore.acquire`."""
-        return core.acquire(
-            names, external_id=external_id, owner=owner, ttl=ttl, timeout=timeout
-        )
+        return core.acquire(names, external_id=external_id, owner=owner, ttl=ttl, timeout=timeout)
 
     def release(self, external_id: str) -> ReleaseOutcome:
         """See :func:`django_semaphore.release`."""
         return core.release(external_id)
 
-    def renew(
-        self, external_id: str, ttl: int | float | timedelta | None = None
-    ) -> PermitRequest:
+    def renew(self, external_id: str, ttl: int | float | timedelta | None = None) -> PermitRequest:
         """See :func:`django_semaphore.renew`."""
         return core.renew(external_id, ttl)
 

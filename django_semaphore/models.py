@@ -50,9 +50,7 @@ class Semaphore(models.Model):
         verbose_name_plural = _("semaphores")
         ordering = ["name"]
         constraints = [
-            models.CheckConstraint(
-                condition=Q(capacity__gte=0), name="semaphore_capacity_gte_0"
-            ),
+            models.CheckConstraint(condition=Q(capacity__gte=0), name="semaphore_capacity_gte_0"),
         ]
 
     def __str__(self) -> str:
@@ -83,7 +81,7 @@ class PermitRequest(models.Model):
         _("release reason"), max_length=16, choices=ReleaseReason.choices, blank=True
     )
 
-    objects: ClassVar[PermitRequestManager] = PermitRequestManager()
+    objects = PermitRequestManager()
 
     class Meta:
         verbose_name = _("permit request")
@@ -118,12 +116,8 @@ class PermitRequest(models.Model):
 class Permit(models.Model):
     """The share of one request on one semaphore."""
 
-    semaphore = models.ForeignKey(
-        Semaphore, on_delete=models.CASCADE, related_name="permits"
-    )
-    request = models.ForeignKey(
-        PermitRequest, on_delete=models.CASCADE, related_name="permits"
-    )
+    semaphore = models.ForeignKey(Semaphore, on_delete=models.CASCADE, related_name="permits")
+    request = models.ForeignKey(PermitRequest, on_delete=models.CASCADE, related_name="permits")
     count = models.PositiveIntegerField(_("count"), default=1)
     state = models.CharField(
         _("state"), max_length=8, choices=State.choices, default=State.ACQUIRED
@@ -136,9 +130,7 @@ class Permit(models.Model):
         indexes = [
             # Covers the in-use sum (semaphore, state) -> SUM(count) so it reads
             # the index alone and never the history of released permits.
-            models.Index(
-                fields=["semaphore", "state", "count"], name="semaphore_permit_in_use"
-            ),
+            models.Index(fields=["semaphore", "state", "count"], name="semaphore_permit_in_use"),
         ]
         constraints = [
             models.CheckConstraint(condition=Q(count__gte=1), name="semaphore_permit_count_gte_1"),

@@ -118,8 +118,7 @@ def urls() -> dict[str, str]:
 def env_lines(server_urls: dict[str, str]) -> str:
     """Shell `export` lines for `server_urls`, in the form the test settings read."""
     return "\n".join(
-        f"export SEMAPHORE_{name.upper()}_URL={url}"
-        for name, url in server_urls.items()
+        f"export SEMAPHORE_{name.upper()}_URL={url}" for name, url in server_urls.items()
     )
 
 
@@ -144,9 +143,7 @@ def _run(
         raise ServerError(f"{args[0]} not found; is it installed?") from None
     if check and result.returncode != 0:
         output = (result.stdout + result.stderr).strip()
-        raise ServerError(
-            f"`{shlex.join(args)}` failed (exit {result.returncode}):\n{output}"
-        )
+        raise ServerError(f"`{shlex.join(args)}` failed (exit {result.returncode}):\n{output}")
     return result
 
 
@@ -219,9 +216,7 @@ def _wait_until_ready(
     deadline = time.monotonic() + START_TIMEOUT
     while not ready():
         if died():
-            raise ServerError(
-                f"{name} exited during start-up; end of {log}:\n{_log_tail(log)}"
-            )
+            raise ServerError(f"{name} exited during start-up; end of {log}:\n{_log_tail(log)}")
         if time.monotonic() > deadline:
             raise ServerError(
                 f"{name} did not answer within {START_TIMEOUT:.0f}s; "
@@ -301,14 +296,8 @@ def _mariadbd() -> Path | None:
 def _postgres_bin() -> Path | None:
     """The bin dir of the newest installed PostgreSQL.  Debian keeps the server
     tools in /usr/lib/postgresql/<version>/bin, out of PATH."""
-    versions = [
-        d
-        for d in Path("/usr/lib/postgresql").glob("*/bin")
-        if (d / "postgres").exists()
-    ]
-    versions.sort(
-        key=lambda d: [int(p) for p in d.parent.name.split(".") if p.isdigit()]
-    )
+    versions = [d for d in Path("/usr/lib/postgresql").glob("*/bin") if (d / "postgres").exists()]
+    versions.sort(key=lambda d: [int(p) for p in d.parent.name.split(".") if p.isdigit()])
     return versions[-1] if versions else None
 
 
@@ -318,10 +307,7 @@ def _installed(name: str) -> bool:
         return _mariadbd() is not None and shutil.which("mariadb-admin") is not None
     if name == "postgres":
         return _postgres_bin() is not None
-    return (
-        shutil.which("redis-server") is not None
-        and shutil.which("redis-cli") is not None
-    )
+    return shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None
 
 
 @contextlib.contextmanager
@@ -332,9 +318,7 @@ def _services_not_autostarted() -> Iterator[None]:
     if policy.exists():
         yield
         return
-    policy.write_text(
-        "#!/bin/sh\n# temporary, written by scripts/servers.py\nexit 101\n"
-    )
+    policy.write_text("#!/bin/sh\n# temporary, written by scripts/servers.py\nexit 101\n")
     policy.chmod(0o755)
     try:
         yield
@@ -352,17 +336,14 @@ def _install(names: Sequence[str]) -> None:
     command = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
     if os.geteuid() != 0:
         raise ServerError(
-            f"{', '.join(missing)} not installed; run as root, or: "
-            f"sudo {shlex.join(command)}"
+            f"{', '.join(missing)} not installed; run as root, or: sudo {shlex.join(command)}"
         )
     _say(f"installing {' '.join(packages)} ...")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     with _services_not_autostarted():
         for step in (["apt-get", "update"], command):
             # apt's chatter goes to stderr so that stdout stays eval-able.
-            done = subprocess.run(
-                step, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr
-            )
+            done = subprocess.run(step, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr)
             if done.returncode != 0:
                 raise ServerError(
                     f"`{shlex.join(step)}` failed; cannot install {', '.join(packages)}"
@@ -370,8 +351,7 @@ def _install(names: Sequence[str]) -> None:
     still_missing = [name for name in missing if not _installed(name)]
     if still_missing:
         raise ServerError(
-            f"{', '.join(still_missing)} still missing after installing "
-            f"{' '.join(packages)}"
+            f"{', '.join(still_missing)} still missing after installing {' '.join(packages)}"
         )
 
 
@@ -385,9 +365,7 @@ def _mariadb_home() -> Path:
 def _mariadb_pid() -> int | None:
     """Pid of the mariadbd serving our data dir, if one runs."""
     marker = f"--datadir={_mariadb_home() / 'data'}"
-    return _live_pid(
-        _mariadb_home() / "mariadbd.pid", lambda pid: marker in _cmdline(pid)
-    )
+    return _live_pid(_mariadb_home() / "mariadbd.pid", lambda pid: marker in _cmdline(pid))
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -549,9 +527,7 @@ def _postgres_home() -> Path:
             link.mkdir()
         else:
             digest = hashlib.sha256(str(link).encode()).hexdigest()[:12]
-            link.symlink_to(
-                Path(tempfile.gettempdir()) / f"semaphore-postgres-{digest}"
-            )
+            link.symlink_to(Path(tempfile.gettempdir()) / f"semaphore-postgres-{digest}")
     home = link.resolve()
     home.mkdir(exist_ok=True)
     if os.geteuid() == 0:
@@ -560,9 +536,7 @@ def _postgres_home() -> Path:
     return home
 
 
-def _pg_ctl(
-    home: Path, *args: str, check: bool = True
-) -> subprocess.CompletedProcess[str]:
+def _pg_ctl(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """pg_ctl as the server's user; run from `home` because postgres cannot
     necessarily read the caller's cwd (e.g. /root)."""
     command = _as_postgres([_postgres_tool("pg_ctl"), "-D", home / "data", *args])
@@ -610,9 +584,7 @@ def _postgres_initialise(home: Path) -> None:
 def _postgres_launch(home: Path) -> None:
     """Start the cluster on our port, with its socket in `home`, and wait for it."""
     settings = [
-        part
-        for name, value in POSTGRES_SETTINGS.items()
-        for part in ("-c", f"{name}={value}")
+        part for name, value in POSTGRES_SETTINGS.items() for part in ("-c", f"{name}={value}")
     ]
     options = shlex.join(["-p", str(port("postgres")), "-k", str(home), *settings])
     log = home / "postgres.log"
@@ -680,9 +652,7 @@ def _redis_pid() -> int | None:
 
 
 def _redis_answers() -> bool:
-    result = _run(
-        ["redis-cli", "-h", "127.0.0.1", "-p", str(port("redis")), "ping"], check=False
-    )
+    result = _run(["redis-cli", "-h", "127.0.0.1", "-p", str(port("redis")), "ping"], check=False)
     return result.stdout.strip() == "PONG"
 
 
@@ -795,11 +765,7 @@ def restart_mariadb(hard: bool) -> None:
 
 def main(argv: Sequence[str]) -> int:
     usage = "usage: servers.py start [mariadb] [postgres] [redis] | stop | env"
-    if (
-        not argv
-        or argv[0] not in ("start", "stop", "env")
-        or (argv[0] == "env" and argv[1:])
-    ):
+    if not argv or argv[0] not in ("start", "stop", "env") or (argv[0] == "env" and argv[1:]):
         _say(usage)
         return 2
     command, names = argv[0], list(argv[1:])

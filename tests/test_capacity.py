@@ -52,9 +52,14 @@ def test_unknown_semaphore():
 
 def test_capacity_change_joins_the_callers_transaction(make_semaphore):
     sem = make_semaphore(capacity=2)
-    with pytest.raises(RuntimeError), transaction.atomic():
-        Semaphore.objects.set_capacity(sem.name, 9)
-        raise RuntimeError("the admin form failed")
+
+    def change_then_fail() -> None:
+        with transaction.atomic():
+            Semaphore.objects.set_capacity(sem.name, 9)
+            raise RuntimeError("the admin form failed")
+
+    with pytest.raises(RuntimeError):
+        change_then_fail()
     sem.refresh_from_db()
     assert sem.capacity == 2
     assert not CapacityChange.objects.filter(semaphore=sem).exists()

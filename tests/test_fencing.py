@@ -49,9 +49,14 @@ def test_stale_holder_after_expiry_is_fenced_off(make_semaphore):
 
 def test_advance_inside_the_writers_transaction_rolls_back_with_it():
     resource = unique("res")
-    with pytest.raises(RuntimeError), transaction.atomic():
-        fencing.advance(resource, 5)
-        raise RuntimeError("the guarded write failed")
+
+    def advance_then_fail() -> None:
+        with transaction.atomic():
+            fencing.advance(resource, 5)
+            raise RuntimeError("the guarded write failed")
+
+    with pytest.raises(RuntimeError):
+        advance_then_fail()
     assert not FencingMark.objects.filter(resource=resource).exists()
 
 
@@ -81,7 +86,9 @@ def test_concurrent_first_advances():
     assert all(isinstance(o, int | StaleFencingToken) for o in outcomes)
 
 
-@pytest.mark.parametrize(("resource", "token"), [("", 1), ("r" * 256, 1), (None, 1), ("r", -1), ("r", "1"), ("r", True)])
+@pytest.mark.parametrize(
+    ("resource", "token"), [("", 1), ("r" * 256, 1), (None, 1), ("r", -1), ("r", "1"), ("r", True)]
+)
 def test_bad_input(resource, token):
     with pytest.raises(InvalidRequest):
         fencing.advance(resource, token)

@@ -1,0 +1,84 @@
+"""Guards: migrations in step with models, checks clean, import-safe package."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.checks import run_checks
+from django.core.management import call_command
+
+
+@pytest.mark.django_db
+def test_migrations_match_the_models():
+    out = StringIO()
+    call_command("makemigrations", "django_semaphore", "--check", "--dry-run", stdout=out)
+    assert "No changes detected" in out.getvalue()
+
+
+def test_system_checks_are_clean():
+    assert run_checks() == []
+
+
+def test_package_imports_without_configured_settings():
+    code = (
+        "import django_semaphore, django_semaphore.exceptions, django_semaphore.outcomes;"
+        "print(sorted(django_semaphore.__all__))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={}, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "acquire" in result.stdout
+
+
+def check_ids(settings, value):
+    settings.DJANGO_SEMAPHORE = value
+    return [message.id for message in run_checks()]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("not a dict", "django_semaphore.E001"),
+        ({"LOCK_WAIT": 5}, "django_semaphore.E002"),
+        ({"DATABASE": "nope"}, "django_semaphore.E003"),
+        ({"LOCK_WAIT_TIMEOUT": 0}, "django_semaphore.E004"),
+        ({"PRELOCK_TIMEOUT": "5"}, "django_semaphore.E004"),
+        ({"RETRY_ATTEMPTS": 0}, "django_semaphore.E005"),
+        ({"CLEANUP_BATCH_SIZE": 2.5}, "django_semaphore.E005"),
+        ({"STALENESS_LIMIT": timedelta(0)}, "django_semaphore.E006"),
+        ({"RELEASED_RETENTION": "7d"}, "django_semaphore.E006"),
+        ({"LIVENESS_CHECKERS": "a.b"}, "django_semaphore.E007"),
+        ({"LIVENESS_CHECKERS": ["no.such.Checker"]}, "django_semaphore.E007"),
+        ({"VIEW_STATUS_CODE": 200}, "django_semaphore.E008"),
+        ({"SEMAPHORES": {"x": -1}}, "django_semaphore.E009"),
+        ({"SEMAPHORES": ["x"]}, "django_semaphore.E009"),
+    ],
+)
+def test_bad_settings_are_reported(settings, value, expected):
+    assert expected in check_ids(settings, value)
+
+
+def test_good_settings_pass(settings):
+    good = {
+        "DATABASE": "default",
+        "LOCK_WAIT_TIMEOUT": 2.5,
+        "RETRY_ATTEMPTS": 5,
+        "STALENESS_LIMIT": 3600,
+        "HISTORY_RETENTION": timedelta(days=3),
+        "LIVENESS_CHECKERS": [],
+        "VIEW_STATUS_CODE": 503,
+        "SEMAPHORES": {"a": 0, "b": 10},
+    }
+    assert check_ids(settings, good) == []
+
+
+def test_sqlite_without_immediate_transactions_is_warned(settings, monkeypatch):
+    plain = {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}
+    monkeypatch.setitem(settings.DATABASES, "plain", plain)
+    settings.DJANGO_SEMAPHORE = {"DATABASE": "plain"}
+    assert "django_semaphore.W001" in [m.id for m in run_checks()]
