@@ -4,107 +4,16 @@ outside the database, never trusting the app's own bookkeeping."""
 
 from __future__ import annotations
 
-import multiprocessing
-import random
-import threading
-import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
-from django.db import connections
 
-from django_semaphore import acquire, release
-from django_semaphore.exceptions import SemaphoreExhausted
 from django_semaphore.models import Permit, PermitRequest, Semaphore, State
+from tests.clients import CLIENTS, SPAWN, Oracle, hammer, race_one_key, run_clients
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
-FORK = multiprocessing.get_context("fork")
-CLIENTS = 8
 DURATION = 3.0
-
-
-@dataclass
-class Oracle:
-    """Shared across threads and forked processes alike."""
-
-    guard: Any
-    holders: dict[str, Any]  # semaphore name -> holders right now
-    peak: dict[str, Any]  # semaphore name -> most holders ever seen at once
-    entries: Any  # queue of (semaphore, entry sequence, fencing token)
-    errors: Any  # queue of unexpected exceptions, as text
-    sequence: Any
-
-    @classmethod
-    def create(cls, names: list[str]) -> Oracle:
-        return cls(
-            guard=FORK.Lock(),
-            holders={name: FORK.Value("i", 0, lock=False) for name in names},
-            peak={name: FORK.Value("i", 0, lock=False) for name in names},
-            entries=FORK.Queue(),
-            errors=FORK.Queue(),
-            sequence=FORK.Value("i", 0, lock=False),
-        )
-
-    def enter(self, request: PermitRequest, names: list[str]) -> None:
-        with self.guard:
-            for name in names:
-                self.holders[name].value += 1
-                self.peak[name].value = max(self.peak[name].value, self.holders[name].value)
-                self.sequence.value += 1
-                self.entries.put((name, self.sequence.value, request.token(name)))
-
-    def leave(self, names: list[str]) -> None:
-        with self.guard:
-            for name in names:
-                self.holders[name].value -= 1
-
-    def drain(self, queue: Any) -> list[Any]:
-        items = []
-        while not queue.empty():
-            items.append(queue.get())
-        return items
-
-
-def hammer(oracle: Oracle, demands: list[Any], duration: float) -> None:
-    """Acquire, hold briefly, release, until ``duration`` is over."""
-    deadline = time.monotonic() + duration
-    try:
-        while time.monotonic() < deadline:
-            demand = random.choice(demands)
-            names = sorted(demand)
-            key = uuid.uuid4().hex
-            try:
-                request = acquire(demand, external_id=key, owner="hammer")
-            except SemaphoreExhausted:
-                time.sleep(random.uniform(0, 0.003))
-                continue
-            oracle.enter(request, names)
-            time.sleep(random.uniform(0.002, 0.01))  # long enough to overlap
-            oracle.leave(names)
-            release(key)
-    except Exception as exc:
-        oracle.errors.put(f"{type(exc).__name__}: {exc}")
-    finally:
-        connections.close_all()
-
-
-def run_clients(mode: str, target: Callable[..., None], args: tuple[Any, ...]) -> None:
-    connections.close_all()  # a forked child must not share the parent's socket
-    if mode == "threads":
-        workers: list[Any] = [threading.Thread(target=target, args=args) for _ in range(CLIENTS)]
-    else:
-        workers = [FORK.Process(target=target, args=args) for _ in range(CLIENTS)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=120)
-        assert not worker.is_alive(), "a client hung"
-        if mode == "processes":
-            assert worker.exitcode == 0
 
 
 def held_now(name: str) -> int:
@@ -152,22 +61,12 @@ def test_multi_semaphore_requests_in_opposite_orders(make_semaphore, mode):
     assert held_now(a) == held_now(b) == 0
 
 
-def race_one_key(name: str, key: str, barrier: Any, results: Any) -> None:
-    try:
-        barrier.wait(timeout=30)
-        results.put(acquire(name, external_id=key).pk)
-    except Exception as exc:
-        results.put(f"{type(exc).__name__}: {exc}")
-    finally:
-        connections.close_all()
-
-
 @pytest.mark.parametrize("mode", ["threads", "processes"])
 def test_racers_on_one_key_are_granted_once(make_semaphore, mode):
     name = make_semaphore(capacity=CLIENTS).name
     for _ in range(3):
         key = uuid.uuid4().hex
-        barrier, results = FORK.Barrier(CLIENTS), FORK.Queue()
+        barrier, results = SPAWN.Barrier(CLIENTS), SPAWN.Queue()
 
         run_clients(mode, race_one_key, (name, key, barrier, results))
 
