@@ -27,7 +27,7 @@ from django.db import DatabaseError, IntegrityError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Q, Sum
 
-from django_semaphore import backends
+from django_semaphore import backends, signals
 from django_semaphore.backends import DatabaseNow, Failure
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import (
@@ -252,6 +252,10 @@ def _grant(
     request.__dict__["fencing_tokens"] = {
         s.name: p.fencing_token for s, p in zip(locked, permits, strict=True)
     }
+    transaction.on_commit(
+        lambda: signals.permit_acquired.send(sender=PermitRequest, request=request, using=alias),
+        using=alias,
+    )
     return request
 
 
@@ -392,7 +396,7 @@ def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int
     Permit.objects.using(alias).filter(request_id__in=request_ids, state=State.ACQUIRED).update(
         state=State.RELEASED
     )
-    return (
+    released = (
         PermitRequest.objects.using(alias)
         .filter(pk__in=request_ids, state=State.ACQUIRED)
         .update(
@@ -402,6 +406,15 @@ def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int
             release_reason=reason,
         )
     )
+    if released:
+        ids = list(request_ids)
+        transaction.on_commit(
+            lambda: signals.permit_released.send(
+                sender=PermitRequest, request_ids=ids, reason=reason, using=alias
+            ),
+            using=alias,
+        )
+    return released
 
 
 def renew(external_id: str, ttl: int | float | timedelta | None = None) -> PermitRequest:

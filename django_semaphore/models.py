@@ -89,8 +89,10 @@ class PermitRequest(models.Model):
         indexes = [
             # The TTL sweep and inline reclaim look up ACQUIRED rows by expiry.
             models.Index(fields=["state", "expires_at"], name="semaphore_req_expiry"),
-            # The staleness sweep and the retention clean-up scan by age.
+            # The staleness sweep finds long-held requests by age.
             models.Index(fields=["state", "created_at"], name="semaphore_req_age"),
+            # The retention clean-up finds long-released requests.
+            models.Index(fields=["state", "released_at"], name="semaphore_req_released"),
         ]
 
     def __str__(self) -> str:

@@ -23,8 +23,9 @@ _sqlite_dir.mkdir(exist_ok=True)
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{_sqlite_dir}/db.sqlite3")}
 _default = DATABASES["default"]
 if _default["ENGINE"] == "django.db.backends.sqlite3":
-    # A file, not :memory:, so threads and processes share one database.
-    _default["TEST"] = {"NAME": str(_sqlite_dir / "test.sqlite3")}
+    # A file, not :memory:, so threads and processes share one database; named
+    # after the database so two runs with different DATABASE_URLs never collide.
+    _default["TEST"] = {"NAME": f"{_default['NAME']}.test"}
     _default["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 20}
 elif _default["ENGINE"] == "django.db.backends.mysql":
     _default["OPTIONS"] = {"charset": "utf8mb4"}

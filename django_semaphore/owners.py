@@ -1,0 +1,51 @@
+"""What the ``owner`` column says, for people and for liveness checkers.
+
+Owners written by ``holds_permit`` for Celery tasks follow one format that the
+Celery liveness checker parses back; any other owner is free text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+from django_semaphore.validation import MAX_LENGTH
+
+TASK_OWNER = re.compile(
+    r"^task:(?P<task_id>\S+) (?P<task_name>\S+) on (?P<hostname>\S+) pid (?P<pid>\d+)$"
+)
+
+
+@dataclass(frozen=True)
+class TaskOwner:
+    """A Celery task run that holds permits."""
+
+    task_id: str
+    task_name: str
+    hostname: str  # the worker's node name, e.g. ``celery@web-3``
+    pid: int
+
+    def __str__(self) -> str:
+        # The task name is the only part that can be long; trim it, not the id.
+        fixed = len(f"task:{self.task_id}  on {self.hostname} pid {self.pid}")
+        name = self.task_name[: max(1, MAX_LENGTH - fixed)]
+        return f"task:{self.task_id} {name} on {self.hostname} pid {self.pid}"
+
+    @classmethod
+    def parse(cls, owner: str) -> TaskOwner | None:
+        match = TASK_OWNER.match(owner)
+        if match is None:
+            return None
+        return cls(
+            task_id=match["task_id"],
+            task_name=match["task_name"],
+            hostname=match["hostname"],
+            pid=int(match["pid"]),
+        )
+
+
+def this_process() -> str:
+    """``host pid N``: where a permit taken outside a task is held."""
+    return f"{socket.gethostname()} pid {os.getpid()}"
