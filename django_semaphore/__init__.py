@@ -9,12 +9,14 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from django_semaphore.context import permit
+from django_semaphore.decorators import holds_permit
 from django_semaphore.outcomes import ReleaseOutcome
 
 if TYPE_CHECKING:
     from django_semaphore.models import PermitRequest
 
-__all__ = ["ReleaseOutcome", "acquire", "release", "renew"]
+__all__ = ["ReleaseOutcome", "acquire", "holds_permit", "permit", "release", "renew"]
 
 
 def acquire(

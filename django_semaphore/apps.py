@@ -16,3 +16,10 @@ class DjangoSemaphoreConfig(AppConfig):
         from django_semaphore.declared import create_declared_semaphores
 
         post_migrate.connect(create_declared_semaphores, sender=self)
+        try:
+            from celery.signals import task_postrun
+        except ImportError:  # Celery is optional
+            return
+        from django_semaphore.task_runs import on_task_postrun
+
+        task_postrun.connect(on_task_postrun, dispatch_uid="django_semaphore.task_postrun")

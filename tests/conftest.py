@@ -27,3 +27,6 @@ def make_semaphore(db) -> Callable[..., Semaphore]:
         return Semaphore.objects.create(name=name or unique(), capacity=capacity)
 
     return make
+
+
+from tests.celery_worker import celery_worker  # noqa: E402, F401  (a fixture)

@@ -31,6 +31,10 @@ elif _default["ENGINE"] == "django.db.backends.mysql":
     _default["OPTIONS"] = {"charset": "utf8mb4"}
     _default["TEST"] = {"CHARSET": "utf8mb4", "COLLATION": "utf8mb4_unicode_ci"}
 
+# A worker started by the tests runs against the test database, not this one.
+if _test_database := env("SEMAPHORE_TEST_DATABASE_NAME", default=""):
+    _default["NAME"] = _test_database
+
 # The same database under a second alias, on its own connection: lets tests
 # give the app "its own alias" (DJANGO_SEMAPHORE["DATABASE"]).
 DATABASES["semaphores"] = {**_default, "TEST": {**_default.get("TEST", {}), "MIRROR": "default"}}
@@ -42,6 +46,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django_semaphore",
+    "tests.testapp",
 ]
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -65,3 +70,12 @@ TEMPLATES = [
     }
 ]
 DJANGO_SEMAPHORE = {"SEMAPHORES": {"declared-in-settings": 4}}
+
+# Celery, for the tests that run a real worker against a real Redis broker.
+CELERY_BROKER_URL = env("SEMAPHORE_REDIS_URL", default="redis://127.0.0.1:63791/0")
+CELERY_RESULT_BACKEND = CELERY_BROKER_URL
+CELERY_TASK_DEFAULT_QUEUE = env("SEMAPHORE_CELERY_QUEUE", default="django-semaphore-tests")
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

@@ -1,0 +1,339 @@
+"""``@holds_permit``: one decorator for Django views, Celery tasks and plain
+functions. The decorated body never runs without its permit: when none can be
+had, a view answers 429/503, a task retries later, a function raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+import os
+import random
+import socket
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import timedelta
+from typing import Any, TypeVar, cast
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
+
+from django_semaphore.conf import app_settings
+from django_semaphore.context import Heartbeat, permit
+from django_semaphore.exceptions import PermitLost, SemaphoreError, SemaphoreExhausted
+from django_semaphore.validation import MAX_LENGTH, validate_ttl
+
+logger = logging.getLogger("django_semaphore")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Attribute of the Celery task request that carries the key a run holds, for
+# the task_postrun receiver (tasks.py can't see the decorator's locals).
+TASK_KEY_ATTRIBUTE = "django_semaphore_key"
+
+
+def holds_permit(
+    names: Any,
+    *,
+    count: int = 1,
+    ttl: int | float | timedelta | None = None,
+    timeout: int | float | timedelta = 0,
+    retry_after: int = 1,
+) -> Callable[[F], F]:
+    """Hold permits while a view, Celery task or function runs.
+
+    - **Views** (function views, ``dispatch`` of class-based views, sync and
+      async): the permit is held until the response has been sent, for a
+      streaming response until streaming ends or the client goes away. When
+      exhausted the view is not called: the answer is
+      ``DJANGO_SEMAPHORE["VIEW_STATUS_CODE"]`` (429) with ``Retry-After``;
+      when the database fails, 503.
+    - **Celery tasks** (placed under ``@shared_task``/``@app.task``, bound or
+      not): the key is the task id, so a redelivered or retried run re-attaches
+      to its permit instead of taking a second one; the permit is kept across
+      the task's own retries and released when the task finishes for good.
+      When exhausted the task retries itself later (jittered countdown) and
+      after its retries are spent fails with ``SemaphoreExhausted``.
+    - **Anything else**: held for the call with a fresh key; errors propagate.
+
+    Args:
+        names: a name or list of names (each ``count`` permits), or a mapping
+            name -> count.
+        count: permits per name when ``names`` is not a mapping.
+        ttl: lease renewed in the background while the body runs.
+        timeout: seconds to wait for room before giving up (views, functions).
+        retry_after: seconds a refused client is told to wait.
+    """
+    if isinstance(names, str):
+        demand: Any = {names: count}
+    elif hasattr(names, "items"):
+        demand = dict(names)
+    else:
+        demand = dict.fromkeys(names, count)
+    ttl_seconds = validate_ttl(ttl)
+
+    def decorate(func: F) -> F:
+        options = _Options(demand, ttl_seconds, timeout, retry_after, _label(func))
+        if inspect.iscoroutinefunction(func):
+            return cast(F, _async_wrapper(func, options))
+        return cast(F, _sync_wrapper(func, options))
+
+    return decorate
+
+
+class _Options:
+    def __init__(
+        self,
+        demand: Any,
+        ttl: int | None,
+        timeout: int | float | timedelta,
+        retry_after: int,
+        label: str,
+    ) -> None:
+        self.demand = demand
+        self.ttl = ttl
+        self.timeout = timeout
+        self.retry_after = retry_after
+        self.label = label
+
+
+def _label(func: Callable[..., Any]) -> str:
+    return f"{func.__module__}.{func.__qualname__}"
+
+
+def _find_request(args: tuple[Any, ...]) -> HttpRequest | None:
+    """A view's request: first argument, or second for a method (``dispatch``)."""
+    for arg in args[:2]:
+        if isinstance(arg, HttpRequest):
+            return arg
+    return None
+
+
+def _current_task() -> Any:
+    try:
+        from celery import current_task
+    except ImportError:
+        return None
+    if (
+        current_task
+        and current_task.request.id is not None
+        and not current_task.request.called_directly
+    ):
+        return current_task
+    return None
+
+
+def _sync_wrapper(func: F, options: _Options) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        request = _find_request(args)
+        if request is not None:
+            return _run_view(func, options, request, args, kwargs)
+        task = _current_task()
+        if task is not None:
+            return _run_task(func, options, task, args, kwargs)
+        with permit(
+            options.demand,
+            owner=_process_owner(options.label),
+            ttl=options.ttl,
+            timeout=options.timeout,
+        ):
+            return func(*args, **kwargs)
+
+    return wrapper
+
+
+def _async_wrapper(func: F, options: _Options) -> Callable[..., Any]:
+    @functools.wraps(func)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        request = _find_request(args)
+        if request is None:
+            async with permit(
+                options.demand,
+                owner=_process_owner(options.label),
+                ttl=options.ttl,
+                timeout=options.timeout,
+            ):
+                return await func(*args, **kwargs)
+        key = uuid.uuid4().hex
+        refusal = await sync_to_async(_acquire_for_view)(options, request, key)
+        if refusal is not None:
+            return refusal
+        heartbeat = _start_heartbeat(key, options.ttl)
+        try:
+            response = await func(*args, **kwargs)
+        except BaseException:
+            await sync_to_async(_finish)(key, heartbeat)
+            raise
+        return _release_when_sent(response, key, heartbeat)
+
+    return wrapper
+
+
+# --- views ---------------------------------------------------------------------
+
+
+def _view_owner(options: _Options, request: HttpRequest) -> str:
+    user = getattr(request, "user", None)
+    who = user.get_username() if user is not None and user.is_authenticated else "anonymous"
+    remote = request.META.get("REMOTE_ADDR", "?")
+    return f"view {options.label} for {who} from {remote} on {_process_owner('')}"[
+        :MAX_LENGTH
+    ].strip()
+
+
+def _acquire_for_view(options: _Options, request: HttpRequest, key: str) -> HttpResponse | None:
+    """Acquire for a view; returns the refusal to send instead, if any."""
+    from django_semaphore.core import acquire
+
+    try:
+        acquire(
+            options.demand,
+            external_id=key,
+            owner=_view_owner(options, request),
+            ttl=options.ttl,
+            timeout=options.timeout,
+        )
+    except SemaphoreExhausted as exc:
+        logger.info("%s refused: %s", options.label, exc)
+        return _refusal(app_settings.VIEW_STATUS_CODE, options.retry_after)
+    except SemaphoreError as exc:
+        logger.error("%s refused, the semaphore could not be reached: %s", options.label, exc)
+        return _refusal(503, options.retry_after)
+    return None
+
+
+def _refusal(status: int, retry_after: int) -> HttpResponse:
+    response = HttpResponse(status=status)
+    response["Retry-After"] = str(retry_after)
+    return response
+
+
+def _run_view(
+    func: Callable[..., Any],
+    options: _Options,
+    request: HttpRequest,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    key = uuid.uuid4().hex
+    refusal = _acquire_for_view(options, request, key)
+    if refusal is not None:
+        return refusal
+    heartbeat = _start_heartbeat(key, options.ttl)
+    try:
+        response = func(*args, **kwargs)
+    except BaseException:
+        _finish(key, heartbeat)
+        raise
+    return _release_when_sent(response, key, heartbeat)
+
+
+def _start_heartbeat(key: str, ttl: int | None) -> Heartbeat | None:
+    if ttl is None:
+        return None
+    heartbeat = Heartbeat(key, ttl)
+    heartbeat.start()
+    return heartbeat
+
+
+def _finish(key: str, heartbeat: Heartbeat | None) -> None:
+    from django_semaphore.core import release
+
+    if heartbeat is not None:
+        heartbeat.stop()
+    release(key)
+
+
+def _release_when_sent(response: Any, key: str, heartbeat: Heartbeat | None) -> Any:
+    """Keep the permit until the server has sent the response.
+
+    Servers call ``close()`` on a response once it is sent, or once the client
+    went away mid-stream; that is when the work the permit guards is done.
+    """
+    if not isinstance(response, HttpResponseBase):
+        _finish(key, heartbeat)
+        return response
+    closed = False
+
+    def release_once() -> None:
+        nonlocal closed
+        if not closed:
+            closed = True
+            _finish(key, heartbeat)
+
+    # Django's own responses (FileResponse) register closers the same way.
+    response._resource_closers.append(release_once)  # type: ignore[attr-defined]
+    if isinstance(response, StreamingHttpResponse):
+        response.streaming_content = _closing(response, release_once)
+    return response
+
+
+def _closing(response: StreamingHttpResponse, release: Callable[[], None]) -> Any:
+    """Also release when iteration ends, for servers that never call close()."""
+    if response.is_async:
+        return _aclosing(response.streaming_content, release)  # type: ignore[arg-type]
+
+    def iterate() -> Iterator[bytes]:
+        try:
+            yield from cast(Iterator[bytes], response.streaming_content)
+        finally:
+            release()
+
+    return iterate()
+
+
+async def _aclosing(
+    content: AsyncIterator[bytes], release: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in content:
+            yield chunk
+    finally:
+        await sync_to_async(release)()
+
+
+# --- Celery tasks ----------------------------------------------------------------
+
+
+def _process_owner(label: str) -> str:
+    where = f"{socket.gethostname()} pid {os.getpid()}"
+    return f"{label} on {where}" if label else where
+
+
+def _run_task(
+    func: Callable[..., Any],
+    options: _Options,
+    task: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    from django_semaphore import task_runs
+
+    try:
+        key = task_runs.claim(task, options.demand, options.ttl)
+    except SemaphoreExhausted as exc:
+        retries = task.request.retries
+        countdown = min(60.0, 2.0**retries) * random.uniform(0.5, 1.5)
+        logger.info(
+            "Task %s[%s] deferred %.1fs (retry %d): %s",
+            task.name,
+            task.request.id,
+            countdown,
+            retries + 1,
+            exc,
+        )
+        # Past max_retries, retry() raises ``exc``: the task fails with it.
+        raise task.retry(exc=exc, countdown=math.ceil(countdown)) from None
+    setattr(task.request, TASK_KEY_ATTRIBUTE, key)  # settled by task_runs.on_task_postrun
+    heartbeat = _start_heartbeat(key, options.ttl)
+    try:
+        result = func(*args, **kwargs)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+    if heartbeat is not None and heartbeat.lost:
+        raise PermitLost(f"Task {task.request.id} lost its permit while it ran.")
+    return result

@@ -1,0 +1,67 @@
+"""Tasks run by a real Celery worker in the tests."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from celery import shared_task
+from django.utils import timezone
+
+from django_semaphore import holds_permit
+from tests.testapp.models import RunLog
+
+ONE = "celery-one"  # capacity 1, created by each test
+
+
+def _work(label: str, hold: float, task: Any) -> int:
+    from django_semaphore.models import PermitRequest
+
+    request = PermitRequest.objects.get(external_id__startswith=task.request.id, state="ACQUIRED")
+    log = RunLog.objects.create(
+        label=label,
+        task_id=task.request.id,
+        pid=os.getpid(),
+        token=request.token(ONE),
+        started_at=timezone.now(),
+    )
+    time.sleep(hold)
+    log.ended_at = timezone.now()
+    log.save(update_fields=["ended_at"])
+    return log.pk
+
+
+@shared_task(bind=True, max_retries=40)
+@holds_permit(ONE)
+def exclusive(self: Any, label: str, hold: float) -> int:
+    return _work(label, hold, self)
+
+
+@shared_task(max_retries=40)
+@holds_permit(ONE)
+def exclusive_unbound(label: str, hold: float) -> int:
+    from celery import current_task
+
+    return _work(label, hold, current_task)
+
+
+@shared_task(bind=True, max_retries=1)
+@holds_permit(ONE)
+def impatient(self: Any, label: str) -> int:
+    return _work(label, 0, self)
+
+
+@shared_task(bind=True, max_retries=3)
+@holds_permit(ONE)
+def retries_once(self: Any, label: str) -> int:
+    log_pk = _work(label, 0, self)
+    if self.request.retries == 0:
+        raise self.retry(countdown=1)
+    return log_pk
+
+
+@shared_task(bind=True, max_retries=3)
+@holds_permit(ONE, ttl=30)
+def slow(self: Any, label: str, hold: float) -> int:
+    return _work(label, hold, self)
