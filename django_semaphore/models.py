@@ -86,6 +86,9 @@ class PermitRequest(models.Model):
     class Meta:
         verbose_name = _("permit request")
         verbose_name_plural = _("permit requests")
+        # Ending someone else's permit is a separate power from viewing them;
+        # the admin's force-release action is guarded by it.
+        permissions = [("force_release_permitrequest", _("Can force-release permit requests"))]
         indexes = [
             # The TTL sweep and inline reclaim look up ACQUIRED rows by expiry.
             models.Index(fields=["state", "expires_at"], name="semaphore_req_expiry"),
