@@ -273,16 +273,17 @@ def _release_when_sent(response: Any, key: str, heartbeat: Heartbeat | None) -> 
 
 def _closing(response: StreamingHttpResponse, release: Callable[[], None]) -> Any:
     """Also release when iteration ends, for servers that never call close()."""
+    content = response.streaming_content  # read before it is replaced
     if response.is_async:
-        return _aclosing(response.streaming_content, release)  # type: ignore[arg-type]
+        return _aclosing(cast(AsyncIterator[bytes], content), release)
+    return _sync_closing(cast(Iterator[bytes], content), release)
 
-    def iterate() -> Iterator[bytes]:
-        try:
-            yield from cast(Iterator[bytes], response.streaming_content)
-        finally:
-            release()
 
-    return iterate()
+def _sync_closing(content: Iterator[bytes], release: Callable[[], None]) -> Iterator[bytes]:
+    try:
+        yield from content
+    finally:
+        release()
 
 
 async def _aclosing(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -31,7 +32,7 @@ def wait_for(results: list[AsyncResult], timeout: float = 90) -> None:
 
 def assert_never_overlapping(label: str) -> list[RunLog]:
     runs = list(RunLog.objects.filter(label=label).order_by("started_at"))
-    for earlier, later in zip(runs, runs[1:], strict=False):
+    for earlier, later in itertools.pairwise(runs):
         assert earlier.ended_at is not None
         assert earlier.ended_at <= later.started_at, "two runs held a capacity-1 permit at once"
     return runs

@@ -3,4 +3,16 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import path
 
-urlpatterns = [path("admin/", admin.site.urls)]
+from tests import views
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("plain/", views.plain),
+    path("slow/", views.slow),
+    path("failing/", views.failing),
+    path("streaming/", views.streaming),
+    path("async/", views.async_view),
+    path("async-streaming/", views.async_streaming),
+    path("class/", views.DecoratedClass.as_view()),
+    path("dispatch/", views.DecoratedDispatch.as_view()),
+]

@@ -13,3 +13,6 @@ class RunLog(models.Model):
     token = models.BigIntegerField(null=True)
     started_at = models.DateTimeField()
     ended_at = models.DateTimeField(null=True)
+
+    def __str__(self) -> str:
+        return f"{self.label} {self.task_id} pid {self.pid}"

@@ -1,0 +1,167 @@
+"""@holds_permit on views: through the test client, and a real server under load."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.contrib.auth import get_user_model
+from django.db import connections
+
+from django_semaphore import acquire, release
+from django_semaphore.models import PermitRequest, Semaphore
+from tests import views
+from tests.test_backends import row_locked_elsewhere
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def semaphore() -> Semaphore:
+    return Semaphore.objects.create(name=views.VIEWS, capacity=1)
+
+
+def in_use() -> int:
+    return views.in_use()
+
+
+@pytest.mark.parametrize("url", ["/plain/", "/class/", "/dispatch/"])
+def test_permit_is_held_while_the_view_runs_and_released_after(client, semaphore, url):
+    response = client.get(url)
+
+    assert response.status_code == 200
+    assert response.content == b"1"  # the view saw its own permit held
+    assert in_use() == 0
+
+
+@pytest.mark.parametrize("url", ["/plain/", "/class/", "/dispatch/", "/async/", "/streaming/"])
+def test_exhausted_answers_429_with_retry_after_and_never_calls_the_view(client, semaphore, url):
+    acquire(views.VIEWS, external_id="someone-else")
+    calls = views.inside.calls
+
+    response = client.get(url)
+
+    assert response.status_code == 429
+    assert response["Retry-After"] == "1"
+    assert views.inside.calls == calls
+    release("someone-else")
+
+
+def test_status_and_retry_after_are_configurable(client, semaphore, settings):
+    settings.DJANGO_SEMAPHORE = {"VIEW_STATUS_CODE": 503}
+    acquire(views.VIEWS, external_id="someone-else")
+
+    response = client.get("/slow/")
+
+    assert (response.status_code, response["Retry-After"]) == (503, "7")
+
+
+def test_database_trouble_answers_503_and_never_calls_the_view(client, semaphore, settings):
+    settings.DJANGO_SEMAPHORE = {"LOCK_WAIT_TIMEOUT": 0.3, "RETRY_ATTEMPTS": 1}
+    calls = views.inside.calls
+    with row_locked_elsewhere(views.VIEWS):
+        response = client.get("/plain/")
+    assert response.status_code == 503
+    assert views.inside.calls == calls
+
+
+def test_a_failing_view_releases(client, semaphore):
+    with pytest.raises(RuntimeError):
+        client.get("/failing/")
+    assert in_use() == 0
+
+
+def test_streaming_holds_until_the_stream_is_consumed(client, semaphore):
+    response = client.get("/streaming/")
+
+    assert in_use() == 1  # the view returned, but nothing was sent yet
+    assert b"".join(response.streaming_content) == b"1\n1\n1\n"
+    assert in_use() == 0
+
+
+def test_streaming_client_going_away_releases(client, semaphore):
+    response = client.get("/streaming/")
+    next(iter(response.streaming_content))
+
+    response.close()  # what the server does when the client disconnects
+
+    assert in_use() == 0
+
+
+@pytest.fixture
+async def sync_thread_connections():
+    """asgiref runs sync code for async tests in a long-lived thread; close the
+    connection it opened there, or the test database can't be dropped."""
+    yield
+    await sync_to_async(connections.close_all)()
+
+
+@pytest.mark.usefixtures("sync_thread_connections")
+async def test_async_view(async_client, semaphore):
+    response = await async_client.get("/async/")
+
+    assert response.status_code == 200
+    assert response.content == b"1"
+    assert await sync_to_async(in_use)() == 0
+
+
+@pytest.mark.usefixtures("sync_thread_connections")
+async def test_async_streaming_releases_when_done(async_client, semaphore):
+    response = await async_client.get("/async-streaming/")
+    assert await sync_to_async(in_use)() == 1
+    assert b"".join([chunk async for chunk in response.streaming_content]) == b"row\n" * 3
+    assert await sync_to_async(in_use)() == 0
+
+
+def test_owner_names_the_view_and_the_user(client, semaphore):
+    user = get_user_model().objects.create_user("alice", password="pw")
+    client.force_login(user)
+    client.get("/plain/")
+
+    owner = PermitRequest.objects.get().owner
+    assert "tests.views.plain" in owner
+    assert "alice" in owner
+    assert "127.0.0.1" in owner
+
+
+def test_real_server_under_concurrent_load(live_server, semaphore):
+    """20 clients at once against a capacity-2 view on a real threaded server."""
+    Semaphore.objects.set_capacity(views.VIEWS, 2)
+    views.inside.peak = 0
+    answers: list[tuple[int, str | None]] = []
+    barrier = threading.Barrier(20)
+
+    def client() -> None:
+        try:
+            barrier.wait(10)
+            with urllib.request.urlopen(f"{live_server.url}/slow/", timeout=30) as response:
+                answers.append((response.status, None))
+        except urllib.error.HTTPError as error:
+            answers.append((error.code, error.headers.get("Retry-After")))
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=client) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert len(answers) == 20
+    ok = [a for a in answers if a[0] == 200]
+    refused = [a for a in answers if a[0] != 200]
+    assert 1 <= len(ok) <= 20
+    assert all(a == (429, "7") for a in refused)
+    assert views.inside.peak <= 2
+    # The server closes each response (and its connections) just after the
+    # client has read it: wait for its request threads to finish.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+        "process_request_thread" in thread.name for thread in threading.enumerate()
+    ):
+        time.sleep(0.05)
+    assert in_use() == 0
