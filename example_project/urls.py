@@ -2,9 +2,11 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.urls import path
-from django.views.generic import RedirectView
+
+from example_project.demo import views
 
 urlpatterns = [
     path("admin/", admin.site.urls),
-    path("", RedirectView.as_view(url="/admin/")),
+    path("exports/report.csv", views.export_csv, name="export-csv"),
+    path("", views.index),
 ]

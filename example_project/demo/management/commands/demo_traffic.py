@@ -1,0 +1,62 @@
+"""Generate demo load: download exports over HTTP and enqueue tasks, forever."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandParser
+
+from example_project.demo.tasks import build_export, run_backup, sync_mirror
+
+
+class Command(BaseCommand):
+    help = "Send export downloads and tasks at the demo, so permits come and go."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--url", default="http://127.0.0.1:8000")
+        parser.add_argument("--clients", type=int, default=4)
+        parser.add_argument("--seconds", type=float, default=0, help="0: until stopped")
+
+    def handle(self, *args: Any, url: str, clients: int, seconds: float, **options: Any) -> None:
+        stop = threading.Event()
+        downloaders = [
+            threading.Thread(target=self.download, args=(f"{url}/exports/report.csv", stop))
+            for _ in range(clients)
+        ]
+        for thread in downloaders:
+            thread.start()
+        deadline = time.monotonic() + seconds if seconds else float("inf")
+        try:
+            n = 0
+            while time.monotonic() < deadline:
+                n += 1
+                build_export.delay(n)
+                if n % 3 == 0:
+                    run_backup.delay(random.choice(["db-1", "db-2", "files"]))
+                if n % 2 == 0:
+                    sync_mirror.delay(random.choice(["eu", "us", "asia"]))
+                time.sleep(random.uniform(1, 2))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stop.set()
+            for thread in downloaders:
+                thread.join()
+
+    def download(self, url: str, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                with urllib.request.urlopen(url, timeout=30) as response:
+                    response.read()
+                outcome = "200"
+            except urllib.error.HTTPError as error:
+                outcome = f"{error.code} (Retry-After {error.headers.get('Retry-After')})"
+            except OSError as error:  # the server is starting or stopping
+                outcome = f"unreachable: {error}"
+            self.stdout.write(f"GET {url} -> {outcome}")
+            stop.wait(random.uniform(0.2, 1.5))

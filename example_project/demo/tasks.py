@@ -1,0 +1,34 @@
+"""Celery tasks of the demo; each holds permits keyed by its own task id."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+from celery import shared_task
+
+from django_semaphore import holds_permit
+
+
+@shared_task(bind=True, max_retries=None)
+@holds_permit("exports", ttl=60)
+def build_export(self: Any, report_id: int) -> str:
+    """At most three exports at once, counting those the web is streaming."""
+    time.sleep(random.uniform(1, 4))
+    return f"report {report_id} built"
+
+
+@shared_task(bind=True, max_retries=None)
+@holds_permit({"backups": 1, "network": 1}, ttl=120)
+def run_backup(self: Any, host: str) -> str:
+    """One backup at a time, and it also takes one of the two network slots."""
+    time.sleep(random.uniform(2, 5))
+    return f"{host} backed up"
+
+
+@shared_task(bind=True, max_retries=None)
+@holds_permit("network", ttl=60)
+def sync_mirror(self: Any, mirror: str) -> str:
+    time.sleep(random.uniform(1, 3))
+    return f"{mirror} synced"
