@@ -1,0 +1,109 @@
+"""The README's first command, run as a new user would: on a clean checkout,
+non-interactively, until the admin answers and a demo task has completed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Independent of the database under test: runs once per test command.
+pytestmark = [pytest.mark.slow, pytest.mark.once]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def admin_login_answers(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/login/", timeout=2) as page:
+            return page.status == 200 and b"Log in" in page.read()
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def demo_tasks_done(database: Path) -> int:
+    """Tasks of the demo that held their permit and released it."""
+    if not database.exists():
+        return 0
+    with sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=5) as db:
+        try:
+            (count,) = db.execute(
+                "SELECT COUNT(*) FROM django_semaphore_permitrequest "
+                "WHERE owner LIKE 'task:% example_project.demo.tasks.%' AND release_reason = 'released'"
+            ).fetchone()
+        except sqlite3.OperationalError:  # not migrated yet, or busy
+            return 0
+    return int(count)
+
+
+def test_first_readme_command_on_a_clean_checkout(tmp_path):
+    checkout = tmp_path / "checkout"
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(checkout)], check=True)
+    port = free_port()
+    log = (tmp_path / "demo.log").open("wb")
+    # The embedded defaults: SQLite and the filesystem broker, as a new user gets.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE", "CELERY"))}
+    env.update(PORT=str(port), C_FORCE_ROOT="1")
+    demo = subprocess.Popen(
+        ["bash", "scripts/demo"],
+        cwd=checkout,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, to check nothing outlives it
+    )
+    try:
+        deadline = time.monotonic() + 600  # a fresh virtualenv is installed first
+        while not (
+            admin_login_answers(port)
+            and demo_tasks_done(checkout / "example_project" / "db.sqlite3")
+        ):
+            assert demo.poll() is None, (tmp_path / "demo.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, (tmp_path / "demo.log").read_text()[-3000:]
+            time.sleep(1)
+    finally:
+        demo.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        try:
+            demo.wait(timeout=60)
+        finally:
+            leftovers = _processes_in_group(demo.pid)
+            if leftovers:
+                os.killpg(demo.pid, signal.SIGKILL)
+    assert leftovers == [], "processes outlived Ctrl-C"
+
+
+def _processes_in_group(pgid: int) -> list[int]:
+    deadline = time.monotonic() + 30
+    while True:
+        members = [
+            int(entry.name)
+            for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and _pgid_and_state(entry) == (pgid, True)
+        ]
+        if not members or time.monotonic() > deadline:
+            return members
+        time.sleep(0.5)
+
+
+def _pgid_and_state(proc: Path) -> tuple[int, bool] | None:
+    """(process group, alive); zombies are not alive."""
+    try:
+        fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[2]), fields[0] != "Z"
