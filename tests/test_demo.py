@@ -42,8 +42,9 @@ def demo_tasks_done(database: Path) -> int:
     with sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=5) as db:
         try:
             (count,) = db.execute(
-                "SELECT COUNT(*) FROM django_semaphore_permitrequest "
-                "WHERE owner LIKE 'task:% example_project.demo.tasks.%' AND release_reason = 'released'"
+                "SELECT COUNT(*) FROM django_semaphore_permitrequest"
+                " WHERE owner LIKE 'task:% example_project.demo.tasks.%'"
+                " AND release_reason = 'released'"
             ).fetchone()
         except sqlite3.OperationalError:  # not migrated yet, or busy
             return 0
