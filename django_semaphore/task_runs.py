@@ -84,7 +84,14 @@ def _take_over(request_id: int, previous: str, me: TaskOwner) -> bool:
 
 
 def _is_dead(holder: TaskOwner) -> bool:
-    """Only a process on this machine can be known dead from here."""
+    """Gone from this machine's process table, or reported dead by the
+    configured liveness checkers (an unknown answer is not dead)."""
+    from django_semaphore import liveness
+
+    return _gone_from_this_machine(holder) or liveness.is_dead(str(holder))
+
+
+def _gone_from_this_machine(holder: TaskOwner) -> bool:
     machine = holder.hostname.partition("@")[2] or holder.hostname
     if machine != socket.gethostname():
         return False

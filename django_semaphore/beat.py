@@ -1,0 +1,74 @@
+"""The Celery beat schedule of the maintenance tasks, as plain data.
+
+Merge it into the project's schedule::
+
+    # settings.py
+    from django_semaphore.beat import BEAT_SCHEDULE
+    CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE, ...}
+
+or choose other intervals (seconds, a ``timedelta`` or a Celery ``crontab``;
+``None`` leaves a task out)::
+
+    from django_semaphore.beat import beat_schedule
+    CELERY_BEAT_SCHEDULE = beat_schedule(release_orphans=60, clean_history=None)
+
+Importing this module touches neither Django settings nor Celery, so it is
+safe in a settings file.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+RELEASE_ORPHANS = "django_semaphore.release_orphans"
+CLEAN_RELEASED = "django_semaphore.clean_released"
+CLEAN_HISTORY = "django_semaphore.clean_history"
+
+DEFAULT_INTERVALS: dict[str, timedelta] = {
+    RELEASE_ORPHANS: timedelta(minutes=5),
+    CLEAN_RELEASED: timedelta(hours=4),
+    CLEAN_HISTORY: timedelta(hours=24),
+}
+
+
+def beat_schedule(
+    *,
+    release_orphans: Any = DEFAULT_INTERVALS[RELEASE_ORPHANS],
+    clean_released: Any = DEFAULT_INTERVALS[CLEAN_RELEASED],
+    clean_history: Any = DEFAULT_INTERVALS[CLEAN_HISTORY],
+    queue: str | None = None,
+) -> dict[str, dict[str, Any]]:
+    """A fresh beat schedule with these intervals.
+
+    Args:
+        release_orphans, clean_released, clean_history: how often each task
+            runs: seconds, a ``timedelta``, a ``crontab``; ``None`` leaves it out.
+        queue: route the tasks to this queue (default: the default queue).
+
+    Returns:
+        Entries keyed ``"django_semaphore.<task>"``, ready for
+        ``CELERY_BEAT_SCHEDULE`` / ``app.conf.beat_schedule``.
+    """
+    schedule: dict[str, dict[str, Any]] = {}
+    for task, every in (
+        (RELEASE_ORPHANS, release_orphans),
+        (CLEAN_RELEASED, clean_released),
+        (CLEAN_HISTORY, clean_history),
+    ):
+        if every is None:
+            continue
+        if isinstance(every, int | float):
+            every = timedelta(seconds=every)
+        options: dict[str, Any] = {}
+        if isinstance(every, timedelta):
+            # A run that waited a whole interval in the queue is superseded by
+            # the next one: drop it rather than let runs pile up.
+            options["expires"] = every.total_seconds()
+        if queue is not None:
+            options["queue"] = queue
+        schedule[task] = {"task": task, "schedule": every, "options": options}
+    return schedule
+
+
+BEAT_SCHEDULE: dict[str, dict[str, Any]] = beat_schedule()

@@ -1,0 +1,202 @@
+"""Owner liveness checkers: is the process named in a request's ``owner`` alive?
+
+A checker answers ``ALIVE``, ``DEAD`` or ``UNKNOWN`` for each owner string it
+is asked about. Checkers are listed by dotted path in
+``DJANGO_SEMAPHORE["LIVENESS_CHECKERS"]``; each path names a
+:class:`LivenessChecker` subclass or a plain function ``owner -> Liveness``.
+Only ``DEAD`` ever releases a permit, and only when no checker says ``ALIVE``:
+a checker that is unsure, fails or times out has said nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.utils.module_loading import import_string
+
+from django_semaphore.conf import app_settings
+from django_semaphore.owners import TaskOwner
+
+logger = logging.getLogger("django_semaphore")
+
+# The task is finished for good: its ``holds_permit`` run will not come back.
+# (celery.states.READY_STATES, without importing Celery here.)
+CELERY_READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
+# A permit kept between a task's own retries (task_runs.PARKED).
+PARKED_PID = 0
+
+
+class Liveness(enum.Enum):
+    ALIVE = "alive"
+    DEAD = "dead"
+    UNKNOWN = "unknown"
+
+
+class LivenessChecker:
+    """Base class: override :meth:`check_owner`, or :meth:`check` to answer a
+    whole batch at once (one network round trip instead of one per owner)."""
+
+    def check(self, owners: Collection[str]) -> Mapping[str, Liveness]:
+        return {owner: self.check_owner(owner) for owner in owners}
+
+    def check_owner(self, owner: str) -> Liveness:
+        return Liveness.UNKNOWN
+
+
+class _FunctionChecker(LivenessChecker):
+    def __init__(self, function: Callable[[str], Liveness]) -> None:
+        self.function = function
+
+    def check_owner(self, owner: str) -> Liveness:
+        return self.function(owner)
+
+
+def load_checkers(paths: Collection[str] | None = None) -> list[LivenessChecker]:
+    """Instantiate the configured checkers (a class is instantiated with no
+    arguments, a function is wrapped)."""
+    checkers: list[LivenessChecker] = []
+    for path in app_settings.LIVENESS_CHECKERS if paths is None else paths:
+        target = import_string(path)
+        if isinstance(target, type):
+            checkers.append(target())
+        elif isinstance(target, LivenessChecker):
+            checkers.append(target)
+        else:
+            checkers.append(_FunctionChecker(target))
+    return checkers
+
+
+def dead_owners(
+    owners: Collection[str], checkers: Collection[LivenessChecker] | None = None
+) -> set[str]:
+    """The owners that some checker says are dead and none says are alive.
+
+    A checker that raises is logged and counts as ``UNKNOWN`` for all of them.
+    """
+    candidates = {owner for owner in owners if owner}
+    if not candidates:
+        return set()
+    verdicts: dict[str, set[Liveness]] = {owner: set() for owner in candidates}
+    for checker in load_checkers() if checkers is None else checkers:
+        try:
+            answers = checker.check(sorted(candidates))
+        except Exception:
+            logger.exception("Liveness checker %r failed; its owners count as unknown", checker)
+            continue
+        for owner, answer in answers.items():
+            if owner in verdicts and isinstance(answer, Liveness):
+                verdicts[owner].add(answer)
+    return {
+        owner
+        for owner, answers in verdicts.items()
+        if Liveness.DEAD in answers and Liveness.ALIVE not in answers
+    }
+
+
+def is_dead(owner: str) -> bool:
+    """Whether the configured checkers agree that ``owner`` is dead."""
+    return owner in dead_owners([owner])
+
+
+# --- Celery ------------------------------------------------------------------
+
+
+@dataclass
+class _Inspection:
+    """What the workers that answered said about some task ids."""
+
+    answered: set[str] = field(default_factory=set)  # worker node names
+    # task id -> [(node name, state, worker pid)] for every worker that knows it
+    known: dict[str, list[tuple[str, str, int | None]]] = field(default_factory=dict)
+
+
+class CeleryTaskChecker(LivenessChecker):
+    """Judges owners written by ``holds_permit`` on Celery tasks (``TaskOwner``:
+    ``task:<id> <name> on <worker node> pid <pid>``); any other owner is UNKNOWN.
+
+    DEAD only when sure, after asking every worker with one ``query_task``
+    broadcast (which reports tasks running, waiting for a pool slot, or held
+    for an ETA/countdown) and the result backend:
+
+    - no worker that answered knows the task (a task that is received but not
+      started yet, or waiting for its retry's countdown, is known: not dead), and
+    - the result backend says the task is in a ready state (SUCCESS, FAILURE,
+      REVOKED): it finished for good, or
+    - the owner names a running process (pid > 0) and *its own worker
+      answered*: that worker would list the task if that process still ran it.
+      The worker named in the owner is the only one that can run that process,
+      so "every worker that could know it answered" holds. A silent worker
+      (down, partitioned, or a solo pool busy with a long task) leaves the
+      owner UNKNOWN.
+
+    A parked owner (pid 0: kept between the task's own retries, the task will
+    run again) is DEAD only when the result backend says the task is ready: its
+    retry message may be sitting in the broker, where no worker knows it yet.
+
+    The sweep re-reads each owner under a row lock *after* this answer and
+    releases only if it is unchanged, so a run that adopted the permit
+    meanwhile (a retry, a redelivery) is never released by an old verdict.
+
+    Subclass to point it at another app (``app``) or to wait longer for
+    worker replies (``timeout``, seconds).
+    """
+
+    app: Any = None  # default: celery.current_app
+    timeout: float = 1.0
+
+    def get_app(self) -> Any:
+        if self.app is not None:
+            return self.app
+        from celery import current_app
+
+        return current_app
+
+    def check(self, owners: Collection[str]) -> Mapping[str, Liveness]:
+        parsed = {owner: TaskOwner.parse(owner) for owner in owners}
+        tasks = {owner: task for owner, task in parsed.items() if task is not None}
+        answers = dict.fromkeys(owners, Liveness.UNKNOWN)
+        if not tasks:
+            return answers
+        inspection = self._inspect(sorted({task.task_id for task in tasks.values()}))
+        for owner, task in tasks.items():
+            answers[owner] = self._judge(task, inspection)
+        return answers
+
+    def _judge(self, task: TaskOwner, inspection: _Inspection) -> Liveness:
+        known = inspection.known.get(task.task_id, [])
+        if any(
+            node == task.hostname and state == "active" and pid in (task.pid, None)
+            for node, state, pid in known
+        ):
+            return Liveness.ALIVE
+        if known:
+            # Another run, or the next one, is on its way: it settles the permit.
+            return Liveness.UNKNOWN
+        if self._is_ready(task.task_id):
+            return Liveness.DEAD
+        if task.pid != PARKED_PID and task.hostname in inspection.answered:
+            return Liveness.DEAD
+        return Liveness.UNKNOWN
+
+    def _inspect(self, task_ids: list[str]) -> _Inspection:
+        inspection = _Inspection()
+        replies = self.get_app().control.inspect(timeout=self.timeout).query_task(*task_ids) or {}
+        for node, tasks in replies.items():
+            inspection.answered.add(node)
+            for task_id, (state, info) in (tasks or {}).items():
+                pid = info.get("worker_pid") if isinstance(info, Mapping) else None
+                inspection.known.setdefault(task_id, []).append((node, state, pid))
+        return inspection
+
+    def _is_ready(self, task_id: str) -> bool:
+        try:
+            state = self.get_app().AsyncResult(task_id).state
+        except Exception:
+            # No result backend configured, or it is unreachable: cannot tell.
+            logger.debug("No task state for %s", task_id, exc_info=True)
+            return False
+        return state in CELERY_READY_STATES

@@ -1,0 +1,420 @@
+"""Leak recovery and clean-up: what the beat tasks, the ``semaphore_sweep``
+command and the admin run.
+
+- :func:`release_orphans` releases requests whose holder will not release
+  them: TTL expired (``expired``), owner reported dead by a liveness checker
+  (``owner_dead``), held past ``STALENESS_LIMIT`` (``stale``); and completes
+  half-released requests (a crash between release's two updates).
+- :func:`clean_released` deletes requests released longer ago than
+  ``RELEASED_RETENTION``, with their permits; :func:`clean_history` deletes
+  ``CapacityChange`` rows older than ``HISTORY_RETENTION``.
+
+Every decision about time uses the database's clock (``DatabaseNow``), never
+this machine's. Work goes in batches of ``CLEANUP_BATCH_SIZE`` rows, each its
+own short transaction, so no row stays locked for long and acquires keep
+flowing. Two sweepers running at once (two beat hosts by mistake, cron and
+beat) split the work instead of repeating it: each batch locks its rows with
+``SELECT ... FOR UPDATE SKIP LOCKED`` and the other sweeper passes over them
+(SQLite serializes writers instead, and the second finds nothing left).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import TYPE_CHECKING, TypeVar
+
+from django.db import connections, transaction
+from django.db.models import (
+    DateTimeField,
+    DurationField,
+    Exists,
+    ExpressionWrapper,
+    OuterRef,
+    Q,
+    QuerySet,
+    Value,
+)
+
+from django_semaphore import backends, liveness
+from django_semaphore.backends import DatabaseNow
+from django_semaphore.conf import app_settings
+from django_semaphore.core import release_requests, run_with_retries
+from django_semaphore.exceptions import LockContention
+from django_semaphore.outcomes import ReleaseOutcome
+
+if TYPE_CHECKING:
+    from django.db.backends.base.base import BaseDatabaseWrapper
+    from django.db.models import Model
+    from django.db.models.expressions import CombinedExpression
+logger = logging.getLogger("django_semaphore")
+
+T = TypeVar("T")
+
+# A clean-up run stops starting new batches after this many seconds; the next
+# run goes on where it stopped. Generous for a 4-hourly task.
+DEFAULT_TIME_BUDGET = 600.0
+
+
+@dataclass
+class OrphanReport:
+    """How many requests one orphan sweep released, by reason."""
+
+    repaired: int = 0  # half-released: permits were free already, request completed
+    expired: int = 0
+    owner_dead: int = 0
+    stale: int = 0
+    dry_run: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.repaired + self.expired + self.owner_dead + self.stale
+
+    def __str__(self) -> str:
+        verb = "would release" if self.dry_run else "released"
+        counts = ", ".join(f"{f.name} {getattr(self, f.name)}" for f in fields(self)[:4])
+        return f"Orphans: {verb} {self.total} ({counts})."
+
+
+@dataclass
+class CleanupReport:
+    """What one clean-up run deleted."""
+
+    what: str
+    deleted: int = 0  # requests, or capacity changes
+    permits: int = 0  # permits deleted with their requests
+    batches: int = 0
+    finished: bool = True  # False: the time budget ran out first
+    dry_run: bool = False
+
+    def __str__(self) -> str:
+        verb = "would delete" if self.dry_run else "deleted"
+        permits = f" and {self.permits} permits" if self.what == "released requests" else ""
+        text = f"{self.what.capitalize()}: {verb} {self.deleted}{permits}"
+        if not self.dry_run:
+            text += f" in {self.batches} batches"
+            if not self.finished:
+                text += " (time budget spent; the next run goes on)"
+        return text + "."
+
+
+# --- orphans -------------------------------------------------------------------
+
+
+def release_orphans(
+    *,
+    batch_size: int | None = None,
+    time_budget: float | None = None,
+    dry_run: bool = False,
+    checkers: Collection[liveness.LivenessChecker] | None = None,
+) -> OrphanReport:
+    """Release the requests whose holders are gone.
+
+    In order: half-released requests are completed, then TTL-expired ones are
+    released (``expired``), then those held past ``STALENESS_LIMIT``
+    (``stale``), then those whose owner the liveness checkers report dead
+    (``owner_dead``; only a DEAD answer with no ALIVE one releases).
+
+    Args:
+        batch_size: rows per transaction (default ``CLEANUP_BATCH_SIZE``).
+        time_budget: seconds after which no new batch starts (default: none).
+        dry_run: count what would be released, change nothing.
+        checkers: liveness checkers to ask (default: ``LIVENESS_CHECKERS``).
+
+    Returns:
+        The counts released, by reason.
+    """
+    from django_semaphore.models import Permit, ReleaseReason, State
+
+    size = batch_size or app_settings.CLEANUP_BATCH_SIZE
+    deadline = _deadline(time_budget)
+    report = OrphanReport(dry_run=dry_run)
+    half_released = ~Exists(Permit.objects.filter(request=OuterRef("pk"), state=State.ACQUIRED))
+    expired = Q(expires_at__lte=DatabaseNow())
+    # A release that crashed between its two updates: the permits are free,
+    # only the request still says ACQUIRED. Its reason is lost; the TTL tells
+    # whether it was expiring, otherwise it was its holder's own release.
+    report.repaired = _release_matching(
+        half_released & expired, ReleaseReason.EXPIRED, size, deadline, dry_run
+    ) + _release_matching(half_released & ~expired, ReleaseReason.RELEASED, size, deadline, dry_run)
+    report.expired = _release_matching(expired, ReleaseReason.EXPIRED, size, deadline, dry_run)
+    report.stale = _release_matching(
+        Q(created_at__lte=_ago(app_settings.STALENESS_LIMIT)),
+        ReleaseReason.STALE,
+        size,
+        deadline,
+        dry_run,
+    )
+    report.owner_dead = _release_dead_owners(
+        liveness.load_checkers() if checkers is None else list(checkers), size, deadline, dry_run
+    )
+    if report.total:
+        logger.info("%s", report)
+    return report
+
+
+def _release_matching(
+    condition: Q, reason: str, size: int, deadline: float | None, dry_run: bool
+) -> int:
+    """Release every ACQUIRED request matching ``condition``, batch by batch."""
+    from django_semaphore.models import PermitRequest, State
+
+    alias = app_settings.DATABASE
+    held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED).filter(condition)
+    if dry_run:
+        return held.count()
+
+    def batch() -> tuple[int, int]:
+        # SKIP LOCKED: rows another sweeper is releasing right now are its job.
+        ids = list(
+            held.select_for_update(skip_locked=True)
+            .order_by("pk")
+            .values_list("pk", flat=True)[:size]
+        )
+        return len(ids), release_requests(alias, ids, reason)
+
+    total = 0
+    for found, released in _batches(batch, deadline, f"releasing {reason} requests"):
+        total += released
+        if found < size:
+            break
+    return total
+
+
+def _release_dead_owners(
+    checkers: list[liveness.LivenessChecker], size: int, deadline: float | None, dry_run: bool
+) -> int:
+    from django_semaphore.models import PermitRequest, ReleaseReason, State
+
+    if not checkers:
+        return 0
+    alias = app_settings.DATABASE
+    held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED).exclude(owner="")
+    total, last_pk = 0, 0
+    while True:
+        page = list(held.filter(pk__gt=last_pk).order_by("pk").values_list("pk", "owner")[:size])
+        if not page:
+            return total
+        last_pk = page[-1][0]
+        # Asked with no transaction open and no row locked: a checker may wait
+        # on the network (the Celery checker waits for worker replies).
+        dead = liveness.dead_owners({owner for _, owner in page}, checkers)
+        judged = {pk: owner for pk, owner in page if owner in dead}
+        if judged and dry_run:
+            total += len(judged)
+        elif judged:
+
+            def batch(judged: dict[int, str] = judged) -> int:
+                # Re-read under the row lock, after the checkers answered: a
+                # run that adopted the permit meanwhile (a task's retry or
+                # redelivery rewrites the owner) was not the one judged dead.
+                rows = (
+                    held.select_for_update(skip_locked=True)
+                    .filter(pk__in=judged)
+                    .values_list("pk", "owner")
+                )
+                unchanged = [pk for pk, owner in rows if judged[pk] == owner]
+                return release_requests(alias, unchanged, ReleaseReason.OWNER_DEAD)
+
+            total += sum(_batches(batch, None, "releasing requests of dead owners", once=True))
+        if len(page) < size or _past(deadline):
+            return total
+
+
+# --- clean-ups -----------------------------------------------------------------
+
+
+def clean_released(
+    *,
+    batch_size: int | None = None,
+    time_budget: float | None = DEFAULT_TIME_BUDGET,
+    dry_run: bool = False,
+    progress: Callable[[CleanupReport], None] | None = None,
+) -> CleanupReport:
+    """Delete requests released longer ago than ``RELEASED_RETENTION``, with
+    their permits, ``batch_size`` requests per short transaction, until none
+    are left or ``time_budget`` seconds are spent.
+
+    Args:
+        batch_size: requests per batch (default ``CLEANUP_BATCH_SIZE``).
+        time_budget: seconds after which no new batch starts (``None``: no limit).
+        dry_run: count what would be deleted, delete nothing.
+        progress: called with the running report after each batch.
+    """
+    from django_semaphore.models import Permit, PermitRequest, State
+
+    alias = app_settings.DATABASE
+    old = PermitRequest.objects.using(alias).filter(
+        state=State.RELEASED, released_at__lte=_ago(app_settings.RELEASED_RETENTION)
+    )
+    report = CleanupReport("released requests", dry_run=dry_run)
+    if dry_run:
+        report.deleted = old.count()
+        report.permits = Permit.objects.using(alias).filter(request__in=old).count()
+        return report
+
+    def delete_permits(ids: list[int]) -> None:
+        report.permits += _raw_delete(Permit.objects.using(alias).filter(request_id__in=ids))
+
+    return _delete_in_batches(
+        old.order_by("released_at"),
+        report,
+        batch_size,
+        time_budget,
+        progress,
+        before=delete_permits,
+    )
+
+
+def clean_history(
+    *,
+    batch_size: int | None = None,
+    time_budget: float | None = DEFAULT_TIME_BUDGET,
+    dry_run: bool = False,
+    progress: Callable[[CleanupReport], None] | None = None,
+) -> CleanupReport:
+    """Delete ``CapacityChange`` rows older than ``HISTORY_RETENTION``, in
+    batches; arguments as for :func:`clean_released`."""
+    from django_semaphore.models import CapacityChange
+
+    alias = app_settings.DATABASE
+    old = CapacityChange.objects.using(alias).filter(
+        changed_at__lte=_ago(app_settings.HISTORY_RETENTION)
+    )
+    report = CleanupReport("capacity history", dry_run=dry_run)
+    if dry_run:
+        report.deleted = old.count()
+        return report
+    return _delete_in_batches(old.order_by("changed_at"), report, batch_size, time_budget, progress)
+
+
+def _delete_in_batches(
+    old: QuerySet[Model],
+    report: CleanupReport,
+    batch_size: int | None,
+    time_budget: float | None,
+    progress: Callable[[CleanupReport], None] | None,
+    before: Callable[[list[int]], None] | None = None,
+) -> CleanupReport:
+    size = batch_size or app_settings.CLEANUP_BATCH_SIZE
+    deadline = _deadline(time_budget)
+
+    def batch() -> int:
+        # Locks only this batch's rows (by the index on the age column, under
+        # READ COMMITTED: no gap locks); SKIP LOCKED lets a second clean-up
+        # take the next rows instead of waiting for these.
+        ids = list(old.select_for_update(skip_locked=True).values_list("pk", flat=True)[:size])
+        if ids:
+            if before is not None:
+                before(ids)
+            report.deleted += _raw_delete(
+                old.model._default_manager.using(old.db).filter(pk__in=ids)
+            )
+        return len(ids)
+
+    report.finished = False
+    for found in _batches(batch, deadline, f"cleaning {report.what}"):
+        if found:
+            report.batches += 1
+            if progress is not None:
+                progress(report)
+        if found < size:
+            report.finished = True
+            break
+    if report.deleted:
+        logger.info("%s", report)
+    return report
+
+
+def _raw_delete(queryset: QuerySet[Model]) -> int:
+    # One DELETE ... WHERE id IN (...), without Django's collector fetching
+    # every row first: the permits of these requests are deleted just before.
+    return queryset._raw_delete(queryset.db)
+
+
+# --- force release by key ------------------------------------------------------
+
+
+def force_release(keys: Iterable[str], reason: str | None = None) -> dict[str, ReleaseOutcome]:
+    """Release the requests with these keys on an operator's behalf.
+
+    Args:
+        keys: ``external_id`` values.
+        reason: a ``ReleaseReason`` value (default ``admin``).
+
+    Returns:
+        key -> ``RELEASED`` (this call ended it), ``ALREADY_RELEASED`` or ``NOT_FOUND``.
+    """
+    from django_semaphore.models import PermitRequest, ReleaseReason, State
+
+    alias = app_settings.DATABASE
+    keys = list(dict.fromkeys(keys))
+    rows = {
+        key: (pk, state)
+        for key, pk, state in PermitRequest.objects.using(alias)
+        .filter(external_id__in=keys)
+        .values_list("external_id", "pk", "state")
+    }
+    outcomes: dict[str, ReleaseOutcome] = {}
+    for key in keys:
+        if key not in rows:
+            outcomes[key] = ReleaseOutcome.NOT_FOUND
+            continue
+        pk, state = rows[key]
+        released = state == State.ACQUIRED and release_requests(
+            alias, [pk], reason or ReleaseReason.ADMIN
+        )
+        outcomes[key] = ReleaseOutcome.RELEASED if released else ReleaseOutcome.ALREADY_RELEASED
+    return outcomes
+
+
+# --- helpers -------------------------------------------------------------------
+
+
+def _ago(delta: timedelta) -> ExpressionWrapper[CombinedExpression]:
+    """``now - delta`` computed by the database, in SQL."""
+    return ExpressionWrapper(
+        DatabaseNow() - Value(delta, output_field=DurationField()), output_field=DateTimeField()
+    )
+
+
+def _deadline(time_budget: float | None) -> float | None:
+    return None if time_budget is None else time.monotonic() + time_budget
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def _batches(
+    work: Callable[[], T], deadline: float | None, doing: str, *, once: bool = False
+) -> Iterable[T]:
+    """Run ``work`` in its own short transaction, again and again while the
+    caller keeps iterating, until the time budget is spent.
+
+    The lock wait is bounded as for acquire. Deadlocks and lock-wait timeouts
+    (a sweep and an acquire reclaiming the same expired request at once) are
+    retried; if they persist the run stops here and the next run goes on.
+    """
+    connection = connections[app_settings.DATABASE]
+    while True:
+        try:
+            yield run_with_retries(connection, lambda: _in_transaction(connection, work))
+        except LockContention as exc:
+            logger.warning("Sweep stopped %s: %s", doing, exc)
+            return
+        if once or _past(deadline):
+            return
+
+
+def _in_transaction(connection: BaseDatabaseWrapper, work: Callable[[], T]) -> T:
+    wait = app_settings.LOCK_WAIT_TIMEOUT
+    with (
+        backends.bounded_lock_wait(connection, wait),
+        transaction.atomic(using=connection.alias),
+    ):
+        backends.start_bounded_transaction(connection, wait)
+        return work()

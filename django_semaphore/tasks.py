@@ -1,0 +1,30 @@
+"""Celery tasks for leak recovery and clean-up; thin wrappers over ``sweep``.
+
+Scheduled by the beat entries in :mod:`django_semaphore.beat`. Each returns
+nothing (``ignore_result``): what it did is logged on ``django_semaphore``.
+Safe to run twice at once (two beat hosts): the sweeps split the work.
+"""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from django_semaphore import sweep
+
+
+@shared_task(name="django_semaphore.release_orphans", ignore_result=True)  # type: ignore[untyped-decorator]
+def release_orphans() -> None:
+    """Release expired, stale and dead-owner requests; repair half-released ones."""
+    sweep.release_orphans()
+
+
+@shared_task(name="django_semaphore.clean_released", ignore_result=True)  # type: ignore[untyped-decorator]
+def clean_released(time_budget: float | None = sweep.DEFAULT_TIME_BUDGET) -> None:
+    """Delete requests released longer ago than ``RELEASED_RETENTION``."""
+    sweep.clean_released(time_budget=time_budget)
+
+
+@shared_task(name="django_semaphore.clean_history", ignore_result=True)  # type: ignore[untyped-decorator]
+def clean_history(time_budget: float | None = sweep.DEFAULT_TIME_BUDGET) -> None:
+    """Delete capacity history older than ``HISTORY_RETENTION``."""
+    sweep.clean_history(time_budget=time_budget)
