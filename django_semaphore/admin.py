@@ -1,77 +1,659 @@
-"""Admin: utilization at a glance; capacity changes go through the capacity API."""
+"""The operator's console: who holds what, how full it is, who changed it and when.
+
+- Semaphores: usage from one annotated query, a utilization bar, a 24-hour
+  chart, current holders and capacity history; capacity is edited through
+  the same capacity API as code (row lock + ``CapacityChange`` with the user).
+- Permit requests: read-only, with a force-release action guarded by its own
+  permission and recorded in the admin's history (``LogEntry``) with the user.
+- Capacity history: read-only.
+
+Nothing here adds or deletes permits by hand, and every read goes to the
+app's database alias (``DJANGO_SEMAPHORE["DATABASE"]``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, cast
+from urllib.parse import urlencode
 
-from django.contrib import admin
-from django.db.models import QuerySet
-from django.forms import ModelForm
-from django.http import HttpRequest
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.auth import get_permission_codename
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.core.exceptions import PermissionDenied
+from django.db.models import (
+    BigIntegerField,
+    Case,
+    Count,
+    Exists,
+    F,
+    FloatField,
+    Model,
+    OuterRef,
+    Prefetch,
+    QuerySet,
+    Subquery,
+    Sum,
+    Value,
+    When,
+)
+from django.db.models.functions import Cast, Coalesce
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from django.utils.text import capfirst
+from django.utils.timesince import timesince, timeuntil
+from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
-from django_semaphore.models import CapacityChange, PermitRequest, Semaphore
+from django_semaphore.backends import DatabaseNow
+from django_semaphore.conf import app_settings
+from django_semaphore.core import release_requests
+from django_semaphore.models import (
+    MAX_NAME_LENGTH,
+    CapacityChange,
+    Permit,
+    PermitRequest,
+    ReleaseReason,
+    Semaphore,
+    State,
+)
+from django_semaphore.utilization import load_utilization, render_svg
+from django_semaphore.validation import MAX_COUNT
+
+# The semaphore page lists at most this many holders and capacity changes;
+# links lead to the full, filtered lists.
+HOLDERS_SHOWN = 100
+HISTORY_SHOWN = 20
+
+# Bar colors, the admin's own palette: readable on its light and dark themes.
+BAR_IN_USE = "#79aec8"
+BAR_FULL = "#e09e00"
+BAR_OVER = "#ba2121"
+# Sorts a closed semaphore (capacity 0) that still has holders above any ratio.
+INFINITE_UTILIZATION = 1e18
+
+
+# --- shared behaviour ---------------------------------------------------------
+
+
+class OperatorAdmin(admin.ModelAdmin):
+    """Reads through the app's alias; refuses forbidden POSTs with 403."""
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return super().get_queryset(request).using(app_settings.DATABASE)
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        # Django answers an action the user may not run by ignoring it ("No
+        # action selected", or a plain re-render when none is allowed). An
+        # operator console refuses it outright, as the change views do.
+        if request.method == "POST":
+            allowed = self.get_actions(request)
+            if any(name and name not in allowed for name in request.POST.getlist("action")):
+                raise PermissionDenied
+        return super().changelist_view(request, extra_context)
+
+    def admin_url(self, model: type[Model], view: str, *args: Any, **query: Any) -> str:
+        """This admin site's URL of ``view`` for ``model``, with a query string."""
+        opts = model._meta
+        url = reverse(
+            f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_{view}", args=args
+        )
+        return f"{url}?{urlencode(query)}" if query else url
+
+    def can_view(self, request: HttpRequest, model: type[Model]) -> bool:
+        model_admin = self.admin_site.get_model_admin(model)
+        return model_admin.has_view_or_change_permission(request)
+
+
+class ReadOnlyAdmin(OperatorAdmin):
+    """History and state written only by the app: viewable, never edited here."""
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+def usage_bar(in_use: int, capacity: int) -> SafeString:
+    """A 100-pixel SVG bar of ``in_use`` out of ``capacity``, with a label.
+
+    Full is amber; over capacity (after capacity was lowered below what is
+    held) is red, filled to the end and labelled with the excess.
+    """
+    over = in_use > capacity
+    if capacity:
+        percent = in_use * 100 / capacity
+        label = f"{percent:.0f}%"
+    else:
+        percent = 100.0 if in_use else 0.0
+        label = "" if in_use else gettext("closed")
+    if over:
+        color, state = BAR_OVER, "over-capacity"
+        excess = gettext("over by %(count)d") % {"count": in_use - capacity}
+        label = f"{label} · {excess}" if label else excess
+    elif capacity and in_use == capacity:
+        color, state = BAR_FULL, "full"
+    else:
+        color, state = BAR_IN_USE, "in-use" if in_use else "idle"
+    title = gettext("%(in_use)d in use of %(capacity)d") % {
+        "in_use": in_use,
+        "capacity": capacity,
+    }
+    return format_html(
+        '<span class="semaphore-bar {state}" title="{title}" style="white-space: nowrap">'
+        '<svg width="100" height="10" role="img" aria-label="{title}" '
+        'style="vertical-align: middle">'
+        '<rect width="100" height="10" rx="2" fill="currentColor" fill-opacity=".12"/>'
+        '<rect width="{width}" height="10" rx="2" fill="{color}"/></svg> {label}</span>',
+        state=state,
+        title=title,
+        width=f"{min(percent, 100.0):.0f}",
+        color=color,
+        label=label,
+    )
+
+
+# --- semaphores -----------------------------------------------------------------
+
+
+def annotated(obj: Model, name: str) -> int:
+    """A count annotated by ``with_usage()``; MySQL returns sums as ``Decimal``."""
+    return int(getattr(obj, name))
+
+
+def held_permits() -> QuerySet[Permit]:
+    """The held permits of the semaphore in the enclosing query."""
+    return Permit.objects.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED).order_by()
+
+
+def with_usage(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
+    """Annotate the changelist's columns, all in the one query that lists rows.
+
+    Correlated subqueries with ``state = 'ACQUIRED'`` in their WHERE clause
+    read the (semaphore, state, count) index of held permits only; a filtered
+    SUM over a join (the manager's ``with_usage()``) would also read every
+    released permit kept for the retention period, and would need a GROUP BY
+    that Django's count query wraps awkwardly. ``available`` and
+    ``utilization`` are aliases, computed only to sort by them.
+    """
+    held = held_permits().values("semaphore")
+    last_change = CapacityChange.objects.filter(semaphore=OuterRef("pk")).order_by(
+        "-changed_at", "-id"
+    )
+    return queryset.annotate(
+        in_use=Coalesce(
+            Subquery(held.annotate(total=Sum("count")).values("total")),
+            0,
+            output_field=BigIntegerField(),
+        ),
+        holders=Coalesce(
+            Subquery(held.annotate(number=Count("request_id", distinct=True)).values("number")),
+            0,
+            output_field=BigIntegerField(),
+        ),
+        last_capacity_change=Subquery(last_change.values("changed_at")[:1]),
+    ).alias(
+        # Signed: capacity is UNSIGNED on MySQL, where a negative difference
+        # (over capacity) would be an error rather than a number.
+        available=Cast("capacity", BigIntegerField()) - F("in_use"),
+        utilization=Case(
+            When(capacity=0, in_use=0, then=Value(0.0)),
+            When(capacity=0, then=Value(INFINITE_UTILIZATION)),
+            default=Cast("in_use", FloatField()) / Cast("capacity", FloatField()),
+            output_field=FloatField(),
+        ),
+    )
+
+
+class UsageFilter(admin.SimpleListFilter):
+    title = _("usage")
+    parameter_name = "usage"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [
+            ("idle", _("idle")),
+            ("room", _("in use, with room")),
+            ("full", _("full (no room left)")),
+            ("over", _("over capacity")),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        # The annotations come from SemaphoreAdmin.get_queryset().
+        match self.value():
+            case "idle":
+                return queryset.filter(~Exists(held_permits()))
+            case "room":
+                return queryset.filter(in_use__gt=0, available__gt=0)
+            case "full":
+                return queryset.filter(available__lte=0)
+            case "over":
+                return queryset.filter(available__lt=0)
+        return queryset
+
+
+class SemaphoreForm(forms.ModelForm):
+    capacity = forms.IntegerField(
+        label=_("capacity"),
+        min_value=0,
+        max_value=MAX_COUNT,
+        help_text=_(
+            "Lowering it below what is in use is allowed: holders keep their permits "
+            "and nothing new is granted until usage falls below it."
+        ),
+    )
+    reason = forms.CharField(
+        label=_("reason for the change"),
+        max_length=MAX_NAME_LENGTH,
+        required=False,
+        help_text=_("Optional; kept in the capacity history with your name."),
+    )
+
+    class Meta:
+        model = Semaphore
+        fields = ["name", "capacity"]
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        if cleaned.get("reason") and "capacity" not in self.changed_data:
+            self.add_error(
+                "reason",
+                _("A reason is recorded with a capacity change, but the capacity is unchanged."),
+            )
+        return cleaned
 
 
 @admin.register(Semaphore)
-class SemaphoreAdmin(admin.ModelAdmin):
-    list_display = ["name", "capacity", "in_use", "fencing_counter", "updated_at"]
+class SemaphoreAdmin(OperatorAdmin):
+    form = SemaphoreForm
+    list_display = [
+        "name",
+        "capacity",
+        "in_use",
+        "available",
+        "utilization",
+        "holders",
+        "last_capacity_change",
+    ]
+    list_filter = [UsageFilter]
     search_fields = ["name"]
-    fields = ["name", "capacity", "fencing_counter", "created_at", "updated_at"]
-    readonly_fields = ["fencing_counter", "created_at", "updated_at"]
+    ordering = ["name"]
+    readonly_fields = [
+        "in_use",
+        "available",
+        "utilization",
+        "holders",
+        "fencing_counter",
+        "created_at",
+        "updated_at",
+    ]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Semaphore]:
-        return Semaphore.objects.with_usage()
+        return with_usage(super().get_queryset(request))
 
-    def get_readonly_fields(self, request: HttpRequest, obj: Semaphore | None = None) -> Any:
-        # Renaming would orphan every caller that uses the old name.
+    def get_fieldsets(self, request: HttpRequest, obj: Semaphore | None = None) -> Any:
+        if obj is None:
+            return [(None, {"fields": ["name", "capacity"]})]
+        settings = ["name", "capacity"]
+        if self.has_change_permission(request, obj):
+            settings.append("reason")
+        return [
+            (None, {"fields": settings}),
+            (_("Usage now"), {"fields": ["in_use", "available", "utilization", "holders"]}),
+            (
+                _("Bookkeeping"),
+                {
+                    "fields": ["fencing_counter", "created_at", "updated_at"],
+                    "classes": ["collapse"],
+                },
+            ),
+        ]
+
+    def get_readonly_fields(
+        self, request: HttpRequest, obj: Semaphore | None = None
+    ) -> list[str] | tuple[str, ...]:
+        # Renaming would strand every caller that acquires by the old name.
         return [*self.readonly_fields, "name"] if obj else self.readonly_fields
 
     @admin.display(description=_("in use"), ordering="in_use")
     def in_use(self, obj: Semaphore) -> int:
-        return obj.in_use  # type: ignore[attr-defined,no-any-return]
+        return annotated(obj, "in_use")
+
+    @admin.display(description=_("available"), ordering="available")
+    def available(self, obj: Semaphore) -> int:
+        # Over capacity nothing is available; the bar shows by how much it is over.
+        return max(obj.capacity - annotated(obj, "in_use"), 0)
+
+    @admin.display(description=_("utilization"), ordering="utilization")
+    def utilization(self, obj: Semaphore) -> SafeString:
+        return usage_bar(annotated(obj, "in_use"), obj.capacity)
+
+    @admin.display(description=_("holders"), ordering="holders")
+    def holders(self, obj: Semaphore) -> SafeString | int:
+        count = annotated(obj, "holders")
+        if not count:
+            return 0
+        return format_html(
+            '<a href="{}">{}</a>',
+            self.admin_url(
+                PermitRequest,
+                "changelist",
+                permits__semaphore__id__exact=obj.pk,
+                state__exact=State.ACQUIRED,
+            ),
+            count,
+        )
+
+    @admin.display(description=_("last capacity change"), ordering="last_capacity_change")
+    def last_capacity_change(self, obj: Semaphore) -> SafeString | str:
+        changed_at: datetime | None = getattr(obj, "last_capacity_change", None)
+        if changed_at is None:
+            return self.get_empty_value_display()
+        return format_html(
+            '<a href="{}" title="{}">{}</a>',
+            self.admin_url(CapacityChange, "changelist", semaphore__id__exact=obj.pk),
+            changed_at.isoformat(timespec="seconds"),
+            gettext("%(time)s ago") % {"time": timesince(changed_at)},
+        )
 
     def save_model(
-        self, request: HttpRequest, obj: Semaphore, form: ModelForm[Semaphore], change: bool
+        self, request: HttpRequest, obj: Semaphore, form: forms.ModelForm, change: bool
     ) -> None:
-        if change:
-            # Under the row lock, with a CapacityChange naming the user.
-            Semaphore.objects.set_capacity(
-                obj.name,
-                obj.capacity,
-                changed_by=request.user,  # type: ignore[arg-type]
+        if not change:
+            obj.save(using=app_settings.DATABASE)
+            return
+        # The same path as code: under the row lock, recorded with the user.
+        saved = Semaphore.objects.set_capacity(
+            obj.name,
+            form.cleaned_data["capacity"],
+            changed_by=cast(AbstractBaseUser, request.user),
+            reason=form.cleaned_data.get("reason", ""),
+        )
+        obj.capacity, obj.updated_at = saved.capacity, saved.updated_at
+
+    def get_deleted_objects(
+        self, objs: Sequence[Any] | QuerySet[Any], request: HttpRequest
+    ) -> tuple[list[Any], dict[Any, Any], set[Any], list[Any]]:
+        to_delete, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        # A semaphore's capacity history goes with it; it has no delete
+        # permission of its own, being read-only everywhere else.
+        perms_needed.discard(CapacityChange._meta.verbose_name)
+        # Deleting a held semaphore would end its holders' permits silently
+        # behind their backs: they are shown as protected, and block it.
+        held = (
+            PermitRequest.objects.using(app_settings.DATABASE)
+            .filter(state=State.ACQUIRED, permits__semaphore__in=list(objs))
+            .distinct()
+        )
+        protected.extend(
+            format_html(
+                '{}: <a href="{}">{}</a>',
+                capfirst(PermitRequest._meta.verbose_name),
+                self.admin_url(PermitRequest, "change", request_.pk),
+                request_,
             )
-        else:
-            super().save_model(request, obj, form, change)
+            for request_ in held
+        )
+        return to_delete, counts, perms_needed, protected
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: Semaphore | None = None,
+    ) -> HttpResponse:
+        if obj is not None and obj.pk is not None:
+            context.update(self.sections(request, obj))
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    def sections(self, request: HttpRequest, obj: Semaphore) -> dict[str, Any]:
+        """Context of the read-only sections below the form: chart, holders, history."""
+        using = app_settings.DATABASE
+        utilization = load_utilization(obj)
+        now = utilization.end  # the database's clock, as on the chart
+        held = Permit.objects.using(using).filter(semaphore=obj, state=State.ACQUIRED)
+        holders = list(
+            held.select_related("request").order_by("request__created_at", "pk")[:HOLDERS_SHOWN]
+        )
+        history = CapacityChange.objects.using(using).filter(semaphore=obj)
+        can_view_requests = self.can_view(request, PermitRequest)
+        return {
+            "utilization_chart": render_svg(
+                utilization,
+                title=gettext("Utilization of %(name)s, last 24 hours") % {"name": obj.name},
+            ),
+            "holders": [
+                {
+                    "owner": permit.request.owner,
+                    "key": permit.request.external_id,
+                    "url": (
+                        self.admin_url(PermitRequest, "change", permit.request_id)
+                        if can_view_requests
+                        else ""
+                    ),
+                    "count": permit.count,
+                    "age": timesince(permit.request.created_at, now),
+                    "expires": _expires(permit.request.expires_at, now),
+                    "expired": (
+                        permit.request.expires_at is not None and permit.request.expires_at <= now
+                    ),
+                    "fencing_token": permit.fencing_token,
+                }
+                for permit in holders
+            ],
+            "holders_total": held.count() if len(holders) == HOLDERS_SHOWN else len(holders),
+            "holders_url": (
+                self.admin_url(
+                    PermitRequest,
+                    "changelist",
+                    permits__semaphore__id__exact=obj.pk,
+                    state__exact=State.ACQUIRED,
+                )
+                if can_view_requests
+                else ""
+            ),
+            "history": list(history.select_related("changed_by")[:HISTORY_SHOWN]),
+            "history_total": history.count(),
+            "history_url": (
+                self.admin_url(CapacityChange, "changelist", semaphore__id__exact=obj.pk)
+                if self.can_view(request, CapacityChange)
+                else ""
+            ),
+        }
+
+
+def _expires(expires_at: Any, now: Any) -> str:
+    if expires_at is None:
+        return gettext("never (no TTL)")
+    if expires_at <= now:
+        return gettext("expired %(time)s ago") % {"time": timesince(expires_at, now)}
+    return gettext("in %(time)s") % {"time": timeuntil(expires_at, now)}
+
+
+# --- permit requests --------------------------------------------------------------
+
+
+class ExpiredFilter(admin.SimpleListFilter):
+    title = _("expired")
+    parameter_name = "expired"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [("yes", _("yes, still held")), ("no", _("no"))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        # By the database's clock, the one acquire and the sweep decide by.
+        expired = {"state": State.ACQUIRED, "expires_at__lte": DatabaseNow()}
+        if self.value() == "yes":
+            return queryset.filter(**expired)
+        if self.value() == "no":
+            return queryset.exclude(**expired)
+        return queryset
+
+
+class PermitInline(admin.TabularInline):
+    """The request's share of each semaphore: read-only, 1..n rows."""
+
+    model = Permit
+    fields = ["semaphore", "count", "state", "fencing_token"]
+    readonly_fields = ["semaphore", "count", "state", "fencing_token"]
+    extra = 0
+    can_delete = False
+    show_change_link = False
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Permit]:
+        return (
+            super()
+            .get_queryset(request)
+            .using(app_settings.DATABASE)
+            .select_related("semaphore")
+            .order_by("semaphore__name")
+        )
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Permits have no admin of their own: seeing the request is seeing them.
+        return self.admin_site.get_model_admin(PermitRequest).has_view_permission(request, obj)
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
 
 
 @admin.register(PermitRequest)
-class PermitRequestAdmin(admin.ModelAdmin):
-    list_display = ["external_id", "owner", "state", "created_at", "expires_at", "release_reason"]
-    list_filter = ["state", "release_reason"]
+class PermitRequestAdmin(ReadOnlyAdmin):
+    list_display = [
+        "external_id",
+        "owner",
+        "state",
+        "semaphores",
+        "created_at",
+        "expires",
+        "released_at",
+        "release_reason",
+    ]
+    list_filter = ["state", "permits__semaphore", "release_reason", ExpiredFilter]
     search_fields = ["external_id", "owner"]
+    ordering = ["-created_at", "-id"]
+    actions = ["force_release"]
+    inlines = [PermitInline]
+    fieldsets = [
+        (None, {"fields": ["external_id", "owner", "state", "release_reason"]}),
+        (_("Timing"), {"fields": ["ttl", "created_at", "expires_at", "released_at", "updated_at"]}),
+    ]
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
+    def get_queryset(self, request: HttpRequest) -> QuerySet[PermitRequest]:
+        # One more query per page for the semaphore names, however many rows.
+        permits = Permit.objects.using(app_settings.DATABASE).select_related("semaphore")
+        return (
+            super()
+            .get_queryset(request)
+            .prefetch_related(Prefetch("permits", queryset=permits.order_by("semaphore__name")))
+        )
 
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+    @admin.display(description=_("semaphores"))
+    def semaphores(self, obj: PermitRequest) -> str:
+        return ", ".join(
+            permit.semaphore.name
+            if permit.count == 1
+            else f"{permit.semaphore.name} ({permit.count})"
+            for permit in obj.permits.all()
+        )
+
+    @admin.display(description=_("expires"), ordering="expires_at")
+    def expires(self, obj: PermitRequest) -> str:
+        if obj.state != State.ACQUIRED:
+            return self.get_empty_value_display()
+        return _expires(obj.expires_at, timezone.now())
+
+    def has_force_release_permission(self, request: HttpRequest) -> bool:
+        codename = get_permission_codename("force_release", self.opts)
+        return request.user.has_perm(f"{self.opts.app_label}.{codename}")
+
+    @admin.action(
+        permissions=["force_release"],
+        description=_("Force-release selected permit requests"),
+    )
+    def force_release(self, request: HttpRequest, queryset: QuerySet[PermitRequest]) -> None:
+        """End the selected held requests now (``release_reason="admin"``).
+
+        Their holders find out at their next renew or release. Each request
+        this ends gets a ``LogEntry`` naming the user, shown in its history.
+        """
+        selected = list(queryset.values_list("pk", "state"))
+        held = [pk for pk, state in selected if state == State.ACQUIRED]
+        released = release_requests(app_settings.DATABASE, held, ReleaseReason.ADMIN)
+        if released:
+            # release_requests() reports a count, not which rows: the ones now
+            # ended for "admin" among those held a moment ago. Only a second
+            # staff member force-releasing the same request at the same instant
+            # would be logged twice, which is true of both of them anyway.
+            ended = queryset.model.objects.using(app_settings.DATABASE).filter(
+                pk__in=held, state=State.RELEASED, release_reason=ReleaseReason.ADMIN
+            )
+            LogEntry.objects.log_actions(
+                user_id=cast(AbstractBaseUser, request.user).pk,
+                queryset=ended,
+                action_flag=CHANGE,
+                change_message=gettext("Force-released (release reason: admin)."),
+            )
+            self.message_user(
+                request,
+                ngettext(
+                    "%(count)d permit request was force-released.",
+                    "%(count)d permit requests were force-released.",
+                    released,
+                )
+                % {"count": released},
+                messages.SUCCESS,
+            )
+        skipped = len(selected) - released
+        if skipped:
+            self.message_user(
+                request,
+                ngettext(
+                    "%(count)d selected permit request was not held and was left as it was.",
+                    "%(count)d selected permit requests were not held and were left as they were.",
+                    skipped,
+                )
+                % {"count": skipped},
+                messages.WARNING,
+            )
+
+
+# --- capacity history ---------------------------------------------------------------
 
 
 @admin.register(CapacityChange)
-class CapacityChangeAdmin(admin.ModelAdmin):
-    list_display = [
-        "semaphore",
-        "old_capacity",
-        "new_capacity",
-        "changed_by",
-        "changed_at",
-        "reason",
-    ]
-    list_filter = ["semaphore"]
+class CapacityChangeAdmin(ReadOnlyAdmin):
+    list_display = ["changed_at", "semaphore", "change", "changed_by", "reason"]
+    list_filter = ["semaphore", ("changed_by", admin.RelatedOnlyFieldListFilter)]
+    list_select_related = ["semaphore", "changed_by"]
+    search_fields = ["semaphore__name", "reason"]
+    ordering = ["-changed_at", "-id"]
+    fields = ["semaphore", "old_capacity", "new_capacity", "changed_by", "changed_at", "reason"]
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+    @admin.display(description=_("change"))
+    def change(self, obj: CapacityChange) -> SafeString:
+        return format_html(
+            "{} → {}",
+            obj.old_capacity,
+            obj.new_capacity,
+        )
