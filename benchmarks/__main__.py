@@ -1,0 +1,140 @@
+"""``python -m benchmarks``: every scenario, one table, one JSON file.
+
+python -m benchmarks                      # MariaDB on loopback, processes
+python -m benchmarks --postgres           # the same on PostgreSQL
+python -m benchmarks --mode threads       # clients as threads of one process
+python -m benchmarks --smoke              # a few seconds: does it still run?
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+
+from benchmarks import db, report
+from benchmarks.scenarios import SCENARIOS, Bench, Options
+
+MARIADB = "mysql://semaphore:semaphore@127.0.0.1:33061/bench"
+POSTGRES = "postgres://semaphore@127.0.0.1:54321/bench"
+REDIS = "redis://127.0.0.1:63791/0"
+RESULTS = Path(__file__).parent / "results"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--database-url", help=f"default: {MARIADB}")
+    parser.add_argument("--postgres", action="store_true", help=f"use {POSTGRES}")
+    parser.add_argument("--redis-url", default=os.environ.get("SEMAPHORE_REDIS_URL", REDIS))
+    parser.add_argument("--mode", choices=["processes", "threads"], default="processes")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per cell")
+    parser.add_argument("--clients", default="1,4,16", help="scenario 1 client counts")
+    parser.add_argument("--history", type=int, default=1_000_000, help="released rows")
+    parser.add_argument("--held", type=int, default=5_000, help="permits held")
+    parser.add_argument(
+        "--scenarios", default="", help=f"comma-separated subset of {','.join(SCENARIOS)}"
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny, a few seconds in all")
+    parser.add_argument("--json", type=Path, help="where to write results (default: results/)")
+    parser.add_argument("--label", default="", help="a note stored with the results")
+    return parser.parse_args(argv)
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    url = args.database_url or (POSTGRES if args.postgres else MARIADB)
+    clients = [int(n) for n in args.clients.split(",")]
+    options = Options(
+        url=url,
+        redis_url=args.redis_url,
+        mode=args.mode,
+        duration=args.duration,
+        clients=clients,
+        mutex_clients=[1, max(clients)] if max(clients) > 1 else [1],
+        many=max(clients),
+        multi_clients=max(clients),
+        history=args.history,
+        held=args.held,
+        scenarios=[s for s in args.scenarios.split(",") if s],
+    )
+    if args.smoke:
+        options.duration = min(args.duration, 0.3)
+        options.clients = options.mutex_clients = [2]
+        options.many = options.multi_clients = 2
+        options.history, options.held = 300, 20
+        options.waiting_threads, options.waiting_processes = 8, 2
+    return options
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    options = options_from(args)
+    target = db.Target.parse(options.url)
+    db.ensure_database(target)
+    os.environ["BENCH_DATABASE_URL"] = options.url
+    os.environ["DJANGO_SETTINGS_MODULE"] = "benchmarks.settings"
+    import django
+
+    django.setup()
+
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    say(f"benchmark on {db.server_version(target)} ({target.vendor}), {options.mode}")
+    bench = Bench(options, say)
+    try:
+        cells = bench.run()
+    finally:
+        bench.pool.close()
+        bench.data.close()
+    report.add_ratios(cells)
+    checked = report.checks(cells, options.held, options.history)
+    meta = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "database": db.server_version(target),
+        "vendor": target.vendor,
+        "options": {k: v for k, v in asdict(options).items() if k not in {"url", "redis_url"}},
+        "label": args.label,
+        "smoke": args.smoke,
+        "commit": _git_commit(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_before": [round(x, 2) for x in load_before],
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    print()
+    print(report.table(cells))
+    print()
+    print(report.checks_text(checked))
+    print(
+        f"\nload average before {meta['load_before']}, after {meta['load_after']}"
+        f" on {meta['cpus']} CPUs; {meta['seconds']}s in all"
+    )
+    path = args.json or RESULTS / f"latest-{target.vendor}-{options.mode}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps({"meta": meta, "cells": report.as_json(cells), "checks": checked}, indent=1)
+    )
+    print(f"results: {path}")
+    return 0
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

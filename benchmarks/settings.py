@@ -1,0 +1,34 @@
+"""Django settings for the benchmark's client processes and its driver.
+
+The database comes from ``BENCH_DATABASE_URL`` (set by ``python -m benchmarks``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import environ
+
+SECRET_KEY = "benchmark-only"
+USE_TZ = True
+TIME_ZONE = "UTC"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+DATABASES = {"default": environ.Env.db_url_config(os.environ["BENCH_DATABASE_URL"])}
+_default = DATABASES["default"]
+if _default["ENGINE"] == "django.db.backends.sqlite3":
+    _default["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 20}
+elif _default["ENGINE"] == "django.db.backends.mysql":
+    _default["OPTIONS"] = {"charset": "utf8mb4"}
+
+INSTALLED_APPS = [
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django_semaphore",
+]
+# django-db-mutex is a peer, measured only where it is installed (the bench extra).
+if importlib.util.find_spec("db_mutex") is not None:
+    INSTALLED_APPS.append("db_mutex")
+
+DJANGO_SEMAPHORE: dict[str, object] = {}

@@ -1,0 +1,63 @@
+"""The benchmark's smoke mode runs, end to end, on the database under test.
+
+No timing is asserted: only that every scenario produced sane figures and that
+neither the app nor the seed design reported an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+
+
+def smoke_database_url(tmp_path: Path) -> str:
+    """A database of the benchmark's own beside the one under test."""
+    settings = connection.settings_dict
+    if connection.vendor == "sqlite":
+        return f"sqlite:///{tmp_path / 'bench-smoke.sqlite3'}"
+    name = f"{settings['NAME']}_bench_smoke"
+    password = f":{settings['PASSWORD']}" if settings.get("PASSWORD") else ""
+    scheme = "mysql" if connection.vendor == "mysql" else "postgres"
+    host = settings.get("HOST") or "127.0.0.1"
+    return f"{scheme}://{settings['USER']}{password}@{host}:{settings['PORT']}/{name}"
+
+
+def test_smoke_mode_produces_sane_results(tmp_path):
+    output = tmp_path / "smoke.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "--smoke",
+        "--database-url",
+        smoke_database_url(tmp_path),
+        "--json",
+        str(output),
+    ]
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    results = json.loads(output.read_text())
+    cells = results["cells"]
+    scenarios = {cell["scenario"].split()[0] for cell in cells}
+    assert {"1", "2", "3", "4", "5", "6", "mutex"} <= scenarios
+    for cell in cells:
+        assert cell["cycles_per_s"] >= 0
+        if cell["system"].startswith(("app", "seed")):
+            assert cell["errors"] == 0, cell
+            assert cell["cycles"] > 0, cell
+            assert cell["p50_ms"] <= cell["p99_ms"] <= cell["max_ms"], cell
+    assert any(check["figure"].startswith("errors") for check in results["checks"])
+    assert "cycles/s" in run.stdout  # the table was printed
