@@ -80,3 +80,9 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+# A beat started by the tests (test_beat) runs the maintenance tasks every 2 s.
+if env("SEMAPHORE_TEST_BEAT", default=""):
+    from django_semaphore.beat import beat_schedule
+
+    CELERY_BEAT_SCHEDULE = beat_schedule(release_orphans=2, clean_released=2, clean_history=2)

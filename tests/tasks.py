@@ -65,3 +65,23 @@ def retries_once(self: Any, label: str) -> int:
 @holds_permit(ONE, ttl=30)
 def slow(self: Any, label: str, hold: float) -> int:
     return _work(label, hold, self)
+
+
+# --- maintenance (test_liveness, test_beat) ------------------------------------
+
+# The worker runs the app's own maintenance tasks too (scheduled by beat).
+import django_semaphore.tasks  # noqa: E402, F401
+
+
+@shared_task(bind=True)
+def naps(self: Any, seconds: float) -> str:
+    time.sleep(seconds)
+    return str(self.request.id)
+
+
+@shared_task(bind=True, max_retries=3)
+@holds_permit(ONE)
+def retries_much_later(self: Any) -> None:
+    """Holds ONE, then waits for a retry a minute away: a parked permit."""
+    raise self.retry(countdown=60)
+

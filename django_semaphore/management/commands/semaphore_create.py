@@ -1,0 +1,36 @@
+"""``manage.py semaphore_create NAME CAPACITY``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_semaphore.conf import app_settings
+from django_semaphore.exceptions import InvalidRequest
+from django_semaphore.models import Semaphore
+from django_semaphore.validation import validate_capacity, validate_demand
+
+
+class Command(BaseCommand):
+    help = "Create a semaphore. An existing one is left alone (see semaphore_capacity)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("name")
+        parser.add_argument("capacity", type=int)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            (name,) = validate_demand(options["name"]).names
+            capacity = validate_capacity(options["capacity"])
+        except InvalidRequest as exc:
+            raise CommandError(str(exc)) from exc
+        semaphore, created = Semaphore.objects.using(app_settings.DATABASE).get_or_create(
+            name=name, defaults={"capacity": capacity}
+        )
+        if not created:
+            raise CommandError(
+                f"Semaphore {name!r} exists (capacity {semaphore.capacity}); "
+                "change it with semaphore_capacity."
+            )
+        self.stdout.write(f"Created semaphore {name!r} with capacity {capacity}.")

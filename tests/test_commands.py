@@ -1,0 +1,164 @@
+"""Management commands: sweep (for cron), status, create, capacity, release."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db.models import DurationField, Value
+
+from django_semaphore import acquire, release
+from django_semaphore.backends import DatabaseNow
+from django_semaphore.models import CapacityChange, PermitRequest, ReleaseReason, Semaphore, State
+from tests.conftest import unique
+
+pytestmark = pytest.mark.django_db
+
+
+def run(*args: str) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out)
+    return out.getvalue()
+
+
+def ago(**kwargs: float) -> object:
+    return DatabaseNow() - Value(timedelta(**kwargs), DurationField())
+
+
+@pytest.fixture
+def leftovers(make_semaphore):
+    """One expired request, one released 8 days ago, one old capacity change."""
+    sem = make_semaphore(capacity=5)
+    expired = acquire(sem.name, external_id=unique(), ttl=60)
+    PermitRequest.objects.filter(pk=expired.pk).update(expires_at=ago(seconds=1))
+    old = acquire(sem.name, external_id=unique())
+    release(old.external_id)
+    PermitRequest.objects.filter(pk=old.pk).update(released_at=ago(days=8))
+    Semaphore.objects.set_capacity(sem.name, 6)
+    CapacityChange.objects.update(changed_at=ago(days=31))
+    return expired, old
+
+
+def test_sweep_runs_all_three_by_default(leftovers):
+    expired, old = leftovers
+    output = run("semaphore_sweep")
+    assert "Orphans: released 1 (repaired 0, expired 1, owner_dead 0, stale 0)." in output
+    assert "Released requests: deleted 1 and 1 permits in 1 batches." in output
+    assert "Capacity history: deleted 1 in 1 batches." in output
+    expired.refresh_from_db()
+    assert (expired.state, expired.release_reason) == (State.RELEASED, ReleaseReason.EXPIRED)
+    assert not PermitRequest.objects.filter(pk=old.pk).exists()
+    assert not CapacityChange.objects.exists()
+
+
+def test_sweep_options_choose_what_runs(leftovers):
+    expired, _ = leftovers
+    output = run("semaphore_sweep", "--cleanup")
+    assert output.splitlines() == ["Released requests: deleted 1 and 1 permits in 1 batches."]
+    assert PermitRequest.objects.get(pk=expired.pk).state == State.ACQUIRED
+    assert CapacityChange.objects.exists()
+    assert run("semaphore_sweep", "--orphans", "--history").splitlines() == [
+        "Orphans: released 1 (repaired 0, expired 1, owner_dead 0, stale 0).",
+        "Capacity history: deleted 1 in 1 batches.",
+    ]
+
+
+def test_sweep_dry_run_changes_nothing(leftovers):
+    output = run("semaphore_sweep", "--dry-run")
+    assert output.splitlines() == [
+        "Orphans: would release 1 (repaired 0, expired 1, owner_dead 0, stale 0).",
+        "Released requests: would delete 1 and 1 permits.",
+        "Capacity history: would delete 1.",
+    ]
+    assert PermitRequest.objects.filter(state=State.ACQUIRED).count() == 1
+    assert PermitRequest.objects.count() == 2
+    assert CapacityChange.objects.count() == 1
+
+
+def test_sweep_reports_progress_and_a_spent_time_budget(make_semaphore):
+    sem = make_semaphore(capacity=10)
+    for _ in range(5):
+        key = unique()
+        acquire(sem.name, external_id=key)
+        release(key)
+    PermitRequest.objects.update(released_at=ago(days=8))
+
+    output = run("semaphore_sweep", "--cleanup", "--batch-size=2", "-v", "2")
+    assert output.splitlines() == [
+        "  ... released requests: 2 deleted so far",
+        "  ... released requests: 4 deleted so far",
+        "  ... released requests: 5 deleted so far",
+        "Released requests: deleted 5 and 5 permits in 3 batches.",
+    ]
+
+
+def test_status_shows_capacity_use_and_holders(make_semaphore):
+    busy, idle, over = make_semaphore(capacity=3), make_semaphore(capacity=2), make_semaphore(2)
+    acquire({busy.name: 2}, external_id=unique())
+    acquire(busy.name, external_id=unique())
+    acquire({over.name: 2}, external_id=unique())
+    Semaphore.objects.set_capacity(over.name, 1)
+
+    lines = run("semaphore_status", busy.name, idle.name, over.name).splitlines()
+
+    assert lines[0].split() == ["name", "capacity", "in", "use", "available", "holders"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    assert rows == {
+        busy.name: ["3", "3", "0", "2"],
+        idle.name: ["2", "0", "2", "0"],
+        over.name: ["1", "2", "0", "(over)", "1"],
+    }
+
+
+def test_status_without_semaphores():
+    assert "(no semaphores)" in run("semaphore_status", "no-such-name")
+
+
+def test_create_then_set_capacity_is_recorded_as_by_command():
+    name = unique()
+    assert run("semaphore_create", name, "3") == f"Created semaphore {name!r} with capacity 3.\n"
+    with pytest.raises(CommandError, match="exists"):
+        run("semaphore_create", name, "4")
+
+    assert "capacity 3 -> 5" in run("semaphore_capacity", name, "5", "--reason", "more exports")
+    run("semaphore_capacity", name, "2")
+
+    assert Semaphore.objects.get(name=name).capacity == 2
+    changes = CapacityChange.objects.filter(semaphore__name=name).order_by("id")
+    assert [(c.old_capacity, c.new_capacity, c.reason, c.changed_by) for c in changes] == [
+        (3, 5, "by command: more exports", None),
+        (5, 2, "by command", None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["semaphore_create", "", "3"], "name"),
+        (["semaphore_create", "x", "-1"], "apacity"),
+        (["semaphore_capacity", "no-such-semaphore", "3"], "no-such-semaphore"),
+        (["semaphore_capacity", "x", "-1"], "apacity"),
+    ],
+)
+def test_bad_arguments_are_command_errors(args, message):
+    with pytest.raises(CommandError, match=message):
+        run(*args)
+
+
+def test_release_by_key(make_semaphore):
+    sem = make_semaphore(capacity=2)
+    held = acquire(sem.name, external_id=unique())
+    done = acquire(sem.name, external_id=unique())
+    release(done.external_id)
+
+    assert run("semaphore_release", held.external_id, done.external_id).splitlines() == [
+        f"{held.external_id}: released",
+        f"{done.external_id}: was already released",
+    ]
+    held.refresh_from_db()
+    assert (held.state, held.release_reason) == (State.RELEASED, ReleaseReason.ADMIN)
+    with pytest.raises(CommandError, match="no-such-key"):
+        run("semaphore_release", "no-such-key")
