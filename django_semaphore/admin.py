@@ -47,7 +47,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.text import capfirst
-from django.utils.timesince import timesince, timeuntil
+from django.utils.timesince import timesince
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
@@ -63,7 +63,7 @@ from django_semaphore.models import (
     Semaphore,
     State,
 )
-from django_semaphore.utilization import load_utilization, render_svg
+from django_semaphore.utilization import describe, load_utilization, render_svg
 from django_semaphore.validation import MAX_COUNT
 
 # The semaphore page lists at most this many holders and capacity changes;
@@ -245,7 +245,7 @@ class UsageFilter(admin.SimpleListFilter):
 
 class SemaphoreForm(forms.ModelForm):
     capacity = forms.IntegerField(
-        label=_("capacity"),
+        label=_("Capacity"),
         min_value=0,
         max_value=MAX_COUNT,
         help_text=_(
@@ -254,7 +254,7 @@ class SemaphoreForm(forms.ModelForm):
         ),
     )
     reason = forms.CharField(
-        label=_("reason for the change"),
+        label=_("Reason for the change"),
         max_length=MAX_NAME_LENGTH,
         required=False,
         help_text=_("Optional; kept in the capacity history with your name."),
@@ -364,7 +364,7 @@ class SemaphoreAdmin(OperatorAdmin):
             '<a href="{}" title="{}">{}</a>',
             self.admin_url(CapacityChange, "changelist", semaphore__id__exact=obj.pk),
             changed_at.isoformat(timespec="seconds"),
-            gettext("%(time)s ago") % {"time": timesince(changed_at)},
+            gettext("%(time)s ago") % {"time": duration(changed_at, timezone.now())},
         )
 
     def save_model(
@@ -432,6 +432,7 @@ class SemaphoreAdmin(OperatorAdmin):
         history = CapacityChange.objects.using(using).filter(semaphore=obj)
         can_view_requests = self.can_view(request, PermitRequest)
         return {
+            "utilization_summary": describe(utilization),
             "utilization_chart": render_svg(
                 utilization,
                 title=gettext("Utilization of %(name)s, last 24 hours") % {"name": obj.name},
@@ -446,7 +447,7 @@ class SemaphoreAdmin(OperatorAdmin):
                         else ""
                     ),
                     "count": permit.count,
-                    "age": timesince(permit.request.created_at, now),
+                    "age": duration(permit.request.created_at, now),
                     "expires": _expires(permit.request.expires_at, now),
                     "expired": (
                         permit.request.expires_at is not None and permit.request.expires_at <= now
@@ -476,12 +477,20 @@ class SemaphoreAdmin(OperatorAdmin):
         }
 
 
-def _expires(expires_at: Any, now: Any) -> str:
+def _expires(expires_at: datetime | None, now: datetime) -> str:
     if expires_at is None:
         return gettext("never (no TTL)")
     if expires_at <= now:
-        return gettext("expired %(time)s ago") % {"time": timesince(expires_at, now)}
-    return gettext("in %(time)s") % {"time": timeuntil(expires_at, now)}
+        return gettext("expired %(time)s ago") % {"time": duration(expires_at, now)}
+    return gettext("in %(time)s") % {"time": duration(now, expires_at)}
+
+
+def duration(start: datetime, end: datetime) -> str:
+    """Like ``timesince``, but a short TTL reads "40 seconds", not "0 minutes"."""
+    seconds = int((end - start).total_seconds())
+    if seconds < 60:
+        return ngettext("%(count)d second", "%(count)d seconds", seconds) % {"count": seconds}
+    return timesince(start, end)
 
 
 # --- permit requests --------------------------------------------------------------

@@ -240,7 +240,7 @@ def test_semaphore_page_shows_holders_chart_and_history(operator, make_semaphore
     assert request_url(held) in html
     assert "finished" not in html  # released: not a holder
     assert "<svg" in html
-    assert "Peak 3 in use" in html  # the released one overlapped
+    assert "now 2 of 4." in html  # the chart's summary
     assert "black friday" in html
     assert response.context["history_total"] == 1
     assert 'name="reason"' in html  # the change form asks why

@@ -182,19 +182,25 @@ def test_svg_paths_follow_the_steps():
 def test_load_replays_requests_and_capacity_changes(make_semaphore):
     sem = make_semaphore(capacity=3)
     user = get_user_model().objects.create_user(unique("ops"))
-    long_done = acquire({sem.name: 2}, external_id=unique())
-    release(long_done.external_id)
+    done = acquire({sem.name: 2}, external_id=unique())
+    release(done.external_id)
     held = acquire(sem.name, external_id=unique())
     other = make_semaphore(capacity=3)
     acquire(other.name, external_id=unique())  # another semaphore's: not counted
-    Semaphore.objects.set_capacity(sem.name, 5, changed_by=user, reason="more")
-    # A request released two days ago is outside the window.
-    ancient = acquire(sem.name, external_id=unique())
+    ancient = acquire(sem.name, external_id=unique())  # released two days ago
     release(ancient.external_id)
-    two_days = held.created_at - timedelta(days=2)
-    PermitRequest.objects.filter(pk=ancient.pk).update(
-        created_at=two_days, released_at=two_days + timedelta(hours=1)
-    )
+    now = PermitRequest.objects.get(pk=ancient.pk).released_at
+    # Whole hours apart, so no two events share a timestamp on any database.
+    move = {
+        done: (now - timedelta(hours=3), now - timedelta(hours=2)),
+        held: (now - timedelta(hours=1), None),
+        ancient: (now - timedelta(days=2), now - timedelta(days=2) + timedelta(hours=1)),
+    }
+    for request, (created_at, released_at) in move.items():
+        PermitRequest.objects.filter(pk=request.pk).update(
+            created_at=created_at, released_at=released_at
+        )
+    Semaphore.objects.set_capacity(sem.name, 5, changed_by=user, reason="more")
 
     utilization = load_utilization(sem)
 
