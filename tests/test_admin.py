@@ -613,3 +613,15 @@ def test_capacity_change_through_the_apps_alias(client, on_apps_alias, make_sema
     assert CapacityChange.objects.get(semaphore=sem).reason == "via the alias"
     sql = " ".join(query["sql"] for query in on_apps_alias.captured_queries)
     assert "FOR UPDATE" in sql
+
+
+@pytest.mark.parametrize("url", [SEMAPHORES, REQUESTS, HISTORY])
+def test_lists_show_filter_counts(viewer, make_semaphore, url):
+    sem = make_semaphore(capacity=1)
+    hold(sem)
+    Semaphore.objects.set_capacity(sem.name, 2, changed_by=staff(), reason="facets")
+
+    response = viewer.get(url, {"_facets": "True"})
+
+    assert response.status_code == 200
+    assert response.context["cl"].add_facets
