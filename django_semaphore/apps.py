@@ -17,9 +17,12 @@ class DjangoSemaphoreConfig(AppConfig):
 
         post_migrate.connect(create_declared_semaphores, sender=self)
         try:
-            from celery.signals import task_postrun
+            from celery.signals import before_task_publish, task_postrun
         except ImportError:  # Celery is optional
             return
-        from django_semaphore.task_runs import on_task_postrun
+        from django_semaphore import task_runs
 
-        task_postrun.connect(on_task_postrun, dispatch_uid="django_semaphore.task_postrun")
+        task_postrun.connect(task_runs.on_task_postrun, dispatch_uid="django_semaphore.postrun")
+        before_task_publish.connect(
+            task_runs.on_before_task_publish, dispatch_uid="django_semaphore.publish"
+        )

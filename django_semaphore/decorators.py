@@ -13,7 +13,8 @@ import os
 import random
 import socket
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -23,7 +24,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHt
 from django_semaphore.conf import app_settings
 from django_semaphore.context import Heartbeat, permit
 from django_semaphore.exceptions import PermitLost, SemaphoreError, SemaphoreExhausted
-from django_semaphore.validation import MAX_LENGTH, validate_ttl
+from django_semaphore.validation import MAX_LENGTH, validate_demand, validate_ttl
 
 logger = logging.getLogger("django_semaphore")
 
@@ -66,12 +67,12 @@ def holds_permit(
         timeout: seconds to wait for room before giving up (views, functions).
         retry_after: seconds a refused client is told to wait.
     """
+    # Validated now, so a typo fails at import rather than on the first request.
     if isinstance(names, str):
-        demand: Any = {names: count}
-    elif hasattr(names, "items"):
-        demand = dict(names)
-    else:
-        demand = dict.fromkeys(names, count)
+        names = [names]
+    if not isinstance(names, Mapping):
+        names = dict.fromkeys(validate_demand(names).names, count)
+    demand = validate_demand(names).counts
     ttl_seconds = validate_ttl(ttl)
 
     def decorate(func: F) -> F:
@@ -83,20 +84,13 @@ def holds_permit(
     return decorate
 
 
+@dataclass(frozen=True)
 class _Options:
-    def __init__(
-        self,
-        demand: Any,
-        ttl: int | None,
-        timeout: int | float | timedelta,
-        retry_after: int,
-        label: str,
-    ) -> None:
-        self.demand = demand
-        self.ttl = ttl
-        self.timeout = timeout
-        self.retry_after = retry_after
-        self.label = label
+    demand: dict[str, int]
+    ttl: int | None
+    timeout: int | float | timedelta
+    retry_after: int
+    label: str  # module.qualname of the decorated function, for owners and logs
 
 
 def _label(func: Callable[..., Any]) -> str:
@@ -111,17 +105,22 @@ def _find_request(args: tuple[Any, ...]) -> HttpRequest | None:
     return None
 
 
-def _current_task() -> Any:
+def _running_task_of(body: Callable[..., Any]) -> Any:
+    """The Celery task whose body ``body`` is, if a worker is running it now.
+
+    Only the task's own body gets task semantics (key = task id); a decorated
+    helper the task calls holds its permit like any function.
+    """
     try:
         from celery import current_task
     except ImportError:
         return None
-    if (
-        current_task
-        and current_task.request.id is not None
-        and not current_task.request.called_directly
-    ):
-        return current_task
+    if not current_task or current_task.request.id is None or current_task.request.called_directly:
+        return None
+    # autoretry_for wraps the body and keeps the original as _orig_run.
+    for run in (getattr(current_task, "_orig_run", None), current_task.run):
+        if getattr(run, "__func__", run) is body:
+            return current_task
     return None
 
 
@@ -131,7 +130,7 @@ def _sync_wrapper(func: F, options: _Options) -> Callable[..., Any]:
         request = _find_request(args)
         if request is not None:
             return _run_view(func, options, request, args, kwargs)
-        task = _current_task()
+        task = _running_task_of(wrapper)
         if task is not None:
             return _run_task(func, options, task, args, kwargs)
         with permit(

@@ -13,8 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from django.db import connections
+from django.db.models import QuerySet
 
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import PermitAlreadyReleased, SemaphoreError, SemaphoreExhausted
@@ -69,18 +72,15 @@ def _keys(task_id: str) -> Iterator[str]:
 
 
 def _take_over(request_id: int, previous: str, me: TaskOwner) -> bool:
-    """Adopt the permit if its previous holder is parked or known dead."""
-    from django_semaphore.models import PermitRequest, State
-
+    """Adopt the permit if its previous holder is parked or known dead; a live
+    holder is a duplicate delivery of the same task, and keeps it."""
     holder = TaskOwner.parse(previous)
-    if holder is None or (holder.pid != PARKED and not _is_dead(holder)):
+    if holder is None or holder.task_id != me.task_id:
+        return False
+    if holder.pid != PARKED and not _is_dead(holder):
         return False
     # Conditional on the owner we judged: of two runs adopting at once, one wins.
-    return bool(
-        PermitRequest.objects.using(app_settings.DATABASE)
-        .filter(pk=request_id, state=State.ACQUIRED, owner=previous)
-        .update(owner=str(me))
-    )
+    return bool(_update_owner(lambda held: held.filter(pk=request_id, owner=previous), str(me)))
 
 
 def _is_dead(holder: TaskOwner) -> bool:
@@ -104,21 +104,54 @@ def _gone_from_this_machine(holder: TaskOwner) -> bool:
     return False
 
 
+def _park(key: str, task: Any) -> None:
+    """Mark the permit as held by no process: the task's next attempt adopts it."""
+    parked = str(current_owner(task, pid=PARKED))
+    _update_owner(lambda held: held.filter(external_id=key), parked)
+
+
+def _update_owner(select: Callable[[QuerySet[Any]], QuerySet[Any]], owner: str) -> int:
+    """Set the owner of a held request, retrying transient database errors."""
+    from django_semaphore.core import run_with_retries
+    from django_semaphore.models import PermitRequest, State
+
+    connection = connections[app_settings.DATABASE]
+    held = PermitRequest.objects.using(connection.alias).filter(state=State.ACQUIRED)
+    return run_with_retries(connection, lambda: select(held).update(owner=owner))
+
+
+def on_before_task_publish(headers: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    """``before_task_publish`` receiver: a task calling ``retry()`` publishes
+    its next attempt before ``task_postrun`` runs, and that attempt may start
+    at once in another process. Park the permit first, so it is adopted
+    rather than mistaken for a live duplicate's."""
+    from celery import current_task
+
+    from django_semaphore.decorators import TASK_KEY_ATTRIBUTE
+
+    request: Any = getattr(current_task, "request", None)
+    key = getattr(request, TASK_KEY_ATTRIBUTE, None)
+    if key is None or (headers or {}).get("id") != request.id:
+        return
+    try:
+        _park(key, current_task)
+    except SemaphoreError:
+        # The next attempt then defers until postrun parks the permit.
+        logger.exception("Could not park the permit %s of task %s", key, request.id)
+
+
 def on_task_postrun(sender: Any = None, task: Any = None, state: str = "", **kwargs: Any) -> None:
     """``task_postrun`` receiver: keep the permit across ``retry()``, release
     it once the task has finished for good (success, failure, revoked)."""
     from django_semaphore.core import release
     from django_semaphore.decorators import TASK_KEY_ATTRIBUTE
-    from django_semaphore.models import PermitRequest, State
 
     key = getattr(getattr(task, "request", None), TASK_KEY_ATTRIBUTE, None)
     if key is None:
         return
     try:
         if state == "RETRY":
-            PermitRequest.objects.using(app_settings.DATABASE).filter(
-                external_id=key, state=State.ACQUIRED
-            ).update(owner=str(current_owner(task, pid=PARKED)))
+            _park(key, task)
         else:
             release(key)
     except SemaphoreError:

@@ -47,7 +47,9 @@ def _wait_until_ready(worker: Worker, timeout: float = 60) -> None:
 
 @pytest.fixture(scope="module")
 def celery_worker(
-    django_db_setup: None, django_db_blocker: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    django_db_setup: None,
+    django_db_blocker: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Worker]:
     """Start a worker (prefork, 3 processes) for the tests of one module."""
     queue = f"tests-{uuid.uuid4().hex[:8]}"

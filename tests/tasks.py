@@ -85,3 +85,27 @@ def retries_much_later(self: Any) -> None:
     """Holds ONE, then waits for a retry a minute away: a parked permit."""
     raise self.retry(countdown=60)
 
+
+HELPER = "celery-helper"  # capacity 1, created by the test that uses it
+
+
+@holds_permit(HELPER)
+def helper_holding_its_own_permit() -> str:
+    from django_semaphore.models import PermitRequest
+
+    return PermitRequest.objects.get(permits__semaphore__name=HELPER, state="ACQUIRED").external_id
+
+
+@shared_task(bind=True, max_retries=3)
+@holds_permit(ONE)
+def calls_a_decorated_helper(self: Any) -> str:
+    return helper_holding_its_own_permit()
+
+
+@shared_task(bind=True, autoretry_for=(ValueError,), max_retries=2, default_retry_delay=0)
+@holds_permit(ONE)
+def fails_then_autoretries(self: Any, label: str) -> int:
+    log_pk = _work(label, 0, self)
+    if self.request.retries < 2:
+        raise ValueError("not yet")
+    return log_pk

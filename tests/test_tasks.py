@@ -6,6 +6,7 @@ import itertools
 import os
 import signal
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -25,9 +26,18 @@ def one(celery_worker: Any) -> Semaphore:
     return Semaphore.objects.create(name=tasks.ONE, capacity=1)
 
 
-def wait_for(results: list[AsyncResult], timeout: float = 90) -> None:
+def wait_for(results: list[AsyncResult], timeout: float = 90, settled: bool = True) -> None:
+    """Until every task finished and its permit is settled: a worker stores the
+    result just before task_postrun, where the permit is released."""
     for result in results:
         result.get(timeout=timeout, propagate=False)
+    if not settled:
+        return
+    deadline = time.monotonic() + 10
+    keys = [result.id for result in results]
+    while PermitRequest.objects.filter(external_id__in=keys, state=State.ACQUIRED).exists():
+        assert time.monotonic() < deadline, "a finished task kept its permit"
+        time.sleep(0.05)
 
 
 def assert_never_overlapping(label: str) -> list[RunLog]:
@@ -43,7 +53,7 @@ def test_tasks_on_a_capacity_one_semaphore_run_one_at_a_time(one):
     results.append(tasks.exclusive_unbound.delay("one-at-a-time", 0.3))
     wait_for(results)
 
-    assert [r.state for r in results] == ["SUCCESS"] * 5
+    assert [r.state for r in results] == ["SUCCESS"] * 5, [r.traceback for r in results]
     runs = assert_never_overlapping("one-at-a-time")
     assert sorted(run.task_id for run in runs) == sorted(r.id for r in results)
     tokens = [run.token for run in runs]
@@ -73,7 +83,7 @@ def test_permit_is_kept_across_the_tasks_own_retry(one):
     result = tasks.retries_once.delay("retried")
     wait_for([result])
 
-    assert result.state == "SUCCESS"
+    assert result.state == "SUCCESS", result.traceback
     first, second = RunLog.objects.filter(label="retried").order_by("started_at")
     assert first.token == second.token  # the same permit, not a new grant
     request = PermitRequest.objects.get(external_id=result.id)
@@ -83,12 +93,12 @@ def test_permit_is_kept_across_the_tasks_own_retry(one):
 
 def test_another_live_run_of_the_same_task_id_is_not_shared(one):
     """A broker redelivering a task while its first run still works elsewhere."""
-    task_id = "redelivered-while-alive"
+    task_id = f"redelivered-while-alive-{uuid.uuid4().hex}"  # results outlive test runs
     alive_elsewhere = TaskOwner(task_id, tasks.impatient.name, "celery@another-host", 4242)
     acquire(tasks.ONE, external_id=task_id, owner=str(alive_elsewhere))
 
     result = tasks.impatient.apply_async(args=["second-run"], task_id=task_id)
-    wait_for([result])
+    wait_for([result], settled=False)  # the permit stays with the live run elsewhere
 
     assert result.state == "FAILURE"
     assert not RunLog.objects.filter(label="second-run").exists()
@@ -113,3 +123,27 @@ def test_killed_worker_process_redelivers_without_a_second_permit(one, celery_wo
     assert list(PermitRequest.objects.filter(external_id__startswith=result.id)) == [
         PermitRequest.objects.get(external_id=result.id, state=State.RELEASED)
     ]
+
+
+def test_autoretry_keeps_the_permit_until_the_last_attempt(one):
+    result = tasks.fails_then_autoretries.delay("autoretried")
+    wait_for([result])
+
+    assert result.state == "SUCCESS", result.traceback
+    runs = RunLog.objects.filter(label="autoretried")
+    assert runs.count() == 3
+    assert len({run.token for run in runs}) == 1  # one permit for all three attempts
+    assert PermitRequest.objects.get(external_id=result.id).state == State.RELEASED
+
+
+def test_a_decorated_helper_inside_a_task_holds_its_own_permit(one):
+    Semaphore.objects.create(name=tasks.HELPER, capacity=1)
+
+    result = tasks.calls_a_decorated_helper.delay()
+    wait_for([result])
+
+    assert result.state == "SUCCESS", result.traceback
+    helper_key = result.result
+    assert helper_key != result.id  # not the task id: that key is the task's own permit
+    assert PermitRequest.objects.get(external_id=helper_key).state == State.RELEASED
+    assert PermitRequest.objects.get(external_id=result.id).state == State.RELEASED

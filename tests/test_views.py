@@ -165,3 +165,15 @@ def test_real_server_under_concurrent_load(live_server, semaphore):
     ):
         time.sleep(0.05)
     assert in_use() == 0
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [{"names": []}, {"names": "x", "count": 0}, {"names": ["a", "a"]}, {"names": {"a": -1}}],
+)
+def test_bad_decorator_arguments_fail_at_decoration(arguments):
+    from django_semaphore import holds_permit
+    from django_semaphore.exceptions import InvalidRequest
+
+    with pytest.raises(InvalidRequest):
+        holds_permit(**arguments)
