@@ -6,7 +6,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import models
-from django.db.models import Q, Sum
+from django.db.models import OuterRef, Subquery, Sum
 from django.db.models.functions import Coalesce
 
 from django_semaphore import core
@@ -23,10 +23,21 @@ ACQUIRED = "ACQUIRED"  # models.State.ACQUIRED, without importing models here
 
 class SemaphoreQuerySet(models.QuerySet["Semaphore"]):
     def with_usage(self) -> SemaphoreQuerySet:
-        """Annotate ``in_use``: the sum of counts of ACQUIRED permits."""
-        return self.annotate(
-            in_use=Coalesce(Sum("permits__count", filter=Q(permits__state=ACQUIRED)), 0)
+        """Annotate ``in_use``: the sum of counts of ACQUIRED permits.
+
+        A correlated subquery on the covering (semaphore, state, count) index,
+        not a join: a join would read every released permit still retained.
+        """
+        from django_semaphore.models import Permit
+
+        held = (
+            Permit.objects.filter(semaphore=OuterRef("pk"), state=ACQUIRED)
+            .order_by()
+            .values("semaphore")
+            .annotate(total=Sum("count"))
+            .values("total")
         )
+        return self.annotate(in_use=Coalesce(Subquery(held), 0))
 
 
 class SemaphoreManager(models.Manager["Semaphore"]):
