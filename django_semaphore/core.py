@@ -207,6 +207,9 @@ def _grant(
         .annotate(db_now=DatabaseNow())
         .values_list("id", "name", "capacity", "fencing_counter", "db_now")
     )
+    # A case- or accent-insensitive collation (MySQL's default) also matches
+    # "EXPORTS" to the row "exports": names are exact, as Python compares them.
+    rows = [row for row in rows if row[1] in demand.counts]
     if len(rows) != len(demand.names):
         return SemaphoreNotFound(set(demand.names) - {row[1] for row in rows})
     now: datetime = rows[0][4]
@@ -303,12 +306,20 @@ def _reclaim_expired(alias: str, semaphore_ids: list[int], now: datetime) -> int
 def _find_request(alias: str, key: str) -> PermitRequest | None:
     from django_semaphore.models import PermitRequest
 
-    return (
+    request = (
         PermitRequest.objects.using(alias)
         .annotate(db_now=DatabaseNow())
         .filter(external_id=key)
         .first()
     )
+    if request is not None and request.external_id != key:
+        # Equal under MySQL's collation (case, accents, trailing spaces), yet
+        # another caller's key: never hand out or touch its permit.
+        raise IdempotencyConflict(
+            f"Key {key!r} collides with the existing key {request.external_id!r}: "
+            f"the database compares keys ignoring case, accents and trailing spaces."
+        )
+    return request
 
 
 def _reattach(alias: str, request: PermitRequest, demand: Demand) -> PermitRequest:
@@ -368,12 +379,12 @@ def release(external_id: str) -> ReleaseOutcome:
         row = (
             PermitRequest.objects.using(connection.alias)
             .filter(external_id=key)
-            .values_list("pk", "state")
+            .values_list("pk", "state", "external_id")
             .first()
         )
-        if row is None:
+        if row is None or row[2] != key:  # not another key equal by collation
             return ReleaseOutcome.NOT_FOUND
-        pk, state = row
+        pk, state, _ = row
         if state == State.RELEASED:
             return ReleaseOutcome.ALREADY_RELEASED
         released = release_requests(connection.alias, [pk], ReleaseReason.RELEASED)
