@@ -15,7 +15,7 @@ from django.db import IntegrityError, connections, transaction
 from django_semaphore.conf import app_settings
 from django_semaphore.core import run_with_retries
 from django_semaphore.exceptions import InvalidRequest, StaleFencingToken
-from django_semaphore.validation import MAX_LENGTH
+from django_semaphore.validation import MAX_LENGTH, validate_storable
 
 
 def advance(resource: str, token: int, *, using: str | None = None) -> None:
@@ -63,5 +63,6 @@ def _validate(resource: Any, token: Any) -> None:
         raise InvalidRequest("The fencing resource must be a non-empty str.")
     if len(resource) > MAX_LENGTH:
         raise InvalidRequest(f"The fencing resource must be at most {MAX_LENGTH} characters.")
+    validate_storable(resource, "fencing resource")
     if not isinstance(token, int) or isinstance(token, bool) or token < 0:
         raise InvalidRequest(f"A fencing token must be a non-negative int, not {token!r}.")

@@ -71,6 +71,18 @@ def _text(value: Any, what: str) -> str:
         raise InvalidRequest(f"The {what} must not be empty.")
     if len(value) > MAX_LENGTH:
         raise InvalidRequest(f"The {what} must be at most {MAX_LENGTH} characters.")
+    return validate_storable(value, what)
+
+
+def validate_storable(value: str, what: str) -> str:
+    """Refuse what some database cannot store, before the driver fails on it:
+    NUL (PostgreSQL text refuses it) and lone surrogates (not UTF-8 at all)."""
+    if "\x00" in value:
+        raise InvalidRequest(f"The {what} must not contain NUL characters.")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"The {what} must be valid Unicode (no lone surrogates).") from None
     return value
 
 
@@ -83,7 +95,7 @@ def validate_owner(owner: Any, field: str = "owner") -> str:
         raise InvalidRequest(f"The {field} must be a str, not {type(owner).__name__}.")
     if len(owner) > MAX_LENGTH:
         raise InvalidRequest(f"The {field} must be at most {MAX_LENGTH} characters.")
-    return owner
+    return validate_storable(owner, field)
 
 
 def validate_ttl(ttl: Any) -> int | None:
