@@ -6,6 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import SemaphoreError
 from django_semaphore.models import Semaphore
 
@@ -26,8 +27,12 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         reason = f"{BY_COMMAND}: {options['reason']}" if options["reason"] else BY_COMMAND
         try:
-            old = Semaphore.objects.filter(name=options["name"]).values_list("capacity", flat=True)
-            previous = old.first()
+            previous = (
+                Semaphore.objects.using(app_settings.DATABASE)
+                .filter(name=options["name"])
+                .values_list("capacity", flat=True)
+                .first()
+            )
             semaphore = Semaphore.objects.set_capacity(
                 options["name"], options["capacity"], reason=reason
             )
