@@ -110,3 +110,39 @@ def check_sqlite_transactions(**kwargs: Any) -> list[CheckMessage]:
             id="django_semaphore.W001",
         )
     ]
+
+
+@register(Tags.compatibility)
+def check_production_database(**kwargs: Any) -> list[CheckMessage]:
+    """SQLite outside DEBUG, or an alias that looks like a replica."""
+    from django.db import router
+
+    from django_semaphore.models import Semaphore
+
+    user = getattr(settings, "DJANGO_SEMAPHORE", {})
+    alias = user.get("DATABASE", DEFAULTS["DATABASE"]) if isinstance(user, Mapping) else ""
+    database = settings.DATABASES.get(alias)
+    if database is None:
+        return []
+    warnings: list[CheckMessage] = []
+    if database.get("ENGINE", "").endswith("sqlite3") and not settings.DEBUG:
+        warnings.append(
+            Warning(
+                f"The semaphore database {alias!r} is SQLite outside DEBUG: permits are "
+                "shared only by the processes of this one machine.",
+                hint="Use MariaDB/MySQL or PostgreSQL when several machines acquire.",
+                id="django_semaphore.W002",
+            )
+        )
+    writes_go_to = router.db_for_write(Semaphore)
+    if database.get("TEST", {}).get("MIRROR") or writes_go_to != alias:
+        # Grants decided on a replica could over-grant: its rows lag the primary.
+        warnings.append(
+            Warning(
+                f"The semaphore database {alias!r} looks like a replica (a test mirror, or "
+                f"the routers send semaphore writes to {writes_go_to!r}).",
+                hint="Point DJANGO_SEMAPHORE['DATABASE'] at the primary.",
+                id="django_semaphore.W003",
+            )
+        )
+    return warnings

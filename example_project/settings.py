@@ -11,6 +11,8 @@ from pathlib import Path
 
 import environ
 
+from django_semaphore.beat import beat_schedule
+
 BASE_DIR = Path(__file__).resolve().parent
 RUNTIME_DIR = BASE_DIR.parent / ".runtime" / "example"
 
@@ -79,5 +81,8 @@ if CELERY_BROKER_URL == "filesystem://":
         "data_folder_out": str(_queue),
         "processed_folder": str(_queue / "processed"),
     }
+# The app's maintenance sweeps; the demo reclaims orphans every 30 s so that
+# permits of killed processes visibly come back.
+CELERY_BEAT_SCHEDULE = beat_schedule(release_orphans=30)
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

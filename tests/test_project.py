@@ -19,8 +19,12 @@ def test_migrations_match_the_models():
     assert "No changes detected" in out.getvalue()
 
 
+def unsilenced(messages):
+    return [message for message in messages if not message.is_silenced()]
+
+
 def test_system_checks_are_clean():
-    assert run_checks() == []
+    assert unsilenced(run_checks()) == []
 
 
 def test_package_imports_without_configured_settings():
@@ -74,7 +78,8 @@ def test_good_settings_pass(settings):
         "VIEW_STATUS_CODE": 503,
         "SEMAPHORES": {"a": 0, "b": 10},
     }
-    assert check_ids(settings, good) == []
+    settings.DJANGO_SEMAPHORE = good
+    assert unsilenced(run_checks()) == []
 
 
 def test_sqlite_without_immediate_transactions_is_warned(settings, monkeypatch):
@@ -82,3 +87,25 @@ def test_sqlite_without_immediate_transactions_is_warned(settings, monkeypatch):
     monkeypatch.setitem(settings.DATABASES, "plain", plain)
     settings.DJANGO_SEMAPHORE = {"DATABASE": "plain"}
     assert "django_semaphore.W001" in [m.id for m in run_checks()]
+
+
+def test_sqlite_outside_debug_is_warned(settings):
+    settings.DEBUG = False
+    ids = [m.id for m in run_checks()]
+    vendor = settings.DATABASES["default"]["ENGINE"]
+    assert ("django_semaphore.W002" in ids) == vendor.endswith("sqlite3")
+
+
+class ElsewhereRouter:
+    def db_for_write(self, model, **hints):
+        return "semaphores" if model._meta.app_label == "django_semaphore" else None
+
+
+def test_alias_that_is_not_where_writes_go_is_warned(settings):
+    settings.DATABASE_ROUTERS = [f"{__name__}.ElsewhereRouter"]
+    assert "django_semaphore.W003" in [m.id for m in run_checks()]
+
+
+def test_mirror_alias_is_warned(settings):
+    settings.DJANGO_SEMAPHORE = {"DATABASE": "semaphores"}  # a TEST MIRROR of default
+    assert "django_semaphore.W003" in [m.id for m in run_checks()]
