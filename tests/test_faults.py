@@ -4,7 +4,9 @@ Runs every scenario of ``benchmarks/faults`` briefly -- real client processes,
 real faults -- on a MariaDB and a Redis of its own (own runtime dir and
 ports), because it restarts and SIGKILLs its server: the servers the rest of
 the suite uses are never touched. If they cannot be started the test fails;
-it never skips. The full run (>= 200,000 acquires) is
+it never skips. Marked ``once``: it does not depend on the database under
+test, so the test command runs it in one pass only. The full run
+(>= 200,000 acquires) is
 ``python -m benchmarks.faults``; see docs/faults.md.
 """
 
@@ -21,7 +23,7 @@ import pytest
 from benchmarks.faults.__main__ import CI_MINIMUM, run_all, table
 from benchmarks.faults.runner import Servers
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.once, pytest.mark.timeout(900)]
 
 RUNTIME = Path(tempfile.gettempdir()) / "django-semaphore-faults-ci"
 MARIADB_PORT = int(os.environ.get("FAULTS_CI_MARIADB_PORT", "33091"))

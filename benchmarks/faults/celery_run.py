@@ -6,6 +6,7 @@ request, same fencing token) rather than take a second one."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -84,7 +85,7 @@ def run(scenario: Scenario, servers: Any, out: Path, ci: bool, log: Any) -> dict
             worker.kill()
             worker.wait()
     elapsed = time.monotonic() - began
-    time.sleep(5.2)  # the permits' TTL (4 s), then one sweep
+    time.sleep(checker.seconds_until_expired(url) + 0.1)  # every TTL runs out, then one sweep
     before_sweep = checker.held(url)
     swept = json.loads(
         subprocess.run(
@@ -95,7 +96,14 @@ def run(scenario: Scenario, servers: Any, out: Path, ci: bool, log: Any) -> dict
     histories = sorted(out.glob("task-*.jsonl"))
     result = checker.check(url, histories)
     result.pop("faults_fired")
-    extra = _check_redelivery(histories, task_ids, states)
+    with db.cursor(url) as cur:
+        # When each key was granted and released, in the audit's (commit) order.
+        cur.execute(
+            "SELECT ext, MIN(CASE WHEN op = 'I' THEN id END), MIN(CASE WHEN op = 'U' THEN id END)"
+            " FROM faults_audit WHERE tbl = 'R' GROUP BY ext"
+        )
+        spans = {ext: (granted, released) for ext, granted, released in cur.fetchall()}
+    extra = _check_redelivery(histories, task_ids, states, spans)
     for kind, n in extra.pop("violations").items():
         result["violations"][kind] = result["violations"].get(kind, 0) + n
         result["violation_total"] += n
@@ -134,7 +142,10 @@ def _wait(env: dict[str, str], repo: Path, task_ids: list[str], timeout: float) 
 
 
 def _check_redelivery(
-    histories: list[Path], task_ids: list[str], states: dict[str, str]
+    histories: list[Path],
+    task_ids: list[str],
+    states: dict[str, str],
+    spans: dict[str, tuple[int | None, int | None]],
 ) -> dict[str, Any]:
     """Every task succeeded; a redelivered run re-attached to its task's
     permit (same request, same token) unless that permit had been reclaimed."""
@@ -156,6 +167,14 @@ def _check_redelivery(
             by_key[ok["k"]].add(ok["id"])
         if any(len(ids) > 1 for ids in by_key.values()):
             violations["duplicate grant"] += 1
+        # A run takes a new permit (<id>~2, ...) only once the previous one
+        # had ended (reclaimed, or released by a run that finished before a
+        # redelivery): never beside a live one.
+        generations = sorted(by_key, key=lambda key: int(key.partition("~")[2] or 1))
+        for earlier, later in itertools.pairwise(generations):
+            ended, began = spans.get(earlier, (None, None))[1], spans.get(later, (None, None))[0]
+            if ended is None or began is None or began < ended:
+                violations["two permits held at once for one task"] += 1
         reattached += sum(1 for key in by_key for ok in oks if ok["k"] == key) - len(by_key)
         regranted += len(by_key) - 1 if by_key else 0
     return {

@@ -42,6 +42,17 @@ def held(url: str) -> dict[str, int]:
     return {"requests": int(requests), "permits": int(permits)}
 
 
+def seconds_until_expired(url: str) -> float:
+    """How long until every held request with a TTL has expired (DB clock)."""
+    with db.cursor(url) as cur:
+        cur.execute(
+            "SELECT TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), MAX(expires_at))"
+            " FROM django_semaphore_permitrequest WHERE state = 'ACQUIRED'"
+        )
+        micros = cur.fetchone()[0]
+    return 0.0 if micros is None else max(0.0, micros / 1e6)
+
+
 class Keys:
     """What the clients' histories say about each key."""
 

@@ -375,7 +375,7 @@ def run_scenario(
     elapsed = time.monotonic() - began
     deadlocks = db.status(url, "Innodb_deadlocks") - deadlocks_before
     # Let every TTL run out, then one sweep: what is still held afterwards leaked.
-    time.sleep(max(m.get("ttl") or 0 for m in scenario.mix) + 1.2)
+    time.sleep(checker.seconds_until_expired(url) + 0.1)
     before_sweep = checker.held(url)
     swept = json.loads(
         subprocess.run(
