@@ -70,7 +70,12 @@ durations = st.one_of(
     junk,
 )
 # Timeouts kept short (or invalid): a property run must not sit waiting.
-timeouts = st.one_of(st.just(0), st.floats(min_value=0, max_value=0.02), junk, durations)
+timeouts = st.one_of(
+    st.just(0),
+    st.floats(min_value=-1, max_value=0.02),
+    st.sampled_from([math.nan, math.inf, -math.inf, -1, timedelta(seconds=-1), timedelta(0)]),
+    junk.filter(lambda value: not isinstance(value, int | float) or value <= 0.02),
+)
 
 
 @pytest.fixture
