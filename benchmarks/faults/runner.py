@@ -97,6 +97,7 @@ class Clients:
         self.offsets: dict[Path, int] = {}
         self.counted = 0
         self.killed = 0
+        self.crashed = 0
         self.lock = threading.Lock()
         self.zygote = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.faults.zygote"],
@@ -186,8 +187,11 @@ class Clients:
         self.deadline = min(self.deadline, time.monotonic())
 
     def _note_exit(self, pid: int) -> None:
-        if self.exited.get(pid) == -signal.SIGKILL:
+        code = self.exited.get(pid)
+        if code == -signal.SIGKILL:
             self.killed += 1
+        elif code != 0:
+            self.crashed += 1  # a client must survive every fault without restarting
 
     def supervise(self) -> None:
         """Replace clients that died (SIGKILL) while there is time left."""
@@ -373,7 +377,8 @@ def run_scenario(
             thread.join()
     leftover = clients.finish()
     elapsed = time.monotonic() - began
-    deadlocks = db.status(url, "Innodb_deadlocks") - deadlocks_before
+    # The server's counter starts again from 0 when it restarts.
+    deadlocks = 0 if restarts else db.status(url, "Innodb_deadlocks") - deadlocks_before
     # Let every TTL run out, then one sweep: what is still held afterwards leaked.
     time.sleep(checker.seconds_until_expired(url) + 0.1)
     before_sweep = checker.held(url)
@@ -390,6 +395,9 @@ def run_scenario(
         .splitlines()[-1]
     )
     result = checker.check(url, clients.histories)
+    if clients.crashed:
+        result["violations"]["client crashed"] = clients.crashed
+        result["violation_total"] += clients.crashed
     injected = {
         "armed faults fired": result.pop("faults_fired"),
         "clients SIGKILLed": clients.killed,
