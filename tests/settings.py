@@ -5,7 +5,6 @@ The test command runs the suite once per database: SQLite, MariaDB, PostgreSQL.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import environ
@@ -17,8 +16,9 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-_sqlite_dir = Path(tempfile.gettempdir()) / "django-semaphore-tests"
-_sqlite_dir.mkdir(exist_ok=True)
+# Under this checkout, so two checkouts' runs never share a database file.
+_sqlite_dir = Path(__file__).resolve().parent.parent / ".runtime" / "tests"
+_sqlite_dir.mkdir(parents=True, exist_ok=True)
 
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{_sqlite_dir}/db.sqlite3")}
 _default = DATABASES["default"]
