@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from datetime import timedelta
 
 import pytest
@@ -224,6 +225,7 @@ def test_semaphore_page_shows_holders_chart_and_history(operator, make_semaphore
     sem = make_semaphore(capacity=3)
     held = hold(sem, 2, owner="worker-7", ttl=600)
     done = hold(sem, 1, owner="finished")
+    time.sleep(0.005)  # SQLite's clock counts milliseconds: a shorter hold would not show
     release(done.external_id)
     Semaphore.objects.set_capacity(sem.name, 4, reason="black friday")
 
