@@ -10,7 +10,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from benchmarks import db, systems
@@ -333,53 +332,33 @@ class Bench:
         }
 
     def cleanup_alongside(self, start: float, end: float) -> dict[str, Any]:
-        """Delete released history in small batches, as the retention sweep does."""
+        """The retention clean-up (``sweep.clean_released``: batches of
+        ``CLEANUP_BATCH_SIZE``, each its own short transaction) over the window."""
         from django.db import connections
+
+        from django_semaphore.sweep import clean_released
 
         while time.time() < start:
             time.sleep(0.001)
-        deleted = batches = 0
-        slowest = 0.0
-        cutoff = datetime.now(UTC) - timedelta(days=7)
+        batch_times: list[float] = []
+        last = time.perf_counter()
+
+        def progress(_: object) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            batch_times.append(now - last)
+            last = now
+
         try:
-            while time.time() < end:
-                t0 = time.perf_counter()
-                n = delete_released_batch(cutoff)
-                slowest = max(slowest, time.perf_counter() - t0)
-                if not n:
-                    break
-                deleted += n
-                batches += 1
+            report = clean_released(time_budget=max(0.0, end - time.time()), progress=progress)
         finally:
             connections.close_all()
         return {
-            "cleanup_deleted_requests": deleted,
-            "cleanup_batches": batches,
-            "cleanup_slowest_batch_ms": round(slowest * 1000, 1),
-            "cleanup_with": CLEANUP_WITH,
+            "cleanup_deleted_requests": report.deleted,
+            "cleanup_deleted_permits": report.permits,
+            "cleanup_batches": report.batches,
+            "cleanup_slowest_batch_ms": round(max(batch_times, default=0) * 1000, 1),
         }
-
-
-CLEANUP_WITH = "benchmark's batched delete (800 a batch)"
-
-
-def delete_released_batch(cutoff: datetime, batch: int = 800) -> int:
-    """One short transaction: up to ``batch`` old RELEASED requests and their
-    permits. Uses the app's sweep when it has one."""
-    from django.db import transaction
-
-    from django_semaphore.models import PermitRequest, State
-
-    with transaction.atomic():
-        ids = list(
-            PermitRequest.objects.filter(state=State.RELEASED, released_at__lt=cutoff)
-            .order_by("released_at")
-            .values_list("id", flat=True)[:batch]
-        )
-        if ids:
-            # Permits go by the FK's ON DELETE CASCADE in Django's collector.
-            PermitRequest.objects.filter(id__in=ids).delete()
-    return len(ids)
 
 
 def _since(started: float) -> str:

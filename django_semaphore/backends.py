@@ -120,6 +120,21 @@ def bounded_lock_wait(connection: BaseDatabaseWrapper, seconds: float) -> Iterat
         yield
 
 
+def bounds_each_statement(connection: BaseDatabaseWrapper) -> bool:
+    """MariaDB can bound one statement's lock wait (``SET STATEMENT ... FOR``)."""
+    return connection.vendor == "mysql" and bool(getattr(connection, "mysql_is_mariadb", False))
+
+
+def bound_statement(connection: BaseDatabaseWrapper, sql: str, seconds: float) -> str:
+    """``sql`` with its lock wait bounded, where the database can say so per
+    statement (MariaDB); elsewhere unchanged (:func:`bounded_lock_wait` bounds
+    the session instead). Two round trips fewer than setting and restoring
+    the session's value, and nothing to restore if the connection dies."""
+    if bounds_each_statement(connection):
+        return f"SET STATEMENT innodb_lock_wait_timeout = {max(1, math.ceil(seconds))} FOR {sql}"
+    return sql
+
+
 def start_bounded_transaction(connection: BaseDatabaseWrapper, seconds: float) -> None:
     """First statement inside the grant transaction."""
     if connection.vendor == "postgresql":
@@ -151,18 +166,13 @@ def is_sqlite_without_immediate_transactions(database: dict[str, Any]) -> bool:
     return mode.upper() not in {"IMMEDIATE", "EXCLUSIVE"}
 
 
-def now_after_locking(connection: BaseDatabaseWrapper, read_in_lock: Any) -> Any:
-    """The database's time once the grant holds its row locks.
-
-    MySQL computes :class:`DatabaseNow` in the locking read once the row lock
-    was granted. PostgreSQL computes the row before ``FOR UPDATE`` waits for
-    the lock, so the time is read again, after it.
-    """
-    if connection.vendor != "postgresql":
-        return read_in_lock
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT CLOCK_TIMESTAMP()")
-        return cursor.fetchone()[0]
+def datetime_from_db(connection: BaseDatabaseWrapper, value: Any) -> Any:
+    """A ``DatabaseNow()`` value read with a raw cursor, converted as the ORM
+    would (SQLite returns text, MySQL a naive datetime)."""
+    expression = DatabaseNow()
+    for convert in connection.ops.get_db_converters(expression):
+        value = convert(value, expression, connection)
+    return value
 
 
 class DatabaseNow(Now):
@@ -171,29 +181,11 @@ class DatabaseNow(Now):
     Expiry is decided by one clock (the database's), never by each client's.
     Django's ``Now()`` is the MySQL session's local time; with ``USE_TZ`` the
     stored values are UTC, so MySQL must read ``UTC_TIMESTAMP``.
-
-    It is the time the value is computed, not when the statement started
-    (``UTC_TIMESTAMP()``, ``STATEMENT_TIMESTAMP()``): in the grant's locking
-    read, the start is *before* the wait for the row lock, and a TTL counted
-    from there would be cut short by that wait.
     """
 
     def as_mysql(
         self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
     ) -> tuple[str, tuple[str | int, ...]]:
         if settings.USE_TZ and connection.timezone_name == "UTC":
-            # UTC at the statement's start, plus the time since (SYSDATE is
-            # evaluated when read, NOW at the start; both session-local).
-            return self.as_sql(
-                compiler,
-                connection,
-                template="TIMESTAMPADD(MICROSECOND, TIMESTAMPDIFF(MICROSECOND, NOW(6),"
-                " SYSDATE(6)), UTC_TIMESTAMP(6))",
-                **extra_context,
-            )
+            return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context)
         return super().as_mysql(compiler, connection, **extra_context)
-
-    def as_postgresql(
-        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
-    ) -> tuple[str, tuple[str | int, ...]]:
-        return self.as_sql(compiler, connection, template="CLOCK_TIMESTAMP()", **extra_context)
