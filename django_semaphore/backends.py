@@ -175,17 +175,49 @@ def datetime_from_db(connection: BaseDatabaseWrapper, value: Any) -> Any:
     return value
 
 
+def now_after_locking(connection: BaseDatabaseWrapper, read_in_lock: Any) -> Any:
+    """The database's time once the grant holds its row locks.
+
+    MySQL computes :class:`DatabaseNow` in the locking read once the row lock
+    was granted. PostgreSQL computes the row before ``FOR UPDATE`` waits for
+    the lock, so the time is read again, after it.
+    """
+    if connection.vendor != "postgresql":
+        return read_in_lock
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT CLOCK_TIMESTAMP()")
+        return cursor.fetchone()[0]
+
+
 class DatabaseNow(Now):
     """The database's clock, in UTC, as Django stores datetimes.
 
     Expiry is decided by one clock (the database's), never by each client's.
     Django's ``Now()`` is the MySQL session's local time; with ``USE_TZ`` the
     stored values are UTC, so MySQL must read ``UTC_TIMESTAMP``.
+
+    It is the time the value is computed, not when the statement started
+    (``UTC_TIMESTAMP()``, ``STATEMENT_TIMESTAMP()``): in the grant's locking
+    read, the start is *before* the wait for the row lock, and a TTL counted
+    from there would be cut short by that wait.
     """
 
     def as_mysql(
         self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
     ) -> tuple[str, tuple[str | int, ...]]:
         if settings.USE_TZ and connection.timezone_name == "UTC":
-            return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context)
+            # UTC at the statement's start, plus the time since (SYSDATE is
+            # evaluated when read, NOW at the start; both session-local).
+            return self.as_sql(
+                compiler,
+                connection,
+                template="TIMESTAMPADD(MICROSECOND, TIMESTAMPDIFF(MICROSECOND, NOW(6),"
+                " SYSDATE(6)), UTC_TIMESTAMP(6))",
+                **extra_context,
+            )
         return super().as_mysql(compiler, connection, **extra_context)
+
+    def as_postgresql(
+        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
+    ) -> tuple[str, tuple[str | int, ...]]:
+        return self.as_sql(compiler, connection, template="CLOCK_TIMESTAMP()", **extra_context)

@@ -234,7 +234,10 @@ def _grant(
         rows = [row for row in rows if row[1] in demand.counts]
         if len(rows) != len(demand.names):
             return SemaphoreNotFound(set(demand.names) - {row[1] for row in rows})
-        now = backends.datetime_from_db(connection, rows[0][4])
+        # Read once every row was locked: a TTL starts at the grant, not before the lock wait.
+        now = backends.datetime_from_db(
+            connection, backends.now_after_locking(connection, max(row[4] for row in rows))
+        )
         locked = [_LockedSemaphore(*row[:4]) for row in rows]
         too_big = [s.name for s in locked if demand.counts[s.name] > s.capacity]
         if too_big:
