@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -41,7 +42,12 @@ POINTS = (
 RETRYABLE_CODES = {1205, 1213, 1927, 2006, 2013}
 
 
+# MariaDB statements may carry their own lock-wait bound as a prefix.
+STATEMENT_PREFIX = re.compile(r"^SET STATEMENT .*? FOR ", re.S)
+
+
 def point_of(sql: str, in_transaction: bool) -> str | None:
+    sql = STATEMENT_PREFIX.sub("", sql, count=1)
     for start, middle, end, name in POINTS:
         if sql.startswith(start) and middle in sql and sql.rstrip().endswith(end):
             if name.startswith("release.") and in_transaction:

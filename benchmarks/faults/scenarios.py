@@ -88,7 +88,7 @@ SCENARIOS = [
         duration=300,
         ci_duration=20,
         fault={"points": ["hold"], "action": "sigkill"},
-        arm_every=0.7,
+        arm_every=0.3,
     ),
     Scenario(
         "kill-acquiring",
@@ -96,7 +96,7 @@ SCENARIOS = [
         duration=300,
         ci_duration=20,
         fault={"points": ["acquire.insert"], "action": "sigkill"},
-        arm_every=0.7,
+        arm_every=0.3,
     ),
     Scenario(
         "kill-releasing",
@@ -104,7 +104,7 @@ SCENARIOS = [
         duration=300,
         ci_duration=20,
         fault={"points": ["release.request"], "action": "sigkill"},
-        arm_every=0.7,
+        arm_every=0.3,
     ),
     Scenario(
         "connkill-acquire",
@@ -174,9 +174,9 @@ SCENARIOS = [
         duration=300,
         ci_duration=20,
         fault={"points": ["hold"], "action": "sigstop"},
-        arm_every=1.0,
+        arm_every=0.6,
         mix=PAUSE_MIX,
-        least=20,
+        least=32,
         hold=(0.0, 0.01),
     ),
     Scenario(
