@@ -41,9 +41,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--scenarios", default="", help=f"comma-separated subset of {','.join(SCENARIOS)}"
     )
+    parser.add_argument("--repeat", type=int, default=1, help="runs per cell (median kept)")
     parser.add_argument("--smoke", action="store_true", help="tiny, a few seconds in all")
     parser.add_argument("--json", type=Path, help="where to write results (default: results/)")
     parser.add_argument("--label", default="", help="a note stored with the results")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        metavar="JSON",
+        help="print a results file as Markdown, run nothing",
+    )
     return parser.parse_args(argv)
 
 
@@ -61,19 +68,23 @@ def options_from(args: argparse.Namespace) -> Options:
         multi_clients=max(clients),
         history=args.history,
         held=args.held,
+        repeat=max(1, args.repeat),
         scenarios=[s for s in args.scenarios.split(",") if s],
     )
     if args.smoke:
         options.duration = min(args.duration, 0.3)
         options.clients = options.mutex_clients = [2]
         options.many = options.multi_clients = 2
-        options.history, options.held = 300, 20
+        options.history, options.held, options.repeat = 300, 20, 1
         options.waiting_threads, options.waiting_processes = 8, 2
     return options
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.markdown:
+        print(report.markdown(json.loads(args.markdown.read_text())))
+        return 0
     options = options_from(args)
     target = db.Target.parse(options.url)
     db.ensure_database(target)

@@ -205,6 +205,44 @@ class Data:
         else:
             self.execute("ANALYZE")
 
+    def plans(self, name: str) -> dict[str, str]:
+        """How the database runs each design's in-use sum on ``name`` now."""
+        from django.db import connections
+
+        from django_semaphore.core import _statements
+        from django_semaphore.models import State
+
+        sem_id = self.scalar("SELECT id FROM django_semaphore_semaphore WHERE name = %s", [name])
+        seed_id = self.scalar("SELECT id FROM seed_semaphore WHERE name = %s", [name])
+        app = _statements(connections["default"])
+        statements = {
+            # The app's whole usage read, with one semaphore and an unused key.
+            "app": (
+                app.usage_sql.format(sums=app.in_use_sql),
+                ["plan-probe", sem_id, State.ACQUIRED.value],
+            ),
+            "seed": (
+                "SELECT SUM(count) FROM seed_permit WHERE semaphore_id = %s AND state = 'ACQUIRED'",
+                [seed_id],
+            ),
+        }
+        explain = {
+            "mysql": "EXPLAIN ",
+            "postgresql": "EXPLAIN ",
+            "sqlite": "EXPLAIN QUERY PLAN ",
+        }[self.target.vendor]
+        plans = {}
+        for design, (statement, params) in statements.items():
+            rows = self.execute(explain + statement, params).fetchall()
+            if self.target.vendor == "mysql":
+                # id, select_type, table, type, possible_keys, key, key_len, ref, rows, Extra
+                plans[design] = "; ".join(
+                    f"key={r[5]} rows={r[8]} {r[9] or ''}".strip() for r in rows
+                )
+            else:
+                plans[design] = "; ".join(str(r[-1]) for r in rows)
+        return plans
+
     def held_now(self, name: str) -> int:
         """Permits held on ``name`` in the app's tables (after a run: should be
         what the fixture left there)."""

@@ -139,5 +139,27 @@ def checks_text(results: list[dict[str, Any]]) -> str:
     )
 
 
+def markdown(results: dict[str, Any]) -> str:
+    """A results file as the Markdown tables of benchmarks/README.md."""
+    lines = [
+        "| scenario | system | clients | cycles/s | p50 ms | p99 ms | max ms | rejected"
+        " | errors | x seed | x limit |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for c in results["cells"]:
+        extra = c["extra"]
+        lines.append(
+            f"| {c['scenario']} | {c['system']} | {c['layout']} | {c['cycles_per_s']:,.0f}"
+            f" | {_ms(c['p50_ms'])} | {_ms(c['p99_ms'])} | {_ms(c['max_ms'])}"
+            f" | {c['rejections']:,} | {c['errors']} | {_x(extra.get('x_seed'))}"
+            f" | {_x(extra.get('x_limit'))} |"
+        )
+    lines += ["", "| figure | measured | target | met |", "|---|--:|---|---|"]
+    marks = {True: "yes", False: "**no**", None: ""}
+    for r in results["checks"]:
+        lines.append(f"| {r['figure']} | {_x(r['value'])} | {r['target']} | {marks[r['met']]} |")
+    return "\n".join(lines)
+
+
 def as_json(cells: list[Cell]) -> list[dict[str, Any]]:
     return [asdict(c) for c in cells]

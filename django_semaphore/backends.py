@@ -175,20 +175,6 @@ def datetime_from_db(connection: BaseDatabaseWrapper, value: Any) -> Any:
     return value
 
 
-def now_after_locking(connection: BaseDatabaseWrapper, read_in_lock: Any) -> Any:
-    """The database's time once the grant holds its row locks.
-
-    MySQL computes :class:`DatabaseNow` in the locking read once the row lock
-    was granted. PostgreSQL computes the row before ``FOR UPDATE`` waits for
-    the lock, so the time is read again, after it.
-    """
-    if connection.vendor != "postgresql":
-        return read_in_lock
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT CLOCK_TIMESTAMP()")
-        return cursor.fetchone()[0]
-
-
 class DatabaseNow(Now):
     """The database's clock, in UTC, as Django stores datetimes.
 

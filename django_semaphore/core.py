@@ -163,8 +163,8 @@ def _acquire_once(
     ttl: int | None,
     lock_wait: float,
 ) -> PermitRequest:
-    # No look-up of the key first: a repeated key is rare, and the unique
-    # index finds it anyway when the grant inserts the request.
+    # No look-up of the key before the grant: the grant's in-use read tells
+    # whether the key is taken, in the same round trip.
     with _prelocked(demand.names):
         try:
             with _grant_transaction(connection, lock_wait):
@@ -176,15 +176,25 @@ def _acquire_once(
             if existing is None:
                 raise
             return existing
-    if isinstance(outcome, SemaphoreError):
-        # A repeated call answers with its request even when there is no room
-        # (or no semaphore) now. Raised only after the commit, so that a
-        # reclaim of expired permits done while deciding is kept.
+    if isinstance(outcome, _KeyTaken):
+        existing = _reattach_key(connection, key, demand)
+        # None: deleted by the clean-up since; the key is free again.
+        return existing or _acquire_once(connection, demand, key, owner, ttl, lock_wait)
+    if isinstance(outcome, (SemaphoreNotFound, CapacityExceeded)):
+        # Decided before the key was read: a repeated call still answers with
+        # its request.
         existing = _reattach_key(connection, key, demand)
         if existing is not None:
             return existing
+    if isinstance(outcome, SemaphoreError):
+        # Raised only after the commit, so that a reclaim of expired permits
+        # done while deciding is kept.
         raise outcome
     return outcome
+
+
+class _KeyTaken:
+    """The grant found the key already used: answer as a repeated acquire."""
 
 
 @contextmanager
@@ -217,7 +227,7 @@ def _grant(
     owner: str,
     ttl: int | None,
     lock_wait: float,
-) -> PermitRequest | SemaphoreError:
+) -> PermitRequest | SemaphoreError | _KeyTaken:
     """Inside the transaction: lock, count, maybe reclaim, insert.
 
     From the lock to the commit every waiter on these semaphores waits too,
@@ -234,20 +244,22 @@ def _grant(
         rows = [row for row in rows if row[1] in demand.counts]
         if len(rows) != len(demand.names):
             return SemaphoreNotFound(set(demand.names) - {row[1] for row in rows})
-        # Read once every row was locked: a TTL starts at the grant, not before the lock wait.
-        now = backends.datetime_from_db(
-            connection, backends.now_after_locking(connection, max(row[4] for row in rows))
-        )
-        locked = [_LockedSemaphore(*row[:4]) for row in rows]
+        locked = [_LockedSemaphore(*row) for row in rows]
         too_big = [s.name for s in locked if demand.counts[s.name] > s.capacity]
         if too_big:
             return CapacityExceeded(
                 "Asked for more permits than the capacity of: " + ", ".join(too_big)
             )
 
-        lacking = _lacking_room(cursor, sql, locked, demand)
+        # Read once every row is locked: the clock (a TTL starts at the grant,
+        # not before the lock wait) and every permit committed before.
+        usage = sql.usage(cursor, key, [s.id for s in locked])
+        if usage.key_taken:
+            return _KeyTaken()
+        now = usage.now
+        lacking = _lacking_room(usage, locked, demand)
         if lacking and _reclaim_expired(alias, [s.id for s in lacking], now):
-            lacking = _lacking_room(cursor, sql, locked, demand)
+            lacking = _lacking_room(sql.usage(cursor, key, [s.id for s in locked]), locked, demand)
         if lacking:
             return SemaphoreExhausted([s.name for s in lacking])
 
@@ -289,13 +301,9 @@ def _grant(
 
 
 def _lacking_room(
-    cursor: CursorWrapper, sql: _Statements, locked: list[_LockedSemaphore], demand: Demand
+    usage: _Usage, locked: list[_LockedSemaphore], demand: Demand
 ) -> list[_LockedSemaphore]:
-    # FOR UPDATE on the semaphore rows serializes grants; this plain read then
-    # sees every permit committed before the lock was granted (Django runs
-    # MySQL at READ COMMITTED; PostgreSQL takes a new snapshot per statement).
-    in_use = sql.in_use(cursor, [s.id for s in locked])
-    return [s for s in locked if in_use.get(s.id, 0) + demand.counts[s.name] > s.capacity]
+    return [s for s in locked if usage.in_use[s.id] + demand.counts[s.name] > s.capacity]
 
 
 def _reclaim_expired(alias: str, semaphore_ids: list[int], now: datetime) -> int:
@@ -565,10 +573,18 @@ class _Statements:
             f"SELECT {q('id')}, {q('state')}, {q('external_id')} FROM {request}"
             f" WHERE {q('external_id')} = %s"
         )
+        # One row, read once the semaphore rows are locked. FOR UPDATE
+        # serializes grants; these plain reads then see every permit
+        # committed before the lock was granted (Django runs MySQL at READ
+        # COMMITTED; PostgreSQL takes a new snapshot per statement). The
+        # clock is read here, not in the locking read, which may compute it
+        # before its wait for the lock (PostgreSQL does).
+        self.usage_sql = (
+            f"SELECT {now}, (SELECT {q('id')} FROM {request} WHERE {q('external_id')} = %s){{sums}}"
+        )
         self.in_use_sql = (
-            f"SELECT {q('semaphore_id')}, SUM({q('count')}) FROM {permit}"
-            f" WHERE {q('state')} = %s AND {q('semaphore_id')} IN ({{ids}})"
-            f" GROUP BY {q('semaphore_id')}"
+            f", (SELECT COALESCE(SUM({q('count')}), 0) FROM {permit}"
+            f" WHERE {q('semaphore_id')} = %s AND {q('state')} = %s)"
         )
         self.insert_request_sql = (
             f"INSERT INTO {request} ({q('external_id')}, {q('owner')}, {q('state')},"
@@ -631,7 +647,7 @@ class _Statements:
 
     def lock(self, cursor: CursorWrapper, names: Sequence[str], lock_wait: float) -> list[Any]:
         """Lock the semaphore rows in name order: (id, name, capacity,
-        fencing_counter, database now) each."""
+        fencing_counter) each."""
         sql = self.locks.get(len(names))
         if sql is None:
             sql = self.locks[len(names)] = self._compile_lock(len(names))
@@ -647,8 +663,7 @@ class _Statements:
             .select_for_update()
             .filter(name__in=names)
             .order_by("name")
-            .annotate(db_now=DatabaseNow())
-            .values_list("id", "name", "capacity", "fencing_counter", "db_now")
+            .values_list("id", "name", "capacity", "fencing_counter")
         )
         sql, params = queryset.query.get_compiler(connection=self.connection).as_sql()
         # Reused with other names: the names must be its only parameters.
@@ -656,12 +671,19 @@ class _Statements:
             raise AssertionError(f"Unexpected parameters in the locking read: {params!r}")
         return str(sql)
 
-    def in_use(self, cursor: CursorWrapper, semaphore_ids: list[int]) -> dict[int, int]:
+    def usage(self, cursor: CursorWrapper, key: str, semaphore_ids: list[int]) -> _Usage:
+        """The clock, whether ``key`` is taken, and the permits held on each
+        semaphore: one round trip."""
         cursor.execute(
-            self.in_use_sql.format(ids=_placeholders(len(semaphore_ids))),
-            [self.acquired, *semaphore_ids],
+            self.usage_sql.format(sums=self.in_use_sql * len(semaphore_ids)),
+            [key, *(p for id in semaphore_ids for p in (id, self.acquired))],
         )
-        return {row[0]: int(row[1]) for row in cursor.fetchall()}
+        now, key_id, *in_use = cursor.fetchone()
+        return _Usage(
+            now=backends.datetime_from_db(self.connection, now),
+            key_taken=key_id is not None,
+            in_use={id: int(n) for id, n in zip(semaphore_ids, in_use, strict=True)},
+        )
 
     def insert_request(
         self,
@@ -699,6 +721,13 @@ class _Statements:
             self.bounded(self.insert_permits_sql.format(rows=values), lock_wait),
             [value for row in rows for value in (*row, self.acquired)],
         )
+
+
+@dataclass
+class _Usage:
+    now: datetime  # the database's clock
+    key_taken: bool  # a request has the key (or one the collation calls equal)
+    in_use: dict[int, int]  # semaphore id -> permits held
 
 
 def _placeholders(count: int) -> str:
