@@ -179,7 +179,9 @@ def _release_matching(
     total = 0
     for found, released in _batches(batch, deadline, f"releasing {reason} requests"):
         total += released
-        if found < size:
+        # Not "found < size": SKIP LOCKED makes a batch short while another
+        # sweeper holds rows, and more may wait behind them.
+        if not found:
             break
     return total
 
@@ -321,7 +323,7 @@ def _delete_in_batches(
             report.batches += 1
             if progress is not None:
                 progress(report)
-        if found < size:
+        if not found:  # a short batch may only mean another clean-up holds rows
             report.finished = True
             break
     if report.deleted:
