@@ -75,11 +75,13 @@ DJANGO_SEMAPHORE = {
 CELERY_BROKER_URL = env("CELERY_BROKER_URL", default="filesystem://")
 if CELERY_BROKER_URL == "filesystem://":
     _queue = RUNTIME_DIR / "broker"
-    (_queue / "processed").mkdir(parents=True, exist_ok=True)
+    for _folder in ("processed", "control"):
+        (_queue / _folder).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_queue),
         "data_folder_out": str(_queue),
         "processed_folder": str(_queue / "processed"),
+        "control_folder": str(_queue / "control"),  # broadcasts; default: ./control
     }
 # The app's maintenance sweeps; the demo reclaims orphans every 30 s so that
 # permits of killed processes visibly come back.
