@@ -25,7 +25,8 @@ from benchmarks.scenarios import SCENARIOS, Bench, Options
 MARIADB = "mysql://semaphore:semaphore@127.0.0.1:33061/bench"
 POSTGRES = "postgres://semaphore@127.0.0.1:54321/bench"
 REDIS = "redis://127.0.0.1:63791/0"
-RESULTS = Path(__file__).parent / "results"
+# Default output: beside the servers' data, out of version control.
+RESULTS = Path(__file__).resolve().parent.parent / ".runtime" / "benchmarks"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -41,9 +42,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--scenarios", default="", help=f"comma-separated subset of {','.join(SCENARIOS)}"
     )
+    parser.add_argument(
+        "--cleanup-batch", type=int, help="CLEANUP_BATCH_SIZE for scenario 6 (default: the app's)"
+    )
     parser.add_argument("--repeat", type=int, default=1, help="runs per cell (median kept)")
     parser.add_argument("--smoke", action="store_true", help="tiny, a few seconds in all")
-    parser.add_argument("--json", type=Path, help="where to write results (default: results/)")
+    parser.add_argument(
+        "--json", type=Path, help="where to write results (default: .runtime/benchmarks/)"
+    )
     parser.add_argument("--label", default="", help="a note stored with the results")
     parser.add_argument(
         "--markdown",
@@ -89,6 +95,8 @@ def main(argv: list[str]) -> int:
     target = db.Target.parse(options.url)
     db.ensure_database(target)
     os.environ["BENCH_DATABASE_URL"] = options.url
+    if args.cleanup_batch:
+        os.environ["BENCH_CLEANUP_BATCH"] = str(args.cleanup_batch)
     os.environ["DJANGO_SETTINGS_MODULE"] = "benchmarks.settings"
     import django
 

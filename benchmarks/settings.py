@@ -32,3 +32,6 @@ if importlib.util.find_spec("db_mutex") is not None:
     INSTALLED_APPS.append("db_mutex")
 
 DJANGO_SEMAPHORE: dict[str, object] = {}
+if os.environ.get("BENCH_CLEANUP_BATCH"):
+    # Scenario 6 with another clean-up batch size (python -m benchmarks --cleanup-batch).
+    DJANGO_SEMAPHORE["CLEANUP_BATCH_SIZE"] = int(os.environ["BENCH_CLEANUP_BATCH"])
