@@ -258,7 +258,9 @@ def _grant(
             return _KeyTaken()
         now = usage.now
         lacking = _lacking_room(usage, locked, demand)
-        if lacking and _reclaim_expired(alias, [s.id for s in lacking], now):
+        if lacking and _reclaim_expired_bounded(
+            connection, [s.id for s in lacking], now, lock_wait
+        ):
             lacking = _lacking_room(sql.usage(cursor, key, [s.id for s in locked]), locked, demand)
         if lacking:
             return SemaphoreExhausted([s.name for s in lacking])
@@ -304,6 +306,21 @@ def _lacking_room(
     usage: _Usage, locked: list[_LockedSemaphore], demand: Demand
 ) -> list[_LockedSemaphore]:
     return [s for s in locked if usage.in_use[s.id] + demand.counts[s.name] > s.capacity]
+
+
+def _reclaim_expired_bounded(
+    connection: BaseDatabaseWrapper, semaphore_ids: list[int], now: datetime, lock_wait: float
+) -> int:
+    # The reclaim's ORM updates carry no SET STATEMENT prefix: on MariaDB the
+    # session's lock wait is bounded around them instead (elsewhere it already
+    # is, for the whole grant transaction).
+    bound = (
+        backends.bounded_lock_wait(connection, lock_wait)
+        if backends.bounds_each_statement(connection)
+        else nullcontext()
+    )
+    with bound:
+        return _reclaim_expired(connection.alias, semaphore_ids, now)
 
 
 def _reclaim_expired(alias: str, semaphore_ids: list[int], now: datetime) -> int:
