@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,36 @@ def _wait_until_ready(worker: Worker, timeout: float = 60) -> None:
     pytest.fail(f"The Celery worker never answered a ping:\n{worker.log_tail()}")
 
 
+@contextmanager
+def celery_process(
+    arguments: list[str], *, test_database: str, queue: str, log: Path, **env: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``celery -A tests.celery_app <arguments>`` on the test database and
+    ``queue``, logging to ``log``; stopped (TERM, then KILL) on exit."""
+    environment = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "SEMAPHORE_TEST_DATABASE_NAME": test_database,
+        "SEMAPHORE_CELERY_QUEUE": queue,
+        "C_FORCE_ROOT": "1",  # CI runs as root
+        **env,
+    }
+    command = [sys.executable, "-m", "celery", "-A", "tests.celery_app", *arguments]
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            command, env=environment, stdout=output, stderr=subprocess.STDOUT
+        )
+    try:
+        yield process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 @pytest.fixture(scope="module")
 def celery_worker(
     django_db_setup: None,
@@ -55,33 +86,20 @@ def celery_worker(
     queue = f"tests-{uuid.uuid4().hex[:8]}"
     nodename = f"{queue}@{os.uname().nodename}"
     with django_db_blocker.unblock():  # type: ignore[attr-defined]
-        test_database = connection.settings_dict["NAME"]
+        test_database = str(connection.settings_dict["NAME"])
     log = tmp_path_factory.mktemp("celery") / "worker.log"
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "SEMAPHORE_TEST_DATABASE_NAME": str(test_database),
-        "SEMAPHORE_CELERY_QUEUE": queue,
-        "C_FORCE_ROOT": "1",  # CI runs as root
-    }
-    command = [
-        sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
-        "--pool=prefork", "--concurrency=3", f"--queues={queue}", f"--hostname={nodename}",
-        "--without-gossip", "--without-mingle", "--loglevel=INFO",
+    arguments = [
+        "worker", "--pool=prefork", "--concurrency=3", f"--queues={queue}",
+        f"--hostname={nodename}", "--without-gossip", "--without-mingle", "--loglevel=INFO",
     ]  # fmt: skip
-    with log.open("wb") as output:
-        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
-    worker = Worker(process, nodename, queue, log)
     previous_queue = app.conf.task_default_queue
     app.conf.task_default_queue = queue
     try:
-        _wait_until_ready(worker)
-        yield worker
+        with celery_process(
+            arguments, test_database=test_database, queue=queue, log=log
+        ) as process:
+            worker = Worker(process, nodename, queue, log)
+            _wait_until_ready(worker)
+            yield worker
     finally:
         app.conf.task_default_queue = previous_queue
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()

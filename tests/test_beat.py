@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +21,7 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.beat import BEAT_SCHEDULE, beat_schedule
 from django_semaphore.models import PermitRequest, ReleaseReason, Semaphore, State
 from tests.celery_app import app
+from tests.celery_worker import celery_process
 from tests.conftest import unique
 
 
@@ -77,28 +76,15 @@ def celery_beat(celery_worker: Any, tmp_path: Path) -> Iterator[Path]:
     """``celery beat`` with the maintenance schedule every 2 s (tests.settings),
     sending to the test worker's queue."""
     log = tmp_path / "beat.log"
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "SEMAPHORE_TEST_DATABASE_NAME": str(connection.settings_dict["NAME"]),
-        "SEMAPHORE_CELERY_QUEUE": celery_worker.queue,
-        "SEMAPHORE_TEST_BEAT": "1",
-    }
-    command = [
-        sys.executable, "-m", "celery", "-A", "tests.celery_app", "beat",
-        f"--schedule={tmp_path / 'beat-schedule'}", "--max-interval=1", "--loglevel=INFO",
-    ]  # fmt: skip
-    with log.open("wb") as output:
-        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
-    try:
+    arguments = ["beat", f"--schedule={tmp_path / 'beat-schedule'}", "--max-interval=1"]
+    with celery_process(
+        [*arguments, "--loglevel=INFO"],
+        test_database=str(connection.settings_dict["NAME"]),
+        queue=celery_worker.queue,
+        log=log,
+        SEMAPHORE_TEST_BEAT="1",
+    ):
         yield log
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def days_ago(days: float) -> Any:
