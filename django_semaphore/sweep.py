@@ -258,8 +258,8 @@ def clean_released(
         report.permits = Permit.objects.using(alias).filter(request__in=old).count()
         return report
 
-    def delete_permits(ids: list[int]) -> None:
-        report.permits += _raw_delete(Permit.objects.using(alias).filter(request_id__in=ids))
+    def delete_permits(ids: list[int]) -> int:
+        return _raw_delete(Permit.objects.using(alias).filter(request_id__in=ids))
 
     return _delete_in_batches(
         old.order_by("released_at"),
@@ -299,26 +299,29 @@ def _delete_in_batches(
     batch_size: int | None,
     time_budget: float | None,
     progress: Callable[[CleanupReport], None] | None,
-    before: Callable[[list[int]], None] | None = None,
+    before: Callable[[list[int]], int] | None = None,
 ) -> CleanupReport:
     size = batch_size or app_settings.CLEANUP_BATCH_SIZE
     deadline = _deadline(time_budget)
 
-    def batch() -> int:
+    def batch() -> tuple[int, int, int]:
+        """(rows found, rows deleted, dependent rows deleted). Counted into
+        the report only once committed: a deadlock rolls a batch back and
+        retries it."""
         # Locks only this batch's rows (by the index on the age column, under
         # READ COMMITTED: no gap locks); SKIP LOCKED lets a second clean-up
         # take the next rows instead of waiting for these.
         ids = list(old.select_for_update(skip_locked=True).values_list("pk", flat=True)[:size])
-        if ids:
-            if before is not None:
-                before(ids)
-            report.deleted += _raw_delete(
-                old.model._default_manager.using(old.db).filter(pk__in=ids)
-            )
-        return len(ids)
+        if not ids:
+            return 0, 0, 0
+        dependents = before(ids) if before is not None else 0
+        deleted = _raw_delete(old.model._default_manager.using(old.db).filter(pk__in=ids))
+        return len(ids), deleted, dependents
 
     report.finished = False
-    for found in _batches(batch, deadline, f"cleaning {report.what}"):
+    for found, deleted, dependents in _batches(batch, deadline, f"cleaning {report.what}"):
+        report.deleted += deleted
+        report.permits += dependents
         if found:
             report.batches += 1
             if progress is not None:
