@@ -7,8 +7,9 @@ the runner (SIGUSR1) and fired by the client itself at the next occurrence of
 that point:
 
 - ``sigkill`` at a SQL point (``acquire.insert``: inside the grant
-  transaction, rows locked; ``release.request``: between release's two
-  updates) or while holding (``hold``): a real SIGKILL of this process;
+  transaction, rows locked; ``release.request``: as release ends the
+  request — between its two updates where it runs two, before its one
+  statement on MariaDB) or while holding (``hold``): a real SIGKILL of this process;
 - ``connkill`` at a SQL point: ``KILL <connection id>`` sent from a second
   connection, then the statement runs on the killed connection;
 - ``lost-response`` after the grant's COMMIT: the connection is killed and the
@@ -38,6 +39,8 @@ POINTS = (
     ("INSERT INTO `django_semaphore_permit`", "", "", "acquire.insert"),
     ("UPDATE `django_semaphore_permit` SET `state`", "", "", "release.permits"),
     ("UPDATE `django_semaphore_permitrequest` SET `state`", "", "", "release.request"),
+    # release(key) in one statement (request and permits together)
+    ("UPDATE `django_semaphore_permitrequest` r LEFT JOIN", "", "", "release.request"),
 )
 RETRYABLE_CODES = {1205, 1213, 1927, 2006, 2013}
 

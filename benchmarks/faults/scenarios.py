@@ -100,7 +100,8 @@ SCENARIOS = [
     ),
     Scenario(
         "kill-releasing",
-        "SIGKILL of a client between release's two updates (half-released request)",
+        "SIGKILL of a client as it releases (before its one release statement; between the\n"
+        "two updates of a sweep or SQLite release: a half-released request)",
         duration=300,
         ci_duration=20,
         fault={"points": ["release.request"], "action": "sigkill"},
