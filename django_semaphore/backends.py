@@ -60,8 +60,11 @@ MYSQL_DISCONNECT = frozenset(
 )
 # PostgreSQL SQLSTATEs: deadlock, lock_not_available, serialization_failure.
 POSTGRES_CONTENTION = frozenset({"40P01", "55P03", "40001"})
-# Class 08 is "connection exception"; 57P0x are shutdowns and crashes.
-POSTGRES_DISCONNECT_PREFIXES = ("08", "57P01", "57P02", "57P03")
+# Class 08 is "connection exception"; 57P0x are shutdowns and crashes; 25006
+# (read_only_sql_transaction) is a standby, e.g. the old primary after a
+# failover: a new connection (libpq target_session_attrs=read-write, or the
+# pooler) reaches the new primary.
+POSTGRES_DISCONNECT_PREFIXES = ("08", "57P01", "57P02", "57P03", "25006")
 
 
 def classify(connection: BaseDatabaseWrapper, exc: DatabaseError) -> Failure | None:

@@ -25,6 +25,7 @@ import MySQLdb
 import pytest
 from django.db import connection
 
+from django_semaphore import backends, checks
 from django_semaphore.models import Permit, Semaphore
 from tests.clients import SPAWN, Oracle
 from tests.galera_clients import Tally, hammer_node, node_addresses
@@ -163,3 +164,11 @@ def test_without_the_semaphore_row_write_the_cluster_over_grants(nodes, make_sem
 
     assert run.errors == []
     assert run.oracle.peak[name].value > 3, "no over-grant without the semaphore-row write"
+
+
+def test_the_database_check_warns_that_reads_may_lag_the_other_nodes(nodes):
+    server = backends.server_settings(connection)
+    assert server.galera
+    assert not server.causal_reads  # the server's default wsrep_sync_wait = 0
+    ids = [m.id for m in checks.check_database_servers(databases=["default"])]
+    assert ids == ["django_semaphore.W004"]

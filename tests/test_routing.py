@@ -9,7 +9,7 @@ from io import StringIO
 import pytest
 from django.core.checks import run_checks
 from django.core.management import call_command
-from django.db import connection, connections
+from django.db import OperationalError, connection, connections
 
 from django_semaphore import acquire, backends, checks, release, renew, routing, sweep
 from django_semaphore.conf import app_settings
@@ -182,3 +182,32 @@ def test_the_database_check_reads_the_servers_session():
     finally:
         connections["default"].close()  # a fresh session, as Django sets it up
     assert ids == ["django_semaphore.W005"]
+
+
+class FakeMySQL:
+    vendor = "mysql"
+
+
+@pytest.mark.parametrize(
+    ("code", "failure"),
+    [
+        (1213, backends.Failure.CONTENTION),  # Galera certification failure, also at COMMIT
+        (3101, backends.Failure.CONTENTION),  # group replication's conflict at COMMIT
+        (1047, backends.Failure.DISCONNECT),  # Galera node not ready (not in the primary)
+        (1180, backends.Failure.DISCONNECT),  # Galera node losing its cluster at COMMIT
+        (1290, backends.Failure.DISCONNECT),  # a primary demoted to read-only by a failover
+        (1062, None),  # a real error: surfaced (translated), never retried
+    ],
+)
+def test_cluster_errors_are_retried(code, failure):
+    assert backends.classify(FakeMySQL(), OperationalError(code, "...")) is failure  # type: ignore[arg-type]
+
+
+class FakePostgres:
+    vendor = "postgresql"
+
+
+def test_a_standby_refusing_writes_is_retried_on_a_new_connection():
+    error = OperationalError("cannot execute UPDATE in a read-only transaction")
+    error.__cause__ = type("PgError", (Exception,), {"sqlstate": "25006"})()
+    assert backends.classify(FakePostgres(), error) is backends.Failure.DISCONNECT  # type: ignore[arg-type]
