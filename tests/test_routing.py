@@ -211,3 +211,29 @@ def test_a_standby_refusing_writes_is_retried_on_a_new_connection():
     error = OperationalError("cannot execute UPDATE in a read-only transaction")
     error.__cause__ = type("PgError", (Exception,), {"sqlstate": "25006"})()
     assert backends.classify(FakePostgres(), error) is backends.Failure.DISCONNECT  # type: ignore[arg-type]
+
+
+@both
+def test_the_admin_shows_one_alias_at_a_time(sharded, admin_client):
+    from django.urls import reverse
+
+    a, b = make("a", capacity=2), make("b", capacity=3)
+    request = acquire(b.name, external_id=unique("key"))
+    semaphores = reverse("admin:django_semaphore_semaphore_changelist")
+
+    page = admin_client.get(semaphores).content.decode()
+    assert a.name in page
+    assert b.name not in page
+    assert "?_alias=shard" in page  # the way to the other alias
+
+    switched = admin_client.get(f"{semaphores}?_alias=shard&q=b-")
+    assert switched.status_code == 302
+    assert switched["Location"] == f"{semaphores}?q=b-"
+    page = admin_client.get(semaphores).content.decode()
+    assert b.name in page
+    assert a.name not in page
+    change = reverse("admin:django_semaphore_semaphore_change", args=[b.pk])
+    assert request.external_id in admin_client.get(change).content.decode()
+
+    assert admin_client.get(f"{semaphores}?_alias=nope").status_code == 302
+    assert b.name in admin_client.get(semaphores).content.decode()  # unchanged
