@@ -761,7 +761,9 @@ def _galera_group_port(node: int, offset: int = 0) -> int:
 
 
 def _galera_home(node: int) -> Path:
-    return runtime_dir() / "galera" / f"node{node}"  # through _galera_root()'s link
+    # Resolved: the `mysql` user may not traverse the runtime dir to follow
+    # _galera_root()'s symlink (a checkout under /root).
+    return (runtime_dir() / "galera").resolve() / f"node{node}"
 
 
 def _galera_pid(node: int) -> int | None:
