@@ -216,11 +216,8 @@ class Data:
         seed_id = self.scalar("SELECT id FROM seed_semaphore WHERE name = %s", [name])
         app = _statements(connections["default"])
         statements = {
-            # The app's whole usage read, with one semaphore and an unused key.
-            "app": (
-                app.usage_sql.format(sums=app.in_use_sql),
-                ["plan-probe", sem_id, State.ACQUIRED.value],
-            ),
+            # The room check of the app's grant (inside its INSERT ... SELECT).
+            "app": ("SELECT " + app.room_sql, [sem_id, State.ACQUIRED.value, 10]),
             "seed": (
                 "SELECT SUM(count) FROM seed_permit WHERE semaphore_id = %s AND state = 'ACQUIRED'",
                 [seed_id],

@@ -260,3 +260,25 @@ class DatabaseNow(Now):
         self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
     ) -> tuple[str, tuple[str | int, ...]]:
         return self.as_sql(compiler, connection, template="CLOCK_TIMESTAMP()", **extra_context)
+
+
+class StatementNow(DatabaseNow):
+    """The database's clock when the statement started, in UTC: one value
+    however often the statement reads it.
+
+    For statements that run once every lock they need is held (the grant's
+    insert), where the start is after any wait and every column written from
+    the clock must agree.
+    """
+
+    def as_mysql(
+        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
+    ) -> tuple[str, tuple[str | int, ...]]:
+        if settings.USE_TZ and connection.timezone_name == "UTC":
+            return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context)
+        return Now.as_mysql(self, compiler, connection, **extra_context)
+
+    def as_postgresql(
+        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
+    ) -> tuple[str, tuple[str | int, ...]]:
+        return Now.as_postgresql(self, compiler, connection, **extra_context)

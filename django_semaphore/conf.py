@@ -33,7 +33,7 @@ DEFAULTS: dict[str, Any] = {
     # Capacity history is deleted after this long.
     "HISTORY_RETENTION": timedelta(days=30),
     # Rows per batch (and per short transaction) of the clean-up sweeps.
-    "CLEANUP_BATCH_SIZE": 800,
+    "CLEANUP_BATCH_SIZE": 100,
     # Dotted paths of owner liveness checkers.
     "LIVENESS_CHECKERS": [],
     # Status of a view response when its semaphore is exhausted.

@@ -31,7 +31,7 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
 from django_semaphore import backends, routing, signals
-from django_semaphore.backends import DatabaseNow, Failure
+from django_semaphore.backends import DatabaseNow, Failure, StatementNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import (
     AcquireTimeout,
@@ -251,22 +251,20 @@ def _grant(
                 "Asked for more permits than the capacity of: " + ", ".join(too_big)
             )
 
-        # Read once every row is locked: the clock (a TTL starts at the grant,
-        # not before the lock wait) and every permit committed before.
-        usage = sql.usage(cursor, key, [s.id for s in locked])
-        if usage.key_taken:
-            return _KeyTaken()
-        now = usage.now
-        lacking = _lacking_room(usage, locked, demand)
-        if lacking and _reclaim_expired_bounded(
-            connection, [s.id for s in lacking], now, lock_wait
-        ):
-            lacking = _lacking_room(sql.usage(cursor, key, [s.id for s in locked]), locked, demand)
-        if lacking:
-            return SemaphoreExhausted([s.name for s in lacking])
-
-        expires_at = None if ttl is None else now + timedelta(seconds=ttl)
-        request_id = sql.insert_request(cursor, key, owner, ttl, expires_at, now, lock_wait)
+        # The insert decides the common case in the same statement: it adds
+        # the request only if every semaphore has room, by sums read once all
+        # the rows are locked, and stamps it with the clock of that moment.
+        inserted = sql.insert_request_if_room(cursor, key, owner, ttl, locked, demand, lock_wait)
+        if inserted is None:
+            refusal = _refusal(connection, sql, cursor, key, locked, demand, lock_wait)
+            if refusal is not None:
+                return refusal
+            inserted = sql.insert_request_if_room(
+                cursor, key, owner, ttl, locked, demand, lock_wait
+            )
+            if inserted is None:  # pragma: no cover - room only grows while the rows are locked
+                return SemaphoreExhausted(list(demand.names))
+        request_id, now, expires_at = inserted
         # This write is what keeps a multi-primary (Galera) cluster from
         # over-granting: row locks are node-local there, but two grants that
         # both write these rows conflict at certification. Never drop it.
@@ -300,6 +298,32 @@ def _grant(
         using=alias,
     )
     return request
+
+
+def _refusal(
+    connection: BaseDatabaseWrapper,
+    sql: _Statements,
+    cursor: CursorWrapper,
+    key: str,
+    locked: list[_LockedSemaphore],
+    demand: Demand,
+    lock_wait: float,
+) -> SemaphoreError | _KeyTaken | None:
+    """Why the insert found no room, after reclaiming expired permits on the
+    semaphores that lack it; ``None`` when the reclaim made room."""
+    ids = [s.id for s in locked]
+    usage = sql.usage(cursor, key, ids)
+    if usage.key_taken:
+        # A repeated call is answered with its request even when full.
+        return _KeyTaken()
+    lacking = _lacking_room(usage, locked, demand)
+    if (
+        lacking
+        and usage.expired
+        and _reclaim_expired_bounded(connection, [s.id for s in lacking], usage.now, lock_wait)
+    ):
+        lacking = _lacking_room(sql.usage(cursor, key, ids), locked, demand)
+    return SemaphoreExhausted([s.name for s in lacking]) if lacking else None
 
 
 def _lacking_room(
@@ -423,13 +447,22 @@ def release(external_id: str) -> ReleaseOutcome:
         ``RELEASED`` if this call ended it, ``ALREADY_RELEASED`` if it had
         ended before (released, expired or revoked), ``NOT_FOUND`` otherwise.
     """
-    from django_semaphore.models import ReleaseReason, State
+    from django_semaphore.models import PermitRequest, ReleaseReason, State
 
     key = validate_key(external_id)
     connection = connections[routing.alias_for_key(key)]
 
     def attempt() -> ReleaseOutcome:
-        row = _statements(connection).find_request(key)
+        sql = _statements(connection)
+        # One statement, unless someone listens for the released ids (as
+        # Django's delete skips fetching rows nobody's signal receives).
+        if (
+            sql.release_by_key_sql
+            and not signals.permit_released.has_listeners(PermitRequest)
+            and sql.release_by_key(key, ReleaseReason.RELEASED)
+        ):
+            return ReleaseOutcome.RELEASED
+        row = sql.find_request(key)
         if row is None:
             return ReleaseOutcome.NOT_FOUND
         pk, state = row
@@ -572,6 +605,8 @@ class _Statements:
     """
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        from django.db.models import DateTimeField, DurationField, Value
+        from django.db.models.expressions import CombinedExpression
         from django.db.models.sql import Query
 
         from django_semaphore.models import Permit, PermitRequest, Semaphore, State
@@ -582,7 +617,18 @@ class _Statements:
         self.locks: dict[int, str] = {}
         self.returning = connection.features.can_return_columns_from_insert
         q = connection.ops.quote_name
-        now, _ = Query(Semaphore).get_compiler(connection=connection).compile(DatabaseNow())
+        compiler = Query(PermitRequest).get_compiler(connection=connection)
+        now, _ = compiler.compile(DatabaseNow())
+        # The grant's insert reads the clock once: when it starts, every row
+        # it depends on is locked already.
+        stamp, _ = compiler.compile(StatementNow())
+        self.duration = DurationField()
+        expiry = CombinedExpression(
+            StatementNow(), "+", Value(timedelta(), self.duration), output_field=DateTimeField()
+        )
+        expires, expires_params = compiler.compile(expiry.resolve_expression(compiler.query))
+        if len(expires_params) != 1:  # pragma: no cover - a Django change would show here
+            raise AssertionError(f"Unexpected parameters in the expiry: {expires_params!r}")
         semaphore, request, permit = (
             q(m._meta.db_table) for m in (Semaphore, PermitRequest, Permit)
         )
@@ -597,18 +643,42 @@ class _Statements:
         # clock is read here, not in the locking read, which may compute it
         # before its wait for the lock (PostgreSQL does).
         self.usage_sql = (
-            f"SELECT {now}, (SELECT {q('id')} FROM {request} WHERE {q('external_id')} = %s){{sums}}"
+            f"SELECT {now}, (SELECT {q('id')} FROM {request} WHERE {q('external_id')} = %s),"
+            # Whether an expired request still holds one of the semaphores:
+            # only then is a reclaim worth its statements.
+            f" EXISTS(SELECT 1 FROM {request} r JOIN {permit} p"
+            f" ON p.{q('request_id')} = r.{q('id')}"
+            f" WHERE r.{q('state')} = %s AND r.{q('expires_at')} <= {now}"
+            f" AND p.{q('semaphore_id')} IN ({{ids}}) AND p.{q('state')} = %s){{sums}}"
         )
         self.in_use_sql = (
             f", (SELECT COALESCE(SUM({q('count')}), 0) FROM {permit}"
             f" WHERE {q('semaphore_id')} = %s AND {q('state')} = %s)"
         )
-        self.insert_request_sql = (
+        # INSERT ... SELECT: a row only if every locked semaphore has room.
+        # Both Django's MySQL isolation (READ COMMITTED) and PostgreSQL's read
+        # the sums from a snapshot taken when this statement starts, after the
+        # locking read: every permit committed before the lock is counted.
+        self.insert_if_room_sql = (
             f"INSERT INTO {request} ({q('external_id')}, {q('owner')}, {q('state')},"
             f" {q('ttl')}, {q('expires_at')}, {q('created_at')}, {q('updated_at')},"
             f" {q('released_at')}, {q('release_reason')})"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s, NULL, '')"
-            + (f" RETURNING {q('id')}" if self.returning else "")
+            f" SELECT %s, %s, %s, %s, {{expires}}, {stamp}, {stamp}, NULL, ''"
+            + (" FROM DUAL" if connection.vendor == "mysql" else "")
+            + " WHERE {room}"
+            + (
+                f" RETURNING {q('id')}, {q('created_at')}, {q('expires_at')}"
+                if self.returning
+                else ""
+            )
+        )
+        self.expires_sql = expires
+        self.room_sql = (
+            f"(SELECT COALESCE(SUM({q('count')}), 0) FROM {permit}"
+            f" WHERE {q('semaphore_id')} = %s AND {q('state')} = %s) <= %s"
+        )
+        self.stamps_sql = (
+            f"SELECT {q('created_at')}, {q('expires_at')} FROM {request} WHERE {q('id')} = %s"
         )
         self.fencing_sql = (
             f"UPDATE {semaphore} SET {q('fencing_counter')} = {q('fencing_counter')} + 1,"
@@ -622,6 +692,7 @@ class _Statements:
             f"UPDATE {permit} SET {q('state')} = %s"
             f" WHERE {q('request_id')} IN ({{ids}}) AND {q('state')} = %s"
         )
+        self.release_by_key_sql = _release_by_key_sql(connection.vendor, q, request, permit, now)
         self.release_requests_sql = (
             f"UPDATE {request} SET {q('state')} = %s, {q('released_at')} = {now},"
             f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
@@ -657,6 +728,23 @@ class _Statements:
             )
             return int(cursor.rowcount)
 
+    def release_by_key(self, key: str, reason: str) -> bool:
+        """Release the key's request and its permits in one statement;
+        whether this call released it."""
+        acquired, released = self.acquired, self.released
+        params: list[Any]
+        if self.connection.vendor == "mysql":
+            params = [acquired, released, released, reason, key, acquired, key]
+        else:
+            params = [released, reason, key, acquired, released, acquired]
+        with self.connection.cursor() as cursor:
+            cursor.execute(self.release_by_key_sql, params)
+            if self.connection.vendor == "mysql":
+                # Django connects with CLIENT.FOUND_ROWS: rows matched, and the
+                # request row matches only while ACQUIRED.
+                return bool(cursor.rowcount)
+            return bool(cursor.fetchone()[0])
+
     # Inside the grant transaction.
 
     def bounded(self, sql: str, lock_wait: float) -> str:
@@ -689,37 +777,68 @@ class _Statements:
         return str(sql)
 
     def usage(self, cursor: CursorWrapper, key: str, semaphore_ids: list[int]) -> _Usage:
-        """The clock, whether ``key`` is taken, and the permits held on each
-        semaphore: one round trip."""
+        """The clock, whether ``key`` is taken, whether expired permits
+        hold any of the semaphores, and the permits held on each: one round trip."""
         cursor.execute(
-            self.usage_sql.format(sums=self.in_use_sql * len(semaphore_ids)),
-            [key, *(p for id in semaphore_ids for p in (id, self.acquired))],
+            self.usage_sql.format(
+                ids=_placeholders(len(semaphore_ids)), sums=self.in_use_sql * len(semaphore_ids)
+            ),
+            [
+                key,
+                self.acquired,
+                *semaphore_ids,
+                self.acquired,
+                *(p for id in semaphore_ids for p in (id, self.acquired)),
+            ],
         )
-        now, key_id, *in_use = cursor.fetchone()
+        now, key_id, expired, *in_use = cursor.fetchone()
         return _Usage(
             now=backends.datetime_from_db(self.connection, now),
             key_taken=key_id is not None,
+            expired=bool(expired),
             in_use={id: int(n) for id, n in zip(semaphore_ids, in_use, strict=True)},
         )
 
-    def insert_request(
+    def insert_request_if_room(
         self,
         cursor: CursorWrapper,
         key: str,
         owner: str,
         ttl: int | None,
-        expires_at: datetime | None,
-        now: datetime,
+        locked: list[_LockedSemaphore],
+        demand: Demand,
         lock_wait: float,
-    ) -> int:
-        # A concurrent first call with the same key waits here on the unique
-        # index until the other commits, then fails with IntegrityError.
-        adapt = self.connection.ops.adapt_datetimefield_value
+    ) -> tuple[int, datetime, datetime | None] | None:
+        """Insert the request if every semaphore has room: (id, the clock it
+        was stamped with, its expiry), or ``None`` and nothing written.
+
+        A concurrent first call with the same key waits here on the unique
+        index until the other commits, then fails with IntegrityError.
+        """
+        expires, params = "NULL", [key, owner, self.acquired, ttl]
+        if ttl is not None:
+            expires = self.expires_sql
+            params.append(self.duration.get_db_prep_value(timedelta(seconds=ttl), self.connection))
+        for s in locked:
+            params += [s.id, self.acquired, s.capacity - demand.counts[s.name]]
+        room = " AND ".join([self.room_sql] * len(locked))
         cursor.execute(
-            self.bounded(self.insert_request_sql, lock_wait),
-            [key, owner, self.acquired, ttl, adapt(expires_at), adapt(now), adapt(now)],
+            self.bounded(self.insert_if_room_sql.format(expires=expires, room=room), lock_wait),
+            params,
         )
-        return int(cursor.fetchone()[0] if self.returning else cursor.lastrowid)
+        if self.returning:
+            row = cursor.fetchone()
+            if row is None:
+                return None
+            request_id, now, expires_at = row
+        else:
+            if not cursor.rowcount:
+                return None
+            request_id = cursor.lastrowid
+            cursor.execute(self.stamps_sql, [request_id])
+            now, expires_at = cursor.fetchone()
+        stamp = functools.partial(backends.datetime_from_db, self.connection)
+        return int(request_id), stamp(now), None if expires_at is None else stamp(expires_at)
 
     def advance_fencing_counters(
         self, cursor: CursorWrapper, semaphore_ids: list[int], now: datetime, lock_wait: float
@@ -744,7 +863,36 @@ class _Statements:
 class _Usage:
     now: datetime  # the database's clock
     key_taken: bool  # a request has the key (or one the collation calls equal)
+    expired: bool  # an expired request holds one of the semaphores
     in_use: dict[int, int]  # semaphore id -> permits held
+
+
+def _release_by_key_sql(
+    vendor: str, q: Callable[[str], str], request: str, permit: str, now: str
+) -> str:
+    """Release by key in one statement where the database can update two
+    tables in one (atomic: no half-released request); "" elsewhere."""
+    if vendor == "mysql":
+        # The binary comparison keeps keys exact under a case-insensitive
+        # collation (see _find_request); the other one finds the index.
+        return (
+            f"UPDATE {request} r LEFT JOIN {permit} p"
+            f" ON p.{q('request_id')} = r.{q('id')} AND p.{q('state')} = %s"
+            f" SET p.{q('state')} = %s, r.{q('state')} = %s, r.{q('released_at')} = {now},"
+            f" r.{q('updated_at')} = {now}, r.{q('release_reason')} = %s"
+            f" WHERE r.{q('external_id')} = %s AND r.{q('state')} = %s"
+            f" AND CAST(r.{q('external_id')} AS BINARY) = CAST(%s AS BINARY)"
+        )
+    if vendor == "postgresql":
+        return (
+            f"WITH r AS (UPDATE {request} SET {q('state')} = %s, {q('released_at')} = {now},"
+            f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
+            f" WHERE {q('external_id')} = %s AND {q('state')} = %s RETURNING {q('id')}),"
+            f" p AS (UPDATE {permit} SET {q('state')} = %s"
+            f" WHERE {q('request_id')} IN (SELECT {q('id')} FROM r) AND {q('state')} = %s)"
+            " SELECT COUNT(*) FROM r"
+        )
+    return ""
 
 
 def _placeholders(count: int) -> str:

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from weakref import WeakKeyDictionary
 
 import pytest
 from django.db import connection, transaction
 
-from django_semaphore import ReleaseOutcome, acquire, release
+from django_semaphore import ReleaseOutcome, acquire, core, release
 from django_semaphore.exceptions import (
     AcquireTimeout,
     CapacityExceeded,
@@ -309,3 +310,20 @@ def test_own_alias_may_run_inside_an_outer_transaction(make_semaphore, settings)
         # Committed on its own connection, visible before the outer block ends.
         assert PermitRequest.objects.using("semaphores").get(external_id=key).pk == request.pk
     assert in_use(sem) == 1
+
+
+def test_a_grant_without_insert_returning_reads_its_stamps_back(make_semaphore, monkeypatch):
+    """MySQL (unlike MariaDB >= 10.5) has no INSERT ... RETURNING."""
+    if connection.vendor == "postgresql":
+        pytest.skip("PostgreSQL always has INSERT ... RETURNING (and no lastrowid)")
+    monkeypatch.setattr(connection.features, "can_return_columns_from_insert", False)
+    monkeypatch.setattr(core, "_statements_by_connection", WeakKeyDictionary())
+    sem = make_semaphore(capacity=1)
+
+    request = acquire(sem.name, external_id=unique(), ttl=60)
+    with pytest.raises(SemaphoreExhausted):
+        acquire(sem.name, external_id=unique())
+
+    stored = PermitRequest.objects.get(pk=request.pk)
+    assert (stored.created_at, stored.expires_at) == (request.created_at, request.expires_at)
+    assert request.expires_at - request.created_at == timedelta(seconds=60)

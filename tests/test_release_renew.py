@@ -3,12 +3,14 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 
 from django_semaphore import ReleaseOutcome, acquire, release, renew
 from django_semaphore.core import release_requests
 from django_semaphore.exceptions import PermitAlreadyReleased, PermitNotFound
 from django_semaphore.models import Permit, PermitRequest, ReleaseReason, Semaphore, State
+from django_semaphore.signals import permit_released
 from tests.conftest import unique
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -126,3 +128,48 @@ def test_renew_of_unknown_key():
         renew(unique())
     # A holder catching PermitAlreadyReleased stops in this case too.
     assert issubclass(PermitNotFound, PermitAlreadyReleased)
+
+
+def test_a_half_released_request_is_completed_by_release_too(make_semaphore):
+    sem = make_semaphore()
+    key = unique()
+    request = acquire(sem.name, external_id=key)
+    Permit.objects.filter(request=request).update(state=State.RELEASED)
+
+    assert release(key) is ReleaseOutcome.RELEASED
+    assert PermitRequest.objects.get(pk=request.pk).state == State.RELEASED
+
+
+def test_release_is_one_statement_where_the_database_can_update_two_tables(make_semaphore):
+    """Unless a receiver wants the released ids (see the next test)."""
+    sem = make_semaphore()
+    key = unique()
+    acquire(sem.name, external_id=key)
+
+    with CaptureQueriesContext(connection) as queries:
+        assert release(key) is ReleaseOutcome.RELEASED
+
+    assert len(queries) == (3 if connection.vendor == "sqlite" else 1)
+    assert not Permit.objects.filter(state=State.ACQUIRED).exists()
+    assert PermitRequest.objects.get(external_id=key).state == State.RELEASED
+
+
+def test_a_receiver_of_permit_released_gets_the_request_id(make_semaphore):
+    sem = make_semaphore()
+    key = unique()
+    request = acquire(sem.name, external_id=key)
+    received: list[dict[str, object]] = []
+
+    def receiver(**kwargs: object) -> None:
+        received.append(kwargs)
+
+    permit_released.connect(receiver)
+    try:
+        assert release(key) is ReleaseOutcome.RELEASED
+        assert release(key) is ReleaseOutcome.ALREADY_RELEASED
+    finally:
+        permit_released.disconnect(receiver)
+
+    assert [(r["request_ids"], r["reason"]) for r in received] == [
+        ([request.pk], ReleaseReason.RELEASED)
+    ]

@@ -203,7 +203,7 @@ INT_COMBINERS = {"max", "min"}  # safe when every argument is
 SAFE_NAMES = {
     # identifiers and compiled fragments named in core.py's statement builder
     "semaphore", "request", "permit", "now", "ids", "rows", "table", "column",
-    "db_table", "sql", "where", "columns", "returning", "bound", "hint",
+    "db_table", "sql", "where", "columns", "returning", "bound", "hint", "stamp",
 }  # fmt: skip
 
 

@@ -12,6 +12,7 @@ import pytest
 from django.db import connection
 
 from benchmarks import cleanup_load
+from django_semaphore.conf import app_settings
 from django_semaphore.models import Permit, PermitRequest, State
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -25,7 +26,7 @@ def test_clean_up_of_100k_rows_while_acquires_run():
 
     assert result.errors == []
     assert (result.deleted, result.permits) == (ROWS, ROWS)
-    assert result.batches >= ROWS // 800
+    assert result.batches >= ROWS // app_settings.CLEANUP_BATCH_SIZE
     if connection.vendor != "sqlite":
         # SQLite has one write lock: acquires queue behind the batches (and
         # may only get in once the clean-up ends), but none fails.
