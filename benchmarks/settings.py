@@ -32,6 +32,9 @@ if importlib.util.find_spec("db_mutex") is not None:
     INSTALLED_APPS.append("db_mutex")
 
 DJANGO_SEMAPHORE: dict[str, object] = {}
+if os.environ.get("BENCH_RETRY_ATTEMPTS"):
+    # python -m benchmarks.galera: more retries for clients spread over the nodes.
+    DJANGO_SEMAPHORE["RETRY_ATTEMPTS"] = int(os.environ["BENCH_RETRY_ATTEMPTS"])
 if os.environ.get("BENCH_CLEANUP_BATCH"):
     # Scenario 6 with another clean-up batch size (python -m benchmarks --cleanup-batch).
     DJANGO_SEMAPHORE["CLEANUP_BATCH_SIZE"] = int(os.environ["BENCH_CLEANUP_BATCH"])

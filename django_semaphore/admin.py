@@ -8,7 +8,9 @@
 - Capacity history: read-only.
 
 Nothing here adds or deletes permits by hand, and every read goes to the
-app's database alias (``DJANGO_SEMAPHORE["DATABASE"]``).
+app's database alias (``DJANGO_SEMAPHORE["DATABASE"]``). With semaphores
+sharded over several aliases (``SHARDS``) the admin shows one alias at a time:
+``?_alias=<alias>`` on any list switches, and the choice is kept in the session.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from django.db.models import (
     When,
 )
 from django.db.models.functions import Cast, Coalesce
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
@@ -51,6 +54,7 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
+from django_semaphore import routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.core import release_requests
@@ -79,6 +83,11 @@ BAR_OVER = "#ba2121"
 INFINITE_UTILIZATION = 1e18
 
 
+# Sharded semaphores: which alias the admin shows (see the module docstring).
+ALIAS_PARAMETER = "_alias"
+ALIAS_SESSION_KEY = "django_semaphore_alias"
+
+
 # --- shared behaviour ---------------------------------------------------------
 
 
@@ -98,7 +107,50 @@ class OperatorAdmin(admin.ModelAdmin):
             allowed = self.get_actions(request)
             if any(name and name not in allowed for name in request.POST.getlist("action")):
                 raise PermissionDenied
-        return super().changelist_view(request, extra_context)
+        if ALIAS_PARAMETER in request.GET:
+            return self._switch_alias(request)
+        with routing.on_alias(self._shown_alias(request)):
+            self._say_which_alias(request)
+            return _rendered(super().changelist_view(request, extra_context))
+
+    def changeform_view(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        with routing.on_alias(self._shown_alias(request)):
+            return _rendered(super().changeform_view(request, *args, **kwargs))
+
+    def delete_view(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        with routing.on_alias(self._shown_alias(request)):
+            return _rendered(super().delete_view(request, *args, **kwargs))
+
+    def history_view(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        with routing.on_alias(self._shown_alias(request)):
+            return _rendered(super().history_view(request, *args, **kwargs))
+
+    def _shown_alias(self, request: HttpRequest) -> str:
+        chosen = request.session.get(ALIAS_SESSION_KEY)
+        return chosen if chosen in routing.aliases() else app_settings.DATABASE
+
+    def _switch_alias(self, request: HttpRequest) -> HttpResponse:
+        alias = request.GET[ALIAS_PARAMETER]
+        if alias in routing.aliases():
+            request.session[ALIAS_SESSION_KEY] = alias
+        else:
+            messages.error(request, gettext("No semaphores are kept on %s.") % alias)
+        query = request.GET.copy()
+        del query[ALIAS_PARAMETER]
+        return HttpResponseRedirect(
+            f"{request.path}?{query.urlencode()}" if query else request.path
+        )
+
+    def _say_which_alias(self, request: HttpRequest) -> None:
+        aliases = routing.aliases()
+        if len(aliases) == 1:
+            return
+        shown = app_settings.DATABASE
+        others = format_html(
+            ", ".join(['<a href="?{}={}">{}</a>'] * (len(aliases) - 1)),
+            *(part for a in aliases if a != shown for part in (ALIAS_PARAMETER, a, a)),
+        )
+        messages.info(request, format_html(gettext("Showing database {}; also: {}"), shown, others))
 
     def admin_url(self, model: type[Model], view: str, *args: Any, **query: Any) -> str:
         """This admin site's URL of ``view`` for ``model``, with a query string."""
@@ -111,6 +163,14 @@ class OperatorAdmin(admin.ModelAdmin):
     def can_view(self, request: HttpRequest, model: type[Model]) -> bool:
         model_admin = self.admin_site.get_model_admin(model)
         return model_admin.has_view_or_change_permission(request)
+
+
+def _rendered(response: HttpResponse) -> HttpResponse:
+    # A TemplateResponse renders after the view returns: render it while the
+    # shown alias is still pinned, so what the template reads comes from it.
+    if isinstance(response, TemplateResponse):
+        response.render()
+    return response
 
 
 class ReadOnlyAdmin(OperatorAdmin):

@@ -10,6 +10,7 @@ import enum
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
@@ -30,7 +31,10 @@ class Failure(enum.Enum):
 MYSQL_CONTENTION = frozenset(
     {
         1205,  # ER_LOCK_WAIT_TIMEOUT
-        1213,  # ER_LOCK_DEADLOCK (also Galera certification failures)
+        # ER_LOCK_DEADLOCK, also a Galera certification failure or brute-force
+        # abort, from any statement of the transaction or from its COMMIT.
+        1213,
+        3101,  # ER_TRANSACTION_ROLLBACK_DURING_COMMIT: group replication's conflict
     }
 )
 MYSQL_DISCONNECT = frozenset(
@@ -38,6 +42,14 @@ MYSQL_DISCONNECT = frozenset(
         1047,  # WSREP has not yet prepared node for application use (Galera)
         1053,  # ER_SERVER_SHUTDOWN
         1077,  # ER_NORMAL_SHUTDOWN
+        # ER_ERROR_DURING_COMMIT: a Galera node losing its cluster at COMMIT;
+        # retrying is safe, a committed grant is found again by its key.
+        1180,
+        # ER_OPTION_PREVENTS_STATEMENT (--read-only), ER_READ_ONLY_MODE: a primary
+        # demoted by a failover; a new connection through the cluster's router
+        # or proxy reaches the new one.
+        1290,
+        1836,
         1927,  # ER_CONNECTION_KILLED (MariaDB)
         2002,  # CR_CONNECTION_ERROR
         2003,  # CR_CONN_HOST_ERROR
@@ -48,8 +60,11 @@ MYSQL_DISCONNECT = frozenset(
 )
 # PostgreSQL SQLSTATEs: deadlock, lock_not_available, serialization_failure.
 POSTGRES_CONTENTION = frozenset({"40P01", "55P03", "40001"})
-# Class 08 is "connection exception"; 57P0x are shutdowns and crashes.
-POSTGRES_DISCONNECT_PREFIXES = ("08", "57P01", "57P02", "57P03")
+# Class 08 is "connection exception"; 57P0x are shutdowns and crashes; 25006
+# (read_only_sql_transaction) is a standby, e.g. the old primary after a
+# failover: a new connection (libpq target_session_attrs=read-write, or the
+# pooler) reaches the new primary.
+POSTGRES_DISCONNECT_PREFIXES = ("08", "57P01", "57P02", "57P03", "25006")
 
 
 def classify(connection: BaseDatabaseWrapper, exc: DatabaseError) -> Failure | None:
@@ -153,6 +168,44 @@ def _restore_quietly(connection: BaseDatabaseWrapper, sql: str) -> None:
             cursor.execute(sql)
     except DatabaseError:
         pass
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the connected server says about itself, for the system checks."""
+
+    read_only: str = ""  # why it refuses writes ("read_only", "in recovery"), or ""
+    galera: bool = False  # a Galera cluster node (wsrep_on)
+    causal_reads: bool = True  # Galera: reads wait for the writes committed elsewhere
+    isolation: str = ""  # the session's isolation level, lower case with spaces
+
+
+def server_settings(connection: BaseDatabaseWrapper) -> ServerSettings:
+    """Ask the server behind ``connection`` (its session, as Django set it up)."""
+    if connection.vendor == "mysql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SHOW VARIABLES WHERE Variable_name IN ('read_only', 'super_read_only',"
+                " 'wsrep_on', 'wsrep_sync_wait', 'transaction_isolation', 'tx_isolation')"
+            )
+            values = {name: str(value) for name, value in cursor.fetchall()}
+        isolation = values.get("transaction_isolation") or values.get("tx_isolation", "")
+        return ServerSettings(
+            read_only=", ".join(
+                name for name in ("read_only", "super_read_only") if values.get(name) == "ON"
+            ),
+            galera=values.get("wsrep_on") == "ON",
+            # Bit 1 of wsrep_sync_wait: reads wait until the node applied
+            # every write the cluster committed before they started.
+            causal_reads=int(values.get("wsrep_sync_wait") or 0) & 1 == 1,
+            isolation=isolation.lower().replace("-", " "),
+        )
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_is_in_recovery(), current_setting('transaction_isolation')")
+            in_recovery, isolation = cursor.fetchone()
+        return ServerSettings(read_only="in recovery" if in_recovery else "", isolation=isolation)
+    return ServerSettings()
 
 
 def is_sqlite_without_immediate_transactions(database: dict[str, Any]) -> bool:

@@ -8,10 +8,11 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.db import DatabaseError, connections
 from django.utils.module_loading import import_string
 
-from django_semaphore import backends
-from django_semaphore.conf import DEFAULTS, DURATION_KEYS
+from django_semaphore import backends, routing
+from django_semaphore.conf import DEFAULTS, DURATION_KEYS, app_settings
 from django_semaphore.validation import MAX_COUNT, MAX_LENGTH
 
 DOCS = "See docs/settings.md."
@@ -42,7 +43,7 @@ def _positive_number(value: Any) -> bool:
 
 def _check_value(key: str, value: Any) -> list[CheckMessage]:
     if key == "DATABASE":
-        if value not in settings.DATABASES:
+        if value is not None and value not in settings.DATABASES:
             return [_error(3, f"DJANGO_SEMAPHORE['DATABASE'] is {value!r}, not a DATABASES alias.")]
     elif key in {"LOCK_WAIT_TIMEOUT", "PRELOCK_TIMEOUT"}:
         if not _positive_number(value):
@@ -62,7 +63,19 @@ def _check_value(key: str, value: Any) -> list[CheckMessage]:
             return [_error(8, "DJANGO_SEMAPHORE['VIEW_STATUS_CODE'] must be a 4xx or 5xx status.")]
     elif key == "SEMAPHORES":
         return _check_declared(value)
+    elif key == "SHARDS":
+        return _check_shards(value)
     return []
+
+
+def _check_shards(value: Any) -> list[CheckMessage]:
+    if not isinstance(value, Mapping):
+        return [_error(10, "DJANGO_SEMAPHORE['SHARDS'] must map name patterns to aliases.")]
+    return [
+        _error(10, f"Shard {pattern!r}: {alias!r} is not a DATABASES alias.")
+        for pattern, alias in value.items()
+        if not isinstance(pattern, str) or alias not in settings.DATABASES
+    ]
 
 
 def _check_checkers(value: Any) -> list[CheckMessage]:
@@ -97,11 +110,6 @@ def _check_declared(value: Any) -> list[CheckMessage]:
 def check_sqlite_transactions(**kwargs: Any) -> list[CheckMessage]:
     """Deferred SQLite transactions make concurrent acquirers fail with
     "database is locked" instead of waiting their turn."""
-    user = getattr(settings, "DJANGO_SEMAPHORE", {})
-    alias = user.get("DATABASE", DEFAULTS["DATABASE"]) if isinstance(user, Mapping) else ""
-    database = settings.DATABASES.get(alias)
-    if database is None or not backends.is_sqlite_without_immediate_transactions(database):
-        return []
     return [
         Warning(
             f"SQLite database {alias!r} does not use immediate transactions: "
@@ -109,40 +117,131 @@ def check_sqlite_transactions(**kwargs: Any) -> list[CheckMessage]:
             hint=f"Set DATABASES[{alias!r}]['OPTIONS']['transaction_mode'] = 'IMMEDIATE'.",
             id="django_semaphore.W001",
         )
+        for alias in _app_aliases()
+        if backends.is_sqlite_without_immediate_transactions(settings.DATABASES[alias])
     ]
+
+
+def _app_aliases() -> list[str]:
+    """The aliases holding semaphores, if the settings are sound enough to tell
+    (check_settings reports what is not)."""
+    user = getattr(settings, "DJANGO_SEMAPHORE", {})
+    if not isinstance(user, Mapping) or not isinstance(user.get("SHARDS", {}), Mapping):
+        return []
+    return [alias for alias in routing.aliases() if alias in settings.DATABASES]
 
 
 @register(Tags.compatibility)
 def check_production_database(**kwargs: Any) -> list[CheckMessage]:
     """SQLite outside DEBUG, or an alias that looks like a replica."""
-    from django.db import router
-
-    from django_semaphore.models import Semaphore
-
-    user = getattr(settings, "DJANGO_SEMAPHORE", {})
-    alias = user.get("DATABASE", DEFAULTS["DATABASE"]) if isinstance(user, Mapping) else ""
-    database = settings.DATABASES.get(alias)
-    if database is None:
-        return []
     warnings: list[CheckMessage] = []
-    if database.get("ENGINE", "").endswith("sqlite3") and not settings.DEBUG:
+    aliases = _app_aliases()
+    elsewhere = _routed_writes() - set(aliases) if aliases else set()
+    if elsewhere:
+        # Grants decided away from where the app's writes go could over-grant.
         warnings.append(
             Warning(
-                f"The semaphore database {alias!r} is SQLite outside DEBUG: permits are "
-                "shared only by the processes of this one machine.",
-                hint="Use MariaDB/MySQL or PostgreSQL when several machines acquire.",
-                id="django_semaphore.W002",
+                f"The routers send semaphore writes to {', '.join(sorted(elsewhere))}, not "
+                f"to the app's alias {app_settings.DATABASE!r}: it looks like a replica.",
+                hint="Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See docs/clusters.md.",
+                id="django_semaphore.W003",
             )
         )
-    writes_go_to = router.db_for_write(Semaphore)
-    if database.get("TEST", {}).get("MIRROR") or writes_go_to != alias:
-        # Grants decided on a replica could over-grant: its rows lag the primary.
+    for alias in aliases:
+        database = settings.DATABASES[alias]
+        if database.get("ENGINE", "").endswith("sqlite3") and not settings.DEBUG:
+            warnings.append(
+                Warning(
+                    f"The semaphore database {alias!r} is SQLite outside DEBUG: permits are "
+                    "shared only by the processes of this one machine.",
+                    hint="Use MariaDB/MySQL or PostgreSQL when several machines acquire.",
+                    id="django_semaphore.W002",
+                )
+            )
+        if database.get("TEST", {}).get("MIRROR"):
+            warnings.append(
+                Warning(
+                    f"The semaphore database {alias!r} looks like a replica (a test mirror).",
+                    hint="Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See docs/clusters.md.",
+                    id="django_semaphore.W003",
+                )
+            )
+    return warnings
+
+
+def _routed_writes() -> set[str]:
+    """Where the routers say the app's models are written, when one says so.
+
+    Asked router by router: ``router.db_for_write`` answers ``default`` when no
+    router decides, which is no evidence that writes go anywhere else.
+    """
+    from django.db import router
+
+    from django_semaphore.models import Permit, PermitRequest, Semaphore
+
+    chosen: set[str] = set()
+    for model in (Semaphore, PermitRequest, Permit):
+        for candidate in router.routers:
+            method = getattr(candidate, "db_for_write", None)
+            alias = None if method is None else method(model)
+            if alias is not None:
+                chosen.add(alias)
+                break
+    return chosen
+
+
+@register(Tags.database)
+def check_database_servers(databases: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """What only the connected server can tell: a read-only server (a replica),
+    Galera reads that may not see the other nodes' latest writes, an isolation
+    level the grant was not designed for. Runs with ``check --database``."""
+    if databases is None:  # as Django's own database checks: only when asked
+        return []
+    warnings: list[CheckMessage] = []
+    for alias in _app_aliases():
+        if alias not in databases:
+            continue
+        try:
+            server = backends.server_settings(connections[alias])
+        except DatabaseError:
+            continue  # unreachable: Django's own checks and the first acquire say so
+        warnings.extend(_server_warnings(alias, server))
+    return warnings
+
+
+def _server_warnings(alias: str, server: backends.ServerSettings) -> list[CheckMessage]:
+    warnings: list[CheckMessage] = []
+    if server.read_only:
         warnings.append(
             Warning(
-                f"The semaphore database {alias!r} looks like a replica (a test mirror, or "
-                f"the routers send semaphore writes to {writes_go_to!r}).",
-                hint="Point DJANGO_SEMAPHORE['DATABASE'] at the primary.",
+                f"The semaphore database {alias!r} is read-only ({server.read_only}): "
+                "a replica, or a demoted primary.",
+                hint="Point the alias at the primary (or the cluster's writer endpoint).",
                 id="django_semaphore.W003",
+            )
+        )
+    if server.galera and not server.causal_reads:
+        warnings.append(
+            Warning(
+                f"The semaphore database {alias!r} is a Galera node without causal reads "
+                "(wsrep_sync_wait lacks 1): grants stay safe, but a release or renew on "
+                "another node than the grant's may not find it yet (NOT_FOUND, the "
+                "permit then held until its TTL or the sweep).",
+                hint="Add \"SET SESSION wsrep_sync_wait = 1\" to OPTIONS['init_command'], or "
+                "send every client of the app to one node. See docs/clusters.md.",
+                id="django_semaphore.W004",
+            )
+        )
+    if server.isolation not in {"", "read committed", "read-committed"}:
+        warnings.append(
+            Warning(
+                f"The semaphore database {alias!r} runs at {server.isolation.upper()}: the "
+                "grant is designed for READ COMMITTED (it reads the permits committed "
+                "before its row lock); other levels cost retried serialization failures "
+                "or refusals for permits never committed.",
+                hint=f"Leave DATABASES[{alias!r}]['OPTIONS']['isolation_level'] unset, or "
+                "give the app its own alias at READ COMMITTED.",
+                id="django_semaphore.W005",
             )
         )
     return warnings

@@ -7,14 +7,19 @@ Read on every access (never cached, never written back into ``settings``) so
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 
 DEFAULTS: dict[str, Any] = {
-    # Database alias holding the semaphore tables; all reads go to it.
-    "DATABASE": "default",
+    # Database alias holding the semaphore tables; all reads go to it. None:
+    # where the routers send the app's writes (``default`` without routers).
+    "DATABASE": None,
+    # Name pattern -> alias, first match wins: semaphores sharded by name
+    # (see routing.py); names no pattern matches live on DATABASE.
+    "SHARDS": {},
     # Longest a grant transaction waits for a row lock, in seconds.
     "LOCK_WAIT_TIMEOUT": 5,
     # Attempts of one grant transaction on deadlock / lock-wait timeout.
@@ -39,6 +44,10 @@ DEFAULTS: dict[str, Any] = {
 
 DURATION_KEYS = frozenset({"STALENESS_LIMIT", "RELEASED_RETENTION", "HISTORY_RETENTION"})
 
+# Set by ``routing.on_alias``: the alias the app's single-alias code (sweeps,
+# commands, the admin) works on while it visits each shard.
+pinned_alias: ContextVar[str | None] = ContextVar("django_semaphore_alias", default=None)
+
 
 class Settings:
     """Attribute access to the app's settings with their defaults."""
@@ -55,7 +64,23 @@ class Settings:
 
     @property
     def DATABASE(self) -> str:
-        return str(self._get("DATABASE"))
+        pinned = pinned_alias.get()
+        if pinned is not None:
+            return pinned
+        configured = self._get("DATABASE")
+        if configured is None:
+            # Never db_for_read: a router may send reads to a replica, and a
+            # grant decided on a replica's stale rows could over-grant.
+            from django.db import router
+
+            from django_semaphore.models import Semaphore
+
+            return router.db_for_write(Semaphore)
+        return str(configured)
+
+    @property
+    def SHARDS(self) -> dict[str, str]:
+        return dict(self._get("SHARDS"))
 
     @property
     def LOCK_WAIT_TIMEOUT(self) -> float:

@@ -30,7 +30,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
-from django_semaphore import backends, signals
+from django_semaphore import backends, routing, signals
 from django_semaphore.backends import DatabaseNow, Failure, StatementNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import (
@@ -111,7 +111,7 @@ def acquire(
     owner = validate_owner(owner)
     ttl_seconds = validate_ttl(ttl)
     wait = validate_timeout(timeout)
-    connection = connections[app_settings.DATABASE]
+    connection = connections[routing.alias_for_names(demand.names)]
     _refuse_outer_transaction(connection)
 
     deadline = time.monotonic() + wait
@@ -450,7 +450,7 @@ def release(external_id: str) -> ReleaseOutcome:
     from django_semaphore.models import PermitRequest, ReleaseReason, State
 
     key = validate_key(external_id)
-    connection = connections[app_settings.DATABASE]
+    connection = connections[routing.alias_for_key(key)]
 
     def attempt() -> ReleaseOutcome:
         sql = _statements(connection)
@@ -510,7 +510,7 @@ def renew(external_id: str, ttl: int | float | timedelta | None = None) -> Permi
 
     key = validate_key(external_id)
     ttl_seconds = validate_ttl(ttl)
-    connection = connections[app_settings.DATABASE]
+    connection = connections[routing.alias_for_key(key)]
     alias = connection.alias
 
     def attempt() -> PermitRequest:
@@ -556,7 +556,7 @@ def set_capacity(
     """
     capacity = validate_capacity(capacity)
     reason = validate_owner(reason, field="reason")
-    connection = connections[app_settings.DATABASE]
+    connection = connections[routing.alias_for_name(name)]
     return run_with_retries(
         connection,
         lambda: _set_capacity(connection.alias, name, capacity, changed_by, reason),

@@ -10,15 +10,23 @@ from typing import Any
 
 from django.db import router
 
+from django_semaphore import routing
 from django_semaphore.conf import app_settings
 
 
 def create_declared_semaphores(using: str, **kwargs: Any) -> None:
+    """Each declared semaphore is created on the alias its name is placed on."""
     from django_semaphore.models import Semaphore
 
-    if using != app_settings.DATABASE or not router.allow_migrate_model(using, Semaphore):
+    if not router.allow_migrate_model(using, Semaphore):
         return
-    declared = app_settings.SEMAPHORES
+    declared = {
+        name: capacity
+        for name, capacity in app_settings.SEMAPHORES.items()
+        if routing.alias_for_name(name) == using
+    }
+    if not declared:
+        return
     existing = set(
         Semaphore.objects.using(using).filter(name__in=declared).values_list("name", flat=True)
     )

@@ -34,6 +34,10 @@ class AcquireTimeout(SemaphoreExhausted, TimeoutError):
     """Still no room when the caller's ``timeout`` ran out."""
 
 
+class CrossShardRequest(InvalidRequest):
+    """A request names semaphores placed on different database aliases."""
+
+
 class CapacityExceeded(InvalidRequest):
     """A count asks for more than the semaphore could ever grant."""
 

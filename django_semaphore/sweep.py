@@ -16,16 +16,20 @@ flowing. Two sweepers running at once (two beat hosts by mistake, cron and
 beat) split the work instead of repeating it: each batch locks its rows with
 ``SELECT ... FOR UPDATE SKIP LOCKED`` and the other sweeper passes over them
 (SQLite serializes writers instead, and the second finds nothing left).
+
+With semaphores sharded over several aliases (``SHARDS``), each sweep visits
+every alias in turn, its time budget applying to each; the reports add up.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from django.db import connections, transaction
 from django.db.models import (
@@ -39,7 +43,7 @@ from django.db.models import (
     Value,
 )
 
-from django_semaphore import backends, liveness
+from django_semaphore import backends, liveness, routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.core import release_requests, run_with_retries
@@ -53,6 +57,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("django_semaphore")
 
 T = TypeVar("T")
+P = ParamSpec("P")
+Report = TypeVar("Report", "OrphanReport", "CleanupReport")
 
 # A clean-up run stops starting new batches after this many seconds; the next
 # run goes on where it stopped. Generous for a 4-hourly task.
@@ -101,9 +107,28 @@ class CleanupReport:
         return text + "."
 
 
+def _on_every_alias(sweep: Callable[P, Report]) -> Callable[P, Report]:
+    """Run ``sweep`` on each alias holding semaphores and add the reports up."""
+
+    @functools.wraps(sweep)
+    def on_every_alias(*args: P.args, **kwargs: P.kwargs) -> Report:
+        first, *others = [sweep(*args, **kwargs) for _ in routing.each_alias()]
+        for other in others:
+            for field in fields(first):
+                mine, theirs = getattr(first, field.name), getattr(other, field.name)
+                if isinstance(mine, bool):  # finished, dry_run: true only if on all
+                    setattr(first, field.name, mine and theirs)
+                elif isinstance(mine, int):
+                    setattr(first, field.name, mine + theirs)
+        return first
+
+    return on_every_alias
+
+
 # --- orphans -------------------------------------------------------------------
 
 
+@_on_every_alias
 def release_orphans(
     *,
     batch_size: int | None = None,
@@ -229,6 +254,7 @@ def _release_dead_owners(
 # --- clean-ups -----------------------------------------------------------------
 
 
+@_on_every_alias
 def clean_released(
     *,
     batch_size: int | None = None,
@@ -271,6 +297,7 @@ def clean_released(
     )
 
 
+@_on_every_alias
 def clean_history(
     *,
     batch_size: int | None = None,
@@ -353,10 +380,19 @@ def force_release(keys: Iterable[str], reason: str | None = None) -> dict[str, R
     Returns:
         key -> ``RELEASED`` (this call ended it), ``ALREADY_RELEASED`` or ``NOT_FOUND``.
     """
+    keys = list(dict.fromkeys(keys))
+    outcomes = dict.fromkeys(keys, ReleaseOutcome.NOT_FOUND)
+    for alias in routing.aliases():
+        # Keys are unique per alias: a key found on one is looked for no further.
+        missing = [key for key in keys if outcomes[key] is ReleaseOutcome.NOT_FOUND]
+        if missing:
+            outcomes |= _force_release_on(alias, missing, reason)
+    return outcomes
+
+
+def _force_release_on(alias: str, keys: list[str], reason: str | None) -> dict[str, ReleaseOutcome]:
     from django_semaphore.models import PermitRequest, ReleaseReason, State
 
-    alias = app_settings.DATABASE
-    keys = list(dict.fromkeys(keys))
     rows = {
         key: (pk, state)
         for key, pk, state in PermitRequest.objects.using(alias)

@@ -14,14 +14,17 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import connections
 from django.db.models import QuerySet
 
-from django_semaphore.conf import app_settings
+from django_semaphore import routing
 from django_semaphore.exceptions import PermitAlreadyReleased, SemaphoreError, SemaphoreExhausted
 from django_semaphore.owners import TaskOwner
+
+if TYPE_CHECKING:
+    from django_semaphore.models import PermitRequest
 
 logger = logging.getLogger("django_semaphore")
 
@@ -47,7 +50,7 @@ def claim(task: Any, demand: Any, ttl: int | None) -> str:
             request = acquire(demand, external_id=key, owner=str(me), ttl=ttl)
         except PermitAlreadyReleased:
             continue
-        if request.owner == str(me) or _take_over(request.pk, request.owner, me):
+        if request.owner == str(me) or _take_over(request, me):
             return key
         raise SemaphoreExhausted(
             list(request.fencing_tokens),
@@ -71,16 +74,23 @@ def _keys(task_id: str) -> Iterator[str]:
         yield f"{task_id}~{generation}"
 
 
-def _take_over(request_id: int, previous: str, me: TaskOwner) -> bool:
+def _take_over(request: PermitRequest, me: TaskOwner) -> bool:
     """Adopt the permit if its previous holder is parked or known dead; a live
     holder is a duplicate delivery of the same task, and keeps it."""
+    previous = request.owner
     holder = TaskOwner.parse(previous)
     if holder is None or holder.task_id != me.task_id:
         return False
     if holder.pid != PARKED and not _is_dead(holder):
         return False
     # Conditional on the owner we judged: of two runs adopting at once, one wins.
-    return bool(_update_owner(lambda held: held.filter(pk=request_id, owner=previous), str(me)))
+    return bool(
+        _update_owner(
+            str(request._state.db),
+            lambda held: held.filter(pk=request.pk, owner=previous),
+            str(me),
+        )
+    )
 
 
 def _is_dead(holder: TaskOwner) -> bool:
@@ -107,16 +117,16 @@ def _gone_from_this_machine(holder: TaskOwner) -> bool:
 def _park(key: str, task: Any) -> None:
     """Mark the permit as held by no process: the task's next attempt adopts it."""
     parked = str(current_owner(task, pid=PARKED))
-    _update_owner(lambda held: held.filter(external_id=key), parked)
+    _update_owner(routing.alias_for_key(key), lambda held: held.filter(external_id=key), parked)
 
 
-def _update_owner(select: Callable[[QuerySet[Any]], QuerySet[Any]], owner: str) -> int:
+def _update_owner(alias: str, select: Callable[[QuerySet[Any]], QuerySet[Any]], owner: str) -> int:
     """Set the owner of a held request, retrying transient database errors."""
     from django_semaphore.core import run_with_retries
     from django_semaphore.models import PermitRequest, State
 
-    connection = connections[app_settings.DATABASE]
-    held = PermitRequest.objects.using(connection.alias).filter(state=State.ACQUIRED)
+    connection = connections[alias]
+    held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED)
     return run_with_retries(connection, lambda: select(held).update(owner=owner))
 
 

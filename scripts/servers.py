@@ -7,7 +7,7 @@ with its data, logs and pid files under one runtime directory that can be
 deleted at any time.  Everything is idempotent, so the test command and CI can
 simply call ``start`` every time.
 
-    python3 scripts/servers.py start [mariadb] [postgres] [redis]   # default: all
+    python3 scripts/servers.py start [mariadb] [postgres] [redis] [galera]   # default: all
     python3 scripts/servers.py stop
     python3 scripts/servers.py env      # `export SEMAPHORE_*_URL=...` lines
 
@@ -20,6 +20,13 @@ Configuration (environment):
     SEMAPHORE_MARIADB_PORT   default: 33061
     SEMAPHORE_POSTGRES_PORT  default: 54321
     SEMAPHORE_REDIS_PORT     default: 63791
+    SEMAPHORE_GALERA_PORT    default: 33071 (SQL port of node 1; nodes 2, 3: +1, +2)
+    SEMAPHORE_GALERA_GROUP_PORT  default: 45671 (group communication of node 1;
+                             incremental state transfer +10, snapshot transfer +20)
+
+``galera`` is a 3-node MariaDB Galera cluster (multi-primary) on loopback, data
+under <runtime>/galera/node{1,2,3}; besides SEMAPHORE_GALERA_URL (node 1) it
+exports SEMAPHORE_GALERA_URLS, the three nodes' URLs separated by commas.
 
 Stdlib only: this runs before any virtualenv exists.
 """
@@ -44,13 +51,24 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SERVERS = ("mariadb", "postgres", "redis")
-DEFAULT_PORTS = {"mariadb": 33061, "postgres": 54321, "redis": 63791}
-PACKAGES = {
-    "mariadb": "mariadb-server",
-    "postgres": "postgresql",
-    "redis": "redis-server",
+SERVERS = ("mariadb", "postgres", "redis", "galera")
+DEFAULT_PORTS = {
+    "mariadb": 33061,
+    "postgres": 54321,
+    "redis": 63791,
+    "galera": 33071,
+    "galera_group": 45671,
 }
+PACKAGES = {
+    "mariadb": ("mariadb-server",),
+    "postgres": ("postgresql",),
+    "redis": ("redis-server",),
+    # rsync is what the snapshot transfer to a joining node uses.
+    # rsync is what a joining node receives its snapshot with.
+    "galera": ("mariadb-server", "galera-4", "rsync"),
+}
+GALERA_NODES = (1, 2, 3)
+GALERA_PROVIDERS = ("/usr/lib/galera/libgalera_smm.so", "/usr/lib/libgalera_smm.so")
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 60.0
 INITIALISED = ".initialised"  # written only once a data dir is fully set up
@@ -107,19 +125,29 @@ def port(name: str) -> int:
 
 
 def urls() -> dict[str, str]:
-    """Connection URLs of the three servers, keyed by server name."""
+    """Connection URLs of the servers, keyed by server name (Galera: node 1)."""
     return {
         "mariadb": f"mysql://semaphore:semaphore@127.0.0.1:{port('mariadb')}/semaphore",
         "postgres": f"postgres://semaphore@127.0.0.1:{port('postgres')}/semaphore",
         "redis": f"redis://127.0.0.1:{port('redis')}/0",
+        "galera": galera_urls()[0],
     }
+
+
+def galera_urls() -> list[str]:
+    """One URL per Galera node, node 1 first."""
+    return [
+        f"mysql://semaphore:semaphore@127.0.0.1:{_galera_port(node)}/semaphore"
+        for node in GALERA_NODES
+    ]
 
 
 def env_lines(server_urls: dict[str, str]) -> str:
     """Shell `export` lines for `server_urls`, in the form the test settings read."""
-    return "\n".join(
-        f"export SEMAPHORE_{name.upper()}_URL={url}" for name, url in server_urls.items()
-    )
+    lines = [f"export SEMAPHORE_{name.upper()}_URL={url}" for name, url in server_urls.items()]
+    if "galera" in server_urls:
+        lines.append(f"export SEMAPHORE_GALERA_URLS={','.join(galera_urls())}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- small helpers
@@ -307,6 +335,12 @@ def _installed(name: str) -> bool:
         return _mariadbd() is not None and shutil.which("mariadb-admin") is not None
     if name == "postgres":
         return _postgres_bin() is not None
+    if name == "galera":
+        return (
+            _installed("mariadb")
+            and _galera_provider() is not None
+            and shutil.which("rsync") is not None
+        )
     return shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None
 
 
@@ -332,7 +366,7 @@ def _install(names: Sequence[str]) -> None:
     missing = [name for name in names if not _installed(name)]
     if not missing:
         return
-    packages = [PACKAGES[name] for name in missing]
+    packages = sorted({package for name in missing for package in PACKAGES[name]})
     command = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
     if os.geteuid() != 0:
         raise ServerError(
@@ -499,19 +533,22 @@ def _as_postgres(cmd: Sequence[str | Path]) -> list[str | Path]:
     return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else list(cmd)
 
 
-def _ensure_postgres_user() -> None:
-    """The Debian package creates the `postgres` user; a bare machine may lack it."""
+def _ensure_system_user(name: str) -> None:
+    """Debian's packages create `postgres` and `mysql`; a bare machine may lack them."""
     if os.geteuid() != 0:
         return
     try:
-        pwd.getpwnam("postgres")
+        pwd.getpwnam(name)
     except KeyError:
-        _run(["useradd", "--system", "--user-group", "--no-create-home", "postgres"])
+        _run(["useradd", "--system", "--user-group", "--no-create-home", name])
 
 
-def _postgres_can_reach(path: Path) -> bool:
-    """Whether the `postgres` user can traverse down to `path` (think /root/...)."""
-    return os.geteuid() != 0 or _succeeds(_as_postgres(["test", "-x", path]))
+def _user_can_reach(user: str, path: Path) -> bool:
+    """Whether `user` can traverse down to `path` (think /root/...)."""
+    if os.geteuid() != 0:
+        return True
+    _ensure_system_user(user)
+    return _succeeds(["runuser", "-u", user, "--", "test", "-x", path])
 
 
 def _postgres_home() -> Path:
@@ -523,7 +560,7 @@ def _postgres_home() -> Path:
     the runtime dir."""
     link = _postgres_link()
     if not link.is_symlink() and not link.exists():
-        if _postgres_can_reach(link.parent):
+        if _user_can_reach("postgres", link.parent):
             link.mkdir()
         else:
             digest = hashlib.sha256(str(link).encode()).hexdigest()[:12]
@@ -606,7 +643,7 @@ def _postgres_setup() -> None:
 
 
 def _start_postgres() -> str:
-    _ensure_postgres_user()
+    _ensure_system_user("postgres")
     home = _postgres_home()
     running = _postgres_running(home)
     if running and _postgres_answers():
@@ -696,17 +733,236 @@ def _stop_redis() -> bool:
     return True
 
 
+# ---------------------------------------------------------------- Galera
+# Three mariadbd processes with the Galera provider, each its own data dir and
+# ports, forming one multi-primary cluster: node 1 bootstraps it, nodes 2 and 3
+# join.  What the tests need from it is that row locks are local to a node
+# while writes are certified cluster-wide, so it must be a real cluster, not
+# one server under three names.
+#
+# Joiners receive node 1's data by rsync.  The nodes run as the `mysql` user,
+# never root: the transfer's rsync daemon, started as root, would switch to
+# `nobody`, who may not write the data dir.  If a joiner cannot catch up, the
+# throw-away cluster is made afresh.
+
+
+def _galera_provider() -> Path | None:
+    """The Galera library (Debian's galera-4 puts it in /usr/lib/galera)."""
+    return next((Path(p) for p in GALERA_PROVIDERS if Path(p).exists()), None)
+
+
+def _galera_port(node: int) -> int:
+    return port("galera") + node - 1
+
+
+def _galera_group_port(node: int, offset: int = 0) -> int:
+    """Group communication (offset 0), incremental (10) and snapshot (20) transfer."""
+    return port("galera_group") + offset + node - 1
+
+
+def _galera_home(node: int) -> Path:
+    # Resolved: the `mysql` user may not traverse the runtime dir to follow
+    # _galera_root()'s symlink (a checkout under /root).
+    return (runtime_dir() / "galera").resolve() / f"node{node}"
+
+
+def _galera_pid(node: int) -> int | None:
+    marker = f"--datadir={_galera_home(node) / 'data'}"
+    return _live_pid(_galera_home(node) / "mariadbd.pid", lambda pid: marker in _cmdline(pid))
+
+
+def _galera_client(node: int, program: str, *args: str) -> list[str]:
+    socket_path = _galera_home(node) / "mysqld.sock"
+    return [program, "--no-defaults", "-uroot", f"--socket={socket_path}", *args]
+
+
+def _galera_synced(node: int) -> bool:
+    """Whether `node` answers, belongs to the primary component and has caught up:
+    only then does it accept and certify writes like its peers."""
+    if _galera_pid(node) is None:
+        return False
+    query = (
+        "SHOW GLOBAL STATUS WHERE Variable_name IN"
+        " ('wsrep_local_state_comment', 'wsrep_cluster_status', 'wsrep_ready')"
+    )
+    result = _run(_galera_client(node, "mariadb", "-N", "-B", "-e", query), check=False)
+    status = dict(line.split("\t", 1) for line in result.stdout.splitlines() if "\t" in line)
+    return (
+        result.returncode == 0
+        and status.get("wsrep_local_state_comment") == "Synced"
+        and status.get("wsrep_cluster_status") == "Primary"
+        and status.get("wsrep_ready") == "ON"
+    )
+
+
+def _galera_launch(node: int, *, new_cluster: bool) -> None:
+    """Start one node, bootstrapping a new cluster or joining the running one,
+    and wait until it is synced (a joiner first receives its snapshot)."""
+    home = _galera_home(node)
+    log = home / "mariadbd.log"
+    mariadbd, provider = _mariadbd(), _galera_provider()
+    if mariadbd is None or provider is None:
+        raise ServerError("MariaDB with Galera (galera-4) is not installed")
+    for needed in (_galera_port(node), *(_galera_group_port(node, o) for o in (0, 10, 20))):
+        if _port_in_use(needed):
+            raise ServerError(
+                f"port {needed} (galera node {node}) is in use; choose other ports with "
+                "SEMAPHORE_GALERA_PORT / SEMAPHORE_GALERA_GROUP_PORT"
+            )
+    members = ",".join(f"127.0.0.1:{_galera_group_port(n)}" for n in GALERA_NODES)
+    provider_options = ";".join(
+        [
+            f"gmcast.listen_addr=tcp://127.0.0.1:{_galera_group_port(node)}",
+            f"ist.recv_addr=127.0.0.1:{_galera_group_port(node, 10)}",
+            "gcache.size=64M",
+        ]
+    )
+    pid = _spawn_detached(
+        [
+            mariadbd,
+            "--no-defaults",
+            f"--datadir={home / 'data'}",
+            f"--socket={home / 'mysqld.sock'}",
+            f"--port={_galera_port(node)}",
+            "--bind-address=127.0.0.1",
+            *(["--user=mysql"] if os.geteuid() == 0 else []),
+            f"--pid-file={home / 'mariadbd.pid'}",
+            f"--log-error={log}",
+            "--skip-name-resolve",
+            "--innodb-buffer-pool-size=64M",
+            "--innodb-flush-log-at-trx-commit=2",
+            # Galera's advice (docs/clusters.md): a replicated write waiting
+            # behind a local lock stalls the whole cluster for this long.
+            "--innodb-lock-wait-timeout=5",
+            "--max-connections=300",
+            "--character-set-server=utf8mb4",
+            "--collation-server=utf8mb4_unicode_ci",
+            # What Galera requires: row-based replication, interleaved auto-increments.
+            "--binlog-format=ROW",
+            "--innodb-autoinc-lock-mode=2",
+            "--wsrep-on=ON",
+            f"--wsrep-provider={provider}",
+            "--wsrep-cluster-name=django-semaphore-tests",
+            f"--wsrep-node-name=node{node}",
+            f"--wsrep-node-address=127.0.0.1:{_galera_group_port(node)}",
+            f"--wsrep-cluster-address=gcomm://{members}",
+            f"--wsrep-provider-options={provider_options}",
+            "--wsrep-sst-method=rsync",
+            f"--wsrep-sst-receive-address=127.0.0.1:{_galera_group_port(node, 20)}",
+            *(["--wsrep-new-cluster"] if new_cluster else []),
+        ],
+        log,
+    )
+    _wait_until_ready(
+        f"galera node {node}", lambda: _galera_synced(node), log, died=lambda: not _alive(pid)
+    )
+
+
+def _galera_initialise() -> None:
+    """Node 1's system tables; joiners start empty and receive node 1's data."""
+    for node in GALERA_NODES:
+        shutil.rmtree(_galera_home(node) / "data", ignore_errors=True)
+        (_galera_home(node) / "data").mkdir(parents=True)
+    _mariadb_initialise(_galera_home(1) / "data")
+    _give_to_mysql(_galera_root())
+
+
+def _galera_root() -> Path:
+    """<runtime>/galera, or a symlink from there into /tmp when the `mysql`
+    user cannot reach the runtime dir (a checkout under /root)."""
+    link = runtime_dir() / "galera"
+    if not link.is_symlink() and not link.exists():
+        if _user_can_reach("mysql", link.parent):
+            link.mkdir()
+        else:
+            digest = hashlib.sha256(str(link).encode()).hexdigest()[:12]
+            link.symlink_to(Path(tempfile.gettempdir()) / f"semaphore-galera-{digest}")
+    root = link.resolve()
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def _give_to_mysql(path: Path) -> None:
+    if os.geteuid() == 0:
+        _ensure_system_user("mysql")
+        _run(["chown", "-R", "mysql:mysql", path])
+
+
+def _galera_bootstrap() -> None:
+    """Start a new cluster from node 1.  After a clean stop node 1 is the last
+    to leave and may bootstrap; after a crash Galera refuses until told that
+    this node is safe, which for a throw-away cluster it always is."""
+    _fresh_data_dir(_galera_root(), _galera_home(1) / "data", _galera_initialise)
+    state = _galera_home(1) / "data" / "grastate.dat"
+    if state.exists():
+        lines = state.read_text().splitlines()
+        state.write_text(
+            "\n".join(
+                "safe_to_bootstrap: 1" if line.startswith("safe_to_bootstrap:") else line
+                for line in lines
+            )
+            + "\n"
+        )
+    _galera_launch(1, new_cluster=True)
+
+
+def _galera_assemble() -> None:
+    """Bootstrap if no node is in a primary component, then join the others."""
+    if not any(_galera_synced(node) for node in GALERA_NODES):
+        _stop_galera()  # whatever is left runs cut off from any cluster
+        _galera_bootstrap()
+    for node in GALERA_NODES:
+        if not _galera_synced(node):
+            _stop_galera_node(node)  # running but cut off from the cluster
+            _galera_launch(node, new_cluster=False)
+
+
+def _start_galera() -> str:
+    root = _galera_root()
+    if all(_galera_synced(node) for node in GALERA_NODES):
+        _run(_galera_client(1, "mariadb", "-e", MARIADB_SETUP_SQL))
+        return "reused"
+    try:
+        _galera_assemble()
+    except ServerError as error:
+        # A joiner too far behind for an incremental transfer, or a node's data
+        # from another cluster: nothing here is worth keeping, start afresh.
+        _say(f"galera: {str(error).splitlines()[0]}; re-creating the cluster")
+        _stop_galera()
+        (root / INITIALISED).unlink(missing_ok=True)
+        _galera_assemble()
+    # Users and databases are replicated: creating them on one node is enough.
+    _run(_galera_client(1, "mariadb", "-e", MARIADB_SETUP_SQL))
+    return "started"
+
+
+def _stop_galera_node(node: int) -> bool:
+    pid = _galera_pid(node)
+    if pid is None:
+        return False
+    _shut_down(f"galera node {node}", pid, _galera_client(node, "mariadb-admin", "shutdown"))
+    return True
+
+
+def _stop_galera() -> bool:
+    # Node 1 last: the last node to leave is the one allowed to bootstrap again.
+    stopped = [_stop_galera_node(node) for node in reversed(GALERA_NODES)]
+    return any(stopped)
+
+
 # ---------------------------------------------------------------- public API
 
 STARTERS: dict[str, Callable[[], str]] = {
     "mariadb": _start_mariadb,
     "postgres": _start_postgres,
     "redis": _start_redis,
+    "galera": _start_galera,
 }
 STOPPERS: dict[str, Callable[[], bool]] = {
     "mariadb": _stop_mariadb,
     "postgres": _stop_postgres,
     "redis": _stop_redis,
+    "galera": _stop_galera,
 }
 
 
@@ -764,7 +1020,7 @@ def restart_mariadb(hard: bool) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    usage = "usage: servers.py start [mariadb] [postgres] [redis] | stop | env"
+    usage = "usage: servers.py start [mariadb] [postgres] [redis] [galera] | stop | env"
     if not argv or argv[0] not in ("start", "stop", "env") or (argv[0] == "env" and argv[1:]):
         _say(usage)
         return 2

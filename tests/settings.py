@@ -39,6 +39,13 @@ if _test_database := env("SEMAPHORE_TEST_DATABASE_NAME", default=""):
 # give the app "its own alias" (DJANGO_SEMAPHORE["DATABASE"]).
 DATABASES["semaphores"] = {**_default, "TEST": {**_default.get("TEST", {}), "MIRROR": "default"}}
 
+# A second, separate database, for semaphores sharded by name over two aliases
+# (tests/test_routing.py). Created only when a test asks for it.
+_shard_test = {**_default.get("TEST", {})}
+if "NAME" in _shard_test:
+    _shard_test["NAME"] = f"{_shard_test['NAME']}.shard"
+DATABASES["shard"] = {**_default, "NAME": f"{_default['NAME']}_shard", "TEST": _shard_test}
+
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",

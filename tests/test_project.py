@@ -102,6 +102,7 @@ class ElsewhereRouter:
 
 
 def test_alias_that_is_not_where_writes_go_is_warned(settings):
+    settings.DJANGO_SEMAPHORE = {"DATABASE": "default"}
     settings.DATABASE_ROUTERS = [f"{__name__}.ElsewhereRouter"]
     assert "django_semaphore.W003" in [m.id for m in run_checks()]
 

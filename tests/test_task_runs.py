@@ -48,7 +48,7 @@ def test_take_over_rules(make_semaphore, holder, taken_over):
     request = acquire(sem.name, external_id=task_id, owner=str(previous))
     me = TaskOwner(task_id, "app.tasks.job", HERE, os.getpid() + 1)
 
-    assert _take_over(request.pk, str(previous), me) is taken_over
+    assert _take_over(request, me) is taken_over
 
     expected = str(me) if taken_over else str(previous)
     assert PermitRequest.objects.get(pk=request.pk).owner == expected
@@ -62,5 +62,5 @@ def test_two_runs_taking_over_at_once_one_wins(make_semaphore):
     first = TaskOwner(task_id, "app.tasks.job", HERE, 1001)
     second = TaskOwner(task_id, "app.tasks.job", HERE, 1002)
 
-    assert _take_over(request.pk, parked, first)
-    assert not _take_over(request.pk, parked, second)  # the owner it judged is gone
+    assert _take_over(request, first)
+    assert not _take_over(request, second)  # the owner it judged (parked) is gone

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_semaphore.conf import app_settings
+from django_semaphore import routing
 from django_semaphore.exceptions import SemaphoreError
 from django_semaphore.models import Semaphore
 
@@ -28,7 +28,7 @@ class Command(BaseCommand):
         reason = f"{BY_COMMAND}: {options['reason']}" if options["reason"] else BY_COMMAND
         try:
             previous = (
-                Semaphore.objects.using(app_settings.DATABASE)
+                Semaphore.objects.using(routing.alias_for_name(options["name"]))
                 .filter(name=options["name"])
                 .values_list("capacity", flat=True)
                 .first()

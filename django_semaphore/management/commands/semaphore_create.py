@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_semaphore.conf import app_settings
+from django_semaphore import routing
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.models import Semaphore
 from django_semaphore.validation import validate_capacity, validate_demand
@@ -25,7 +25,7 @@ class Command(BaseCommand):
             capacity = validate_capacity(options["capacity"])
         except InvalidRequest as exc:
             raise CommandError(str(exc)) from exc
-        semaphore, created = Semaphore.objects.using(app_settings.DATABASE).get_or_create(
+        semaphore, created = Semaphore.objects.using(routing.alias_for_name(name)).get_or_create(
             name=name, defaults={"capacity": capacity}
         )
         if not created:

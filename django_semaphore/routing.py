@@ -1,0 +1,100 @@
+"""Which database alias holds a semaphore: placement by name, for sharding.
+
+``DJANGO_SEMAPHORE["SHARDS"]`` maps name patterns to aliases, in order, first
+match wins (``fnmatch`` patterns, matched case-sensitively as names are)::
+
+    DJANGO_SEMAPHORE = {
+        "DATABASE": "semaphores",                  # every name no pattern matches
+        "SHARDS": {"tenant-a-*": "semaphores_a", "tenant-b-*": "semaphores_b"},
+    }
+
+Each alias holds complete semaphore tables (``migrate --database=<alias>``) and
+is a write alias, never a replica: every read that decides a grant or a
+release goes to the alias chosen here, whatever ``db_for_read`` a router has.
+
+A grant is one transaction, so a multi-semaphore request must name semaphores
+of one alias (``CrossShardRequest`` otherwise). Keys are looked up on each
+alias in turn by ``release``/``renew``: they must be unique across aliases
+(task ids and UUIDs are). Sweeps, commands and the admin visit every alias.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from fnmatch import fnmatchcase
+
+from django.db import connections
+
+from django_semaphore.conf import app_settings, pinned_alias
+from django_semaphore.exceptions import CrossShardRequest
+
+
+def alias_for_name(name: str) -> str:
+    """The alias holding the semaphore ``name``."""
+    for pattern, alias in app_settings.SHARDS.items():
+        if fnmatchcase(name, pattern):
+            return alias
+    return app_settings.DATABASE
+
+
+def alias_for_names(names: Iterable[str]) -> str:
+    """The one alias holding every semaphore of a request.
+
+    Raises:
+        CrossShardRequest: the names live on different aliases.
+    """
+    placed = {name: alias_for_name(name) for name in names}
+    aliases = set(placed.values())
+    if len(aliases) == 1:
+        return aliases.pop()
+    if not aliases:
+        return app_settings.DATABASE
+    described = "; ".join(
+        f"{alias}: {', '.join(sorted(n for n, a in placed.items() if a == alias))}"
+        for alias in sorted(aliases)
+    )
+    raise CrossShardRequest(
+        f"One request cannot span database aliases (its grant is one transaction): "
+        f"{described}. Acquire them separately, or place them together in "
+        f"DJANGO_SEMAPHORE['SHARDS']."
+    )
+
+
+def aliases() -> list[str]:
+    """Every alias holding semaphores: ``DATABASE`` first, then the shards'."""
+    return list(dict.fromkeys([app_settings.DATABASE, *app_settings.SHARDS.values()]))
+
+
+def alias_for_key(key: str) -> str:
+    """The alias whose request has ``key``; ``DATABASE`` when none has it (or
+    when there is only one alias, without asking the database)."""
+    candidates = aliases()
+    if len(candidates) == 1:
+        return candidates[0]
+    from django_semaphore.core import run_with_retries
+    from django_semaphore.models import PermitRequest
+
+    for alias in candidates:
+        requests = PermitRequest.objects.using(alias).filter(external_id=key)
+        if run_with_retries(connections[alias], requests.exists):
+            return alias
+    return candidates[0]
+
+
+@contextmanager
+def on_alias(alias: str) -> Iterator[None]:
+    """Run the app's single-alias code (sweeps, commands, the admin's reads)
+    against ``alias``: inside, ``app_settings.DATABASE`` is ``alias``."""
+    token = pinned_alias.set(alias)
+    try:
+        yield
+    finally:
+        pinned_alias.reset(token)
+
+
+def each_alias() -> Iterator[str]:
+    """Visit every alias in turn, pinned (see :func:`on_alias`)."""
+    for alias in aliases():
+        with on_alias(alias):
+            yield alias

@@ -1,0 +1,147 @@
+"""Spawned clients for the Galera tests, each connected to one node of the cluster.
+
+Like ``tests.clients``, imported by spawned children before Django is set up,
+so it imports nothing that needs the app registry at module level.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from tests.clients import SPAWN, Oracle
+
+URLS_VARIABLE = "SEMAPHORE_GALERA_URLS"
+
+
+def node_addresses() -> list[tuple[str, int]]:
+    """(host, port) of each node, from what ``scripts/servers.py start galera`` exports."""
+    urls = [url for url in os.environ.get(URLS_VARIABLE, "").split(",") if url]
+    if len(urls) < 3:
+        raise RuntimeError(
+            f"{URLS_VARIABLE} must list the 3 Galera nodes' URLs: run "
+            '`eval "$(python3 scripts/servers.py start galera)"` first.'
+        )
+    return [(urlsplit(url).hostname or "127.0.0.1", urlsplit(url).port or 3306) for url in urls]
+
+
+@dataclass
+class Tally:
+    """Counts summed over every client process."""
+
+    attempts: Any
+    grants: Any
+    conflicts: Any  # grant transactions failed by a deadlock / certification failure
+    gave_up: Any  # acquires that ended in LockContention after every retry
+
+    @classmethod
+    def create(cls) -> Tally:
+        return cls(*(SPAWN.Value("q", 0) for _ in range(4)))
+
+    def add(self, **counts: int) -> None:
+        for name, count in counts.items():
+            value = getattr(self, name)
+            with value.get_lock():
+                value.value += count
+
+
+def hammer_node(
+    database: dict[str, Any],
+    oracle: Oracle,
+    capacities: dict[str, int],
+    duration: float,
+    stop: Any,
+    tally: Tally,
+    fence_write: bool,
+) -> None:
+    """A spawned client on one node: acquire, hold briefly, release, until
+    ``duration`` is over or another client saw an over-grant (``stop``).
+
+    ``fence_write=False`` removes the grant's write to the semaphore row, for
+    the regression check that proves that write is what keeps Galera safe.
+    """
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    django.setup()
+    from django.db import connections
+
+    from django_semaphore import acquire, backends, core, release
+    from django_semaphore.exceptions import LockContention, SemaphoreExhausted
+    from django_semaphore.models import Semaphore
+
+    connections["default"].settings_dict.update(database)
+    if not fence_write:
+        _remove_semaphore_row_write(core._Statements)
+    counts = {"attempts": 0, "grants": 0, "conflicts": 0, "gave_up": 0}
+    classify = backends.classify
+
+    def counting_classify(connection: Any, exc: Any) -> Any:
+        failure = classify(connection, exc)
+        if failure is backends.Failure.CONTENTION:
+            counts["conflicts"] += 1
+        return failure
+
+    backends.classify = counting_classify  # type: ignore[assignment]
+    names = sorted(capacities)
+    try:
+        _wait_until_replicated(Semaphore, names)
+        deadline = time.monotonic() + duration
+        while time.monotonic() < deadline and not stop.is_set():
+            demand = {random.choice(names): 1}
+            key = uuid.uuid4().hex
+            counts["attempts"] += 1
+            try:
+                request = acquire(demand, external_id=key, owner="galera")
+            except SemaphoreExhausted:
+                time.sleep(random.uniform(0, 0.003))
+                continue
+            except LockContention:
+                counts["gave_up"] += 1
+                continue
+            counts["grants"] += 1
+            oracle.enter(request, list(demand))
+            if any(oracle.peak[name].value > capacities[name] for name in demand):
+                stop.set()
+            time.sleep(random.uniform(0.002, 0.01))  # long enough to overlap
+            oracle.leave(list(demand))
+            release(key)
+    except Exception as exc:
+        oracle.errors.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        tally.add(**counts)
+        connections.close_all()
+
+
+def _wait_until_replicated(model: Any, names: list[str]) -> None:
+    # Replication to the other nodes is asynchronous after the commit on the
+    # first: a client on node 3 may start before the semaphores reach it.
+    deadline = time.monotonic() + 30
+    while model.objects.filter(name__in=names).count() < len(names):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"semaphores {names} never replicated to this node")
+        time.sleep(0.05)
+
+
+def _remove_semaphore_row_write(statements: Any) -> None:
+    """The grant as the seed design wrote it: no write to the semaphore row,
+    and fencing tokens that never collide (the seed used the permit's
+    auto-increment id). Without the second part every grant after the first
+    would fail on the unique (semaphore, token) index instead, which is a
+    conflict Galera certifies too, and the check would prove nothing."""
+    insert_permits = statements.insert_permits
+
+    def insert_uncoordinated(self: Any, cursor: Any, rows: Any, lock_wait: float) -> None:
+        rows = [
+            (semaphore, request, count, random.getrandbits(62))
+            for semaphore, request, count, _ in rows
+        ]
+        insert_permits(self, cursor, rows, lock_wait)
+
+    statements.advance_fencing_counters = lambda self, cursor, ids, now, lock_wait: None
+    statements.insert_permits = insert_uncoordinated
