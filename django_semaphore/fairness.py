@@ -335,24 +335,3 @@ def waiting_line(place: Place) -> Iterator[Turn]:
                 del _lines[key]
             # The next waiter polls at once: room may be left after this one.
             line.condition.notify_all()
-
-
-def delete_dead_tickets(alias: str) -> int:
-    """Delete tickets past their deadline (their waiters are granted, gone
-    or dead; they already block nobody). Returns how many."""
-    from django_semaphore.models import Ticket
-
-    deleted, _ = Ticket.objects.using(alias).filter(expires_at__lte=backends.DatabaseNow()).delete()
-    return deleted
-
-
-def live_queue(alias: str, semaphore_id: int) -> list[Any]:
-    """The live tickets of one semaphore, oldest first (for the admin and the
-    status command)."""
-    from django_semaphore.models import Ticket
-
-    return list(
-        Ticket.objects.using(alias)
-        .filter(semaphore_id=semaphore_id, expires_at__gt=backends.DatabaseNow())
-        .order_by("id")
-    )

@@ -81,9 +81,12 @@ class SemaphoreManager(models.Manager["Semaphore"]):
         owner: str = "",
         ttl: int | float | timedelta | None = None,
         timeout: int | float | timedelta = 0,
+        fair: bool = False,
     ) -> PermitRequest:
         """See :func:`django_semaphore.acquire`."""
-        return core.acquire(names, external_id=external_id, owner=owner, ttl=ttl, timeout=timeout)
+        return core.acquire(
+            names, external_id=external_id, owner=owner, ttl=ttl, timeout=timeout, fair=fair
+        )
 
     def release(self, external_id: str) -> ReleaseOutcome:
         """See :func:`django_semaphore.release`."""
