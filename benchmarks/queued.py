@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-WARM_UP = 10.0  # seconds allowed for every waiter's first attempt
+# Seconds allowed for every waiter's first attempt: a base, and per waiter.
+WARM_UP, WARM_UP_PER_THREAD = 1.0, 0.08
 
 
 def measure_waiting(
@@ -35,6 +36,7 @@ def measure_waiting(
     from django_semaphore import acquire, core, fairness, release
     from django_semaphore.exceptions import AcquireTimeout
 
+    warm_up = WARM_UP + WARM_UP_PER_THREAD * threads
     holder = uuid.uuid4().hex
     acquire(name, external_id=holder, owner="bench holder")
     stamps: list[float] = []  # list.append is atomic: one list for all threads
@@ -52,7 +54,7 @@ def measure_waiting(
         connection.execute_wrappers.append(count)
         try:
             ready.wait()
-            acquire(name, external_id=uuid.uuid4().hex, timeout=WARM_UP + seconds, fair=fair)
+            acquire(name, external_id=uuid.uuid4().hex, timeout=warm_up + seconds, fair=fair)
             errors.append("granted a permit that was never free")
         except AcquireTimeout:
             pass
@@ -82,7 +84,7 @@ def measure_waiting(
             worker.join()
     release(holder)
     steady = max(queued, default=start)
-    end = start + WARM_UP + seconds - 0.1
+    end = start + warm_up + seconds - 0.1
     if end - steady < seconds / 2:
         errors.append(f"the waiters took {steady - start:.1f}s to queue: no window left")
     window = max(end - steady, 1e-9)

@@ -260,6 +260,7 @@ class Bench:
                     "queued", threads, seconds, fair=system == systems.APP_FAIR, lines=lines
                 )
             )
+            cell.errors = len(cell.extra["errors"])
             self.cells.append(cell)
             self.say(_line(cell))
 
