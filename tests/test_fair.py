@@ -194,3 +194,26 @@ def test_multi_semaphore_waiters_keep_their_order_on_each_semaphore(make_semapho
     only_b.join(10)
     assert only_b.error is None
     assert order == [both.key, only_b.key]
+
+
+def test_permit_and_holds_permit_pass_fair_through(make_semaphore, monkeypatch):
+    from django_semaphore import core, holds_permit, permit
+
+    semaphore = make_semaphore(1)
+    seen = []
+    real = core.acquire
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["fair"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core, "acquire", recording)
+    with permit(semaphore.name, fair=True):
+        pass
+
+    @holds_permit(semaphore.name, fair=True)
+    def work():
+        return "done"
+
+    assert work() == "done"
+    assert seen == [True, True]
