@@ -109,7 +109,9 @@ class Place:
         self.semaphores = [(s.id, s.name, s.capacity) for s in locked]
         blocked = sorted(set(lacking) | {s.name for s in live if s.id in ahead})
         if not blocked:
-            if live or self.ticketed:
+            # This key's tickets, this call's or an earlier call's with the
+            # same key (a retry): granted, they must stop blocking others.
+            if self.ticketed or (live and self._queues(locked)):
                 _delete_tickets(connection, cursor, [s.id for s in locked], self.key, lock_wait)
             return []
         if self._wants_ticket(locked):
@@ -118,12 +120,12 @@ class Place:
             self.seq = next(_sequence)
         return blocked
 
+    def _queues(self, locked: Sequence[_LockedSemaphore]) -> bool:
+        """Whether this call takes a ticket when it has to wait."""
+        return self.fair or any(s.fair for s in locked)
+
     def _wants_ticket(self, locked: Sequence[_LockedSemaphore]) -> bool:
-        return (
-            not self.ticketed
-            and self.deadline is not None
-            and (self.fair or any(s.fair for s in locked))
-        )
+        return not self.ticketed and self.deadline is not None and self._queues(locked)
 
     def _take_tickets(
         self,
