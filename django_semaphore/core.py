@@ -135,11 +135,12 @@ def acquire(
 
     try:
         return attempt()
-    except SemaphoreExhausted:
+    except SemaphoreExhausted as exc:
         if not wait:
             raise
+        refused = exc
     try:
-        return _wait_for_room(connection, attempt, place, wait, deadline)
+        return _wait_for_room(connection, attempt, place, wait, deadline, refused)
     except BaseException:
         place.leave(connection.alias)
         raise
@@ -151,6 +152,7 @@ def _wait_for_room(
     place: fairness.Place,
     wait: float,
     deadline: float,
+    refused: SemaphoreExhausted,
 ) -> PermitRequest:
     """Retry ``attempt`` until granted or ``deadline``. Only the first waiter
     of this process's line polls (see ``fairness``); every sleep is taken
@@ -159,13 +161,15 @@ def _wait_for_room(
         for polls in itertools.count(1):
             queued_behind = not turn.is_first()
             remaining = deadline - time.monotonic()
-            if remaining > 0 and turn.wait(remaining) and not queued_behind:
+            if remaining <= 0 or not turn.wait(remaining):
+                raise AcquireTimeout(refused.names, f"{refused} (waited {wait:g}s)")
+            if not queued_behind:
+                # The last attempt may come at the deadline, never after it.
                 place.pause(connection, _backoff(polls), deadline)
             try:
                 return attempt()
             except SemaphoreExhausted as exc:
-                if deadline - time.monotonic() <= 0:
-                    raise AcquireTimeout(exc.names, f"{exc} (waited {wait:g}s)") from None
+                refused = exc
     raise AssertionError("unreachable")  # pragma: no cover
 
 
