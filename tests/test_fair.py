@@ -217,3 +217,44 @@ def test_permit_and_holds_permit_pass_fair_through(make_semaphore, monkeypatch):
 
     assert work() == "done"
     assert seen == [True, True]
+
+
+@pytest.mark.parametrize("fair", [False, True])
+def test_waiting_threads_of_one_process_share_one_poller(make_semaphore, monkeypatch, fair):
+    from django_semaphore import core
+
+    semaphore = make_semaphore(1)
+    acquire(semaphore.name, external_id=key())
+    attempts: list[float] = []
+    real = core._acquire_once
+
+    def counted(*args):
+        attempts.append(time.monotonic())
+        return real(*args)
+
+    monkeypatch.setattr(core, "_acquire_once", counted)
+    threads, wait = 16, 2.0
+    errors: list[Exception] = []
+
+    def waiter() -> None:
+        try:
+            with pytest.raises(AcquireTimeout):
+                acquire(semaphore.name, external_id=key(), timeout=wait, fair=fair)
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    started = time.monotonic()
+    workers = [threading.Thread(target=waiter) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(30)
+    assert errors == []
+    # One first attempt each, then one line polling: a fair line next in line
+    # attempts at least every second (probing in between), an unfair one backs
+    # off; a herd would make 16 x that.
+    later = [t for t in attempts[threads:] if t - started < wait]
+    assert len(attempts) >= threads
+    assert len(later) <= 2 * wait + 4
