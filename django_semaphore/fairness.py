@@ -43,7 +43,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import DatabaseError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
-from django.db.models.constants import OnConflict
+from django.db.models import Q
 
 from django_semaphore import backends
 from django_semaphore.validation import Demand
@@ -115,7 +115,7 @@ class Place:
                 _delete_tickets(connection, cursor, [s.id for s in locked], self.key, lock_wait)
             return []
         if self._wants_ticket(locked):
-            self._take_tickets(connection, cursor, locked, now, lock_wait)
+            self._take_tickets(connection, locked, now, lock_wait)
         elif self.seq == 0:
             self.seq = next(_sequence)
         return blocked
@@ -130,7 +130,6 @@ class Place:
     def _take_tickets(
         self,
         connection: BaseDatabaseWrapper,
-        cursor: CursorWrapper,
         locked: Sequence[_LockedSemaphore],
         now: datetime,
         lock_wait: float,
@@ -138,7 +137,7 @@ class Place:
         assert self.deadline is not None
         life = timedelta(seconds=max(self.deadline - time.monotonic(), 0))
         expires_at = now + min(life, MAX_TICKET_LIFE)
-        _insert_tickets(connection, cursor, locked, self, now, expires_at, lock_wait)
+        _insert_tickets(connection, locked, self, now, expires_at, lock_wait)
         # Known once committed: a rolled-back attempt took nothing.
         transaction.on_commit(self._ticket_committed, using=connection.alias)
 
@@ -182,13 +181,6 @@ class Place:
 # --- the statements, inside the grant transaction ------------------------------
 
 
-def _quoted(connection: BaseDatabaseWrapper) -> tuple[str, str]:
-    from django_semaphore.models import Semaphore, Ticket
-
-    q = connection.ops.quote_name
-    return q(Ticket._meta.db_table), q(Semaphore._meta.db_table)
-
-
 def _older_tickets(
     connection: BaseDatabaseWrapper,
     cursor: CursorWrapper,
@@ -200,14 +192,16 @@ def _older_tickets(
     """Semaphore id -> (tickets, permits they ask for): the live tickets of
     other keys older than this key's own ticket there (all of them when it
     has none). Semaphores without any are left out."""
+    from django_semaphore.models import Ticket
+
     q = connection.ops.quote_name
-    ticket, _ = _quoted(connection)
+    table = q(Ticket._meta.db_table)
     ids = [s.id for s in semaphores]
     sql = (
-        f"SELECT t.{q('semaphore_id')}, COUNT(*), SUM(t.{q('count')}) FROM {ticket} t"
+        f"SELECT t.{q('semaphore_id')}, COUNT(*), SUM(t.{q('count')}) FROM {table} t"
         f" WHERE t.{q('semaphore_id')} IN ({_placeholders(len(ids))})"
         f" AND t.{q('expires_at')} > %s AND t.{q('external_id')} <> %s"
-        f" AND NOT EXISTS (SELECT 1 FROM {ticket} m"
+        f" AND NOT EXISTS (SELECT 1 FROM {table} m"
         f" WHERE m.{q('semaphore_id')} = t.{q('semaphore_id')}"
         f" AND m.{q('external_id')} = %s AND m.{q('id')} < t.{q('id')})"
         f" GROUP BY t.{q('semaphore_id')}"
@@ -221,58 +215,48 @@ def _older_tickets(
 
 def _insert_tickets(
     connection: BaseDatabaseWrapper,
-    cursor: CursorWrapper,
     locked: Sequence[_LockedSemaphore],
     place: Place,
     now: datetime,
     expires_at: datetime,
     lock_wait: float,
 ) -> None:
-    q = connection.ops.quote_name
-    ops = connection.ops
-    ticket, semaphore = _quoted(connection)
-    columns = ["semaphore_id", "external_id", "owner", "count", "created_at", "expires_at"]
-    when, until = ops.adapt_datetimefield_value(now), ops.adapt_datetimefield_value(expires_at)
-    # A retry with the same key (another process, the first one crashed or
-    # still waiting) keeps the ticket's place; it only pushes its expiry.
-    sql = (
-        f"{ops.insert_statement(on_conflict=OnConflict.IGNORE)} {ticket}"
-        f" ({', '.join(q(c) for c in columns)}) VALUES "
-        + ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(locked))
-        + " "
-        + ops.on_conflict_suffix_sql([], OnConflict.IGNORE, None, None)
-    )
-    cursor.execute(
-        backends.bound_statement(connection, sql, lock_wait),
-        [
-            value
-            for s in locked
-            for value in (s.id, place.key, place.owner, place.demand.counts[s.name], when, until)
-        ],
-    )
+    """Once per waiter: through the ORM, whose statements carry no per-statement
+    bound, so MariaDB's session is bounded around them (elsewhere the whole
+    grant transaction already is)."""
+    from django_semaphore.models import Semaphore, Ticket
+
+    alias = connection.alias
     ids = [s.id for s in locked]
-    if cursor.rowcount < len(locked):
-        cursor.execute(
-            backends.bound_statement(
-                connection,
-                f"UPDATE {ticket} SET {q('expires_at')} = %s WHERE {q('external_id')} = %s"
-                f" AND {q('expires_at')} < %s"
-                f" AND {q('semaphore_id')} IN ({_placeholders(len(ids))})",
-                lock_wait,
-            ),
-            [until, place.key, until, *ids],
-        )
-    # Under the row lock: the grant's locking read learns that a queue is live.
-    cursor.execute(
-        backends.bound_statement(
-            connection,
-            f"UPDATE {semaphore} SET {q('queued_until')} = %s WHERE {q('id')} IN"
-            f" ({_placeholders(len(ids))}) AND ({q('queued_until')} IS NULL"
-            f" OR {q('queued_until')} < %s)",
-            lock_wait,
-        ),
-        [until, *ids, until],
+    bound = (
+        backends.bounded_lock_wait(connection, lock_wait)
+        if backends.bounds_each_statement(connection)
+        else nullcontext()
     )
+    with bound:
+        # A retry with the same key (another process, the first one crashed
+        # or still waiting) keeps the ticket's place; it only pushes its expiry.
+        Ticket.objects.using(alias).bulk_create(
+            [
+                Ticket(
+                    semaphore_id=s.id,
+                    external_id=place.key,
+                    owner=place.owner,
+                    count=place.demand.counts[s.name],
+                    created_at=now,
+                    expires_at=expires_at,
+                )
+                for s in locked
+            ],
+            ignore_conflicts=True,
+        )
+        Ticket.objects.using(alias).filter(
+            semaphore_id__in=ids, external_id=place.key, expires_at__lt=expires_at
+        ).update(expires_at=expires_at)
+        # Under the row lock: the grant's locking read learns that a queue is live.
+        Semaphore.objects.using(alias).filter(pk__in=ids).filter(
+            Q(queued_until__isnull=True) | Q(queued_until__lt=expires_at)
+        ).update(queued_until=expires_at)
 
 
 def _delete_tickets(
@@ -282,12 +266,14 @@ def _delete_tickets(
     key: str,
     lock_wait: float,
 ) -> None:
+    from django_semaphore.models import Ticket
+
     q = connection.ops.quote_name
-    ticket, _ = _quoted(connection)
+    table = q(Ticket._meta.db_table)
     cursor.execute(
         backends.bound_statement(
             connection,
-            f"DELETE FROM {ticket} WHERE {q('external_id')} = %s"
+            f"DELETE FROM {table} WHERE {q('external_id')} = %s"
             f" AND {q('semaphore_id')} IN ({_placeholders(len(semaphore_ids))})",
             lock_wait,
         ),

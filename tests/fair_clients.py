@@ -41,11 +41,15 @@ def record_tickets(history: Any) -> None:
     (key, semaphore id, ticket id, the semaphore's fencing counter then)."""
     take = fairness._insert_tickets
 
-    def recording(connection, cursor, locked, place, *args: Any) -> None:
-        take(connection, cursor, locked, place, *args)
-        ticket = connection.ops.quote_name("django_semaphore_ticket")
-        cursor.execute(f"SELECT semaphore_id, id FROM {ticket} WHERE external_id = %s", [place.key])
-        ids = dict(cursor.fetchall())
+    from django_semaphore.models import Ticket
+
+    def recording(connection, locked, place, *args: Any) -> None:
+        take(connection, locked, place, *args)
+        ids = dict(
+            Ticket.objects.using(connection.alias)
+            .filter(external_id=place.key)
+            .values_list("semaphore_id", "id")
+        )
         # The counter was read under the row lock this ticket is taken under:
         # every grant with a higher token comes after the ticket.
         rows = [("ticket", place.key, s.id, ids[s.id], s.fencing_counter) for s in locked]
