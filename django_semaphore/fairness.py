@@ -31,9 +31,9 @@ of it, plus its own, fit in the capacity: the next releases are for it), it
 probes every ``PROBE_EVERY`` with one cheap read of what is in use (no lock,
 no transaction) and attempts as soon as there is room for it, or after
 ``NEXT_IN_LINE_ATTEMPT`` at the latest (a reclaim of expired permits needs an
-attempt). Further back, it attempts when it expects to be next in line, from
-how fast the tickets ahead of it went (about half that time; at first, and
-when the line did not move, doubling from ``PROBE_EVERY`` up to ``POLL_CAP``).
+attempt). Further back, it attempts again after ``PROBE_EVERY`` more per
+capacity's worth of tickets ahead of it (each takes at least one round of
+holds), at most ``POLL_CAP``.
 """
 
 from __future__ import annotations
