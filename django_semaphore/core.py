@@ -30,7 +30,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
-from django_semaphore import backends, routing, signals
+from django_semaphore import backends, fairness, routing, signals
 from django_semaphore.backends import DatabaseNow, Failure, StatementNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import (
@@ -80,6 +80,7 @@ def acquire(
     owner: str = "",
     ttl: int | float | timedelta | None = None,
     timeout: int | float | timedelta = 0,
+    fair: bool = False,
 ) -> PermitRequest:
     """Grant permits on every named semaphore, or on none of them.
 
@@ -91,6 +92,9 @@ def acquire(
         ttl: seconds (or a ``timedelta``) after which the permits may be
             reclaimed unless renewed; ``None`` never expires.
         timeout: seconds to keep trying while there is no room; 0 fails fast.
+        fair: wait in first-come, first-served order (as on a semaphore whose
+            ``fair`` is set): a waiter takes a ticket, and nobody is granted
+            ahead of an older live ticket on any of its semaphores.
 
     Returns:
         The ACQUIRED ``PermitRequest``; ``fencing_tokens`` maps each name to
@@ -115,26 +119,57 @@ def acquire(
     _refuse_outer_transaction(connection)
 
     deadline = time.monotonic() + wait
-    for attempt in itertools.count(1):
+    place = fairness.Place(key, owner, demand, fair=bool(fair), deadline=deadline if wait else None)
+
+    def attempt() -> PermitRequest:
         lock_wait = app_settings.LOCK_WAIT_TIMEOUT
         if wait:
             # A waiter never sits in a lock queue past its own deadline.
             lock_wait = min(lock_wait, max(deadline - time.monotonic(), 1.0))
-        try:
-            return run_with_retries(
-                connection,
-                functools.partial(
-                    _acquire_once, connection, demand, key, owner, ttl_seconds, lock_wait
-                ),
-            )
-        except SemaphoreExhausted as exc:
+        return run_with_retries(
+            connection,
+            functools.partial(
+                _acquire_once, connection, demand, key, owner, ttl_seconds, lock_wait, place
+            ),
+        )
+
+    try:
+        return attempt()
+    except SemaphoreExhausted as exc:
+        if not wait:
+            raise
+        refused = exc
+    try:
+        return _wait_for_room(connection, attempt, place, wait, deadline, refused)
+    except BaseException:
+        place.leave(connection.alias)
+        raise
+
+
+def _wait_for_room(
+    connection: BaseDatabaseWrapper,
+    attempt: Callable[[], PermitRequest],
+    place: fairness.Place,
+    wait: float,
+    deadline: float,
+    refused: SemaphoreExhausted,
+) -> PermitRequest:
+    """Retry ``attempt`` until granted or ``deadline``. Only the first waiter
+    of this process's line polls (see ``fairness``); every sleep is taken
+    with no transaction open and no row locked."""
+    with fairness.waiting_line(place) as turn:
+        for polls in itertools.count(1):
+            queued_behind = not turn.is_first()
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if wait:
-                    raise AcquireTimeout(exc.names, f"{exc} (waited {wait:g}s)") from None
-                raise
-            # Sleep with no transaction open and no row locked.
-            time.sleep(min(remaining, _backoff(attempt)))
+            if remaining <= 0 or not turn.wait(remaining):
+                raise AcquireTimeout(refused.names, f"{refused} (waited {wait:g}s)")
+            if not queued_behind:
+                # The last attempt may come at the deadline, never after it.
+                place.pause(connection, _backoff(polls), deadline)
+            try:
+                return attempt()
+            except SemaphoreExhausted as exc:
+                refused = exc
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -162,13 +197,14 @@ def _acquire_once(
     owner: str,
     ttl: int | None,
     lock_wait: float,
+    place: fairness.Place,
 ) -> PermitRequest:
     # No look-up of the key before the grant: the grant's in-use read tells
     # whether the key is taken, in the same round trip.
     with _prelocked(demand.names):
         try:
             with _grant_transaction(connection, lock_wait):
-                outcome = _grant(connection, demand, key, owner, ttl, lock_wait)
+                outcome = _grant(connection, demand, key, owner, ttl, lock_wait, place)
         except IntegrityError:
             # The key has a request already: a repeated call, or two first
             # calls at once where the other's insert won.
@@ -179,7 +215,7 @@ def _acquire_once(
     if isinstance(outcome, _KeyTaken):
         existing = _reattach_key(connection, key, demand)
         # None: deleted by the clean-up since; the key is free again.
-        return existing or _acquire_once(connection, demand, key, owner, ttl, lock_wait)
+        return existing or _acquire_once(connection, demand, key, owner, ttl, lock_wait, place)
     if isinstance(outcome, (SemaphoreNotFound, CapacityExceeded)):
         # Decided before the key was read: a repeated call still answers with
         # its request.
@@ -218,6 +254,9 @@ class _LockedSemaphore:
     name: str
     capacity: int
     fencing_counter: int
+    fair: bool
+    queued_until: Any  # as the driver returns it; fairness converts it if it is set
+    queue_live: Any  # queued_until is ahead of the database's clock (true, false or NULL)
 
 
 def _grant(
@@ -227,6 +266,7 @@ def _grant(
     owner: str,
     ttl: int | None,
     lock_wait: float,
+    place: fairness.Place,
 ) -> PermitRequest | SemaphoreError | _KeyTaken:
     """Inside the transaction: lock, count, maybe reclaim, insert.
 
@@ -254,9 +294,16 @@ def _grant(
         # The insert decides the common case in the same statement: it adds
         # the request only if every semaphore has room, by sums read once all
         # the rows are locked, and stamps it with the clock of that moment.
-        inserted = sql.insert_request_if_room(cursor, key, owner, ttl, locked, demand, lock_wait)
+        # While a fair queue is live on one of these semaphores, the queue
+        # decides first (see _refusal): nobody is granted past an older ticket.
+        queued = any(s.queue_live for s in locked)
+        inserted = (
+            None
+            if queued
+            else sql.insert_request_if_room(cursor, key, owner, ttl, locked, demand, lock_wait)
+        )
         if inserted is None:
-            refusal = _refusal(connection, sql, cursor, key, locked, demand, lock_wait)
+            refusal = _refusal(connection, sql, cursor, key, locked, demand, lock_wait, place)
             if refusal is not None:
                 return refusal
             inserted = sql.insert_request_if_room(
@@ -308,9 +355,11 @@ def _refusal(
     locked: list[_LockedSemaphore],
     demand: Demand,
     lock_wait: float,
+    place: fairness.Place,
 ) -> SemaphoreError | _KeyTaken | None:
-    """Why the insert found no room, after reclaiming expired permits on the
-    semaphores that lack it; ``None`` when the reclaim made room."""
+    """Why this call may not insert: no room even after reclaiming expired
+    permits on the semaphores that lack it, or older tickets waiting (fair
+    mode takes this call's tickets then). ``None``: it may."""
     ids = [s.id for s in locked]
     usage = sql.usage(cursor, key, ids)
     if usage.key_taken:
@@ -323,7 +372,10 @@ def _refusal(
         and _reclaim_expired_bounded(connection, [s.id for s in lacking], usage.now, lock_wait)
     ):
         lacking = _lacking_room(sql.usage(cursor, key, ids), locked, demand)
-    return SemaphoreExhausted([s.name for s in lacking]) if lacking else None
+    waiting_on = place.admit(
+        connection, cursor, locked, usage.now, [s.name for s in lacking], lock_wait
+    )
+    return SemaphoreExhausted(waiting_on) if waiting_on else None
 
 
 def _lacking_room(
@@ -752,7 +804,7 @@ class _Statements:
 
     def lock(self, cursor: CursorWrapper, names: Sequence[str], lock_wait: float) -> list[Any]:
         """Lock the semaphore rows in name order: (id, name, capacity,
-        fencing_counter) each."""
+        fencing_counter, fair, queued_until, queue_live) each."""
         sql = self.locks.get(len(names))
         if sql is None:
             sql = self.locks[len(names)] = self._compile_lock(len(names))
@@ -760,6 +812,8 @@ class _Statements:
         return list(cursor.fetchall())
 
     def _compile_lock(self, count: int) -> str:
+        from django.db.models import BooleanField, ExpressionWrapper
+
         from django_semaphore.models import Semaphore
 
         names = [f"name-{i}" for i in range(count)]
@@ -768,7 +822,16 @@ class _Statements:
             .select_for_update()
             .filter(name__in=names)
             .order_by("name")
-            .values_list("id", "name", "capacity", "fencing_counter")
+            # The clock may be read before the wait for the lock: a queue
+            # then looks live a little longer, never shorter.
+            .annotate(
+                queue_live=ExpressionWrapper(
+                    Q(queued_until__gt=DatabaseNow()), output_field=BooleanField()
+                )
+            )
+            .values_list(
+                "id", "name", "capacity", "fencing_counter", "fair", "queued_until", "queue_live"
+            )
         )
         sql, params = queryset.query.get_compiler(connection=self.connection).as_sql()
         # Reused with other names: the names must be its only parameters.

@@ -33,7 +33,7 @@ def seed() -> None:
     from django.utils import timezone
 
     from django_semaphore import acquire, release
-    from django_semaphore.models import CapacityChange, PermitRequest, Semaphore
+    from django_semaphore.models import CapacityChange, PermitRequest, Semaphore, Ticket
 
     random.seed(7)
     users = get_user_model().objects
@@ -106,6 +106,22 @@ def seed() -> None:
     change(backups, 2, bob, "Second backup window", timedelta(minutes=30))
     holder(backups, 1, "cron@db-2", 20, ttl=None)
     change(backups, 1, alice, "Storage array degraded", timedelta(minutes=10))
+
+    # exports is fair: a big rebuild waits in line ahead of a smaller job
+    # (tickets as a waiting acquire(..., fair=True) leaves them).
+    Semaphore.objects.filter(pk=exports.pk).update(fair=True, queued_until=now + 2 * hour)
+    for count, owner, waited, key in [
+        (3, "celery@worker-2 pid 6021", 7, "exports-quarter-end-rebuild"),
+        (1, "web-2 pid 3141", 2, "exports-csv-9f2c41"),
+    ]:
+        Ticket.objects.create(
+            semaphore=exports,
+            external_id=key,
+            owner=owner,
+            count=count,
+            created_at=now - timedelta(minutes=waited),
+            expires_at=now + 2 * hour,
+        )
 
 
 def photograph(base: str) -> None:
