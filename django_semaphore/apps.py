@@ -14,8 +14,11 @@ class DjangoSemaphoreConfig(AppConfig):
     def ready(self) -> None:
         from django_semaphore import checks  # noqa: F401  (registers the checks)
         from django_semaphore.declared import create_declared_semaphores
+        from django_semaphore.holds import send_hold_ended
+        from django_semaphore.signals import permit_released
 
         post_migrate.connect(create_declared_semaphores, sender=self)
+        permit_released.connect(send_hold_ended, dispatch_uid="django_semaphore.holds")
         try:
             from celery.signals import before_task_publish, task_postrun
         except ImportError:  # Celery is optional

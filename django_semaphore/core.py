@@ -114,14 +114,15 @@ def acquire(
     connection = connections[app_settings.DATABASE]
     _refuse_outer_transaction(connection)
 
-    deadline = time.monotonic() + wait
+    started = time.monotonic()
+    deadline = started + wait
     for attempt in itertools.count(1):
         lock_wait = app_settings.LOCK_WAIT_TIMEOUT
         if wait:
             # A waiter never sits in a lock queue past its own deadline.
             lock_wait = min(lock_wait, max(deadline - time.monotonic(), 1.0))
         try:
-            return run_with_retries(
+            request = run_with_retries(
                 connection,
                 functools.partial(
                     _acquire_once, connection, demand, key, owner, ttl_seconds, lock_wait
@@ -130,12 +131,36 @@ def acquire(
         except SemaphoreExhausted as exc:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                _send_acquire_finished(connection, demand, started, lacking=exc.names)
                 if wait:
                     raise AcquireTimeout(exc.names, f"{exc} (waited {wait:g}s)") from None
                 raise
             # Sleep with no transaction open and no row locked.
             time.sleep(min(remaining, _backoff(attempt)))
+        else:
+            _send_acquire_finished(connection, demand, started)
+            return request
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _send_acquire_finished(
+    connection: BaseDatabaseWrapper,
+    demand: Demand,
+    started: float,
+    lacking: list[str] | None = None,
+) -> None:
+    """Granted when ``lacking`` is None. Robust: a failing receiver is logged
+    by Django, never raised into a caller who may already hold the permit."""
+    from django_semaphore.models import PermitRequest
+
+    signals.acquire_finished.send_robust(
+        sender=PermitRequest,
+        names=demand.names,
+        granted=lacking is None,
+        lacking=lacking or [],
+        waited=time.monotonic() - started,
+        using=connection.alias,
+    )
 
 
 def _backoff(attempt: int) -> float:
@@ -789,12 +814,27 @@ def run_with_retries(connection: BaseDatabaseWrapper, operation: Callable[[], T]
             connection.close()  # the next statement reconnects
         if attempt == attempts:
             break
+        _send_database_retry(connection, failure, attempt, cause)
         time.sleep(random.uniform(0.01, 0.05) * attempt)
     if failure is Failure.DISCONNECT:
         raise DatabaseUnavailable(
             f"Database unavailable after {attempts} attempts: {cause}"
         ) from cause
     raise LockContention(f"Gave up after {attempts} attempts: {cause}") from cause
+
+
+def _send_database_retry(
+    connection: BaseDatabaseWrapper, failure: Failure, attempt: int, error: Exception
+) -> None:
+    from django_semaphore.models import PermitRequest
+
+    signals.database_retry.send_robust(
+        sender=PermitRequest,
+        kind=failure.value,
+        attempt=attempt,
+        error=error,
+        using=connection.alias,
+    )
 
 
 # --- in-process pre-lock -----------------------------------------------------
