@@ -1,8 +1,9 @@
 """The operator's console: who holds what, how full it is, who changed it and when.
 
-- Semaphores: usage from one annotated query, a utilization bar, a 24-hour
-  chart, current holders and capacity history; capacity is edited through
-  the same capacity API as code (row lock + ``CapacityChange`` with the user).
+- Semaphores: usage and waiters from one annotated query, a utilization bar,
+  a 24-hour chart, current holders, the queue of fair waiters and capacity
+  history; capacity is edited through the same capacity API as code (row
+  lock + ``CapacityChange`` with the user), and fair mode switched on or off.
 - Permit requests: read-only, with a force-release action guarded by its own
   permission and recorded in the admin's history (``LogEntry``) with the user.
 - Capacity history: read-only.
@@ -31,6 +32,7 @@ from django.db.models import (
     Exists,
     F,
     FloatField,
+    Min,
     Model,
     OuterRef,
     Prefetch,
@@ -62,6 +64,7 @@ from django_semaphore.models import (
     ReleaseReason,
     Semaphore,
     State,
+    Ticket,
 )
 from django_semaphore.utilization import describe, load_utilization, render_svg
 from django_semaphore.validation import MAX_COUNT
@@ -178,6 +181,11 @@ def held_permits() -> QuerySet[Permit]:
     return Permit.objects.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED).order_by()
 
 
+def live_tickets() -> QuerySet[Ticket]:
+    """The live tickets (fair waiters) of the semaphore in the enclosing query."""
+    return Ticket.objects.filter(semaphore=OuterRef("pk"), expires_at__gt=DatabaseNow()).order_by()
+
+
 def with_usage(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
     """Annotate the changelist's columns, all in the one query that lists rows.
 
@@ -192,6 +200,7 @@ def with_usage(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
     last_change = CapacityChange.objects.filter(semaphore=OuterRef("pk")).order_by(
         "-changed_at", "-id"
     )
+    queued = live_tickets().values("semaphore")
     return queryset.annotate(
         in_use=Coalesce(
             Subquery(held.annotate(total=Sum("count")).values("total")),
@@ -204,6 +213,12 @@ def with_usage(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
             output_field=BigIntegerField(),
         ),
         last_capacity_change=Subquery(last_change.values("changed_at")[:1]),
+        waiters=Coalesce(
+            Subquery(queued.annotate(number=Count("pk")).values("number")),
+            0,
+            output_field=BigIntegerField(),
+        ),
+        waiting_since=Subquery(queued.annotate(since=Min("created_at")).values("since")),
     ).alias(
         # Signed: capacity is UNSIGNED on MySQL, where a negative difference
         # (over capacity) would be an error rather than a number.
@@ -262,7 +277,7 @@ class SemaphoreForm(forms.ModelForm):
 
     class Meta:
         model = Semaphore
-        fields = ["name", "capacity"]
+        fields = ["name", "capacity", "fair"]
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}
@@ -284,9 +299,11 @@ class SemaphoreAdmin(OperatorAdmin):
         "available",
         "utilization",
         "holders",
+        "waiters",
+        "longest_wait",
         "last_capacity_change",
     ]
-    list_filter = [UsageFilter]
+    list_filter = [UsageFilter, "fair"]
     search_fields = ["name"]
     ordering = ["name"]
     readonly_fields = [
@@ -294,6 +311,8 @@ class SemaphoreAdmin(OperatorAdmin):
         "available",
         "utilization",
         "holders",
+        "waiters",
+        "longest_wait",
         "fencing_counter",
         "created_at",
         "updated_at",
@@ -304,13 +323,25 @@ class SemaphoreAdmin(OperatorAdmin):
 
     def get_fieldsets(self, request: HttpRequest, obj: Semaphore | None = None) -> Any:
         if obj is None:
-            return [(None, {"fields": ["name", "capacity"]})]
-        settings = ["name", "capacity"]
+            return [(None, {"fields": ["name", "capacity", "fair"]})]
+        settings = ["name", "capacity", "fair"]
         if self.has_change_permission(request, obj):
             settings.append("reason")
         return [
             (None, {"fields": settings}),
-            (_("Usage now"), {"fields": ["in_use", "available", "utilization", "holders"]}),
+            (
+                _("Usage now"),
+                {
+                    "fields": [
+                        "in_use",
+                        "available",
+                        "utilization",
+                        "holders",
+                        "waiters",
+                        "longest_wait",
+                    ]
+                },
+            ),
             (
                 _("Bookkeeping"),
                 {
@@ -355,6 +386,17 @@ class SemaphoreAdmin(OperatorAdmin):
             count,
         )
 
+    @admin.display(description=_("waiters"), ordering="waiters")
+    def waiters(self, obj: Semaphore) -> int:
+        return annotated(obj, "waiters")
+
+    @admin.display(description=_("longest wait"), ordering="waiting_since")
+    def longest_wait(self, obj: Semaphore) -> str:
+        since: datetime | None = getattr(obj, "waiting_since", None)
+        if since is None:
+            return self.get_empty_value_display()
+        return duration(since, timezone.now())
+
     @admin.display(description=_("last capacity change"), ordering="last_capacity_change")
     def last_capacity_change(self, obj: Semaphore) -> SafeString | str:
         changed_at: datetime | None = getattr(obj, "last_capacity_change", None)
@@ -372,6 +414,13 @@ class SemaphoreAdmin(OperatorAdmin):
     ) -> None:
         if not change:
             obj.save(using=app_settings.DATABASE)
+            return
+        if "fair" in form.changed_data:
+            # Read by every grant's locking read: no lock needed to switch it.
+            Semaphore.objects.using(app_settings.DATABASE).filter(pk=obj.pk).update(
+                fair=obj.fair, updated_at=timezone.now()
+            )
+        if "capacity" not in form.changed_data:
             return
         # The same path as code: under the row lock, recorded with the user.
         saved = Semaphore.objects.set_capacity(
@@ -421,7 +470,8 @@ class SemaphoreAdmin(OperatorAdmin):
         return super().render_change_form(request, context, add, change, form_url, obj)
 
     def sections(self, request: HttpRequest, obj: Semaphore) -> dict[str, Any]:
-        """Context of the read-only sections below the form: chart, holders, history."""
+        """Context of the read-only sections below the form: chart, holders,
+        queue, history."""
         using = app_settings.DATABASE
         utilization = load_utilization(obj)
         now = utilization.end  # the database's clock, as on the chart
@@ -430,6 +480,8 @@ class SemaphoreAdmin(OperatorAdmin):
             held.select_related("request").order_by("request__created_at", "pk")[:HOLDERS_SHOWN]
         )
         history = CapacityChange.objects.using(using).filter(semaphore=obj)
+        queue = Ticket.objects.using(using).filter(semaphore=obj, expires_at__gt=now)
+        waiting = list(queue.order_by("id")[:HOLDERS_SHOWN])
         can_view_requests = self.can_view(request, PermitRequest)
         return {
             "utilization_summary": describe(utilization),
@@ -467,6 +519,18 @@ class SemaphoreAdmin(OperatorAdmin):
                 if can_view_requests
                 else ""
             ),
+            "queue": [
+                {
+                    "owner": ticket.owner,
+                    "key": ticket.external_id,
+                    "count": ticket.count,
+                    "waiting": duration(ticket.created_at, now),
+                    "since": ticket.created_at,
+                    "gives_up": _expires(ticket.expires_at, now),
+                }
+                for ticket in waiting
+            ],
+            "queue_total": queue.count() if len(waiting) == HOLDERS_SHOWN else len(waiting),
             "history": list(history.select_related("changed_by")[:HISTORY_SHOWN]),
             "history_total": history.count(),
             "history_url": (

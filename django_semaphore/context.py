@@ -123,6 +123,7 @@ class Grant:
         ttl: int | float | timedelta | None,
         timeout: int | float | timedelta,
         heartbeat: bool,
+        fair: bool = False,
     ) -> None:
         self._acquire_args: dict[str, Any] = {
             "names": names,
@@ -130,6 +131,7 @@ class Grant:
             "owner": owner,
             "ttl": ttl,
             "timeout": timeout,
+            "fair": fair,
         }
         ttl_seconds = validate_ttl(ttl)
         self._heartbeat = (
@@ -217,6 +219,7 @@ def permit(
     ttl: int | float | timedelta | None = None,
     timeout: int | float | timedelta = 0,
     heartbeat: bool = True,
+    fair: bool = False,
 ) -> Grant:
     """Hold permits for a ``with`` (or ``async with``) block.
 
@@ -226,7 +229,7 @@ def permit(
     if the permit is lost meanwhile, leaving the block raises ``PermitLost``.
 
     Args:
-        names, owner, ttl, timeout: as for :func:`django_semaphore.acquire`.
+        names, owner, ttl, timeout, fair: as for :func:`django_semaphore.acquire`.
         external_id: the idempotency key; a fresh UUID by default.
         heartbeat: renew the TTL while the block runs.
 
@@ -241,4 +244,5 @@ def permit(
         ttl=ttl,
         timeout=timeout,
         heartbeat=heartbeat,
+        fair=fair,
     )

@@ -30,7 +30,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
-from django_semaphore import backends, signals
+from django_semaphore import backends, fairness, signals
 from django_semaphore.backends import DatabaseNow, Failure
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import (
@@ -80,6 +80,7 @@ def acquire(
     owner: str = "",
     ttl: int | float | timedelta | None = None,
     timeout: int | float | timedelta = 0,
+    fair: bool = False,
 ) -> PermitRequest:
     """Grant permits on every named semaphore, or on none of them.
 
@@ -91,6 +92,9 @@ def acquire(
         ttl: seconds (or a ``timedelta``) after which the permits may be
             reclaimed unless renewed; ``None`` never expires.
         timeout: seconds to keep trying while there is no room; 0 fails fast.
+        fair: wait in first-come, first-served order (as on a semaphore whose
+            ``fair`` is set): a waiter takes a ticket, and nobody is granted
+            ahead of an older live ticket on any of its semaphores.
 
     Returns:
         The ACQUIRED ``PermitRequest``; ``fencing_tokens`` maps each name to
@@ -114,53 +118,81 @@ def acquire(
     connection = connections[app_settings.DATABASE]
     _refuse_outer_transaction(connection)
 
-    started = time.monotonic()
-    deadline = started + wait
-    for attempt in itertools.count(1):
+    deadline = time.monotonic() + wait
+    place = fairness.Place(key, owner, demand, fair=bool(fair), deadline=deadline if wait else None)
+
+    def attempt() -> PermitRequest:
         lock_wait = app_settings.LOCK_WAIT_TIMEOUT
         if wait:
             # A waiter never sits in a lock queue past its own deadline.
             lock_wait = min(lock_wait, max(deadline - time.monotonic(), 1.0))
+        return run_with_retries(
+            connection,
+            functools.partial(
+                _acquire_once, connection, demand, key, owner, ttl_seconds, lock_wait, place
+            ),
+        )
+
+    with _finish_signalled(connection, demand):
         try:
-            request = run_with_retries(
-                connection,
-                functools.partial(
-                    _acquire_once, connection, demand, key, owner, ttl_seconds, lock_wait
-                ),
-            )
-        except SemaphoreExhausted as exc:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                _send_acquire_finished(connection, demand, started, lacking=exc.names)
-                if wait:
-                    raise AcquireTimeout(exc.names, f"{exc} (waited {wait:g}s)") from None
+            return attempt()
+        except SemaphoreExhausted:
+            if not wait:
                 raise
-            # Sleep with no transaction open and no row locked.
-            time.sleep(min(remaining, _backoff(attempt)))
-        else:
-            _send_acquire_finished(connection, demand, started)
-            return request
+        try:
+            return _wait_for_room(attempt, place, wait, deadline)
+        except BaseException:
+            place.leave(connection.alias)
+            raise
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _send_acquire_finished(
-    connection: BaseDatabaseWrapper,
-    demand: Demand,
-    started: float,
-    lacking: list[str] | None = None,
-) -> None:
-    """Granted when ``lacking`` is None. Robust: a failing receiver is logged
-    by Django, never raised into a caller who may already hold the permit."""
+def _wait_for_room(
+    attempt: Callable[[], PermitRequest], place: fairness.Place, wait: float, deadline: float
+) -> PermitRequest:
+    """Retry ``attempt`` until granted or ``deadline``. Only the first waiter
+    of this process's line polls (see ``fairness``); every sleep is taken
+    with no transaction open and no row locked."""
+    with fairness.waiting_line(place) as turn:
+        for polls in itertools.count(1):
+            queued_behind = not turn.is_first()
+            remaining = deadline - time.monotonic()
+            if remaining > 0 and turn.wait(remaining) and not queued_behind:
+                interval = place.poll_interval(_backoff(polls))
+                time.sleep(max(min(deadline - time.monotonic(), interval), 0))
+            try:
+                return attempt()
+            except SemaphoreExhausted as exc:
+                if deadline - time.monotonic() <= 0:
+                    raise AcquireTimeout(exc.names, f"{exc} (waited {wait:g}s)") from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+@contextmanager
+def _finish_signalled(connection: BaseDatabaseWrapper, demand: Demand) -> Iterator[None]:
+    """Send ``acquire_finished`` when the call is answered: granted, or refused
+    for want of room (other errors send nothing). Robust: a failing receiver
+    is logged by Django, never raised into a caller who may hold the permit."""
     from django_semaphore.models import PermitRequest
 
-    signals.acquire_finished.send_robust(
-        sender=PermitRequest,
-        names=demand.names,
-        granted=lacking is None,
-        lacking=lacking or [],
-        waited=time.monotonic() - started,
-        using=connection.alias,
-    )
+    started = time.monotonic()
+
+    def send(granted: bool, lacking: list[str]) -> None:
+        signals.acquire_finished.send_robust(
+            sender=PermitRequest,
+            names=demand.names,
+            granted=granted,
+            lacking=lacking,
+            waited=time.monotonic() - started,
+            using=connection.alias,
+        )
+
+    try:
+        yield
+    except SemaphoreExhausted as exc:
+        send(False, exc.names)
+        raise
+    send(True, [])
 
 
 def _backoff(attempt: int) -> float:
@@ -187,13 +219,14 @@ def _acquire_once(
     owner: str,
     ttl: int | None,
     lock_wait: float,
+    place: fairness.Place,
 ) -> PermitRequest:
     # No look-up of the key before the grant: the grant's in-use read tells
     # whether the key is taken, in the same round trip.
     with _prelocked(demand.names):
         try:
             with _grant_transaction(connection, lock_wait):
-                outcome = _grant(connection, demand, key, owner, ttl, lock_wait)
+                outcome = _grant(connection, demand, key, owner, ttl, lock_wait, place)
         except IntegrityError:
             # The key has a request already: a repeated call, or two first
             # calls at once where the other's insert won.
@@ -204,7 +237,7 @@ def _acquire_once(
     if isinstance(outcome, _KeyTaken):
         existing = _reattach_key(connection, key, demand)
         # None: deleted by the clean-up since; the key is free again.
-        return existing or _acquire_once(connection, demand, key, owner, ttl, lock_wait)
+        return existing or _acquire_once(connection, demand, key, owner, ttl, lock_wait, place)
     if isinstance(outcome, (SemaphoreNotFound, CapacityExceeded)):
         # Decided before the key was read: a repeated call still answers with
         # its request.
@@ -243,6 +276,8 @@ class _LockedSemaphore:
     name: str
     capacity: int
     fencing_counter: int
+    fair: bool
+    queued_until: Any  # as the driver returns it; fairness converts it if it is set
 
 
 def _grant(
@@ -252,6 +287,7 @@ def _grant(
     owner: str,
     ttl: int | None,
     lock_wait: float,
+    place: fairness.Place,
 ) -> PermitRequest | SemaphoreError | _KeyTaken:
     """Inside the transaction: lock, count, maybe reclaim, insert.
 
@@ -287,8 +323,12 @@ def _grant(
             connection, [s.id for s in lacking], now, lock_wait
         ):
             lacking = _lacking_room(sql.usage(cursor, key, [s.id for s in locked]), locked, demand)
-        if lacking:
-            return SemaphoreExhausted([s.name for s in lacking])
+        # Fair mode: no statement here unless a queue is live on these rows.
+        waiting_on = place.admit(
+            connection, cursor, locked, now, [s.name for s in lacking], lock_wait
+        )
+        if waiting_on:
+            return SemaphoreExhausted(waiting_on)
 
         expires_at = None if ttl is None else now + timedelta(seconds=ttl)
         request_id = sql.insert_request(cursor, key, owner, ttl, expires_at, now, lock_wait)
@@ -689,7 +729,7 @@ class _Statements:
 
     def lock(self, cursor: CursorWrapper, names: Sequence[str], lock_wait: float) -> list[Any]:
         """Lock the semaphore rows in name order: (id, name, capacity,
-        fencing_counter) each."""
+        fencing_counter, fair, queued_until) each."""
         sql = self.locks.get(len(names))
         if sql is None:
             sql = self.locks[len(names)] = self._compile_lock(len(names))
@@ -705,7 +745,7 @@ class _Statements:
             .select_for_update()
             .filter(name__in=names)
             .order_by("name")
-            .values_list("id", "name", "capacity", "fencing_counter")
+            .values_list("id", "name", "capacity", "fencing_counter", "fair", "queued_until")
         )
         sql, params = queryset.query.get_compiler(connection=self.connection).as_sql()
         # Reused with other names: the names must be its only parameters.

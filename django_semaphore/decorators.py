@@ -42,6 +42,7 @@ def holds_permit(
     ttl: int | float | timedelta | None = None,
     timeout: int | float | timedelta = 0,
     retry_after: int = 1,
+    fair: bool = False,
 ) -> Callable[[F], F]:
     """Hold permits while a view, Celery task or function runs.
 
@@ -66,6 +67,8 @@ def holds_permit(
         ttl: lease renewed in the background while the body runs.
         timeout: seconds to wait for room before giving up (views, functions).
         retry_after: seconds a refused client is told to wait.
+        fair: wait in first-come, first-served order (see ``acquire``); a
+            task, which never waits, is refused while older waiters queue.
     """
     # Validated now, so a typo fails at import rather than on the first request.
     if isinstance(names, str):
@@ -76,7 +79,7 @@ def holds_permit(
     ttl_seconds = validate_ttl(ttl)
 
     def decorate(func: F) -> F:
-        options = _Options(demand, ttl_seconds, timeout, retry_after, _label(func))
+        options = _Options(demand, ttl_seconds, timeout, retry_after, _label(func), fair)
         if inspect.iscoroutinefunction(func):
             return cast(F, _async_wrapper(func, options))
         return cast(F, _sync_wrapper(func, options))
@@ -91,6 +94,7 @@ class _Options:
     timeout: int | float | timedelta
     retry_after: int
     label: str  # module.qualname of the decorated function, for owners and logs
+    fair: bool
 
 
 def _label(func: Callable[..., Any]) -> str:
@@ -138,6 +142,7 @@ def _sync_wrapper(func: F, options: _Options) -> Callable[..., Any]:
             owner=_process_owner(options.label),
             ttl=options.ttl,
             timeout=options.timeout,
+            fair=options.fair,
         ):
             return func(*args, **kwargs)
 
@@ -154,6 +159,7 @@ def _async_wrapper(func: F, options: _Options) -> Callable[..., Any]:
                 owner=_process_owner(options.label),
                 ttl=options.ttl,
                 timeout=options.timeout,
+                fair=options.fair,
             ):
                 return await func(*args, **kwargs)
         key = uuid.uuid4().hex
@@ -194,6 +200,7 @@ def _acquire_for_view(options: _Options, request: HttpRequest, key: str) -> Http
             owner=_view_owner(options, request),
             ttl=options.ttl,
             timeout=options.timeout,
+            fair=options.fair,
         )
     except SemaphoreExhausted as exc:
         logger.info("%s refused: %s", options.label, exc)

@@ -6,7 +6,15 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import models
-from django.db.models import OuterRef, Subquery, Sum
+from django.db.models import (
+    Count,
+    DurationField,
+    ExpressionWrapper,
+    Min,
+    OuterRef,
+    Subquery,
+    Sum,
+)
 from django.db.models.functions import Coalesce
 
 from django_semaphore import core
@@ -23,12 +31,16 @@ ACQUIRED = "ACQUIRED"  # models.State.ACQUIRED, without importing models here
 
 class SemaphoreQuerySet(models.QuerySet["Semaphore"]):
     def with_usage(self) -> SemaphoreQuerySet:
-        """Annotate ``in_use``: the sum of counts of ACQUIRED permits.
+        """Annotate ``in_use``: the sum of counts of ACQUIRED permits;
+        ``waiters``: the number of live tickets (fair waiters queued);
+        ``longest_wait``: how long the oldest of them has waited (a
+        ``timedelta``, ``None`` when nobody waits).
 
-        A correlated subquery on the covering (semaphore, state, count) index,
-        not a join: a join would read every released permit still retained.
+        Correlated subqueries on the covering (semaphore, state, count) index
+        and the ticket table, not joins: a join would read every released
+        permit still retained, and keeps the admin's changelist at one query.
         """
-        from django_semaphore.models import Permit
+        from django_semaphore.models import Permit, Ticket
 
         held = (
             Permit.objects.filter(semaphore=OuterRef("pk"), state=ACQUIRED)
@@ -37,7 +49,19 @@ class SemaphoreQuerySet(models.QuerySet["Semaphore"]):
             .annotate(total=Sum("count"))
             .values("total")
         )
-        return self.annotate(in_use=Coalesce(Subquery(held), 0))
+        live = (
+            Ticket.objects.filter(semaphore=OuterRef("pk"), expires_at__gt=DatabaseNow())
+            .order_by()
+            .values("semaphore")
+        )
+        return self.annotate(
+            in_use=Coalesce(Subquery(held), 0),
+            waiters=Coalesce(Subquery(live.annotate(n=Count("pk")).values("n")), 0),
+            longest_wait=ExpressionWrapper(
+                DatabaseNow() - Subquery(live.annotate(since=Min("created_at")).values("since")),
+                output_field=DurationField(),
+            ),
+        )
 
 
 class SemaphoreManager(models.Manager["Semaphore"]):
@@ -57,9 +81,12 @@ class SemaphoreManager(models.Manager["Semaphore"]):
         owner: str = "",
         ttl: int | float | timedelta | None = None,
         timeout: int | float | timedelta = 0,
+        fair: bool = False,
     ) -> PermitRequest:
         """See :func:`django_semaphore.acquire`."""
-        return core.acquire(names, external_id=external_id, owner=owner, ttl=ttl, timeout=timeout)
+        return core.acquire(
+            names, external_id=external_id, owner=owner, ttl=ttl, timeout=timeout, fair=fair
+        )
 
     def release(self, external_id: str) -> ReleaseOutcome:
         """See :func:`django_semaphore.release`."""

@@ -40,6 +40,19 @@ class Semaphore(models.Model):
     fencing_counter = models.PositiveBigIntegerField(
         _("last fencing token"), default=0, editable=False
     )
+    fair = models.BooleanField(
+        _("fair (first come, first served)"),
+        default=False,
+        help_text=_(
+            "Waiters queue and are granted in arrival order, so a request for "
+            "many permits is never starved by a stream of small ones."
+        ),
+    )
+    # The latest deadline of a ticket queued on this semaphore, written under
+    # the row lock when a ticket is taken. The grant's locking read returns it:
+    # while it is in the past no ticket can be live, so an acquire skips the
+    # queue check and pays nothing for fairness.
+    queued_until = models.DateTimeField(_("queued until"), null=True, blank=True, editable=False)
     created_at = models.DateTimeField(_("created at"), auto_now_add=True)
     updated_at = models.DateTimeField(_("updated at"), auto_now=True)
 
@@ -146,6 +159,41 @@ class Permit(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id}:{self.semaphore_id}x{self.count}"
+
+
+class Ticket(models.Model):
+    """A fair waiter's place in the queue of one semaphore.
+
+    Taken under the semaphore's row lock by the attempt that found no room, so
+    on each semaphore ticket ids follow the order of its grant transactions
+    (see ``fairness.py``). It stops blocking others at ``expires_at``, the
+    waiter's deadline, whether the waiter is granted, gives up or crashed.
+    """
+
+    semaphore = models.ForeignKey(Semaphore, on_delete=models.CASCADE, related_name="tickets")
+    external_id = models.CharField(_("key"), max_length=MAX_NAME_LENGTH)
+    owner = models.CharField(_("owner"), max_length=MAX_NAME_LENGTH, blank=True)
+    count = models.PositiveIntegerField(_("count"), default=1)
+    created_at = models.DateTimeField(_("waiting since"))
+    expires_at = models.DateTimeField(_("expires at"))
+
+    class Meta:
+        verbose_name = _("ticket")
+        verbose_name_plural = _("tickets")
+        ordering = ["id"]
+        constraints = [
+            # One place per key and semaphore: a retried acquire keeps its place.
+            models.UniqueConstraint(
+                fields=["semaphore", "external_id"], name="semaphore_ticket_unique_key"
+            ),
+        ]
+        indexes = [
+            # The sweep deletes dead tickets by expiry.
+            models.Index(fields=["expires_at"], name="semaphore_ticket_expiry"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.external_id}@{self.semaphore_id}#{self.id}"
 
 
 class CapacityChange(models.Model):

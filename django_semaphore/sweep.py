@@ -7,7 +7,8 @@ command and the admin run.
   half-released requests (a crash between release's two updates).
 - :func:`clean_released` deletes requests released longer ago than
   ``RELEASED_RETENTION``, with their permits; :func:`clean_history` deletes
-  ``CapacityChange`` rows older than ``HISTORY_RETENTION``.
+  ``CapacityChange`` rows older than ``HISTORY_RETENTION``;
+  :func:`clean_tickets` deletes fair-mode tickets past their deadline.
 
 Every decision about time uses the database's clock (``DatabaseNow``), never
 this machine's. Work goes in batches of ``CLEANUP_BATCH_SIZE`` rows, each its
@@ -291,6 +292,25 @@ def clean_history(
         report.deleted = old.count()
         return report
     return _delete_in_batches(old.order_by("changed_at"), report, batch_size, time_budget, progress)
+
+
+def clean_tickets(
+    *, batch_size: int | None = None, time_budget: float | None = None, dry_run: bool = False
+) -> CleanupReport:
+    """Delete fair-mode tickets past their deadline, in batches.
+
+    They block nobody already (a ticket stops counting at its ``expires_at``):
+    their waiters were granted, gave up or died. This only keeps the table
+    small; run with the orphan sweep.
+    """
+    from django_semaphore.models import Ticket
+
+    dead = Ticket.objects.using(app_settings.DATABASE).filter(expires_at__lte=DatabaseNow())
+    report = CleanupReport("dead tickets", dry_run=dry_run)
+    if dry_run:
+        report.deleted = dead.count()
+        return report
+    return _delete_in_batches(dead.order_by("expires_at"), report, batch_size, time_budget, None)
 
 
 def _delete_in_batches(

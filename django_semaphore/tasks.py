@@ -14,8 +14,10 @@ from django_semaphore import sweep
 
 @shared_task(name="django_semaphore.release_orphans", ignore_result=True)  # type: ignore[untyped-decorator]
 def release_orphans() -> None:
-    """Release expired, stale and dead-owner requests; repair half-released ones."""
+    """Release expired, stale and dead-owner requests; repair half-released
+    ones; delete fair-mode tickets past their deadline."""
     sweep.release_orphans()
+    sweep.clean_tickets()
 
 
 @shared_task(name="django_semaphore.clean_released", ignore_result=True)  # type: ignore[untyped-decorator]

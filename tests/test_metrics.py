@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import pytest
 from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection
+from django.db import connection, connections
 from prometheus_client import REGISTRY
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
@@ -125,6 +127,45 @@ def test_the_view_serves_gauges_from_the_database_and_counters(client, make_sema
     assert at(samples, "django_semaphore_capacity", semaphore=over.name) == 1
     assert at(samples, "django_semaphore_in_use", semaphore=over.name) == 2
     assert at(samples, "django_semaphore_grants_total", semaphore=sem.name) == 1
+
+
+def test_a_fair_waiter_shows_in_the_gauges_until_granted(client, make_semaphore):
+    sem = make_semaphore(capacity=1)
+    holder = unique()
+    acquire(sem.name, external_id=holder)
+    granted = threading.Event()
+
+    def wait_fairly() -> None:
+        try:
+            acquire(sem.name, external_id=unique(), fair=True, timeout=30)
+            granted.set()
+        finally:
+            connections.close_all()
+
+    waiter = threading.Thread(target=wait_fairly)
+    waiter.start()
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            samples = parse(client.get("/metrics/").content.decode())
+            if at(samples, "django_semaphore_waiters", semaphore=sem.name) == 1:
+                break
+            assert time.monotonic() < deadline, "the waiter's ticket never showed"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        samples = parse(client.get("/metrics/").content.decode())
+        assert 0.25 <= at(samples, "django_semaphore_longest_wait_seconds", semaphore=sem.name) < 30
+    finally:
+        release(holder)
+        waiter.join(timeout=60)
+    assert granted.is_set()
+
+    samples = parse(client.get("/metrics/").content.decode())
+    assert at(samples, "django_semaphore_waiters", semaphore=sem.name) == 0
+    assert at(samples, "django_semaphore_longest_wait_seconds", semaphore=sem.name) == 0
+    waits = {"semaphore": sem.name, "outcome": "granted"}
+    assert at(samples, "django_semaphore_wait_seconds_count", **waits) == 2
+    assert at(samples, "django_semaphore_wait_seconds_sum", **waits) >= 0.3
 
 
 def test_the_view_answers_openmetrics_when_the_scraper_asks(client, make_semaphore):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable
+from datetime import timedelta
 
 from django.db import DatabaseError
 from prometheus_client import REGISTRY
@@ -22,15 +23,15 @@ logger = logging.getLogger("django_semaphore")
 
 
 class SemaphoreCollector(Collector):
-    """Capacity and permits in use for every semaphore, and whether the
-    database answered."""
+    """Capacity, permits in use, fair-mode waiters and the longest wait of
+    every semaphore, and whether the database answered."""
 
     def describe(self) -> Iterable[Metric]:
         # What register() reads instead of calling collect(): no query at start-up.
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
-        capacity, in_use, up = families = self._families()
+        capacity, in_use, waiters, longest_wait, up = families = self._families()
         try:
             semaphores = list(
                 Semaphore.objects.db_manager(app_settings.DATABASE)
@@ -47,6 +48,9 @@ class SemaphoreCollector(Collector):
             capacity.add_metric([semaphore.name], semaphore.capacity)
             # MySQL returns the annotated sum as a Decimal.
             in_use.add_metric([semaphore.name], int(semaphore.in_use))  # type: ignore[attr-defined]
+            waiters.add_metric([semaphore.name], int(semaphore.waiters))  # type: ignore[attr-defined]
+            waited: timedelta | None = semaphore.longest_wait  # type: ignore[attr-defined]
+            longest_wait.add_metric([semaphore.name], waited.total_seconds() if waited else 0)
         return families
 
     @staticmethod
@@ -60,6 +64,16 @@ class SemaphoreCollector(Collector):
             GaugeMetricFamily(
                 "django_semaphore_in_use",
                 "Permits held now (above capacity after capacity was lowered).",
+                labels=["semaphore"],
+            ),
+            GaugeMetricFamily(
+                "django_semaphore_waiters",
+                "Fair-mode waiters queued (live tickets).",
+                labels=["semaphore"],
+            ),
+            GaugeMetricFamily(
+                "django_semaphore_longest_wait_seconds",
+                "How long the oldest queued fair-mode waiter has waited; 0 when none.",
                 labels=["semaphore"],
             ),
             GaugeMetricFamily(

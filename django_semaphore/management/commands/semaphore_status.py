@@ -1,18 +1,27 @@
-"""``manage.py semaphore_status``: every semaphore's capacity, use and holders."""
+"""``manage.py semaphore_status``: every semaphore's capacity, use, holders
+and waiters, then the queue of each semaphore that fair waiters wait on."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 from django.db.models import Count, Q
 
+from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
-from django_semaphore.models import Semaphore, State
+from django_semaphore.models import Semaphore, State, Ticket
+
+QUEUE_SHOWN = 20
 
 
 class Command(BaseCommand):
-    help = "Show each semaphore: capacity, in use, available, holders."
+    help = (
+        "Show each semaphore: capacity, in use, available, holders, waiters and the "
+        "longest wait; then who waits in line on each (fair mode)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("names", nargs="*", help="Only these semaphores.")
@@ -30,16 +39,61 @@ class Command(BaseCommand):
         )
         if options["names"]:
             semaphores = semaphores.filter(name__in=options["names"])
-        rows = [("name", "capacity", "in use", "available", "holders")]
+        rows = [("name", "capacity", "in use", "available", "holders", "waiters", "longest wait")]
+        queued = []
         for s in semaphores:
             in_use: int = s.in_use  # type: ignore[attr-defined]
             available = str(s.capacity - in_use) if in_use <= s.capacity else "0 (over)"
-            rows.append((s.name, str(s.capacity), str(in_use), available, str(s.holders)))  # type: ignore[attr-defined]
+            waiters: int = s.waiters  # type: ignore[attr-defined]
+            name = f"{s.name} (fair)" if s.fair else s.name
+            rows.append(
+                (
+                    name,
+                    str(s.capacity),
+                    str(in_use),
+                    available,
+                    str(s.holders),  # type: ignore[attr-defined]
+                    str(waiters),
+                    _seconds(s.longest_wait),  # type: ignore[attr-defined]
+                )
+            )
+            if waiters:
+                queued.append(s)
+        self._table(rows)
+        if len(rows) == 1:
+            self.stdout.write("(no semaphores)")
+        for semaphore in queued:
+            self._queue(semaphore)
+
+    def _queue(self, semaphore: Semaphore) -> None:
+        tickets = (
+            Ticket.objects.using(app_settings.DATABASE)
+            .filter(semaphore=semaphore, expires_at__gt=DatabaseNow())
+            .order_by("id")
+        )
+        self.stdout.write(f"\nWaiting in line on {semaphore.name}, first served first:")
+        rows = [("place", "owner", "key", "count", "waiting since", "gives up at")]
+        for place, ticket in enumerate(tickets[:QUEUE_SHOWN], start=1):
+            rows.append(
+                (
+                    str(place),
+                    ticket.owner or "-",
+                    ticket.external_id,
+                    str(ticket.count),
+                    ticket.created_at.isoformat(timespec="seconds"),
+                    ticket.expires_at.isoformat(timespec="seconds"),
+                )
+            )
+        self._table(rows)
+
+    def _table(self, rows: Sequence[tuple[str, ...]]) -> None:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         for row in rows:
             cells = [row[0].ljust(widths[0])] + [
                 c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
             ]
             self.stdout.write("  ".join(cells).rstrip())
-        if len(rows) == 1:
-            self.stdout.write("(no semaphores)")
+
+
+def _seconds(wait: timedelta | None) -> str:
+    return "-" if wait is None else f"{wait.total_seconds():.1f}s"

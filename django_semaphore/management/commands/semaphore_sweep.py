@@ -11,7 +11,8 @@ from django_semaphore import sweep
 
 class Command(BaseCommand):
     help = (
-        "Release orphaned permits (expired, stale, dead owners; repair half-released) "
+        "Release orphaned permits (expired, stale, dead owners; repair half-released; "
+        "delete dead fair-mode tickets) "
         "and delete old released requests and capacity history. With no option, all three."
     )
 
@@ -45,6 +46,9 @@ class Command(BaseCommand):
         budget = options["time_budget"] or None
         if options["orphans"] or everything:
             self.stdout.write(str(sweep.release_orphans(batch_size=size, dry_run=dry_run)))
+            tickets = sweep.clean_tickets(batch_size=size, dry_run=dry_run)
+            if tickets.deleted:  # rarely any: granted waiters delete their own
+                self.stdout.write(str(tickets))
         if options["cleanup"] or everything:
             report = sweep.clean_released(
                 batch_size=size, time_budget=budget, dry_run=dry_run, progress=self._progress

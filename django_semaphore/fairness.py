@@ -1,0 +1,337 @@
+"""Fair mode: a durable first-come, first-served queue, and one poller per
+semaphore in each process.
+
+**Tickets.** An acquire that must wait on a fair semaphore (``Semaphore.fair``,
+or ``acquire(..., fair=True)``) leaves a ``Ticket`` per semaphore in the same
+transaction whose attempt found no room, while it holds those rows' locks. So
+on each semaphore ticket ids are in the order of its grant transactions: a
+ticket with a lower id was committed before any grant that could see a higher
+one. An attempt is then granted only when no older live ticket waits on any of
+its semaphores. Auto-increment ids, not the clock: ids are unique and never
+tie, and no clock decides an order (two clients' clocks, or the database's
+clock read before a lock wait, could).
+
+A ticket stops blocking at ``expires_at``, its waiter's deadline, whatever
+became of the waiter: granted (its ticket is deleted in the grant
+transaction), gone (it deletes it on the way out), or crashed (it expires).
+
+**Cost when unused.** Taking a ticket also writes ``Semaphore.queued_until``,
+the latest deadline queued there. The grant's locking read returns it: while
+it is in the past no ticket can be live, so no statement is added. While it
+is in the future every acquire on that semaphore, fair or not, respects the
+queue: a caller that did not ask for fairness may not barge past those who
+did.
+
+**One poller per line.** Waiters of one process on the same demand form a
+line (``_Line``): only its first waiter polls the database, the others sleep
+on a condition until it is their turn. So a process issues one attempt per
+poll interval per demand, however many threads wait. The interval adapts:
+short for the head of the queue, longer the more tickets are ahead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db import DatabaseError, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
+from django.db.models.constants import OnConflict
+
+from django_semaphore import backends
+from django_semaphore.validation import Demand
+
+if TYPE_CHECKING:
+    from django_semaphore.core import _LockedSemaphore
+
+# Poll intervals (seconds): the head of the queue polls often, a waiter
+# behind it as often as it could plausibly move up (one more per ticket ahead).
+HEAD_POLL = 0.05
+BEHIND_POLL_PER_TICKET = 0.05
+POLL_CAP = 2.0
+# A ticket never outlives this, whatever the timeout (datetime arithmetic).
+MAX_TICKET_LIFE = timedelta(days=365)
+
+_sequence = itertools.count(1)
+
+
+@dataclass
+class Place:
+    """One acquire call's standing in the queues of its semaphores."""
+
+    key: str
+    owner: str
+    demand: Demand
+    fair: bool  # the call asked for fair mode
+    deadline: float | None  # monotonic; None: fails fast, never takes a ticket
+    ticketed: bool = False  # a committed attempt took tickets
+    ahead: int = 0  # older live tickets the last attempt saw (poll interval)
+    # This process's order of waiters in a line. A ticket's is assigned when
+    # its transaction commits, still under the in-process pre-lock, so in a
+    # line of ticketed waiters (one demand) it follows their tickets' order.
+    seq: int = 0
+
+    def admit(
+        self,
+        connection: BaseDatabaseWrapper,
+        cursor: CursorWrapper,
+        locked: Sequence[_LockedSemaphore],
+        now: datetime,
+        lacking: list[str],
+        lock_wait: float,
+    ) -> list[str]:
+        """Under the row locks: the names that keep this call waiting (empty:
+        grant it). Takes this call's tickets when it has to wait."""
+        live = [s for s in locked if _after(connection, s.queued_until, now)]
+        ahead = _older_tickets(connection, cursor, live, self.key, now, lock_wait) if live else {}
+        self.ahead = max(ahead.values(), default=0)
+        blocked = sorted(set(lacking) | {s.name for s in live if ahead.get(s.id)})
+        if not blocked:
+            if live or self.ticketed:
+                _delete_tickets(connection, cursor, [s.id for s in locked], self.key, lock_wait)
+            return []
+        if self._wants_ticket(locked):
+            self._take_tickets(connection, cursor, locked, now, lock_wait)
+        elif self.seq == 0:
+            self.seq = next(_sequence)
+        return blocked
+
+    def _wants_ticket(self, locked: Sequence[_LockedSemaphore]) -> bool:
+        return (
+            not self.ticketed
+            and self.deadline is not None
+            and (self.fair or any(s.fair for s in locked))
+        )
+
+    def _take_tickets(
+        self,
+        connection: BaseDatabaseWrapper,
+        cursor: CursorWrapper,
+        locked: Sequence[_LockedSemaphore],
+        now: datetime,
+        lock_wait: float,
+    ) -> None:
+        assert self.deadline is not None
+        life = timedelta(seconds=max(self.deadline - time.monotonic(), 0))
+        expires_at = now + min(life, MAX_TICKET_LIFE)
+        _insert_tickets(connection, cursor, locked, self, now, expires_at, lock_wait)
+        # Known once committed: a rolled-back attempt took nothing.
+        transaction.on_commit(self._ticket_committed, using=connection.alias)
+
+    def _ticket_committed(self) -> None:
+        self.ticketed = True
+        self.seq = next(_sequence)
+
+    def poll_interval(self, backoff: float) -> float:
+        """Seconds to wait before this line's next attempt."""
+        if not self.ticketed:
+            return backoff  # not queued: the usual backoff
+        base = HEAD_POLL if self.ahead == 0 else BEHIND_POLL_PER_TICKET * (1 + self.ahead)
+        return random.uniform(0.5, 1.0) * min(POLL_CAP, base)
+
+    def leave(self, alias: str) -> None:
+        """Delete this call's tickets after it gave up; best effort (they
+        expire at its deadline anyway)."""
+        if not self.ticketed:
+            return
+        from django_semaphore.models import Ticket
+
+        with suppress(DatabaseError):
+            Ticket.objects.using(alias).filter(
+                semaphore__name__in=self.demand.names, external_id=self.key
+            ).delete()
+        self.ticketed = False
+
+
+# --- the statements, inside the grant transaction ------------------------------
+
+
+def _quoted(connection: BaseDatabaseWrapper) -> tuple[str, str]:
+    from django_semaphore.models import Semaphore, Ticket
+
+    q = connection.ops.quote_name
+    return q(Ticket._meta.db_table), q(Semaphore._meta.db_table)
+
+
+def _older_tickets(
+    connection: BaseDatabaseWrapper,
+    cursor: CursorWrapper,
+    semaphores: Sequence[_LockedSemaphore],
+    key: str,
+    now: datetime,
+    lock_wait: float,
+) -> dict[int, int]:
+    """Semaphore id -> live tickets of other keys older than this key's own
+    ticket there (all of them when it has none)."""
+    q = connection.ops.quote_name
+    ticket, _ = _quoted(connection)
+    ids = [s.id for s in semaphores]
+    sql = (
+        f"SELECT t.{q('semaphore_id')}, COUNT(*) FROM {ticket} t"
+        f" WHERE t.{q('semaphore_id')} IN ({_placeholders(len(ids))})"
+        f" AND t.{q('expires_at')} > %s AND t.{q('external_id')} <> %s"
+        f" AND NOT EXISTS (SELECT 1 FROM {ticket} m"
+        f" WHERE m.{q('semaphore_id')} = t.{q('semaphore_id')}"
+        f" AND m.{q('external_id')} = %s AND m.{q('id')} < t.{q('id')})"
+        f" GROUP BY t.{q('semaphore_id')}"
+    )
+    cursor.execute(
+        backends.bound_statement(connection, sql, lock_wait),
+        [*ids, connection.ops.adapt_datetimefield_value(now), key, key],
+    )
+    return {int(id): int(n) for id, n in cursor.fetchall()}
+
+
+def _insert_tickets(
+    connection: BaseDatabaseWrapper,
+    cursor: CursorWrapper,
+    locked: Sequence[_LockedSemaphore],
+    place: Place,
+    now: datetime,
+    expires_at: datetime,
+    lock_wait: float,
+) -> None:
+    q = connection.ops.quote_name
+    ops = connection.ops
+    ticket, semaphore = _quoted(connection)
+    columns = ["semaphore_id", "external_id", "owner", "count", "created_at", "expires_at"]
+    when, until = ops.adapt_datetimefield_value(now), ops.adapt_datetimefield_value(expires_at)
+    # A retry with the same key (another process, the first one crashed or
+    # still waiting) keeps the ticket's place; it only pushes its expiry.
+    sql = (
+        f"{ops.insert_statement(on_conflict=OnConflict.IGNORE)} {ticket}"
+        f" ({', '.join(q(c) for c in columns)}) VALUES "
+        + ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(locked))
+        + " "
+        + ops.on_conflict_suffix_sql([], OnConflict.IGNORE, None, None)
+    )
+    cursor.execute(
+        backends.bound_statement(connection, sql, lock_wait),
+        [
+            value
+            for s in locked
+            for value in (s.id, place.key, place.owner, place.demand.counts[s.name], when, until)
+        ],
+    )
+    ids = [s.id for s in locked]
+    if cursor.rowcount < len(locked):
+        cursor.execute(
+            backends.bound_statement(
+                connection,
+                f"UPDATE {ticket} SET {q('expires_at')} = %s WHERE {q('external_id')} = %s"
+                f" AND {q('expires_at')} < %s"
+                f" AND {q('semaphore_id')} IN ({_placeholders(len(ids))})",
+                lock_wait,
+            ),
+            [until, place.key, until, *ids],
+        )
+    # Under the row lock: the grant's locking read learns that a queue is live.
+    cursor.execute(
+        backends.bound_statement(
+            connection,
+            f"UPDATE {semaphore} SET {q('queued_until')} = %s WHERE {q('id')} IN"
+            f" ({_placeholders(len(ids))}) AND ({q('queued_until')} IS NULL"
+            f" OR {q('queued_until')} < %s)",
+            lock_wait,
+        ),
+        [until, *ids, until],
+    )
+
+
+def _delete_tickets(
+    connection: BaseDatabaseWrapper,
+    cursor: CursorWrapper,
+    semaphore_ids: list[int],
+    key: str,
+    lock_wait: float,
+) -> None:
+    q = connection.ops.quote_name
+    ticket, _ = _quoted(connection)
+    cursor.execute(
+        backends.bound_statement(
+            connection,
+            f"DELETE FROM {ticket} WHERE {q('external_id')} = %s"
+            f" AND {q('semaphore_id')} IN ({_placeholders(len(semaphore_ids))})",
+            lock_wait,
+        ),
+        [key, *semaphore_ids],
+    )
+
+
+def _placeholders(count: int) -> str:
+    return ", ".join(["%s"] * count)
+
+
+def _after(connection: BaseDatabaseWrapper, queued_until: Any, now: datetime) -> bool:
+    """Whether ``queued_until``, as a raw cursor read it, is past ``now``."""
+    return queued_until is not None and backends.datetime_from_db(connection, queued_until) > now
+
+
+# --- this process's waiters: one poller per line ------------------------------------
+
+
+class _Line:
+    """This process's waiters on one demand; the one with the lowest ``seq``
+    polls, the others wait for their turn."""
+
+    def __init__(self) -> None:
+        self.condition = threading.Condition()
+        self.places: list[Place] = []
+
+    def head(self) -> Place:
+        return min(self.places, key=lambda place: place.seq)
+
+
+_lines: dict[tuple[Any, ...], _Line] = {}
+_lines_guard = threading.Lock()
+
+
+class Turn:
+    """A waiter's membership of its line."""
+
+    def __init__(self, line: _Line, place: Place) -> None:
+        self._line = line
+        self._place = place
+
+    def is_first(self) -> bool:
+        with self._line.condition:
+            return self._line.head() is self._place
+
+    def wait(self, timeout: float) -> bool:
+        """Block until this waiter is first in its line; ``False`` if
+        ``timeout`` ran out first."""
+        with self._line.condition:
+            return self._line.condition.wait_for(
+                lambda: self._line.head() is self._place, timeout=max(timeout, 0)
+            )
+
+
+@contextmanager
+def waiting_line(place: Place) -> Iterator[Turn]:
+    """Join this process's line for ``place.demand`` while waiting for room.
+
+    Ticketed and unticketed waiters never share a line: an unticketed first
+    waiter would poll behind its line's tickets while they wait their turn.
+    """
+    key = (place.ticketed, *sorted(place.demand.counts.items()))
+    with _lines_guard:
+        line = _lines.setdefault(key, _Line())
+        with line.condition:
+            line.places.append(place)
+    try:
+        yield Turn(line, place)
+    finally:
+        with _lines_guard, line.condition:
+            line.places.remove(place)
+            if not line.places:
+                del _lines[key]
+            # The next waiter polls at once: room may be left after this one.
+            line.condition.notify_all()

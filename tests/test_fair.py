@@ -1,0 +1,196 @@
+"""Fair mode: tickets, first come first served, no barging, the queue's cost."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.db import connection, connections
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from django_semaphore import acquire, release
+from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
+from django_semaphore.models import Semaphore, Ticket
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def key() -> str:
+    return uuid.uuid4().hex
+
+
+def wait_for_tickets(name: str, count: int, within: float = 10.0) -> None:
+    """Until ``count`` tickets wait on ``name``: a waiter's place is taken."""
+    deadline = time.monotonic() + within
+    while Ticket.objects.filter(semaphore__name=name).count() < count:
+        assert time.monotonic() < deadline, f"{count} tickets never appeared on {name}"
+        time.sleep(0.01)
+
+
+class Waiter(threading.Thread):
+    """acquire() in a thread; records when it was granted, in order."""
+
+    def __init__(self, names, order: list[str], **kwargs) -> None:
+        super().__init__()
+        self.names, self.order, self.kwargs = names, order, kwargs
+        self.key = key()
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            acquire(self.names, external_id=self.key, **self.kwargs)
+            self.order.append(self.key)
+        except Exception as exc:
+            self.error = exc
+        finally:
+            connections.close_all()
+
+
+def test_a_waiter_takes_a_ticket_and_drops_it_when_granted(make_semaphore):
+    semaphore = make_semaphore(1)
+    semaphore.fair = True
+    semaphore.save()
+    holder = key()
+    acquire(semaphore.name, external_id=holder)
+    order: list[str] = []
+    waiter = Waiter({semaphore.name: 1}, order, timeout=10, owner="w1")
+    waiter.start()
+    wait_for_tickets(semaphore.name, 1)
+    ticket = Ticket.objects.get(semaphore=semaphore)
+    assert (ticket.external_id, ticket.owner, ticket.count) == (waiter.key, "w1", 1)
+    queued = Semaphore.objects.with_usage().get(pk=semaphore.pk)
+    assert queued.waiters == 1
+    assert timedelta(0) <= queued.longest_wait < timedelta(seconds=10)
+    release(holder)
+    waiter.join(10)
+    assert waiter.error is None
+    assert order == [waiter.key]
+    assert not Ticket.objects.filter(semaphore=semaphore).exists()
+    assert Semaphore.objects.with_usage().get(pk=semaphore.pk).waiters == 0
+
+
+def test_waiters_are_granted_in_arrival_order_even_when_a_later_one_fits(make_semaphore):
+    semaphore = make_semaphore(3)
+    held = [key() for _ in range(3)]
+    for k in held:
+        acquire(semaphore.name, external_id=k)
+    order: list[str] = []
+    big = Waiter({semaphore.name: 2}, order, timeout=20, fair=True)
+    big.start()
+    wait_for_tickets(semaphore.name, 1)
+    small = Waiter({semaphore.name: 1}, order, timeout=20, fair=True)
+    small.start()
+    wait_for_tickets(semaphore.name, 2)
+    release(held[0])  # room for the small one, not for the big one
+    time.sleep(0.5)
+    assert order == [], "the small request was granted ahead of the older big one"
+    release(held[1])
+    big.join(10)
+    assert big.error is None
+    assert order == [big.key]
+    release(held[2])
+    small.join(10)
+    assert small.error is None
+    assert order == [big.key, small.key]
+
+
+def test_fail_fast_does_not_barge_past_a_queue(make_semaphore):
+    semaphore = make_semaphore(2)
+    held = [key(), key()]
+    for k in held:
+        acquire(semaphore.name, external_id=k)
+    order: list[str] = []
+    big = Waiter({semaphore.name: 2}, order, timeout=20, fair=True)
+    big.start()
+    wait_for_tickets(semaphore.name, 1)
+    release(held[0])
+    # There is room for one, but an older ticket waits: refused, fair or not.
+    with pytest.raises(SemaphoreExhausted):
+        acquire(semaphore.name, external_id=key())
+    with pytest.raises(SemaphoreExhausted):
+        acquire(semaphore.name, external_id=key(), fair=True)
+    release(held[1])
+    big.join(10)
+    assert big.error is None
+    assert order == [big.key]
+
+
+def test_a_waiter_that_times_out_stops_blocking(make_semaphore):
+    semaphore = make_semaphore(1)
+    holder = key()
+    acquire(semaphore.name, external_id=holder)
+    with pytest.raises(AcquireTimeout):
+        acquire(semaphore.name, external_id=key(), timeout=0.3, fair=True)
+    release(holder)
+    acquire(semaphore.name, external_id=key())
+
+
+def test_a_retry_with_the_same_key_keeps_its_place(make_semaphore):
+    semaphore = make_semaphore(1)
+    semaphore.fair = True
+    semaphore.save()
+    holder = key()
+    acquire(semaphore.name, external_id=holder)
+    order: list[str] = []
+    first = Waiter(semaphore.name, order, timeout=20)
+    first.start()
+    wait_for_tickets(semaphore.name, 1)
+    second = Waiter(semaphore.name, order, timeout=20)
+    second.start()
+    wait_for_tickets(semaphore.name, 2)
+    again = Waiter(semaphore.name, [], timeout=20)
+    again.key = first.key  # the same call, retried (say after a lost connection)
+    again.start()
+    time.sleep(0.3)
+    assert Ticket.objects.filter(semaphore=semaphore).count() == 2
+    release(holder)
+    for waiter in (first, again):
+        waiter.join(10)
+        assert waiter.error is None
+    release(first.key)
+    second.join(10)
+    assert second.error is None
+    assert order[-1] == second.key
+
+
+def test_a_non_fair_acquire_pays_nothing_once_the_queue_is_gone(make_semaphore):
+    fair, plain = make_semaphore(1), make_semaphore(1)
+    holder = key()
+    acquire(fair.name, external_id=holder)
+    with pytest.raises(AcquireTimeout):
+        acquire(fair.name, external_id=key(), timeout=0.2, fair=True)
+    release(holder)
+    Semaphore.objects.filter(pk=fair.pk).update(queued_until=timezone.now() - timedelta(1))
+    counts = []
+    for semaphore in (plain, fair):
+        k = key()
+        with CaptureQueriesContext(connection) as queries:
+            acquire(semaphore.name, external_id=k)
+        release(k)
+        counts.append(len(queries))
+    assert counts[0] == counts[1]
+
+
+def test_multi_semaphore_waiters_keep_their_order_on_each_semaphore(make_semaphore):
+    a, b = make_semaphore(1), make_semaphore(1)
+    holder = key()
+    acquire([a.name, b.name], external_id=holder)
+    order: list[str] = []
+    both = Waiter([a.name, b.name], order, timeout=20, fair=True)
+    both.start()
+    wait_for_tickets(a.name, 1)
+    only_b = Waiter(b.name, order, timeout=20, fair=True)
+    only_b.start()
+    wait_for_tickets(b.name, 2)
+    release(holder)
+    both.join(10)
+    assert both.error is None
+    assert order == [both.key]
+    release(both.key)
+    only_b.join(10)
+    assert only_b.error is None
+    assert order == [both.key, only_b.key]
