@@ -13,9 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import DatabaseError
+from django.db import DatabaseError, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import signals
+from django_semaphore.backends import datetime_from_db
 
 logger = logging.getLogger("django_semaphore")
 
@@ -50,19 +52,34 @@ def released_holds(request_ids: Sequence[int], reason: str, using: str) -> list[
     """The permits of these requests that ended with ``reason``.
 
     Filtering on the reason leaves out a request in a sweep's batch that its
-    holder released a moment before (its own release reports it).
+    holder released a moment before (its own release reports it). Plain SQL,
+    not a queryset: it follows every release, and building and compiling a
+    queryset costs more than the query (measured on MariaDB: 0.7 ms a release).
     """
-    from django_semaphore.models import Permit
+    from django_semaphore.models import Permit, PermitRequest, Semaphore
 
-    rows = (
-        Permit.objects.using(using)
-        .filter(request_id__in=request_ids, request__release_reason=reason)
-        .values_list(
-            "request_id", "semaphore__name", "count", "request__created_at", "request__released_at"
-        )
+    connection = connections[using]
+    q = connection.ops.quote_name
+    permit, request, semaphore = (q(m._meta.db_table) for m in (Permit, PermitRequest, Semaphore))
+    sql = (
+        f"SELECT p.{q('request_id')}, s.{q('name')}, p.{q('count')},"
+        f" r.{q('created_at')}, r.{q('released_at')}"
+        f" FROM {permit} p"
+        f" JOIN {request} r ON r.{q('id')} = p.{q('request_id')}"
+        f" JOIN {semaphore} s ON s.{q('id')} = p.{q('semaphore_id')}"
+        f" WHERE p.{q('request_id')} IN ({', '.join(['%s'] * len(request_ids))})"
+        f" AND r.{q('release_reason')} = %s AND r.{q('released_at')} IS NOT NULL"
     )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*request_ids, reason])
+        rows = cursor.fetchall()
     return [
-        Hold(request_id, name, count, max(0.0, (released_at - created_at).total_seconds()))
+        Hold(request_id, name, count, _seconds_between(connection, created_at, released_at))
         for request_id, name, count, created_at, released_at in rows
-        if released_at is not None
     ]
+
+
+def _seconds_between(connection: BaseDatabaseWrapper, start: Any, end: Any) -> float:
+    # Raw values, converted as the ORM would (SQLite returns text).
+    elapsed = datetime_from_db(connection, end) - datetime_from_db(connection, start)
+    return max(0.0, float(elapsed.total_seconds()))
