@@ -15,6 +15,7 @@ from django.dispatch import Signal
 from django.test.utils import CaptureQueriesContext
 
 from django_semaphore import acquire, release, signals, sweep
+from django_semaphore.core import release_requests
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted, SemaphoreNotFound
 from django_semaphore.holds import Hold
 from django_semaphore.metrics import events
@@ -137,7 +138,7 @@ def test_reclaims_report_their_reason(make_semaphore, receive):
     ]
 
 
-def test_a_sweep_batch_reports_only_what_it_released_itself(make_semaphore, receive):
+def test_a_sweep_batch_reports_the_reclaims_it_made(make_semaphore, receive):
     sem = make_semaphore(capacity=2)
     stale = acquire(sem.name, external_id=unique(), ttl=60)
     shift(stale, expires_at=-timedelta(seconds=1))
@@ -148,6 +149,21 @@ def test_a_sweep_batch_reports_only_what_it_released_itself(make_semaphore, rece
     assert [(c["reason"], [h.semaphore for h in c["holds"]]) for c in ended] == [
         (ReleaseReason.EXPIRED, [sem.name])
     ]
+
+
+def test_a_batch_does_not_report_a_request_its_holder_released_first(make_semaphore, receive):
+    """A sweep picks its batch, then the holder releases one of it: the
+    batch's signal names that request too, its hold times do not."""
+    sem = make_semaphore(capacity=2)
+    released_first, reclaimed = unique(), unique()
+    batch = [acquire(sem.name, external_id=key).pk for key in (released_first, reclaimed)]
+    release(released_first)
+    released, ended = receive(signals.permit_released), receive(signals.hold_ended)
+
+    release_requests("default", batch, ReleaseReason.STALE)
+
+    assert [c["request_ids"] for c in released] == [batch]
+    assert [[h.request_id for h in c["holds"]] for c in ended] == [[batch[1]]]
 
 
 def test_hold_times_cost_a_query_only_while_someone_listens(make_semaphore, receive):
