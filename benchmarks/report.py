@@ -84,6 +84,11 @@ def checks(cells: list[Cell], held: int, history: int) -> list[dict[str, Any]]:
         seed = find(cells, scenario, systems.SEED, most if scenario == "1" else None)
         r = ratio(app and app.cycles_per_s, seed and seed.cycles_per_s)
         check(f"{label}: app / seed cycles", r, ">= 1.0 (1.3 aimed)", None if r is None else r >= 1)
+    for clients in sorted({c.clients for c in cells if c.scenario == "1 hot"}):
+        fair = find(cells, "1 hot", systems.APP_FAIR, clients)
+        plain = find(cells, "1 hot", systems.APP, clients)
+        r = ratio(fair and fair.cycles_per_s, plain and plain.cycles_per_s)
+        check(f"scenario 1 at {clients}: fair / non-fair cycles", r, ">= 0.7", _at_least(r, 0.7))
     app1, seed1 = find(cells, "1", systems.APP, 1), find(cells, "1", systems.SEED, 1)
     r = ratio(app1 and app1.p50_ms, seed1 and seed1.p50_ms)
     check("1 client: app / seed acquire p50", r, "<= 1.2", None if r is None else r <= 1.2)
@@ -129,6 +134,10 @@ def checks(cells: list[Cell], held: int, history: int) -> list[dict[str, Any]]:
     errors = sum(c.errors for c in ours)
     check("errors (app and seed, every scenario)", errors, "0", errors == 0)
     return out
+
+
+def _at_least(value: float | None, target: float) -> bool | None:
+    return None if value is None else value >= target
 
 
 def checks_text(results: list[dict[str, Any]]) -> str:

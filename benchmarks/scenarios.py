@@ -18,6 +18,8 @@ from benchmarks.runner import ClientResult, Pool
 from benchmarks.systems import ClientSpec
 
 HOT_CAPACITY = 10
+HOT_WAIT_TIMEOUT = 10.0
+HOT_WAIT_HOLD = 0.01
 # InnoDB refreshes information_schema.innodb_trx at most every 0.1 s.
 MONITOR_EVERY = 0.02
 
@@ -115,6 +117,9 @@ class Bench:
         try:
             import django_semaphore
 
+            if hasattr(django_semaphore, "fairness"):
+                found.add(systems.APP_FAIR)
+
             if hasattr(django_semaphore, "permit"):
                 found.add(systems.APP_PERMIT)
         except ImportError:  # pragma: no cover
@@ -204,7 +209,10 @@ class Bench:
         return self.cells
 
     def hot(self) -> None:
-        """(1) One hot semaphore, capacity 10, 1 / 4 / 16 clients."""
+        """(1) One hot semaphore, capacity 10, 1 / 4 / 16 clients; then the
+        most clients on a quarter of their number of permits, each holding
+        its permit 10 ms and waiting (``timeout=``) when there is no room:
+        fair mode's queue against the plain backoff."""
         for clients in self.options.clients:
             for system in [
                 systems.LIMIT_HOT,
@@ -212,9 +220,49 @@ class Bench:
                 systems.SEED,
                 systems.APP,
                 systems.APP_PERMIT,
+                systems.APP_FAIR,
             ]:
                 self.fresh(["hot"], HOT_CAPACITY)
                 self.measure("1 hot", system, clients, lambda i: ["hot"], HOT_CAPACITY)
+        most = max(self.options.clients)
+        if most <= 1:
+            return
+        capacity = max(1, most // 4)
+        for system in [systems.APP, systems.APP_FAIR]:
+            self.fresh(["hot"], capacity)
+            self.measure(
+                "1 hot, waiting",
+                system,
+                most,
+                lambda i: ["hot"],
+                capacity,
+                hold=HOT_WAIT_HOLD,
+                timeout=HOT_WAIT_TIMEOUT,
+            )
+
+    def queued(self) -> None:
+        """(7) Threads of one process waiting on a semaphore that stays full:
+        the database statements they issue per second."""
+        from benchmarks.queued import measure_waiting
+
+        seconds = max(self.options.duration, 1.0)
+        for system, lines in [
+            (systems.APP, True),
+            (systems.APP_FAIR, True),
+            (systems.APP, False),
+        ]:
+            self.fresh(["queued"], 1)
+            threads = self.options.waiting_threads
+            layout = f"1 proc x {threads} threads" + ("" if lines else ", lines off")
+            cell = Cell("7 queued", system, threads, layout, 1)
+            cell.extra.update(
+                measure_waiting(
+                    "queued", threads, seconds, fair=system == systems.APP_FAIR, lines=lines
+                )
+            )
+            cell.errors = len(cell.extra["errors"])
+            self.cells.append(cell)
+            self.say(_line(cell))
 
     def mutex(self) -> None:
         """Capacity 1: the app as a mutex against the mutex peers."""
@@ -400,4 +448,5 @@ SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "held": Bench.held,
     "history": Bench.history,
     "waiting": Bench.waiting,
+    "queued": Bench.queued,
 }

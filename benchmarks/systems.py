@@ -21,6 +21,7 @@ SEED = "seed design (raw SQL)"
 APP = "app acquire/release"
 APP_PERMIT = "app permit()"
 APP_NO_PRELOCK = "app, pre-lock off"
+APP_FAIR = "app, fair mode"
 DB_MUTEX = "django-db-mutex"
 GET_LOCK = "GET_LOCK (not durable)"
 REDIS = "redis-py Lock (not durable)"
@@ -31,11 +32,12 @@ SYSTEMS = [
     APP,
     APP_PERMIT,
     APP_NO_PRELOCK,
+    APP_FAIR,
     DB_MUTEX,
     GET_LOCK,
     REDIS,
 ]
-APP_SYSTEMS = {APP, APP_PERMIT, APP_NO_PRELOCK}
+APP_SYSTEMS = {APP, APP_PERMIT, APP_NO_PRELOCK, APP_FAIR}
 
 
 @dataclass
@@ -244,12 +246,17 @@ class App(DjangoClient):
 
         self._acquire, self._release, self.exhausted = acquire, release, SemaphoreExhausted
         self.demand = dict.fromkeys(self.spec.names, 1)
+        self.options: dict[str, Any] = {}
 
     def acquire(self) -> bool:
         self.key = uuid.uuid4().hex
         try:
             self._acquire(
-                self.demand, external_id=self.key, owner="bench", timeout=self.spec.timeout
+                self.demand,
+                external_id=self.key,
+                owner="bench",
+                timeout=self.spec.timeout,
+                **self.options,
             )
         except self.exhausted:
             return False
@@ -259,6 +266,14 @@ class App(DjangoClient):
         if self.spec.hold:
             time.sleep(self.spec.hold)
         self._release(self.key)
+
+
+class AppFair(App):
+    """The same calls with ``fair=True``: first come, first served."""
+
+    def setup(self) -> None:
+        super().setup()
+        self.options = {"fair": True}
 
 
 class AppPermit(App):
@@ -312,6 +327,7 @@ CLIENTS: dict[str, type[Client]] = {
     APP: App,
     APP_PERMIT: AppPermit,
     APP_NO_PRELOCK: App,
+    APP_FAIR: AppFair,
     DB_MUTEX: DbMutex,
     GET_LOCK: GetLock,
     REDIS: RedisLock,

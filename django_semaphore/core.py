@@ -140,7 +140,7 @@ def acquire(
             if not wait:
                 raise
         try:
-            return _wait_for_room(attempt, place, wait, deadline)
+            return _wait_for_room(connection, attempt, place, wait, deadline)
         except BaseException:
             place.leave(connection.alias)
             raise
@@ -148,7 +148,11 @@ def acquire(
 
 
 def _wait_for_room(
-    attempt: Callable[[], PermitRequest], place: fairness.Place, wait: float, deadline: float
+    connection: BaseDatabaseWrapper,
+    attempt: Callable[[], PermitRequest],
+    place: fairness.Place,
+    wait: float,
+    deadline: float,
 ) -> PermitRequest:
     """Retry ``attempt`` until granted or ``deadline``. Only the first waiter
     of this process's line polls (see ``fairness``); every sleep is taken
@@ -158,8 +162,7 @@ def _wait_for_room(
             queued_behind = not turn.is_first()
             remaining = deadline - time.monotonic()
             if remaining > 0 and turn.wait(remaining) and not queued_behind:
-                interval = place.poll_interval(_backoff(polls))
-                time.sleep(max(min(deadline - time.monotonic(), interval), 0))
+                place.pause(connection, _backoff(polls), deadline)
             try:
                 return attempt()
             except SemaphoreExhausted as exc:

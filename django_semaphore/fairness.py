@@ -25,8 +25,15 @@ did.
 **One poller per line.** Waiters of one process on the same demand form a
 line (``_Line``): only its first waiter polls the database, the others sleep
 on a condition until it is their turn. So a process issues one attempt per
-poll interval per demand, however many threads wait. The interval adapts:
-short for the head of the queue, longer the more tickets are ahead.
+poll interval per demand, however many threads wait. The interval adapts to
+the waiter's place. Next in line (the permits asked for by the tickets ahead
+of it, plus its own, fit in the capacity: the next releases are for it), it
+probes every ``PROBE_EVERY`` with one cheap read of what is in use (no lock,
+no transaction) and attempts as soon as there is room for it, or after
+``NEXT_IN_LINE_ATTEMPT`` at the latest (a reclaim of expired permits needs an
+attempt). Further back, it attempts when it expects to be next in line, from
+how fast the tickets ahead of it went (about half that time; at first, and
+when the line did not move, doubling from ``PROBE_EVERY`` up to ``POLL_CAP``).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -52,10 +59,9 @@ from django_semaphore.validation import Demand
 if TYPE_CHECKING:
     from django_semaphore.core import _LockedSemaphore
 
-# Poll intervals (seconds): the head of the queue polls often, a waiter
-# behind it as often as it could plausibly move up (one more per ticket ahead).
-HEAD_POLL = 0.05
-BEHIND_POLL_PER_TICKET = 0.05
+# Seconds, before a jitter of x0.5-1 (see the module's docstring).
+PROBE_EVERY = 0.02
+NEXT_IN_LINE_ATTEMPT = 1.0
 POLL_CAP = 2.0
 # A ticket never outlives this, whatever the timeout (datetime arithmetic).
 MAX_TICKET_LIFE = timedelta(days=365)
@@ -73,11 +79,13 @@ class Place:
     fair: bool  # the call asked for fair mode
     deadline: float | None  # monotonic; None: fails fast, never takes a ticket
     ticketed: bool = False  # a committed attempt took tickets
-    ahead: int = 0  # older live tickets the last attempt saw (poll interval)
+    ahead: int = 0  # capacities' worth of older tickets seen; 0: next in line
     # This process's order of waiters in a line. A ticket's is assigned when
     # its transaction commits, still under the in-process pre-lock, so in a
     # line of ticketed waiters (one demand) it follows their tickets' order.
     seq: int = 0
+    # (id, name, capacity) of each semaphore, as the last attempt locked them.
+    semaphores: list[tuple[int, str, int]] = field(default_factory=list)
 
     def admit(
         self,
@@ -92,8 +100,14 @@ class Place:
         grant it). Takes this call's tickets when it has to wait."""
         live = [s for s in locked if _after(connection, s.queued_until, now)]
         ahead = _older_tickets(connection, cursor, live, self.key, now, lock_wait) if live else {}
-        self.ahead = max(ahead.values(), default=0)
-        blocked = sorted(set(lacking) | {s.name for s in live if ahead.get(s.id)})
+        # How many permit grants must come before this waiter's, in units of
+        # its semaphores' capacity: 0 when it is next in line.
+        self.ahead = max(
+            (ahead.get(s.id, (0, 0))[1] + self.demand.counts[s.name] - 1) // max(s.capacity, 1)
+            for s in locked
+        )
+        self.semaphores = [(s.id, s.name, s.capacity) for s in locked]
+        blocked = sorted(set(lacking) | {s.name for s in live if s.id in ahead})
         if not blocked:
             if live or self.ticketed:
                 _delete_tickets(connection, cursor, [s.id for s in locked], self.key, lock_wait)
@@ -130,12 +144,24 @@ class Place:
         self.ticketed = True
         self.seq = next(_sequence)
 
-    def poll_interval(self, backoff: float) -> float:
-        """Seconds to wait before this line's next attempt."""
+    def pause(self, connection: BaseDatabaseWrapper, backoff: float, deadline: float) -> None:
+        """Wait between two attempts of this line's first waiter; see the
+        module's docstring. ``backoff``: the interval of a waiter without
+        a ticket."""
+        now = time.monotonic()
         if not self.ticketed:
-            return backoff  # not queued: the usual backoff
-        base = HEAD_POLL if self.ahead == 0 else BEHIND_POLL_PER_TICKET * (1 + self.ahead)
-        return random.uniform(0.5, 1.0) * min(POLL_CAP, base)
+            time.sleep(max(min(backoff, deadline - now), 0))
+            return
+        if self.ahead:
+            # Each capacity's worth ahead takes at least one round of holds.
+            interval = min(PROBE_EVERY * (1 + self.ahead), POLL_CAP) * random.uniform(0.5, 1.0)
+            time.sleep(max(min(interval, deadline - now), 0))
+            return
+        until = min(deadline, now + NEXT_IN_LINE_ATTEMPT * random.uniform(0.5, 1.0))
+        while (now := time.monotonic()) < until:
+            time.sleep(min(PROBE_EVERY * random.uniform(0.5, 1.0), until - now))
+            if _room_for(connection, self):
+                return
 
     def leave(self, alias: str) -> None:
         """Delete this call's tickets after it gave up; best effort (they
@@ -168,14 +194,15 @@ def _older_tickets(
     key: str,
     now: datetime,
     lock_wait: float,
-) -> dict[int, int]:
-    """Semaphore id -> live tickets of other keys older than this key's own
-    ticket there (all of them when it has none)."""
+) -> dict[int, tuple[int, int]]:
+    """Semaphore id -> (tickets, permits they ask for): the live tickets of
+    other keys older than this key's own ticket there (all of them when it
+    has none). Semaphores without any are left out."""
     q = connection.ops.quote_name
     ticket, _ = _quoted(connection)
     ids = [s.id for s in semaphores]
     sql = (
-        f"SELECT t.{q('semaphore_id')}, COUNT(*) FROM {ticket} t"
+        f"SELECT t.{q('semaphore_id')}, COUNT(*), SUM(t.{q('count')}) FROM {ticket} t"
         f" WHERE t.{q('semaphore_id')} IN ({_placeholders(len(ids))})"
         f" AND t.{q('expires_at')} > %s AND t.{q('external_id')} <> %s"
         f" AND NOT EXISTS (SELECT 1 FROM {ticket} m"
@@ -187,7 +214,7 @@ def _older_tickets(
         backends.bound_statement(connection, sql, lock_wait),
         [*ids, connection.ops.adapt_datetimefield_value(now), key, key],
     )
-    return {int(id): int(n) for id, n in cursor.fetchall()}
+    return {int(id): (int(n), int(units)) for id, n, units in cursor.fetchall()}
 
 
 def _insert_tickets(
@@ -263,6 +290,30 @@ def _delete_tickets(
             lock_wait,
         ),
         [key, *semaphore_ids],
+    )
+
+
+def _room_for(connection: BaseDatabaseWrapper, place: Place) -> bool:
+    """Whether every semaphore of ``place`` has room for it now, by one plain
+    read (no lock, no transaction; the attempt decides)."""
+    from django_semaphore.models import Permit, State
+
+    q = connection.ops.quote_name
+    ids = [id for id, _, _ in place.semaphores]
+    sql = (
+        f"SELECT {q('semaphore_id')}, COALESCE(SUM({q('count')}), 0)"
+        f" FROM {q(Permit._meta.db_table)} WHERE {q('state')} = %s"
+        f" AND {q('semaphore_id')} IN ({_placeholders(len(ids))}) GROUP BY {q('semaphore_id')}"
+    )
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [State.ACQUIRED.value, *ids])
+            in_use = {int(id): int(n) for id, n in cursor.fetchall()}
+    except DatabaseError:
+        return True  # the attempt, with its retries, tells what went wrong
+    return all(
+        in_use.get(id, 0) + place.demand.counts[name] <= capacity
+        for id, name, capacity in place.semaphores
     )
 
 

@@ -1,0 +1,132 @@
+"""Scenario 7: what waiting costs the database.
+
+Threads of one process (this one, the driver) wait with ``timeout=`` on a
+semaphore that the driver keeps full for the whole window, so none is ever
+granted: every statement they issue is the price of waiting. Counted on the
+client side, through Django's ``execute_wrapper``, per thread connection;
+attempts (each one grant transaction, so one COMMIT more than its statements)
+are counted at ``core._acquire_once``. The window opens once every waiter has
+made its first attempt (connecting and queueing are not waiting) and closes
+before the first gives up.
+
+"lines off" gives every waiter a line of its own, as if each polled on its
+own: the herd the shared poller replaces.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+# Seconds allowed for every waiter's first attempt: a base, and per waiter.
+WARM_UP, WARM_UP_PER_THREAD = 1.0, 0.08
+
+
+def measure_waiting(
+    name: str, threads: int, seconds: float, *, fair: bool, lines: bool
+) -> dict[str, Any]:
+    """``threads`` waiters on ``name`` (capacity 1): statements and attempts
+    per second once all of them wait, for about ``seconds``."""
+    from django.db import connection, connections
+
+    from django_semaphore import acquire, core, fairness, release
+    from django_semaphore.exceptions import AcquireTimeout
+
+    warm_up = WARM_UP + WARM_UP_PER_THREAD * threads
+    holder = uuid.uuid4().hex
+    acquire(name, external_id=holder, owner="bench holder")
+    stamps: list[float] = []  # list.append is atomic: one list for all threads
+    attempts: list[float] = []
+    queued: list[float] = []  # when each waiter's first attempt ended
+    errors: list[str] = []
+    ready = threading.Barrier(threads + 1)
+    local = threading.local()
+
+    def count(execute: Callable[..., Any], *args: Any) -> Any:
+        stamps.append(time.monotonic())
+        return execute(*args)
+
+    def waiter() -> None:
+        connection.execute_wrappers.append(count)
+        try:
+            ready.wait()
+            acquire(name, external_id=uuid.uuid4().hex, timeout=warm_up + seconds, fair=fair)
+            errors.append("granted a permit that was never free")
+        except AcquireTimeout:
+            pass
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            connections.close_all()
+
+    attempt = core._acquire_once
+
+    def counted_attempt(*args: Any) -> Any:
+        attempts.append(time.monotonic())
+        try:
+            return attempt(*args)
+        finally:
+            if not getattr(local, "queued", False):
+                local.queued = True
+                queued.append(time.monotonic())
+
+    with _patched(core, "_acquire_once", counted_attempt), _lines(fairness, lines):
+        workers = [threading.Thread(target=waiter) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        ready.wait()
+        start = time.monotonic()
+        for worker in workers:
+            worker.join()
+    release(holder)
+    steady = max(queued, default=start)
+    end = start + warm_up + seconds - 0.1
+    if end - steady < seconds / 2:
+        errors.append(f"the waiters took {steady - start:.1f}s to queue: no window left")
+    window = max(end - steady, 1e-9)
+    return {
+        "statements_per_s": round(sum(steady <= t < end for t in stamps) / window, 1),
+        "attempts_per_s": round(sum(steady <= t < end for t in attempts) / window, 1),
+        "window_s": round(window, 2),
+        "queueing_statements": sum(t < steady for t in stamps),
+        "errors": errors[:3],
+    }
+
+
+@contextmanager
+def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+@contextmanager
+def _lines(fairness: Any, shared: bool) -> Iterator[None]:
+    """With ``shared=False`` every waiter polls as if alone in its line."""
+    if shared:
+        yield
+        return
+
+    @contextmanager
+    def alone(place: Any) -> Iterator[_AlwaysFirst]:
+        yield _AlwaysFirst()
+
+    with _patched(fairness, "waiting_line", alone):
+        yield
+
+
+class _AlwaysFirst:
+    """A waiter's turn when nobody shares its line."""
+
+    def is_first(self) -> bool:
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        return True

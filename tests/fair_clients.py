@@ -1,0 +1,89 @@
+"""Spawned clients of the fair-mode tests, and what they record.
+
+Like ``tests/clients.py``, importable before Django is set up.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from typing import Any
+
+from django.db import connections, transaction
+
+from django_semaphore import acquire, fairness, release
+from django_semaphore.exceptions import SemaphoreExhausted
+
+
+def stream(name: str, stop_at: float, errors: Any) -> None:
+    """One-permit requests back to back until ``stop_at`` (wall clock): fail
+    fast and retry at once, hold 10-50 ms. The traffic that starves a big
+    request on a semaphore without a queue."""
+    try:
+        while time.time() < stop_at:
+            key = uuid.uuid4().hex
+            try:
+                acquire(name, external_id=key, owner="stream")
+            except SemaphoreExhausted:
+                time.sleep(random.uniform(0, 0.003))
+                continue
+            time.sleep(random.uniform(0.01, 0.05))
+            release(key)
+    except Exception as exc:
+        errors.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        connections.close_all()
+
+
+def record_tickets(history: Any) -> None:
+    """Make this process record each ticket it takes, once committed:
+    (key, semaphore id, ticket id, the semaphore's fencing counter then)."""
+    take = fairness._insert_tickets
+
+    def recording(connection, cursor, locked, place, *args: Any) -> None:
+        take(connection, cursor, locked, place, *args)
+        ticket = connection.ops.quote_name("django_semaphore_ticket")
+        cursor.execute(f"SELECT semaphore_id, id FROM {ticket} WHERE external_id = %s", [place.key])
+        ids = dict(cursor.fetchall())
+        # The counter was read under the row lock this ticket is taken under:
+        # every grant with a higher token comes after the ticket.
+        rows = [("ticket", place.key, s.id, ids[s.id], s.fencing_counter) for s in locked]
+        transaction.on_commit(lambda: [history.put(row) for row in rows], using=connection.alias)
+
+    fairness._insert_tickets = recording  # type: ignore[assignment]
+
+
+def fair_traffic(
+    demands: list[dict[str, int]], start: Any, duration: float, history: Any, errors: Any
+) -> None:
+    """Waiting acquires of random demands for ``duration`` seconds from when
+    every client is ready (``start``, a barrier); records every ticket and
+    every grant (key, semaphore id, fencing token)."""
+    from django_semaphore.models import Semaphore
+
+    record_tickets(history)
+    ids = dict(Semaphore.objects.values_list("name", "id"))
+    start.wait(timeout=60)
+    stop_at = time.monotonic() + duration
+    try:
+        while time.monotonic() < stop_at:
+            demand = random.choice(demands)
+            key = uuid.uuid4().hex
+            request = acquire(demand, external_id=key, owner="fifo", timeout=30, fair=True)
+            for name in demand:
+                history.put(("grant", key, ids[name], request.token(name), None))
+            time.sleep(random.uniform(0.005, 0.02))
+            release(key)
+    except Exception as exc:
+        errors.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        connections.close_all()
+
+
+def wait_forever(name: str, timeout: float) -> None:
+    """A fair waiter that will be killed while it waits."""
+    try:
+        acquire(name, external_id=f"doomed-{uuid.uuid4().hex}", owner="doomed", timeout=timeout)
+    finally:
+        connections.close_all()

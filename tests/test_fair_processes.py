@@ -1,0 +1,162 @@
+"""Fair mode across processes: no starvation, first come first served from
+the recorded history, and a killed waiter that stops blocking at its deadline.
+
+Meant for MariaDB and PostgreSQL (row locks across processes); SQLite runs
+them too, its writers serialized on the file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import defaultdict
+from datetime import timedelta
+
+import pytest
+from django.db import connection, connections
+
+from django_semaphore import acquire, release
+from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
+from django_semaphore.models import Semaphore, Ticket
+from tests.clients import SPAWN, in_child_process
+from tests.fair_clients import fair_traffic, stream, wait_forever
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+STREAMERS = 8
+# The fair big request is granted once the permits held when it queued are
+# released (holds are 10-50 ms) plus a poll or two of the head of the queue
+# (HEAD_POLL): a few hundred ms; the bound leaves room for a loaded machine.
+FAIR_BOUND = 3.0
+FIFO_CLIENTS = 6
+
+
+def spawn(target, *args):
+    database = {"NAME": connection.settings_dict["NAME"]}
+    process = SPAWN.Process(target=in_child_process, args=(database, target, *args))
+    process.start()
+    return process
+
+
+def drain(queue) -> list:
+    items = []
+    while not queue.empty():
+        items.append(queue.get())
+    return items
+
+
+def join_all(processes, errors) -> None:
+    for process in processes:
+        process.join(timeout=60)
+        assert not process.is_alive(), "a client hung"
+        assert process.exitcode == 0
+    assert drain(errors) == []
+
+
+def timed_big_acquire(name: str, timeout: float, results: dict) -> None:
+    started = time.monotonic()
+    try:
+        acquire({name: 5}, external_id=f"big-{name}", owner="big", timeout=timeout)
+        results[name] = time.monotonic() - started
+    except AcquireTimeout:
+        results[name] = None
+    finally:
+        connections.close_all()
+
+
+@pytest.mark.slow
+def test_a_big_request_is_granted_in_fair_mode_and_starves_without(make_semaphore):
+    fair, plain = make_semaphore(5), make_semaphore(5)
+    Semaphore.objects.filter(pk=fair.pk).update(fair=True)
+    stop_at = time.time() + 60
+    errors = SPAWN.Queue()
+    streams = [
+        spawn(stream, name, stop_at, errors)
+        for _ in range(STREAMERS)
+        for name in (fair.name, plain.name)
+    ]
+    # Until both semaphores are full with the stream.
+    deadline = time.monotonic() + 45
+    while Semaphore.objects.with_usage().filter(pk__in=[fair.pk, plain.pk], in_use=5).count() < 2:
+        assert time.monotonic() < deadline, "the stream never filled the semaphores"
+        time.sleep(0.05)
+    time.sleep(0.5)
+
+    waited: dict[str, float | None] = {}
+    bigs = [
+        threading.Thread(target=timed_big_acquire, args=(fair.name, 10, waited)),
+        threading.Thread(target=timed_big_acquire, args=(plain.name, 6, waited)),
+    ]
+    for big in bigs:
+        big.start()
+    for big in bigs:
+        big.join(30)
+    for process in streams:
+        os.kill(process.pid, signal.SIGTERM)
+    for process in streams:
+        process.join(30)
+    assert drain(errors) == []
+
+    print(f"\nbig request waited: fair {waited[fair.name]}s, plain {waited[plain.name]}s")
+    assert waited[fair.name] is not None
+    assert waited[fair.name] < FAIR_BOUND
+    assert waited[plain.name] is None, "the stream let the big request through without a queue"
+
+
+@pytest.mark.slow
+def test_grants_follow_ticket_order_per_semaphore(make_semaphore):
+    a, b = make_semaphore(2), make_semaphore(3)
+    demands = [{a.name: 1}, {a.name: 2}, {b.name: 1}, {b.name: 3}, {a.name: 1, b.name: 1}]
+    history, errors, start = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Barrier(FIFO_CLIENTS + 1)
+    clients = [
+        spawn(fair_traffic, demands, start, 4.0, history, errors) for _ in range(FIFO_CLIENTS)
+    ]
+    start.wait(timeout=60)
+    join_all(clients, errors)
+
+    tickets, grants = {}, defaultdict(dict)
+    for kind, key, semaphore, number, counter in drain(history):
+        if kind == "ticket":
+            tickets[key, semaphore] = (number, counter)
+        else:
+            grants[semaphore][key] = number
+    queued = [k for k in tickets if k[0] in grants[k[1]]]
+    assert len(queued) > 100, "too little waiting to tell an order"
+    violations = []
+    for (key, semaphore), (ticket, counter) in tickets.items():
+        token = grants[semaphore][key]
+        # Every grant after this ticket was taken and before its own grant
+        # must have had an older ticket on this semaphore.
+        for other, other_token in grants[semaphore].items():
+            if counter < other_token < token:
+                other_ticket = tickets.get((other, semaphore), (None, None))[0]
+                if other_ticket is None or other_ticket > ticket:
+                    violations.append((semaphore, key, other))
+    print(f"\n{len(queued)} queued grants checked, {sum(map(len, grants.values()))} grants")
+    assert violations == []
+
+
+def test_a_killed_waiter_stops_blocking_at_its_deadline(make_semaphore):
+    sem = make_semaphore(1)
+    Semaphore.objects.filter(pk=sem.pk).update(fair=True)
+    holder = "holder-" + sem.name
+    acquire(sem.name, external_id=holder)
+    doomed = spawn(wait_forever, sem.name, 4.0)
+    deadline = time.monotonic() + 30
+    while not Ticket.objects.filter(semaphore=sem).exists():
+        assert time.monotonic() < deadline, "the waiter never queued"
+        time.sleep(0.02)
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.join(10)
+    ticket = Ticket.objects.get(semaphore=sem)
+    release(holder)
+
+    # Room, but the dead waiter's ticket is older: nobody barges past it...
+    with pytest.raises(SemaphoreExhausted):
+        acquire(sem.name, external_id="early-" + sem.name)
+    # ...until its deadline, with no operator action and no sweep.
+    request = acquire(sem.name, external_id="after-" + sem.name, timeout=15)
+    assert request.created_at >= ticket.expires_at
+    assert request.created_at - ticket.expires_at < timedelta(seconds=2.5)
