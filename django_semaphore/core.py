@@ -30,7 +30,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
-from django_semaphore import backends, fairness, routing, signals
+from django_semaphore import backends, fairness, holds, routing, signals
 from django_semaphore.backends import DatabaseNow, Failure, StatementNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import (
@@ -133,17 +133,19 @@ def acquire(
             ),
         )
 
-    try:
-        return attempt()
-    except SemaphoreExhausted as exc:
-        if not wait:
+    with _finish_signalled(connection, demand):
+        try:
+            return attempt()
+        except SemaphoreExhausted as exc:
+            if not wait:
+                raise
+            refused = exc
+        try:
+            return _wait_for_room(connection, attempt, place, wait, deadline, refused)
+        except BaseException:
+            place.leave(connection.alias)
             raise
-        refused = exc
-    try:
-        return _wait_for_room(connection, attempt, place, wait, deadline, refused)
-    except BaseException:
-        place.leave(connection.alias)
-        raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _wait_for_room(
@@ -171,6 +173,33 @@ def _wait_for_room(
             except SemaphoreExhausted as exc:
                 refused = exc
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+@contextmanager
+def _finish_signalled(connection: BaseDatabaseWrapper, demand: Demand) -> Iterator[None]:
+    """Send ``acquire_finished`` when the call is answered: granted, or refused
+    for want of room (other errors send nothing). Robust: a failing receiver
+    is logged by Django, never raised into a caller who may hold the permit."""
+    from django_semaphore.models import PermitRequest
+
+    started = time.monotonic()
+
+    def send(granted: bool, lacking: list[str]) -> None:
+        signals.acquire_finished.send_robust(
+            sender=PermitRequest,
+            names=demand.names,
+            granted=granted,
+            lacking=lacking,
+            waited=time.monotonic() - started,
+            using=connection.alias,
+        )
+
+    try:
+        yield
+    except SemaphoreExhausted as exc:
+        send(False, exc.names)
+        raise
+    send(True, [])
 
 
 def _backoff(attempt: int) -> float:
@@ -499,7 +528,7 @@ def release(external_id: str) -> ReleaseOutcome:
         ``RELEASED`` if this call ended it, ``ALREADY_RELEASED`` if it had
         ended before (released, expired or revoked), ``NOT_FOUND`` otherwise.
     """
-    from django_semaphore.models import PermitRequest, ReleaseReason, State
+    from django_semaphore.models import ReleaseReason, State
 
     key = validate_key(external_id)
     connection = connections[routing.alias_for_key(key)]
@@ -510,7 +539,7 @@ def release(external_id: str) -> ReleaseOutcome:
         # Django's delete skips fetching rows nobody's signal receives).
         if (
             sql.release_by_key_sql
-            and not signals.permit_released.has_listeners(PermitRequest)
+            and not _released_ids_wanted()
             and sql.release_by_key(key, ReleaseReason.RELEASED)
         ):
             return ReleaseOutcome.RELEASED
@@ -541,13 +570,24 @@ def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int
     ids = list(request_ids)
     released = _statements(connection).release(ids, reason)
     if released:
-        transaction.on_commit(
-            lambda: signals.permit_released.send(
+
+        def announce() -> None:
+            signals.permit_released.send(
                 sender=PermitRequest, request_ids=ids, reason=reason, using=alias
-            ),
-            using=alias,
-        )
+            )
+            holds.send_hold_ended(PermitRequest, ids, reason, alias)
+
+        transaction.on_commit(announce, using=alias)
     return released
+
+
+def _released_ids_wanted() -> bool:
+    """Whether a receiver wants to know which requests a release ended."""
+    from django_semaphore.models import PermitRequest
+
+    return signals.permit_released.has_listeners(PermitRequest) or signals.hold_ended.has_listeners(
+        PermitRequest
+    )
 
 
 def renew(external_id: str, ttl: int | float | timedelta | None = None) -> PermitRequest:
@@ -1000,12 +1040,27 @@ def run_with_retries(connection: BaseDatabaseWrapper, operation: Callable[[], T]
             connection.close()  # the next statement reconnects
         if attempt == attempts:
             break
+        _send_database_retry(connection, failure, attempt, cause)
         time.sleep(random.uniform(0.01, 0.05) * attempt)
     if failure is Failure.DISCONNECT:
         raise DatabaseUnavailable(
             f"Database unavailable after {attempts} attempts: {cause}"
         ) from cause
     raise LockContention(f"Gave up after {attempts} attempts: {cause}") from cause
+
+
+def _send_database_retry(
+    connection: BaseDatabaseWrapper, failure: Failure, attempt: int, error: Exception
+) -> None:
+    from django_semaphore.models import PermitRequest
+
+    signals.database_retry.send_robust(
+        sender=PermitRequest,
+        kind=failure.value,
+        attempt=attempt,
+        error=error,
+        using=connection.alias,
+    )
 
 
 # --- in-process pre-lock -----------------------------------------------------

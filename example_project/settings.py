@@ -30,6 +30,9 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_semaphore",
+    # Prometheus metrics; scripts/demo sets PROMETHEUS_MULTIPROC_DIR so the
+    # view also counts what the Celery worker's processes did.
+    "django_semaphore.metrics",
     "example_project.demo",
 ]
 MIDDLEWARE = [

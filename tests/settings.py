@@ -53,6 +53,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django_semaphore",
+    "django_semaphore.metrics",
     "tests.testapp",
 ]
 MIDDLEWARE = [

@@ -1,5 +1,6 @@
 """The README's first command, run as a new user would: on a clean checkout,
-non-interactively, until the admin answers and a demo task has completed."""
+non-interactively, until the admin answers, a demo task has completed and
+the metrics view shows what the Celery worker's processes granted."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,6 +35,24 @@ def admin_login_answers(port: int) -> bool:
             return page.status == 200 and b"Log in" in page.read()
     except (urllib.error.URLError, OSError):
         return False
+
+
+def worker_grants_exposed(port: int) -> bool:
+    """Grants on the semaphores only the demo's Celery tasks take, as the web
+    process serves them: counted in the worker's children, summed through
+    PROMETHEUS_MULTIPROC_DIR."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics/", timeout=5) as page:
+            exposition = page.read().decode()
+    except (urllib.error.URLError, OSError):
+        return False
+    return any(
+        sample.name == "django_semaphore_grants_total"
+        and sample.labels.get("semaphore") in {"backups", "network"}
+        and sample.value > 0
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+    )
 
 
 def demo_tasks_done(database: Path) -> int:
@@ -74,6 +94,7 @@ def test_first_readme_command_on_a_clean_checkout(tmp_path):
         while not (
             admin_login_answers(port)
             and demo_tasks_done(checkout / "example_project" / "db.sqlite3")
+            and worker_grants_exposed(port)
         ):
             assert demo.poll() is None, (tmp_path / "demo.log").read_text()[-3000:]
             assert time.monotonic() < deadline, (tmp_path / "demo.log").read_text()[-3000:]

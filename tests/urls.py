@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 
 from tests import views
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("metrics/", include("django_semaphore.metrics.urls")),
     path("plain/", views.plain),
     path("slow/", views.slow),
     path("failing/", views.failing),

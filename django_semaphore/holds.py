@@ -1,0 +1,85 @@
+"""How long released permits were held: ``hold_ended``, sent after
+``permit_released``.
+
+Release is one-way UPDATEs that read nothing back, so the grant time of
+what they released is not at hand; reading it is one query on the released
+rows, run only while something listens to ``hold_ended`` (and then release
+takes its path that knows the ids, see ``core.release``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import DatabaseError, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_semaphore import signals
+from django_semaphore.backends import datetime_from_db
+
+logger = logging.getLogger("django_semaphore")
+
+
+@dataclass(frozen=True)
+class Hold:
+    """One released permit: which request, on which semaphore, how long."""
+
+    request_id: int
+    semaphore: str
+    count: int
+    seconds: float  # grant to release, both read from the database's clock
+
+
+def send_hold_ended(sender: Any, request_ids: Sequence[int], reason: str, using: str) -> None:
+    """Send ``hold_ended`` with the hold times of these released requests'
+    permits, if anything listens."""
+    if not signals.hold_ended.has_listeners(sender):
+        return
+    try:
+        holds = released_holds(request_ids, reason, using)
+    except DatabaseError:
+        # The release itself is done; a metric is not worth failing its caller.
+        logger.warning("Could not read the hold times of released permits.", exc_info=True)
+        return
+    if holds:
+        signals.hold_ended.send_robust(sender=sender, holds=holds, reason=reason, using=using)
+
+
+def released_holds(request_ids: Sequence[int], reason: str, using: str) -> list[Hold]:
+    """The permits of these requests that ended with ``reason``.
+
+    Filtering on the reason leaves out a request in a sweep's batch that its
+    holder released a moment before (its own release reports it). Plain SQL,
+    not a queryset: it follows every release, and building and compiling a
+    queryset costs more than the query (measured on MariaDB: 0.7 ms a release).
+    """
+    from django_semaphore.models import Permit, PermitRequest, Semaphore
+
+    connection = connections[using]
+    q = connection.ops.quote_name
+    permit, request, semaphore = (q(m._meta.db_table) for m in (Permit, PermitRequest, Semaphore))
+    sql = (
+        f"SELECT p.{q('request_id')}, s.{q('name')}, p.{q('count')},"
+        f" r.{q('created_at')}, r.{q('released_at')}"
+        f" FROM {permit} p"
+        f" JOIN {request} r ON r.{q('id')} = p.{q('request_id')}"
+        f" JOIN {semaphore} s ON s.{q('id')} = p.{q('semaphore_id')}"
+        f" WHERE p.{q('request_id')} IN ({', '.join(['%s'] * len(request_ids))})"
+        f" AND r.{q('release_reason')} = %s AND r.{q('released_at')} IS NOT NULL"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*request_ids, reason])
+        rows = cursor.fetchall()
+    return [
+        Hold(request_id, name, count, _seconds_between(connection, created_at, released_at))
+        for request_id, name, count, created_at, released_at in rows
+    ]
+
+
+def _seconds_between(connection: BaseDatabaseWrapper, start: Any, end: Any) -> float:
+    # Raw values, converted as the ORM would (SQLite returns text).
+    elapsed = datetime_from_db(connection, end) - datetime_from_db(connection, start)
+    return max(0.0, float(elapsed.total_seconds()))

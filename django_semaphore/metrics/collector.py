@@ -1,0 +1,92 @@
+"""Per-semaphore gauges, read from the database when Prometheus scrapes.
+
+Nothing is kept in process memory: every process (and every host) answers
+with the same figures, in one query, whichever of them serves the scrape.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+from datetime import timedelta
+
+from django.db import DatabaseError
+from prometheus_client import REGISTRY
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from django_semaphore.conf import app_settings
+from django_semaphore.models import Semaphore
+
+logger = logging.getLogger("django_semaphore")
+
+
+class SemaphoreCollector(Collector):
+    """Capacity, permits in use, fair-mode waiters and the longest wait of
+    every semaphore, and whether the database answered."""
+
+    def describe(self) -> Iterable[Metric]:
+        # What register() reads instead of calling collect(): no query at start-up.
+        return self._families()
+
+    def collect(self) -> Iterable[Metric]:
+        capacity, in_use, waiters, longest_wait, up = families = self._families()
+        try:
+            semaphores = list(
+                Semaphore.objects.db_manager(app_settings.DATABASE)
+                .with_usage()
+                .only("name", "capacity")
+                .order_by("name")
+            )
+        except DatabaseError:
+            logger.warning("Metrics: could not read the semaphores' usage.", exc_info=True)
+            up.add_metric([], 0)
+            return [up]
+        up.add_metric([], 1)
+        for semaphore in semaphores:
+            capacity.add_metric([semaphore.name], semaphore.capacity)
+            # MySQL returns the annotated sum as a Decimal.
+            in_use.add_metric([semaphore.name], int(semaphore.in_use))  # type: ignore[attr-defined]
+            waiters.add_metric([semaphore.name], int(semaphore.waiters))  # type: ignore[attr-defined]
+            waited: timedelta | None = semaphore.longest_wait  # type: ignore[attr-defined]
+            longest_wait.add_metric([semaphore.name], waited.total_seconds() if waited else 0)
+        return families
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily(
+                "django_semaphore_capacity",
+                "Permits the semaphore grants at most.",
+                labels=["semaphore"],
+            ),
+            GaugeMetricFamily(
+                "django_semaphore_in_use",
+                "Permits held now (above capacity after capacity was lowered).",
+                labels=["semaphore"],
+            ),
+            GaugeMetricFamily(
+                "django_semaphore_waiters",
+                "Fair-mode waiters queued (live tickets).",
+                labels=["semaphore"],
+            ),
+            GaugeMetricFamily(
+                "django_semaphore_longest_wait_seconds",
+                "How long the oldest queued fair-mode waiter has waited; 0 when none.",
+                labels=["semaphore"],
+            ),
+            GaugeMetricFamily(
+                "django_semaphore_database_up",
+                "1 if this scrape could read the semaphores from the database, else 0.",
+            ),
+        ]
+
+
+@functools.cache
+def register_in_default_registry() -> SemaphoreCollector:
+    """Once per process: the default registry is what a single-process
+    exposition (or the project's own) serves."""
+    collector = SemaphoreCollector()
+    REGISTRY.register(collector)
+    return collector

@@ -1,0 +1,282 @@
+"""The Prometheus integration: real counters after real grants, refusals,
+releases, reclaims and retries; the view's exposition parsed back; several
+processes counted together in multiprocess mode."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from django.apps import apps
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connection, connections
+from prometheus_client import REGISTRY
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+import django_semaphore.metrics
+from django_semaphore import acquire, release, sweep
+from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
+from django_semaphore.metrics import checks
+from django_semaphore.metrics.views import metrics
+from django_semaphore.models import Semaphore
+from tests.clients import SPAWN, in_child_process
+from tests.conftest import unique
+from tests.metrics_clients import acquire_and_release, scrape
+from tests.test_backends import kill_own_connection, row_locked_elsewhere
+from tests.test_sweep import shift
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def sample(name: str, **labels: str) -> float:
+    """This process's value of a series; 0 if it was never touched."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def parse(exposition: str) -> Samples:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(exposition)
+        for s in family.samples
+    }
+
+
+def at(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def test_grants_refusals_waits_and_holds_are_counted(make_semaphore):
+    sem = make_semaphore(capacity=2)
+    name = sem.name
+    keys = [unique(), unique()]
+    for key in keys:
+        acquire(sem.name, external_id=key)
+    acquire(sem.name, external_id=keys[0])  # an idempotent repeat grants nothing
+    with pytest.raises(SemaphoreExhausted):
+        acquire(sem.name, external_id=unique())
+    with pytest.raises(AcquireTimeout):
+        acquire(sem.name, external_id=unique(), timeout=0.3)
+    for key in keys:
+        release(key)
+
+    assert sample("django_semaphore_grants_total", semaphore=name) == 2
+    assert sample("django_semaphore_exhaustions_total", semaphore=name) == 2
+    granted = {"semaphore": name, "outcome": "granted"}
+    exhausted = {"semaphore": name, "outcome": "exhausted"}
+    assert sample("django_semaphore_wait_seconds_count", **granted) == 3
+    assert sample("django_semaphore_wait_seconds_count", **exhausted) == 2
+    assert sample("django_semaphore_wait_seconds_sum", **exhausted) >= 0.3
+    released = {"semaphore": name, "reason": "released"}
+    assert sample("django_semaphore_releases_total", **released) == 2
+    assert sample("django_semaphore_hold_seconds_count", **released) == 2
+
+
+def test_reclaims_are_counted_by_release_reason(make_semaphore):
+    sem = make_semaphore(capacity=3)
+    expired = acquire(sem.name, external_id=unique(), ttl=60)
+    shift(expired, expires_at=-timedelta(seconds=1))
+    revoked = unique()
+    acquire(sem.name, external_id=revoked)
+
+    sweep.release_orphans()
+    sweep.force_release([revoked])
+
+    for reason in ("expired", "admin"):
+        assert sample("django_semaphore_releases_total", semaphore=sem.name, reason=reason) == 1
+        assert sample("django_semaphore_hold_seconds_count", semaphore=sem.name, reason=reason) == 1
+    assert sample("django_semaphore_releases_total", semaphore=sem.name, reason="released") == 0
+
+
+def test_retries_are_counted_by_kind(make_semaphore, settings):
+    settings.DJANGO_SEMAPHORE = {"LOCK_WAIT_TIMEOUT": 1, "RETRY_ATTEMPTS": 3}
+    sem = make_semaphore()
+    before = sample("django_semaphore_retries_total", kind="contention")
+
+    # A real row lock held elsewhere past one bounded wait: the grant's first
+    # attempt times out (1205 / 55P03 / "database is locked") and is retried.
+    with row_locked_elsewhere(sem.name, hold=1.5):
+        acquire(sem.name, external_id=unique())
+
+    assert sample("django_semaphore_retries_total", kind="contention") > before
+
+
+def test_the_view_serves_gauges_from_the_database_and_counters(client, make_semaphore):
+    sem = make_semaphore(capacity=3)
+    acquire({sem.name: 2}, external_id=unique())
+    over = make_semaphore(capacity=2)
+    acquire({over.name: 2}, external_id=unique())
+    Semaphore.objects.set_capacity(over.name, 1)
+
+    response = client.get("/metrics/")
+
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/plain")
+    samples = parse(response.content.decode())
+    assert at(samples, "django_semaphore_database_up") == 1
+    assert at(samples, "django_semaphore_capacity", semaphore=sem.name) == 3
+    assert at(samples, "django_semaphore_in_use", semaphore=sem.name) == 2
+    assert at(samples, "django_semaphore_capacity", semaphore=over.name) == 1
+    assert at(samples, "django_semaphore_in_use", semaphore=over.name) == 2
+    assert at(samples, "django_semaphore_grants_total", semaphore=sem.name) == 1
+
+
+def test_a_fair_waiter_shows_in_the_gauges_until_granted(client, make_semaphore):
+    sem = make_semaphore(capacity=1)
+    holder = unique()
+    acquire(sem.name, external_id=holder)
+    granted = threading.Event()
+
+    def wait_fairly() -> None:
+        try:
+            acquire(sem.name, external_id=unique(), fair=True, timeout=30)
+            granted.set()
+        finally:
+            connections.close_all()
+
+    waiter = threading.Thread(target=wait_fairly)
+    waiter.start()
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            samples = parse(client.get("/metrics/").content.decode())
+            if at(samples, "django_semaphore_waiters", semaphore=sem.name) == 1:
+                break
+            assert time.monotonic() < deadline, "the waiter's ticket never showed"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        samples = parse(client.get("/metrics/").content.decode())
+        assert 0.25 <= at(samples, "django_semaphore_longest_wait_seconds", semaphore=sem.name) < 30
+    finally:
+        release(holder)
+        waiter.join(timeout=60)
+    assert granted.is_set()
+
+    samples = parse(client.get("/metrics/").content.decode())
+    assert at(samples, "django_semaphore_waiters", semaphore=sem.name) == 0
+    assert at(samples, "django_semaphore_longest_wait_seconds", semaphore=sem.name) == 0
+    waits = {"semaphore": sem.name, "outcome": "granted"}
+    assert at(samples, "django_semaphore_wait_seconds_count", **waits) == 2
+    assert at(samples, "django_semaphore_wait_seconds_sum", **waits) >= 0.3
+
+
+def test_the_view_answers_openmetrics_when_the_scraper_asks(client, make_semaphore):
+    sem = make_semaphore(capacity=4)
+
+    response = client.get(
+        "/metrics/", headers={"accept": "application/openmetrics-text; version=1.0.0"}
+    )
+
+    assert response["Content-Type"].startswith("application/openmetrics-text")
+    families = {f.name: f for f in openmetrics_families(response.content.decode())}
+    capacity = [s for s in families["django_semaphore_capacity"].samples if s.labels]
+    assert {"semaphore": sem.name} in [s.labels for s in capacity]
+    assert families["django_semaphore_grants"].type == "counter"
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "semaphores"])
+def test_an_unreachable_database_is_a_gauge_not_a_failed_scrape(client, make_semaphore):
+    if connection.vendor == "sqlite":
+        pytest.skip("SQLite is a file in this process: there is no connection to lose.")
+    sem = make_semaphore(capacity=2)
+    acquire(sem.name, external_id=unique())
+    kill_own_connection()
+
+    response = client.get("/metrics/")
+    connection.close()  # the test client keeps the request's dead connection
+
+    assert response.status_code == 200
+    samples = parse(response.content.decode())
+    assert at(samples, "django_semaphore_database_up") == 0
+    assert at(samples, "django_semaphore_capacity", semaphore=sem.name) is None
+    # The counters of this process are still served.
+    assert at(samples, "django_semaphore_grants_total", semaphore=sem.name) == 1
+
+
+def test_multiprocess_mode_sums_every_process_and_reads_gauges_once(
+    make_semaphore, tmp_path, monkeypatch
+):
+    """Three spawned "workers" acquire and release; a fourth process serves
+    the view, as one gunicorn worker answers a scrape for all of them."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    sem = make_semaphore(capacity=2)
+    database = {"NAME": connection.settings_dict["NAME"]}
+
+    workers = [
+        SPAWN.Process(target=in_child_process, args=(database, acquire_and_release, sem.name, 4))
+        for _ in range(3)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+        assert worker.exitcode == 0
+    results = SPAWN.Queue()
+    scraper = SPAWN.Process(target=in_child_process, args=(database, scrape, results))
+    scraper.start()
+    exposition = results.get(timeout=120)
+    scraper.join(timeout=30)
+
+    samples = parse(exposition)
+    assert at(samples, "django_semaphore_grants_total", semaphore=sem.name) == 12
+    released = {"semaphore": sem.name, "reason": "released"}
+    assert at(samples, "django_semaphore_releases_total", **released) == 12
+    assert at(samples, "django_semaphore_hold_seconds_count", **released) == 12
+    # Read from the database by the serving process: one series, not one per process.
+    assert at(samples, "django_semaphore_capacity", semaphore=sem.name) == 2
+    assert at(samples, "django_semaphore_in_use", semaphore=sem.name) == 0
+    assert at(samples, "django_semaphore_database_up") == 1
+
+
+@pytest.mark.once
+def test_the_check_reports_a_missing_prometheus_client(monkeypatch):
+    assert checks.check_prometheus_client() == []
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
+
+    errors = checks.check_prometheus_client()
+
+    assert [error.id for error in errors] == ["django_semaphore_metrics.E001"]
+    assert "django-semaphore[metrics]" in errors[0].hint
+
+
+@pytest.mark.once
+def test_without_prometheus_client_the_project_loads_and_the_check_says_why():
+    """Both apps import, the URLconf with the view mounted loads, and
+    ``manage.py check`` fails with the metrics app's error, not a traceback."""
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "import django; django.setup()\n"
+        "from django.urls import reverse; print(reverse('django_semaphore_metrics:metrics'))\n"
+        "from django.core.management import call_command; call_command('check')\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+
+    assert result.stdout.strip() == "/metrics/"
+    assert result.returncode != 0
+    assert "django_semaphore_metrics.E001" in result.stderr
+    assert "Traceback" not in result.stderr.split("SystemCheckError")[-1]
+
+
+def test_the_view_says_what_is_missing(rf, monkeypatch):
+    # As if prometheus_client were missing: the view's import of it fails.
+    monkeypatch.delattr(django_semaphore.metrics, "exposition", raising=False)
+    monkeypatch.setitem(sys.modules, "django_semaphore.metrics.exposition", None)
+    with pytest.raises(ImproperlyConfigured, match="prometheus_client"):
+        metrics(rf.get("/metrics/"))
+
+    monkeypatch.setattr(apps, "is_installed", lambda name: name != "django_semaphore.metrics")
+    with pytest.raises(ImproperlyConfigured, match="INSTALLED_APPS"):
+        metrics(rf.get("/metrics/"))
