@@ -101,7 +101,8 @@ def acquire(
         the token of its permit.
 
     Raises:
-        InvalidRequest: a malformed argument (nothing is written).
+        InvalidRequest: a malformed argument (nothing is written);
+            ``CrossShardRequest`` when the names live on different aliases.
         SemaphoreNotFound: a name has no semaphore.
         CapacityExceeded: a count larger than the semaphore's capacity.
         SemaphoreExhausted: no room now (``AcquireTimeout`` once ``timeout`` ran out).
@@ -370,7 +371,9 @@ def _grant(
     )
     request.__dict__["fencing_tokens"] = tokens
     transaction.on_commit(
-        lambda: signals.permit_acquired.send(sender=PermitRequest, request=request, using=alias),
+        lambda: signals.permit_acquired.send_robust(
+            sender=PermitRequest, request=request, using=alias
+        ),
         using=alias,
     )
     return request
@@ -572,7 +575,7 @@ def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int
     if released:
 
         def announce() -> None:
-            signals.permit_released.send(
+            signals.permit_released.send_robust(
                 sender=PermitRequest, request_ids=ids, reason=reason, using=alias
             )
             holds.send_hold_ended(PermitRequest, ids, reason, alias)

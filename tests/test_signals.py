@@ -14,7 +14,7 @@ from django.db import DatabaseError, connection
 from django.dispatch import Signal
 from django.test.utils import CaptureQueriesContext
 
-from django_semaphore import acquire, release, signals, sweep
+from django_semaphore import ReleaseOutcome, acquire, release, signals, sweep
 from django_semaphore.core import release_requests
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted, SemaphoreNotFound
 from django_semaphore.holds import Hold
@@ -229,3 +229,26 @@ def test_a_failing_receiver_never_fails_the_caller(make_semaphore, caplog):
 
     assert request.is_held
     assert "broken" in caplog.text
+
+
+def test_a_failing_receiver_never_turns_a_committed_grant_or_release_into_an_error(
+    make_semaphore, caplog
+):
+    sem = make_semaphore(capacity=1)
+    key = unique()
+
+    def broken(sender: Any, **kwargs: Any) -> None:
+        raise RuntimeError("receiver bug")
+
+    signals.permit_acquired.connect(broken)
+    signals.permit_released.connect(broken)
+    try:
+        with caplog.at_level(logging.ERROR, logger="django.dispatch"):
+            request = acquire(sem.name, external_id=key)
+            assert release(key) is ReleaseOutcome.RELEASED
+    finally:
+        signals.permit_acquired.disconnect(broken)
+        signals.permit_released.disconnect(broken)
+
+    assert request.pk is not None
+    assert sum("receiver bug" in str(r.exc_info) for r in caplog.records) == 2
