@@ -85,6 +85,7 @@ APP_TABLES = [
     "django_semaphore_permitrequest",
     "django_semaphore_capacitychange",
     "django_semaphore_fencingmark",
+    "django_semaphore_ticket",
     "django_semaphore_semaphore",
     "faults_audit",
     "faults_write",
@@ -158,8 +159,8 @@ def reset(url: str, semaphores: dict[str, int]) -> None:
         cur.execute("SET FOREIGN_KEY_CHECKS = 1")
         cur.executemany(
             "INSERT INTO django_semaphore_semaphore"
-            " (name, capacity, fencing_counter, created_at, updated_at)"
-            " VALUES (%s, %s, 0, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
+            " (name, capacity, fencing_counter, fair, created_at, updated_at)"
+            " VALUES (%s, %s, 0, FALSE, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
             sorted(semaphores.items()),
         )
 
