@@ -229,8 +229,9 @@ def _acquire_once(
     lock_wait: float,
     place: fairness.Place,
 ) -> PermitRequest:
-    # No look-up of the key before the grant: the grant's in-use read tells
-    # whether the key is taken, in the same round trip.
+    # No look-up of the key before the grant: the insert's unique index tells
+    # whether the key is taken (or, when there is no room, the read that
+    # says why).
     with _prelocked(demand.names):
         try:
             with _grant_transaction(connection, lock_wait):
