@@ -114,8 +114,8 @@ class Place:
             if self.ticketed or (live and self._queues(locked)):
                 _delete_tickets(connection, cursor, [s.id for s in locked], self.key, lock_wait)
             return []
-        if self._wants_ticket(locked):
-            self._take_tickets(connection, locked, now, lock_wait)
+        if not self.ticketed and self.deadline is not None and self._queues(locked):
+            self._take_tickets(connection, locked, now, self.deadline, lock_wait)
         elif self.seq == 0:
             self.seq = next(_sequence)
         return blocked
@@ -124,18 +124,15 @@ class Place:
         """Whether this call takes a ticket when it has to wait."""
         return self.fair or any(s.fair for s in locked)
 
-    def _wants_ticket(self, locked: Sequence[_LockedSemaphore]) -> bool:
-        return not self.ticketed and self.deadline is not None and self._queues(locked)
-
     def _take_tickets(
         self,
         connection: BaseDatabaseWrapper,
         locked: Sequence[_LockedSemaphore],
         now: datetime,
+        deadline: float,
         lock_wait: float,
     ) -> None:
-        assert self.deadline is not None
-        life = timedelta(seconds=max(self.deadline - time.monotonic(), 0))
+        life = timedelta(seconds=max(deadline - time.monotonic(), 0))
         expires_at = now + min(life, MAX_TICKET_LIFE)
         _insert_tickets(connection, locked, self, now, expires_at, lock_wait)
         # Known once committed: a rolled-back attempt took nothing.

@@ -23,8 +23,8 @@ def unique(prefix: str = "sem") -> str:
 
 @pytest.fixture
 def make_semaphore(db) -> Callable[..., Semaphore]:
-    def make(capacity: int = 1, name: str | None = None) -> Semaphore:
-        return Semaphore.objects.create(name=name or unique(), capacity=capacity)
+    def make(capacity: int = 1, name: str | None = None, fair: bool = False) -> Semaphore:
+        return Semaphore.objects.create(name=name or unique(), capacity=capacity, fair=fair)
 
     return make
 

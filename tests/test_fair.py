@@ -56,9 +56,7 @@ class Waiter(threading.Thread):
 
 
 def test_a_waiter_takes_a_ticket_and_drops_it_when_granted(make_semaphore):
-    semaphore = make_semaphore(1)
-    semaphore.fair = True
-    semaphore.save()
+    semaphore = make_semaphore(1, fair=True)
     holder = key()
     acquire(semaphore.name, external_id=holder)
     order: list[str] = []
@@ -135,9 +133,7 @@ def test_a_waiter_that_times_out_stops_blocking(make_semaphore):
 
 
 def test_a_retry_with_the_same_key_keeps_its_place(make_semaphore):
-    semaphore = make_semaphore(1)
-    semaphore.fair = True
-    semaphore.save()
+    semaphore = make_semaphore(1, fair=True)
     holder = key()
     acquire(semaphore.name, external_id=holder)
     order: list[str] = []
