@@ -1,9 +1,10 @@
 """``python -m benchmarks``: every scenario, one table, one JSON file.
 
-python -m benchmarks                      # MariaDB on loopback, processes
-python -m benchmarks --postgres           # the same on PostgreSQL
-python -m benchmarks --mode threads       # clients as threads of one process
-python -m benchmarks --smoke              # a few seconds: does it still run?
+python -m benchmarks                        # MariaDB on loopback, processes
+python -m benchmarks --postgres             # the same on PostgreSQL
+python -m benchmarks --postgres --prepared  # ... with prepared statements
+python -m benchmarks --mode threads         # clients as threads of one process
+python -m benchmarks --smoke                # a few seconds: does it still run?
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--cleanup-batch", type=int, help="CLEANUP_BATCH_SIZE for scenario 6 (default: the app's)"
+    )
+    parser.add_argument(
+        "--prepared",
+        action="store_true",
+        help="PostgreSQL: Django's server_side_binding with prepare_threshold 5, as psycopg "
+        "runs the raw clients",
     )
     parser.add_argument("--repeat", type=int, default=1, help="runs per cell (median kept)")
     parser.add_argument("--smoke", action="store_true", help="tiny, a few seconds in all")
@@ -97,6 +104,8 @@ def main(argv: list[str]) -> int:
     os.environ["BENCH_DATABASE_URL"] = options.url
     if args.cleanup_batch:
         os.environ["BENCH_CLEANUP_BATCH"] = str(args.cleanup_batch)
+    if args.prepared:
+        os.environ["BENCH_PREPARED"] = "1"
     os.environ["DJANGO_SETTINGS_MODULE"] = "benchmarks.settings"
     import django
 
@@ -120,6 +129,7 @@ def main(argv: list[str]) -> int:
         "vendor": target.vendor,
         "options": {k: v for k, v in asdict(options).items() if k not in {"url", "redis_url"}},
         "label": args.label,
+        "prepared": args.prepared,
         "smoke": args.smoke,
         "commit": _git_commit(),
         "python": platform.python_version(),

@@ -47,7 +47,7 @@ def table(cells: list[Cell]) -> str:
     header = (
         f"{'scenario':<20} {'system':<28} {'clients':<22} {'cycles/s':>9} {'p50 ms':>7}"
         f" {'p99 ms':>7} {'max ms':>7} {'reject':>7} {'err':>4} {'x seed':>6} {'x limit':>7}"
-        f" {'fair':>5}"
+        f" {'fair':>5} {'cpu ms client':>13} {'server':>6}"
     )
     lines = [header, "-" * len(header)]
     for c in cells:
@@ -55,7 +55,7 @@ def table(cells: list[Cell]) -> str:
             f"{c.scenario:<20} {c.system:<28} {c.layout:<22} {c.cycles_per_s:>9.0f}"
             f" {_ms(c.p50_ms):>7} {_ms(c.p99_ms):>7} {_ms(c.max_ms):>7} {c.rejections:>7}"
             f" {c.errors:>4} {_x(c.extra.get('x_seed')):>6} {_x(c.extra.get('x_limit')):>7}"
-            f" {_x(c.jain):>5}"
+            f" {_x(c.jain):>5} {_ms(c.client_cpu_ms):>13} {_ms(c.server_cpu_ms):>6}"
         )
         notes = {k: v for k, v in c.extra.items() if not k.startswith("x_")}
         if notes:
@@ -84,6 +84,9 @@ def checks(cells: list[Cell], held: int, history: int) -> list[dict[str, Any]]:
         seed = find(cells, scenario, systems.SEED, most if scenario == "1" else None)
         r = ratio(app and app.cycles_per_s, seed and seed.cycles_per_s)
         check(f"{label}: app / seed cycles", r, ">= 1.0 (1.3 aimed)", None if r is None else r >= 1)
+        for side in ("server", "client"):
+            r = ratio(_cpu_ms(app, side), _cpu_ms(seed, side))
+            check(f"{label}: app / seed {side} CPU per cycle", r, "(for reference)", None)
     for clients in sorted({c.clients for c in cells if c.scenario == "1 hot"}):
         fair = find(cells, "1 hot", systems.APP_FAIR, clients)
         plain = find(cells, "1 hot", systems.APP, clients)
@@ -136,6 +139,10 @@ def checks(cells: list[Cell], held: int, history: int) -> list[dict[str, Any]]:
     return out
 
 
+def _cpu_ms(cell: Cell | None, side: str) -> float | None:
+    return None if cell is None else getattr(cell, f"{side}_cpu_ms")
+
+
 def _at_least(value: float | None, target: float) -> bool | None:
     return None if value is None else value >= target
 
@@ -152,8 +159,8 @@ def markdown(results: dict[str, Any]) -> str:
     """A results file as the Markdown tables of benchmarks/README.md."""
     lines = [
         "| scenario | system | clients | cycles/s | p50 ms | p99 ms | max ms | rejected"
-        " | errors | x seed | x limit |",
-        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        " | errors | x seed | x limit | client CPU ms | server CPU ms |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for c in results["cells"]:
         extra = c["extra"]
@@ -161,7 +168,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {c['scenario']} | {c['system']} | {c['layout']} | {c['cycles_per_s']:,.0f}"
             f" | {_ms(c['p50_ms'])} | {_ms(c['p99_ms'])} | {_ms(c['max_ms'])}"
             f" | {c['rejections']:,} | {c['errors']} | {_x(extra.get('x_seed'))}"
-            f" | {_x(extra.get('x_limit'))} |"
+            f" | {_x(extra.get('x_limit'))} | {_ms(c.get('client_cpu_ms'))}"
+            f" | {_ms(c.get('server_cpu_ms'))} |"
         )
     lines += ["", "| figure | measured | target | met |", "|---|--:|---|---|"]
     marks = {True: "yes", False: "**no**", None: ""}

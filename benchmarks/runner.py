@@ -34,6 +34,7 @@ class ClientResult:
     errors: dict[str, int] = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)  # seconds, granted acquires
     elapsed: float = 0.0
+    cpu: float = 0.0  # this client's thread's CPU seconds over the measured window
 
 
 def client_loop(client: Client, warm: float, start: float, end: float) -> ClientResult:
@@ -52,7 +53,7 @@ def client_loop(client: Client, warm: float, start: float, end: float) -> Client
             pass  # counted only in the measured window
     result = ClientResult(index=client.spec.index)
     errors: Counter[str] = Counter()
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.thread_time()
     while time.time() < end:
         t0 = time.perf_counter()
         try:
@@ -72,6 +73,7 @@ def client_loop(client: Client, warm: float, start: float, end: float) -> Client
         result.latencies.append(t1 - t0)
         result.cycles += 1
     result.elapsed = time.perf_counter() - began
+    result.cpu = time.thread_time() - cpu
     result.errors = dict(errors)
     return result
 

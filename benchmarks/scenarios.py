@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks import db, systems
+from benchmarks import cpu, db, systems
 from benchmarks.fixtures import Data
 from benchmarks.runner import ClientResult, Pool
 from benchmarks.systems import ClientSpec
@@ -62,6 +62,8 @@ class Cell:
     errors: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
     jain: float | None = None
+    client_cpu_ms: float | None = None  # client CPU per completed cycle
+    server_cpu_ms: float | None = None  # database server CPU per completed cycle
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -84,6 +86,8 @@ def summarize(cell: Cell, results: list[ClientResult]) -> Cell:
         for kind, n in r.errors.items():
             cell.error_kinds[kind] = cell.error_kinds.get(kind, 0) + n
     cell.errors = sum(cell.error_kinds.values())
+    if cell.cycles:
+        cell.client_cpu_ms = sum(r.cpu for r in results) / cell.cycles * 1000
     per_client = [r.cycles for r in results]
     if sum(per_client):
         # Jain's fairness index: 1 = every client got the same share.
@@ -102,6 +106,7 @@ class Bench:
         if options.mode == "processes":
             workers = max(workers, options.waiting_processes)
         self.pool = Pool(options.url, workers)
+        self.server_clock = cpu.ServerClock(self.target)
         self.available = self._available_systems()
 
     def _available_systems(self) -> set[str]:
@@ -177,9 +182,12 @@ class Bench:
         runs = []
         for _ in range(self.options.repeat):
             results, extra = self.pool.run(
-                assignment, duration or self.options.duration, alongside=alongside
+                assignment, duration or self.options.duration, alongside=self._timed(alongside)
             )
             run = summarize(Cell(scenario, system, clients, layout, capacity), results)
+            server_cpu = extra.pop("server_cpu_per_s", None)
+            if server_cpu is not None and run.cycles_per_s:
+                run.server_cpu_ms = server_cpu / run.cycles_per_s * 1000
             run.extra.update(extra)
             runs.append(run)
         # The median run: neighbours on a shared machine make single runs noisy.
@@ -190,6 +198,30 @@ class Bench:
         self.cells.append(cell)
         self.say(_line(cell))
         return cell
+
+    def _timed(
+        self, alongside: Callable[[float, float], dict[str, Any]] | None
+    ) -> Callable[[float, float], dict[str, Any]] | None:
+        """``alongside``, plus the server's CPU time per second of the window.
+
+        The last sample is taken a little before the end: clients close their
+        connections at the end, and a PostgreSQL backend's time vanishes from
+        ``/proc`` between its exit and the postmaster reaping it.
+        """
+        if not self.server_clock.available:
+            return alongside
+
+        def run(start: float, end: float) -> dict[str, Any]:
+            time.sleep(max(0.0, start - time.time()))
+            first, before = time.time(), self.server_clock.seconds()
+            extra = alongside(start, end) if alongside is not None else {}
+            time.sleep(max(0.0, end - min(0.25, (end - start) / 4) - time.time()))
+            last, after = time.time(), self.server_clock.seconds()
+            if before is not None and after is not None and last > first:
+                extra["server_cpu_per_s"] = (after - before) / (last - first)
+            return extra
+
+        return run
 
     def fresh(self, names: list[str], capacity: int) -> None:
         self.data.reset()

@@ -21,6 +21,10 @@ if _default["ENGINE"] == "django.db.backends.sqlite3":
     _default["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 20}
 elif _default["ENGINE"] == "django.db.backends.mysql":
     _default["OPTIONS"] = {"charset": "utf8mb4"}
+elif _default["ENGINE"] == "django.db.backends.postgresql" and os.environ.get("BENCH_PREPARED"):
+    # PostgreSQL as the seed's psycopg clients run: parameters bound by the
+    # server, statements prepared after a few runs (python -m benchmarks --prepared).
+    _default["OPTIONS"] = {"server_side_binding": True, "prepare_threshold": 5}
 
 INSTALLED_APPS = [
     "django.contrib.auth",

@@ -62,5 +62,10 @@ def test_smoke_mode_produces_sane_results(tmp_path):
             assert cell["errors"] == 0, cell
             assert cell["cycles"] > 0, cell
             assert cell["p50_ms"] <= cell["p99_ms"] <= cell["max_ms"], cell
+            assert cell["client_cpu_ms"] > 0, cell
+            # The test command's servers run on this machine: /proc has them.
+            if connection.vendor != "sqlite":
+                assert cell["server_cpu_ms"] is not None, cell
+                assert cell["server_cpu_ms"] >= 0, cell
     assert any(check["figure"].startswith("errors") for check in results["checks"])
     assert "cycles/s" in run.stdout  # the table was printed
