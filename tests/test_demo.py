@@ -9,6 +9,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +22,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Independent of the database under test: runs once per test command.
 pytestmark = [pytest.mark.slow, pytest.mark.once]
+
+_WITH_DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL);"
+    " os.execvp(sys.argv[1], sys.argv[1:])"
+)
 
 
 def free_port() -> int:
@@ -81,7 +87,10 @@ def test_first_readme_command_on_a_clean_checkout(tmp_path):
     env = {k: v for k, v in os.environ.items() if k in {"PATH", "HOME", "LANG", "TMPDIR"}}
     env.update(PORT=str(port), C_FORCE_ROOT="1")
     demo = subprocess.Popen(
-        ["bash", "scripts/demo"],
+        # As from a terminal, where Ctrl-C reaches the script: a test run
+        # launched in the background of a non-interactive shell inherits
+        # SIGINT ignored, and a shell cannot trap a signal ignored on entry.
+        [sys.executable, "-c", _WITH_DEFAULT_SIGINT, "bash", "scripts/demo"],
         cwd=checkout,
         env=env,
         stdin=subprocess.DEVNULL,
