@@ -25,6 +25,7 @@ from django.db import connection
 from django.test.testcases import LiveServerThread
 from django.test.utils import override_settings
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
@@ -201,8 +202,27 @@ def follow(browser: webdriver.Chrome, element: WebElement) -> None:
     """Click, then wait until the next page has replaced this one."""
     page = browser.find_element(By.TAG_NAME, "html")
     element.click()
-    WebDriverWait(browser, 20).until(expected_conditions.staleness_of(page))
+    WebDriverWait(browser, 20).until(lambda _: replaced(page))
     wait_for(browser, "#footer")
+
+
+def replaced(page: WebElement) -> bool:
+    """Whether ``page`` belongs to a document the browser has left.
+
+    Chromedriver reports it in two ways: a stale element, or - when asked in
+    the middle of the navigation - an inspector error naming a node that
+    "does not belong to the document" (Selenium's ``staleness_of`` knows
+    only the first, and raised the second in a CI run).
+    """
+    try:
+        page.is_enabled()
+    except StaleElementReferenceException:
+        return True
+    except WebDriverException as error:
+        if "does not belong to the document" in str(error.msg):
+            return True
+        raise
+    return False
 
 
 def wait_for(browser: webdriver.Chrome, selector: str) -> WebElement:
