@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from benchmarks import db
 
@@ -32,27 +33,44 @@ class ServerClock:
     def seconds(self) -> float | None:
         if self.pid is None or not self.available:
             return None
-        used, _ = _usage(self.pid)
-        if self.with_children:
-            # Live children count themselves; ended ones are in the parent's
-            # children's time once reaped (_usage includes it).
-            for stat in Path("/proc").glob("[0-9]*/stat"):
-                try:
-                    child, parent = _usage(int(stat.parent.name))
-                except (OSError, ValueError):
-                    continue  # ended meanwhile
-                if parent == self.pid:
-                    used += child
-        return used
+        server = _usage(self.pid)
+        if not self.with_children:
+            return server.own + server.reaped
+        while True:
+            # Children count themselves until reaped (zombies too), then in
+            # the parent's reaped time. One reaped while /proc is being read
+            # would be in neither: read again until no child was reaped
+            # during the scan.
+            children = sum(u.own for u in map(_usage_if_alive, _pids()) if u.parent == self.pid)
+            after = _usage(self.pid)
+            if after.reaped == server.reaped:
+                return after.own + after.reaped + children
+            server = after
 
 
-def _usage(pid: int) -> tuple[float, int]:
-    """(user + system CPU seconds of ``pid`` and its reaped children, parent pid)."""
+class Usage(NamedTuple):
+    own: float  # user + system CPU seconds
+    reaped: float  # the same, of its ended children it has reaped
+    parent: int
+
+
+def _usage(pid: int) -> Usage:
     text = Path(f"/proc/{pid}/stat").read_text()
     # The command name (field 2) may hold spaces: split after its parenthesis.
     fields = text[text.rindex(")") + 2 :].split()
     utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
-    return (utime + stime + cutime + cstime) / TICK, int(fields[1])
+    return Usage((utime + stime) / TICK, (cutime + cstime) / TICK, int(fields[1]))
+
+
+def _usage_if_alive(pid: int) -> Usage:
+    try:
+        return _usage(pid)
+    except (OSError, ValueError):
+        return Usage(0.0, 0.0, 0)  # ended and reaped meanwhile
+
+
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
 
 
 def _server_pid(target: db.Target) -> int | None:
