@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable
 
 import pytest
-from django.db import connection
+from asgiref.sync import sync_to_async
+from django.db import connection, connections
 
 from django_semaphore.models import Semaphore
 
@@ -15,6 +17,20 @@ def _report_database(django_db_setup, django_db_blocker):
     with django_db_blocker.unblock():
         connection.ensure_connection()
     print(f"\nRunning on {connection.vendor} ({connection.settings_dict['NAME']})")
+
+
+@pytest.fixture
+async def sync_thread_connections():
+    """Close what an async test opened outside its own thread.
+
+    asgiref runs sync code in one long-lived thread, and the async test
+    client closes each response (releasing a view's permit) in the loop's
+    executor, with Django's connection clean-up switched off. A connection
+    left there keeps a session open, and the test database cannot be dropped.
+    """
+    yield
+    await sync_to_async(connections.close_all)()
+    await asyncio.get_running_loop().run_in_executor(None, connections.close_all)
 
 
 def unique(prefix: str = "sem") -> str:

@@ -4,7 +4,7 @@ from datetime import timedelta
 from weakref import WeakKeyDictionary
 
 import pytest
-from django.db import connection, transaction
+from django.db import connection, connections, transaction
 
 from django_semaphore import ReleaseOutcome, acquire, core, release
 from django_semaphore.exceptions import (
@@ -251,13 +251,21 @@ def test_timeout_gives_up_with_acquire_timeout_and_never_waits_longer(make_semap
     assert isinstance(excinfo.value, TimeoutError)
 
 
+def release_and_close(key: str) -> None:
+    """release() from a thread of the test's: its connection ends with it."""
+    try:
+        release(key)
+    finally:
+        connections.close_all()
+
+
 def test_timeout_waits_for_a_release(make_semaphore):
     import threading
 
     sem = make_semaphore(capacity=1)
     key = unique()
     acquire(sem.name, external_id=key)
-    timer = threading.Timer(0.5, release, args=[key])
+    timer = threading.Timer(0.5, release_and_close, args=[key])
     timer.start()
     try:
         request = acquire(sem.name, external_id=unique(), timeout=10)

@@ -87,12 +87,6 @@ def test_no_thread_outlives_the_block(make_semaphore):
     assert threading.active_count() == before
 
 
-@pytest.fixture
-async def sync_thread_connections():
-    yield
-    await sync_to_async(connections.close_all)()
-
-
 @pytest.mark.usefixtures("sync_thread_connections")
 async def test_async_with(make_semaphore):
     sem = await sync_to_async(make_semaphore)(capacity=1)

@@ -92,14 +92,6 @@ def test_streaming_client_going_away_releases(client, semaphore):
     assert in_use() == 0
 
 
-@pytest.fixture
-async def sync_thread_connections():
-    """asgiref runs sync code for async tests in a long-lived thread; close the
-    connection it opened there, or the test database can't be dropped."""
-    yield
-    await sync_to_async(connections.close_all)()
-
-
 @pytest.mark.usefixtures("sync_thread_connections")
 async def test_async_view(async_client, semaphore):
     response = await async_client.get("/async/")
