@@ -183,6 +183,12 @@ class Data:
             " FROM django_semaphore_permit WHERE semaphore_id = %s) WHERE id = %s",
             [sem_id, sem_id],
         )
+        if held:
+            # The app's exact counter, as its grants would have left it.
+            self.execute(
+                "UPDATE django_semaphore_semaphore SET in_use = in_use + %s WHERE id = %s",
+                [count, sem_id],
+            )
         self.execute(
             "INSERT INTO seed_permit (semaphore_id, permit_request_id, count, state)"
             " SELECT %s, id, 1, %s FROM seed_permit_request WHERE external_id LIKE %s",
@@ -206,18 +212,11 @@ class Data:
             self.execute("ANALYZE")
 
     def plans(self, name: str) -> dict[str, str]:
-        """How the database runs each design's in-use sum on ``name`` now."""
-        from django.db import connections
-
-        from django_semaphore.core import _statements
-        from django_semaphore.models import State
-
-        sem_id = self.scalar("SELECT id FROM django_semaphore_semaphore WHERE name = %s", [name])
+        """How the database runs each design's room check on ``name`` now."""
         seed_id = self.scalar("SELECT id FROM seed_semaphore WHERE name = %s", [name])
-        app = _statements(connections["default"])
         statements = {
-            # The room check of the app's grant (inside its INSERT ... SELECT).
-            "app": ("SELECT " + app.room_sql, [sem_id, State.ACQUIRED.value, 10]),
+            # The room check of the app's grant: the counter on the locked row.
+            "app": ("SELECT in_use FROM django_semaphore_semaphore WHERE name = %s", [name]),
             "seed": (
                 "SELECT SUM(count) FROM seed_permit WHERE semaphore_id = %s AND state = 'ACQUIRED'",
                 [seed_id],

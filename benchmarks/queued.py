@@ -5,7 +5,7 @@ semaphore that the driver keeps full for the whole window, so none is ever
 granted: every statement they issue is the price of waiting. Counted on the
 client side, through Django's ``execute_wrapper``, per thread connection;
 attempts (each one grant transaction, so one COMMIT more than its statements)
-are counted at ``core._acquire_once``. The window opens once every waiter has
+are counted at ``grant.acquire_once``. The window opens once every waiter has
 made its first attempt (connecting and queueing are not waiting) and closes
 before the first gives up.
 
@@ -33,7 +33,7 @@ def measure_waiting(
     per second once all of them wait, for about ``seconds``."""
     from django.db import connection, connections
 
-    from django_semaphore import acquire, core, fairness, release
+    from django_semaphore import acquire, fairness, grant, release
     from django_semaphore.exceptions import AcquireTimeout
 
     warm_up = WARM_UP + WARM_UP_PER_THREAD * threads
@@ -63,7 +63,7 @@ def measure_waiting(
         finally:
             connections.close_all()
 
-    attempt = core._acquire_once
+    attempt = grant.acquire_once
 
     def counted_attempt(*args: Any) -> Any:
         attempts.append(time.monotonic())

@@ -135,15 +135,15 @@ def _prelock_switched_off(off: bool) -> Any:
     """For the waiting scenario's baseline: the app without its in-process pre-lock."""
     if not off:
         return nullcontext()
-    from django_semaphore import core
+    from django_semaphore import prelock
 
     class Switch:
         def __enter__(self) -> None:
-            self.saved = core._prelocked
-            core._prelocked = lambda names: nullcontext()  # type: ignore[assignment,misc]
+            self.saved = prelock.prelocked
+            prelock.prelocked = lambda names: nullcontext()  # type: ignore[assignment,misc]
 
         def __exit__(self, *exc: object) -> None:
-            core._prelocked = self.saved  # type: ignore[method-assign]
+            prelock.prelocked = self.saved  # type: ignore[method-assign]
 
     return Switch()
 

@@ -7,8 +7,8 @@ The same operations are manager methods: ``Semaphore.objects.acquire(...)``.
 
 from __future__ import annotations
 
+from django_semaphore.api import acquire, release, renew
 from django_semaphore.context import permit
-from django_semaphore.core import acquire, release, renew
 from django_semaphore.decorators import holds_permit
 from django_semaphore.outcomes import ReleaseOutcome
 

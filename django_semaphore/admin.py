@@ -32,7 +32,6 @@ from django.db.models import (
     Case,
     Count,
     Exists,
-    F,
     FloatField,
     Min,
     Model,
@@ -40,7 +39,6 @@ from django.db.models import (
     Prefetch,
     QuerySet,
     Subquery,
-    Sum,
     Value,
     When,
 )
@@ -59,7 +57,6 @@ from django.utils.translation import gettext_lazy as _
 from django_semaphore import routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
-from django_semaphore.core import release_requests
 from django_semaphore.models import (
     MAX_NAME_LENGTH,
     CapacityChange,
@@ -70,6 +67,7 @@ from django_semaphore.models import (
     State,
     Ticket,
 )
+from django_semaphore.releasing import release_requests
 from django_semaphore.utilization import describe, load_utilization, render_svg
 from django_semaphore.validation import MAX_COUNT
 
@@ -249,12 +247,12 @@ def live_tickets() -> QuerySet[Ticket]:
 def with_usage(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
     """Annotate the changelist's columns, all in the one query that lists rows.
 
-    Correlated subqueries with ``state = 'ACQUIRED'`` in their WHERE clause
-    read the (semaphore, state, count) index of held permits only; a filtered
-    SUM over a join (the manager's ``with_usage()``) would also read every
-    released permit kept for the retention period, and would need a GROUP BY
-    that Django's count query wraps awkwardly. ``available`` and
-    ``utilization`` are aliases, computed only to sort by them.
+    What is held is the ``in_use`` column. The holders are counted by a
+    correlated subquery with ``state = 'ACQUIRED'`` in its WHERE clause,
+    which reads the (semaphore, state, count) index of held permits only; a
+    join would also read every released permit kept for the retention
+    period. ``available`` and ``utilization`` are aliases, computed only to
+    sort by them.
     """
     held = held_permits().values("semaphore")
     last_change = CapacityChange.objects.filter(semaphore=OuterRef("pk")).order_by(
@@ -262,11 +260,6 @@ def with_usage(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
     )
     queued = live_tickets().values("semaphore")
     return queryset.annotate(
-        in_use=Coalesce(
-            Subquery(held.annotate(total=Sum("count")).values("total")),
-            0,
-            output_field=BigIntegerField(),
-        ),
         holders=Coalesce(
             Subquery(held.annotate(number=Count("request_id", distinct=True)).values("number")),
             0,
@@ -280,9 +273,9 @@ def with_usage(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
         ),
         waiting_since=Subquery(queued.annotate(since=Min("created_at")).values("since")),
     ).alias(
-        # Signed: capacity is UNSIGNED on MySQL, where a negative difference
+        # Signed: both are UNSIGNED on MySQL, where a negative difference
         # (over capacity) would be an error rather than a number.
-        available=Cast("capacity", BigIntegerField()) - F("in_use"),
+        available=Cast("capacity", BigIntegerField()) - Cast("in_use", BigIntegerField()),
         utilization=Case(
             When(capacity=0, in_use=0, then=Value(0.0)),
             When(capacity=0, then=Value(INFINITE_UTILIZATION)),

@@ -46,7 +46,7 @@ class Heartbeat:
 
     def beat(self) -> bool:
         """One renewal; returns whether to keep going."""
-        from django_semaphore.core import renew
+        from django_semaphore.api import renew
 
         try:
             renew(self.external_id, self.ttl)
@@ -156,12 +156,12 @@ class Grant:
         return self.request.token(name)
 
     def _acquire(self) -> None:
-        from django_semaphore.core import acquire
+        from django_semaphore.api import acquire
 
         self.request = acquire(**self._acquire_args)
 
     def _release(self) -> None:
-        from django_semaphore.core import release
+        from django_semaphore.api import release
 
         release(self.external_id)
 

@@ -191,7 +191,7 @@ def _view_owner(options: _Options, request: HttpRequest) -> str:
 
 def _acquire_for_view(options: _Options, request: HttpRequest, key: str) -> HttpResponse | None:
     """Acquire for a view; returns the refusal to send instead, if any."""
-    from django_semaphore.core import acquire
+    from django_semaphore.api import acquire
 
     try:
         acquire(
@@ -246,7 +246,7 @@ def _start_heartbeat(key: str, ttl: int | None) -> Heartbeat | None:
 
 
 def _finish(key: str, heartbeat: Heartbeat | None) -> None:
-    from django_semaphore.core import release
+    from django_semaphore.api import release
 
     if heartbeat is not None:
         heartbeat.stop()

@@ -78,3 +78,8 @@ class LockContention(SemaphoreError, TimeoutError):
 
 class DatabaseUnavailable(SemaphoreError, ConnectionError):
     """The database connection kept failing through every retry."""
+
+
+class InconsistentState(SemaphoreError):
+    """The semaphore tables hold a state the engine never writes (a manual
+    edit, a restore from backup): the orphan sweep repairs it."""

@@ -57,7 +57,7 @@ from django_semaphore import backends
 from django_semaphore.validation import Demand
 
 if TYPE_CHECKING:
-    from django_semaphore.core import _LockedSemaphore
+    from django_semaphore.statements import LockedSemaphore
 
 # Seconds, before a jitter of x0.5-1 (see the module's docstring).
 PROBE_EVERY = 0.02
@@ -91,7 +91,7 @@ class Place:
         self,
         connection: BaseDatabaseWrapper,
         cursor: CursorWrapper,
-        locked: Sequence[_LockedSemaphore],
+        locked: Sequence[LockedSemaphore],
         now: datetime,
         lacking: list[str],
         lock_wait: float,
@@ -120,14 +120,14 @@ class Place:
             self.seq = next(_sequence)
         return blocked
 
-    def _queues(self, locked: Sequence[_LockedSemaphore]) -> bool:
+    def _queues(self, locked: Sequence[LockedSemaphore]) -> bool:
         """Whether this call takes a ticket when it has to wait."""
         return self.fair or any(s.fair for s in locked)
 
     def _take_tickets(
         self,
         connection: BaseDatabaseWrapper,
-        locked: Sequence[_LockedSemaphore],
+        locked: Sequence[LockedSemaphore],
         now: datetime,
         deadline: float,
         lock_wait: float,
@@ -181,7 +181,7 @@ class Place:
 def _older_tickets(
     connection: BaseDatabaseWrapper,
     cursor: CursorWrapper,
-    semaphores: Sequence[_LockedSemaphore],
+    semaphores: Sequence[LockedSemaphore],
     key: str,
     now: datetime,
     lock_wait: float,
@@ -212,7 +212,7 @@ def _older_tickets(
 
 def _insert_tickets(
     connection: BaseDatabaseWrapper,
-    locked: Sequence[_LockedSemaphore],
+    locked: Sequence[LockedSemaphore],
     place: Place,
     now: datetime,
     expires_at: datetime,

@@ -13,8 +13,8 @@ from typing import Any
 from django.db import IntegrityError, connections, transaction
 
 from django_semaphore.conf import app_settings
-from django_semaphore.core import run_with_retries
 from django_semaphore.exceptions import InvalidRequest, StaleFencingToken
+from django_semaphore.retry import run_with_retries
 from django_semaphore.validation import MAX_LENGTH, validate_storable
 
 

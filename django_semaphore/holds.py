@@ -4,7 +4,7 @@
 Release is one-way UPDATEs that read nothing back, so the grant time of
 what they released is not at hand; reading it is one query on the released
 rows, run only while something listens to ``hold_ended`` (and then release
-takes its path that knows the ids, see ``core.release``).
+takes its path that knows the ids, see ``releasing.release_key``).
 """
 
 from __future__ import annotations

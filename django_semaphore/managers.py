@@ -1,4 +1,4 @@
-"""Managers: the ORM entry points. The algorithm itself lives in ``core.py``."""
+"""Managers: the ORM entry points. The operations themselves live in ``api.py``."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ from django.db.models import (
     Min,
     OuterRef,
     Subquery,
-    Sum,
 )
 from django.db.models.functions import Coalesce
 
-from django_semaphore import core
+from django_semaphore import api
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.outcomes import ReleaseOutcome
 
@@ -31,31 +30,22 @@ ACQUIRED = "ACQUIRED"  # models.State.ACQUIRED, without importing models here
 
 class SemaphoreQuerySet(models.QuerySet["Semaphore"]):
     def with_usage(self) -> SemaphoreQuerySet:
-        """Annotate ``in_use``: the sum of counts of ACQUIRED permits;
-        ``waiters``: the number of live tickets (fair waiters queued);
-        ``longest_wait``: how long the oldest of them has waited (a
-        ``timedelta``, ``None`` when nobody waits).
+        """Annotate ``waiters``: the number of live tickets (fair waiters
+        queued); ``longest_wait``: how long the oldest of them has waited (a
+        ``timedelta``, ``None`` when nobody waits). What is held is the
+        ``in_use`` column itself.
 
-        Correlated subqueries on the covering (semaphore, state, count) index
-        and the ticket table, not joins: a join would read every released
-        permit still retained, and keeps the admin's changelist at one query.
+        Correlated subqueries on the ticket table, not joins: that keeps the
+        admin's changelist at one query.
         """
-        from django_semaphore.models import Permit, Ticket
+        from django_semaphore.models import Ticket
 
-        held = (
-            Permit.objects.filter(semaphore=OuterRef("pk"), state=ACQUIRED)
-            .order_by()
-            .values("semaphore")
-            .annotate(total=Sum("count"))
-            .values("total")
-        )
         live = (
             Ticket.objects.filter(semaphore=OuterRef("pk"), expires_at__gt=DatabaseNow())
             .order_by()
             .values("semaphore")
         )
         return self.annotate(
-            in_use=Coalesce(Subquery(held), 0),
             waiters=Coalesce(Subquery(live.annotate(n=Count("pk")).values("n")), 0),
             longest_wait=ExpressionWrapper(
                 DatabaseNow() - Subquery(live.annotate(since=Min("created_at")).values("since")),
@@ -84,17 +74,17 @@ class SemaphoreManager(models.Manager["Semaphore"]):
         fair: bool = False,
     ) -> PermitRequest:
         """See :func:`django_semaphore.acquire`."""
-        return core.acquire(
+        return api.acquire(
             names, external_id=external_id, owner=owner, ttl=ttl, timeout=timeout, fair=fair
         )
 
     def release(self, external_id: str) -> ReleaseOutcome:
         """See :func:`django_semaphore.release`."""
-        return core.release(external_id)
+        return api.release(external_id)
 
     def renew(self, external_id: str, ttl: int | float | timedelta | None = None) -> PermitRequest:
         """See :func:`django_semaphore.renew`."""
-        return core.renew(external_id, ttl)
+        return api.renew(external_id, ttl)
 
     def set_capacity(
         self,
@@ -105,7 +95,7 @@ class SemaphoreManager(models.Manager["Semaphore"]):
         reason: str = "",
     ) -> Semaphore:
         """Change capacity under the row lock, writing a ``CapacityChange``."""
-        return core.set_capacity(name, capacity, changed_by=changed_by, reason=reason)
+        return api.set_capacity(name, capacity, changed_by=changed_by, reason=reason)
 
 
 class PermitRequestQuerySet(models.QuerySet["PermitRequest"]):

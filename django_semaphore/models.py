@@ -40,6 +40,10 @@ class Semaphore(models.Model):
     fencing_counter = models.PositiveBigIntegerField(
         _("last fencing token"), default=0, editable=False
     )
+    # The permits held: the sum of the ACQUIRED permits' counts, changed in
+    # the same transaction as every permit state change, so the grant's room
+    # check reads one locked row whatever is held (see ``grant.py``).
+    in_use = models.PositiveIntegerField(_("in use"), default=0, editable=False)
     fair = models.BooleanField(
         _("fair (first come, first served)"),
         default=False,

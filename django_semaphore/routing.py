@@ -72,8 +72,8 @@ def alias_for_key(key: str) -> str:
     candidates = aliases()
     if len(candidates) == 1:
         return candidates[0]
-    from django_semaphore.core import run_with_retries
     from django_semaphore.models import PermitRequest
+    from django_semaphore.retry import run_with_retries
 
     for alias in candidates:
         requests = PermitRequest.objects.using(alias).filter(external_id=key)

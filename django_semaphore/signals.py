@@ -32,6 +32,13 @@ hold_ended
     ``seconds`` from grant to release by the database's clock), one per
     released permit; ``reason``: as above.
 
+counter_drift
+    The verifier found a semaphore's ``in_use`` counter differing from the
+    permits it counts (a bug, or rows changed outside the app). Sender:
+    ``Semaphore``. ``drift``: a ``django_semaphore.counter.Drift``
+    (``semaphore``, ``recorded``, ``actual``); ``corrected``: whether the
+    counter was set to ``actual``.
+
 database_retry
     A transient database error is about to be retried. ``kind``: a
     ``backends.Failure`` value (``contention``: deadlock, lock wait timeout,
@@ -49,3 +56,4 @@ acquire_finished = Signal()
 permit_released = Signal()
 hold_ended = Signal()
 database_retry = Signal()
+counter_drift = Signal()

@@ -3,8 +3,9 @@ command and the admin run.
 
 - :func:`release_orphans` releases requests whose holder will not release
   them: TTL expired (``expired``), owner reported dead by a liveness checker
-  (``owner_dead``), held past ``STALENESS_LIMIT`` (``stale``); and completes
-  half-released requests (a crash between release's two updates).
+  (``owner_dead``), held past ``STALENESS_LIMIT`` (``stale``); completes
+  half-released requests (rows edited or restored from outside); and has
+  ``counter.verify`` check every in-use counter.
 - :func:`clean_released` deletes requests released longer ago than
   ``RELEASED_RETENTION``, with their permits; :func:`clean_history` deletes
   ``CapacityChange`` rows older than ``HISTORY_RETENTION``;
@@ -44,12 +45,13 @@ from django.db.models import (
     Value,
 )
 
-from django_semaphore import backends, liveness, routing
+from django_semaphore import backends, counter, liveness, routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
-from django_semaphore.core import release_requests, run_with_retries
 from django_semaphore.exceptions import LockContention
 from django_semaphore.outcomes import ReleaseOutcome
+from django_semaphore.releasing import release_requests
+from django_semaphore.retry import run_with_retries
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
@@ -74,6 +76,9 @@ class OrphanReport:
     expired: int = 0
     owner_dead: int = 0
     stale: int = 0
+    # In-use counters found differing from the permits they count (corrected
+    # unless dry_run): a bug, reported loudly by ``counter.verify``.
+    counter_drift: int = 0
     dry_run: bool = False
 
     @property
@@ -83,7 +88,8 @@ class OrphanReport:
     def __str__(self) -> str:
         verb = "would release" if self.dry_run else "released"
         counts = ", ".join(f"{f.name} {getattr(self, f.name)}" for f in fields(self)[:4])
-        return f"Orphans: {verb} {self.total} ({counts})."
+        drift = f" {self.counter_drift} in-use counters drifted." if self.counter_drift else ""
+        return f"Orphans: {verb} {self.total} ({counts}).{drift}"
 
 
 @dataclass
@@ -160,9 +166,11 @@ def release_orphans(
     report = OrphanReport(dry_run=dry_run)
     half_released = ~Exists(Permit.objects.filter(request=OuterRef("pk"), state=State.ACQUIRED))
     expired = Q(expires_at__lte=DatabaseNow())
-    # A release that crashed between its two updates: the permits are free,
-    # only the request still says ACQUIRED. Its reason is lost; the TTL tells
-    # whether it was expiring, otherwise it was its holder's own release.
+    # The permits are free, only the request still says ACQUIRED: every
+    # release is one transaction, so only rows changed from outside (a manual
+    # edit, a restore, a crash of a version before 0.1) look like this. Its
+    # reason is lost; the TTL tells whether it was expiring, otherwise it
+    # was its holder's own release.
     report.repaired = _release_matching(
         half_released & expired, ReleaseReason.EXPIRED, size, deadline, dry_run
     ) + _release_matching(half_released & ~expired, ReleaseReason.RELEASED, size, deadline, dry_run)
@@ -177,7 +185,8 @@ def release_orphans(
     report.owner_dead = _release_dead_owners(
         liveness.load_checkers() if checkers is None else list(checkers), size, deadline, dry_run
     )
-    if report.total:
+    report.counter_drift = len(counter.verify(correct=not dry_run, batch_size=size))
+    if report.total or report.counter_drift:
         logger.info("%s", report)
     return report
 

@@ -42,7 +42,7 @@ def claim(task: Any, demand: Any, ttl: int | None) -> str:
     Raises:
         SemaphoreExhausted: no room, or another live run holds the permit.
     """
-    from django_semaphore.core import acquire
+    from django_semaphore.api import acquire
 
     me = current_owner(task)
     for key in _keys(task.request.id):
@@ -122,8 +122,8 @@ def _park(key: str, task: Any) -> None:
 
 def _update_owner(alias: str, select: Callable[[QuerySet[Any]], QuerySet[Any]], owner: str) -> int:
     """Set the owner of a held request, retrying transient database errors."""
-    from django_semaphore.core import run_with_retries
     from django_semaphore.models import PermitRequest, State
+    from django_semaphore.retry import run_with_retries
 
     connection = connections[alias]
     held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED)
@@ -153,7 +153,7 @@ def on_before_task_publish(headers: dict[str, Any] | None = None, **kwargs: Any)
 def on_task_postrun(sender: Any = None, task: Any = None, state: str = "", **kwargs: Any) -> None:
     """``task_postrun`` receiver: keep the permit across ``retry()``, release
     it once the task has finished for good (success, failure, revoked)."""
-    from django_semaphore.core import release
+    from django_semaphore.api import release
     from django_semaphore.decorators import TASK_KEY_ATTRIBUTE
 
     key = getattr(getattr(task, "request", None), TASK_KEY_ATTRIBUTE, None)

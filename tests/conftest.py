@@ -7,8 +7,9 @@ from collections.abc import Callable
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connection, connections
+from django.db.models import Sum
 
-from django_semaphore.models import Semaphore
+from django_semaphore.models import Permit, Semaphore, State
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -31,6 +32,41 @@ async def sync_thread_connections():
     yield
     await sync_to_async(connections.close_all)()
     await asyncio.get_running_loop().run_in_executor(None, connections.close_all)
+
+
+def counter_drift(using: str = "default") -> dict[str, tuple[int, int]]:
+    """Semaphore name -> (its in-use counter, the permits it holds), for each
+    semaphore whose counter is not exact."""
+    held = dict(
+        Permit.objects.using(using)
+        .filter(state=State.ACQUIRED)
+        .values("semaphore_id")
+        .annotate(total=Sum("count"))
+        .values_list("semaphore_id", "total")
+    )
+    return {
+        name: (in_use, int(held.get(pk) or 0))
+        for pk, name, in_use in Semaphore.objects.using(using).values_list("pk", "name", "in_use")
+        if in_use != int(held.get(pk) or 0)
+    }
+
+
+@pytest.fixture(autouse=True)
+def _exact_in_use_counter(request):
+    """After every test that touches the database: each semaphore's in-use
+    counter equals the permits it holds. Every path that changes a permit
+    must change the counter in the same transaction, so any test that
+    exercises one also checks it. Tests that write inconsistent rows on
+    purpose are marked ``counter_drift_expected``."""
+    uses_db = request.node.get_closest_marker("django_db") or {"db", "transactional_db"} & set(
+        request.fixturenames
+    )
+    if uses_db:
+        # Set up first, so its rollback (or flush) comes after this check.
+        request.getfixturevalue("_django_db_helper")
+    yield
+    if uses_db and not request.node.get_closest_marker("counter_drift_expected"):
+        assert counter_drift() == {}, "in-use counter drift (name: (counter, held))"
 
 
 def unique(prefix: str = "sem") -> str:

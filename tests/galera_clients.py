@@ -71,13 +71,13 @@ def hammer_node(
     django.setup()
     from django.db import connections
 
-    from django_semaphore import acquire, backends, core, release
+    from django_semaphore import acquire, backends, release, statements
     from django_semaphore.exceptions import LockContention, SemaphoreExhausted
     from django_semaphore.models import Semaphore
 
     connections["default"].settings_dict.update(database)
     if not fence_write:
-        _remove_semaphore_row_write(core._Statements)
+        _remove_semaphore_row_write(statements.Statements)
     counts = {"attempts": 0, "grants": 0, "conflicts": 0, "gave_up": 0}
     classify = backends.classify
 
@@ -129,8 +129,8 @@ def _wait_until_replicated(model: Any, names: list[str]) -> None:
 
 
 def _remove_semaphore_row_write(statements: Any) -> None:
-    """The grant as the seed design wrote it: no write to the semaphore row,
-    and fencing tokens that never collide (the seed used the permit's
+    """The grant without its write to the semaphore row (the in-use count
+    and the fencing counter), and fencing tokens that never collide (the seed used the permit's
     auto-increment id). Without the second part every grant after the first
     would fail on the unique (semaphore, token) index instead, which is a
     conflict Galera certifies too, and the check would prove nothing."""
@@ -143,5 +143,5 @@ def _remove_semaphore_row_write(statements: Any) -> None:
         ]
         insert_permits(self, cursor, rows, lock_wait)
 
-    statements.advance_fencing_counters = lambda self, cursor, ids, now, lock_wait: None
+    statements.count_grant = lambda self, cursor, added, now, lock_wait: None
     statements.insert_permits = insert_uncoordinated

@@ -6,7 +6,7 @@ from weakref import WeakKeyDictionary
 import pytest
 from django.db import connection, connections, transaction
 
-from django_semaphore import ReleaseOutcome, acquire, core, release
+from django_semaphore import ReleaseOutcome, acquire, release, statements
 from django_semaphore.exceptions import (
     AcquireTimeout,
     CapacityExceeded,
@@ -325,7 +325,7 @@ def test_a_grant_without_insert_returning_reads_its_stamps_back(make_semaphore, 
     if connection.vendor == "postgresql":
         pytest.skip("PostgreSQL always has INSERT ... RETURNING (and no lastrowid)")
     monkeypatch.setattr(connection.features, "can_return_columns_from_insert", False)
-    monkeypatch.setattr(core, "_statements_by_connection", WeakKeyDictionary())
+    monkeypatch.setattr(statements, "_by_connection", WeakKeyDictionary())
     sem = make_semaphore(capacity=1)
 
     request = acquire(sem.name, external_id=unique(), ttl=60)

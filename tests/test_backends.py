@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 from django.db import DatabaseError, connection, connections, transaction
 
-from django_semaphore import acquire, backends, core
+from django_semaphore import acquire, backends, prelock
 from django_semaphore.backends import Failure
 from django_semaphore.exceptions import LockContention
 from django_semaphore.models import Semaphore
@@ -160,7 +160,7 @@ def test_prelock_keeps_one_process_to_one_waiting_connection(make_semaphore, set
         finally:
             connections.close_all()
 
-    with core._prelocked([busy.name]):
+    with prelock.prelocked([busy.name]):
         for name in (busy.name, free.name):
             thread = threading.Thread(target=try_acquire, args=(name,))
             thread.start()

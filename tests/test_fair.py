@@ -201,17 +201,17 @@ def test_multi_semaphore_waiters_keep_their_order_on_each_semaphore(make_semapho
 
 
 def test_permit_and_holds_permit_pass_fair_through(make_semaphore, monkeypatch):
-    from django_semaphore import core, holds_permit, permit
+    from django_semaphore import api, holds_permit, permit
 
     semaphore = make_semaphore(1)
     seen = []
-    real = core.acquire
+    real = api.acquire
 
     def recording(*args, **kwargs):
         seen.append(kwargs["fair"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(core, "acquire", recording)
+    monkeypatch.setattr(api, "acquire", recording)
     with permit(semaphore.name, fair=True):
         pass
 
@@ -225,18 +225,18 @@ def test_permit_and_holds_permit_pass_fair_through(make_semaphore, monkeypatch):
 
 @pytest.mark.parametrize("fair", [False, True])
 def test_waiting_threads_of_one_process_share_one_poller(make_semaphore, monkeypatch, fair):
-    from django_semaphore import core
+    from django_semaphore import grant
 
     semaphore = make_semaphore(1)
     acquire(semaphore.name, external_id=key())
     attempts: list[float] = []
-    real = core._acquire_once
+    real = grant.acquire_once
 
     def counted(*args):
         attempts.append(time.monotonic())
         return real(*args)
 
-    monkeypatch.setattr(core, "_acquire_once", counted)
+    monkeypatch.setattr(grant, "acquire_once", counted)
     threads, wait = 16, 2.0
     errors: list[Exception] = []
 

@@ -7,9 +7,9 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from django_semaphore import ReleaseOutcome, acquire, release, renew
-from django_semaphore.core import release_requests
 from django_semaphore.exceptions import PermitAlreadyReleased, PermitNotFound
 from django_semaphore.models import Permit, PermitRequest, ReleaseReason, Semaphore, State
+from django_semaphore.releasing import release_requests
 from django_semaphore.signals import hold_ended, permit_released
 from tests.conftest import unique
 
@@ -51,8 +51,10 @@ def test_release_works_inside_the_callers_transaction(make_semaphore):
         assert release(key) is ReleaseOutcome.RELEASED
 
 
+@pytest.mark.counter_drift_expected
 def test_half_released_request_is_completed_by_a_repeat(make_semaphore):
-    """A crash between the two updates leaves permits RELEASED, request ACQUIRED."""
+    """Permits RELEASED under an ACQUIRED request: written from outside (a
+    manual edit, a restore), never by a release, which is one transaction."""
     sem = make_semaphore()
     key = unique()
     request = acquire(sem.name, external_id=key)
@@ -130,6 +132,7 @@ def test_renew_of_unknown_key():
     assert issubclass(PermitNotFound, PermitAlreadyReleased)
 
 
+@pytest.mark.counter_drift_expected
 def test_a_half_released_request_is_completed_by_release_too(make_semaphore):
     sem = make_semaphore()
     key = unique()
@@ -140,11 +143,13 @@ def test_a_half_released_request_is_completed_by_release_too(make_semaphore):
     assert PermitRequest.objects.get(pk=request.pk).state == State.RELEASED
 
 
-def test_release_is_one_statement_where_the_database_can_update_two_tables(
+def test_release_is_one_statement_where_the_database_can_update_three_tables(
     make_semaphore, monkeypatch
 ):
-    """Unless a receiver wants the released ids (see the next test); the test
-    settings install the metrics app, whose receivers want them."""
+    """Request, permits and the in-use counter in one statement (PostgreSQL:
+    after the statement bounding its lock wait), unless a receiver wants the
+    released ids (see the next test); the test settings install the metrics
+    app, whose receivers want them. SQLite: one transaction of its own."""
     monkeypatch.setattr(permit_released, "receivers", [])
     monkeypatch.setattr(hold_ended, "receivers", [])
     sem = make_semaphore()
@@ -154,8 +159,17 @@ def test_release_is_one_statement_where_the_database_can_update_two_tables(
     with CaptureQueriesContext(connection) as queries:
         assert release(key) is ReleaseOutcome.RELEASED
 
-    assert len(queries) == (3 if connection.vendor == "sqlite" else 1)
+    statements = [q["sql"] for q in queries.captured_queries]
+    if connection.vendor == "mysql":
+        assert len(statements) == 1
+    elif connection.vendor == "postgresql":
+        assert len(statements) == 2
+        assert "set_config('lock_timeout'" in statements[0]
+    else:
+        # Permits, counter, request.
+        assert sum(s.startswith("UPDATE") for s in statements) == 3
     assert not Permit.objects.filter(state=State.ACQUIRED).exists()
+    assert Semaphore.objects.get(pk=sem.pk).in_use == 0
     assert PermitRequest.objects.get(external_id=key).state == State.RELEASED
 
 

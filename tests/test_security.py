@@ -201,7 +201,7 @@ SQL_WORDS = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|PRAGMA|SET|WHERE|VALUES)
 SAFE_CALLS = {"q", "quote_name", "_placeholders", "placeholders", "int", "len", "ceil", "floor"}
 INT_COMBINERS = {"max", "min"}  # safe when every argument is
 SAFE_NAMES = {
-    # identifiers and compiled fragments named in core.py's statement builder
+    # identifiers and compiled fragments named in the statement builders
     "semaphore", "request", "permit", "now", "ids", "rows", "table", "column",
     "db_table", "sql", "where", "columns", "returning", "bound", "hint", "stamp",
 }  # fmt: skip

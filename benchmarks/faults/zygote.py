@@ -22,7 +22,7 @@ def main() -> None:
     import django
 
     django.setup()
-    import django_semaphore.core  # noqa: F401  (imported once, before forking)
+    import django_semaphore.api  # noqa: F401  (imported once, before forking)
     from benchmarks.faults import client
 
     out = sys.stdout

@@ -1,0 +1,317 @@
+"""The public operations: acquire, release, renew and set_capacity.
+
+A thin layer over the engine: it validates the arguments (nothing is written
+for a malformed call), picks the database alias, waits for room when asked
+to, retries what is safe to retry and sends the signals. The transactions
+themselves are ``grant.py`` and ``releasing.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db import connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import Q
+
+from django_semaphore import fairness, grant, routing, signals
+from django_semaphore.backends import DatabaseNow
+from django_semaphore.conf import app_settings
+from django_semaphore.exceptions import (
+    AcquireTimeout,
+    NestedTransactionError,
+    PermitAlreadyReleased,
+    PermitNotFound,
+    SemaphoreExhausted,
+    SemaphoreNotFound,
+)
+from django_semaphore.outcomes import ReleaseOutcome
+from django_semaphore.releasing import release_key
+from django_semaphore.retry import run_with_retries
+from django_semaphore.validation import (
+    Demand,
+    validate_capacity,
+    validate_demand,
+    validate_key,
+    validate_owner,
+    validate_timeout,
+    validate_ttl,
+)
+
+if TYPE_CHECKING:
+    from django.contrib.auth.base_user import AbstractBaseUser
+
+    from django_semaphore.models import PermitRequest, Semaphore
+
+# Waiting for room: capped exponential backoff with full jitter, so waiters
+# spread out instead of stampeding the row the moment a permit is released.
+BACKOFF_BASE = 0.05
+BACKOFF_CAP = 2.0
+
+
+# --- acquire -----------------------------------------------------------------
+
+
+def acquire(
+    names: Any,
+    *,
+    external_id: str,
+    owner: str = "",
+    ttl: int | float | timedelta | None = None,
+    timeout: int | float | timedelta = 0,
+    fair: bool = False,
+) -> PermitRequest:
+    """Grant permits on every named semaphore, or on none of them.
+
+    Args:
+        names: ``"exports"``, ``["exports", "network"]`` or ``{"exports": 2}``.
+        external_id: the caller's idempotency key (job id, task id, UUID). A
+            repeated call with the same key and demand returns the same request.
+        owner: who holds the permits, for operators and liveness checkers.
+        ttl: seconds (or a ``timedelta``) after which the permits may be
+            reclaimed unless renewed; ``None`` never expires.
+        timeout: seconds to keep trying while there is no room; 0 fails fast.
+        fair: wait in first-come, first-served order (as on a semaphore whose
+            ``fair`` is set): a waiter takes a ticket, and nobody is granted
+            ahead of an older live ticket on any of its semaphores.
+
+    Returns:
+        The ACQUIRED ``PermitRequest``; ``fencing_tokens`` maps each name to
+        the token of its permit.
+
+    Raises:
+        InvalidRequest: a malformed argument (nothing is written);
+            ``CrossShardRequest`` when the names live on different aliases.
+        SemaphoreNotFound: a name has no semaphore.
+        CapacityExceeded: a count larger than the semaphore's capacity.
+        SemaphoreExhausted: no room now (``AcquireTimeout`` once ``timeout`` ran out).
+        IdempotencyConflict: the key was used with other names or counts.
+        PermitAlreadyReleased: the key's request was released or expired.
+        NestedTransactionError: called inside ``atomic()`` on the app's alias.
+        LockContention, DatabaseUnavailable: retries did not get through.
+    """
+    demand = validate_demand(names)
+    key = validate_key(external_id)
+    owner = validate_owner(owner)
+    ttl_seconds = validate_ttl(ttl)
+    wait = validate_timeout(timeout)
+    connection = connections[routing.alias_for_names(demand.names)]
+    _refuse_outer_transaction(connection)
+
+    deadline = time.monotonic() + wait
+    place = fairness.Place(key, owner, demand, fair=bool(fair), deadline=deadline if wait else None)
+
+    def attempt() -> PermitRequest:
+        lock_wait = app_settings.LOCK_WAIT_TIMEOUT
+        if wait:
+            # A waiter never sits in a lock queue past its own deadline.
+            lock_wait = min(lock_wait, max(deadline - time.monotonic(), 1.0))
+        return run_with_retries(
+            connection,
+            functools.partial(
+                grant.acquire_once,
+                connection,
+                demand,
+                key,
+                owner,
+                ttl_seconds,
+                lock_wait,
+                place,
+            ),
+        )
+
+    with _finish_signalled(connection, demand):
+        try:
+            return attempt()
+        except SemaphoreExhausted as exc:
+            if not wait:
+                raise
+            refused = exc
+        try:
+            return _wait_for_room(connection, attempt, place, wait, deadline, refused)
+        except BaseException:
+            place.leave(connection.alias)
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _wait_for_room(
+    connection: BaseDatabaseWrapper,
+    attempt: Callable[[], PermitRequest],
+    place: fairness.Place,
+    wait: float,
+    deadline: float,
+    refused: SemaphoreExhausted,
+) -> PermitRequest:
+    """Retry ``attempt`` until granted or ``deadline``. Only the first waiter
+    of this process's line polls (see ``fairness``); every sleep is taken
+    with no transaction open and no row locked."""
+    with fairness.waiting_line(place) as turn:
+        for polls in itertools.count(1):
+            queued_behind = not turn.is_first()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not turn.wait(remaining):
+                raise AcquireTimeout(refused.names, f"{refused} (waited {wait:g}s)")
+            if not queued_behind:
+                # The last attempt may come at the deadline, never after it.
+                place.pause(connection, _backoff(polls), deadline)
+            try:
+                return attempt()
+            except SemaphoreExhausted as exc:
+                refused = exc
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+@contextmanager
+def _finish_signalled(connection: BaseDatabaseWrapper, demand: Demand) -> Iterator[None]:
+    """Send ``acquire_finished`` when the call is answered: granted, or refused
+    for want of room (other errors send nothing). Robust: a failing receiver
+    is logged by Django, never raised into a caller who may hold the permit."""
+    from django_semaphore.models import PermitRequest
+
+    started = time.monotonic()
+
+    def send(granted: bool, lacking: list[str]) -> None:
+        signals.acquire_finished.send_robust(
+            sender=PermitRequest,
+            names=demand.names,
+            granted=granted,
+            lacking=lacking,
+            waited=time.monotonic() - started,
+            using=connection.alias,
+        )
+
+    try:
+        yield
+    except SemaphoreExhausted as exc:
+        send(False, exc.names)
+        raise
+    send(True, [])
+
+
+def _backoff(attempt: int) -> float:
+    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2**attempt))
+
+
+def _refuse_outer_transaction(connection: BaseDatabaseWrapper) -> None:
+    # Joining the caller's transaction would keep the permit uncommitted, and
+    # the semaphore rows locked, until the caller's block ends. Test-case
+    # wrappers are not the caller's and are allowed (as Django's durable=True does).
+    if any(not getattr(block, "_from_testcase", False) for block in connection.atomic_blocks):
+        raise NestedTransactionError(
+            f"acquire() cannot run inside an atomic() block on database "
+            f"{connection.alias!r}: the permit would stay uncommitted and the "
+            f"semaphore locked until that block ends. Acquire before the block, "
+            f"or give the app its own alias with DJANGO_SEMAPHORE['DATABASE']."
+        )
+
+
+def release(external_id: str) -> ReleaseOutcome:
+    """End the request with this key; safe to repeat.
+
+    Returns:
+        ``RELEASED`` if this call ended it, ``ALREADY_RELEASED`` if it had
+        ended before (released, expired or revoked), ``NOT_FOUND`` otherwise.
+    """
+    key = validate_key(external_id)
+    connection = connections[routing.alias_for_key(key)]
+    return run_with_retries(connection, functools.partial(release_key, connection, key))
+
+
+def renew(external_id: str, ttl: int | float | timedelta | None = None) -> PermitRequest:
+    """Push the request's expiry to now + ``ttl`` (default: its own ttl).
+
+    Raises:
+        PermitAlreadyReleased: it was released or had expired; the holder has
+            lost its permits and must stop. ``PermitNotFound`` (a subclass)
+            when no request has this key.
+    """
+    from django_semaphore.models import PermitRequest, State
+
+    key = validate_key(external_id)
+    ttl_seconds = validate_ttl(ttl)
+    connection = connections[routing.alias_for_key(key)]
+    alias = connection.alias
+
+    def attempt() -> PermitRequest:
+        request = grant.find_request(alias, key)
+        if request is None:
+            raise PermitNotFound(f"No permit request has the key {key!r}.")
+        grant.raise_if_not_held(alias, request)
+        new_ttl = ttl_seconds or request.ttl
+        if new_ttl is None:
+            return request
+        expires_at = request.db_now + timedelta(seconds=new_ttl)  # type: ignore[attr-defined]
+        # Conditional on still being held and unexpired by the database's
+        # clock: a lapsed permit is never silently revived.
+        renewed = (
+            PermitRequest.objects.using(alias)
+            .filter(pk=request.pk, state=State.ACQUIRED)
+            .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=DatabaseNow()))
+            .update(ttl=new_ttl, expires_at=expires_at, updated_at=DatabaseNow())
+        )
+        if not renewed:
+            raise PermitAlreadyReleased(f"Request {key!r} ended while being renewed.")
+        request.ttl, request.expires_at = new_ttl, expires_at
+        return request
+
+    return run_with_retries(connection, attempt)
+
+
+# --- capacity ----------------------------------------------------------------
+
+
+def set_capacity(
+    name: str,
+    capacity: int,
+    *,
+    changed_by: AbstractBaseUser | None = None,
+    reason: str = "",
+) -> Semaphore:
+    """Change a semaphore's capacity under its row lock and record it.
+
+    Lowering below what is in use is allowed: the semaphore is over capacity
+    and grants nothing until usage falls; held permits are never revoked.
+    Runs in the caller's transaction if there is one (the admin's save).
+    """
+    capacity = validate_capacity(capacity)
+    reason = validate_owner(reason, field="reason")
+    connection = connections[routing.alias_for_name(name)]
+    return run_with_retries(
+        connection,
+        lambda: _set_capacity(connection.alias, name, capacity, changed_by, reason),
+    )
+
+
+def _set_capacity(
+    alias: str,
+    name: str,
+    capacity: int,
+    changed_by: AbstractBaseUser | None,
+    reason: str,
+) -> Semaphore:
+    from django_semaphore.models import CapacityChange, Semaphore
+
+    with transaction.atomic(using=alias):
+        try:
+            semaphore = Semaphore.objects.using(alias).select_for_update().get(name=name)
+        except Semaphore.DoesNotExist:
+            raise SemaphoreNotFound([name]) from None
+        if semaphore.capacity != capacity:
+            CapacityChange.objects.using(alias).create(
+                semaphore=semaphore,
+                old_capacity=semaphore.capacity,
+                new_capacity=capacity,
+                changed_by_id=None if changed_by is None else changed_by.pk,
+                reason=reason,
+            )
+            semaphore.capacity = capacity
+            semaphore.save(using=alias, update_fields=["capacity", "updated_at"])
+    return semaphore

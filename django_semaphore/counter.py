@@ -1,0 +1,122 @@
+"""The verifier of the exact in-use counter.
+
+``Semaphore.in_use`` is changed in the same transaction as every permit
+state change, so it never differs from the sum of the ACQUIRED permits'
+counts. A difference is therefore a bug (or rows changed behind the engine's
+back): the verifier recomputes the sum under the row lock, corrects the
+counter and reports it loudly -- logged at ERROR, the ``counter_drift``
+signal, and the metrics counter fed by it. The orphan sweep runs it;
+``manage.py semaphore_status --verify`` runs it on demand.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_semaphore import backends, signals
+from django_semaphore.conf import app_settings
+from django_semaphore.retry import run_with_retries
+from django_semaphore.statements import statements
+
+logger = logging.getLogger("django_semaphore")
+
+
+@dataclass(frozen=True)
+class Drift:
+    """A counter that differed from the permits it counts."""
+
+    semaphore: str
+    recorded: int  # what the counter said
+    actual: int  # the sum of the ACQUIRED permits' counts, now the counter's value
+
+    def __str__(self) -> str:
+        return f"{self.semaphore}: in_use was {self.recorded}, permits held {self.actual}"
+
+
+def verify(
+    names: Iterable[str] | None = None, *, correct: bool = True, batch_size: int | None = None
+) -> list[Drift]:
+    """Compare every counter (or those of ``names``) on the app's alias with
+    the permits it counts; correct and report each difference.
+
+    ``correct=False`` only reports (the system check, a dry run). Locks at
+    most ``batch_size`` semaphore rows at a time, in name order.
+    """
+    from django_semaphore.models import Semaphore
+
+    alias = app_settings.DATABASE
+    connection = connections[alias]
+    semaphores = Semaphore.objects.using(alias).order_by("name")
+    if names is not None:
+        semaphores = semaphores.filter(name__in=list(names))
+    ids = list(semaphores.values_list("id", flat=True))
+    size = batch_size or app_settings.CLEANUP_BATCH_SIZE
+    drifts: list[Drift] = []
+    for start in range(0, len(ids), size):
+        batch = ids[start : start + size]
+        drifts += run_with_retries(
+            connection, lambda batch=batch: _verify_batch(connection, batch, correct)
+        )
+    for drift in drifts:
+        _report(alias, drift, corrected=correct)
+    return drifts
+
+
+def _verify_batch(
+    connection: BaseDatabaseWrapper, semaphore_ids: Sequence[int], correct: bool
+) -> list[Drift]:
+    from django.db.models import Sum
+
+    from django_semaphore.models import Permit, Semaphore, State
+
+    alias = connection.alias
+    wait = app_settings.LOCK_WAIT_TIMEOUT
+    with backends.bounded_transaction(connection, wait):
+        recorded = list(
+            Semaphore.objects.using(alias)
+            .select_for_update()
+            .filter(id__in=semaphore_ids)
+            .order_by("name")
+            .values_list("id", "name", "in_use")
+        )
+        # Under the locks: no grant or release of these semaphores runs now.
+        held = dict(
+            Permit.objects.using(alias)
+            .filter(semaphore_id__in=semaphore_ids, state=State.ACQUIRED)
+            .order_by()
+            .values("semaphore_id")
+            .annotate(total=Sum("count"))
+            .values_list("semaphore_id", "total")
+        )
+        drifts = {
+            id: Drift(name, in_use, int(held.get(id) or 0))
+            for id, name, in_use in recorded
+            if in_use != int(held.get(id) or 0)
+        }
+        if correct and drifts:
+            with connection.cursor() as cursor:
+                statements(connection).set_in_use(
+                    cursor, {id: drift.actual for id, drift in drifts.items()}
+                )
+    return list(drifts.values())
+
+
+def _report(alias: str, drift: Drift, *, corrected: bool) -> None:
+    from django_semaphore.models import Semaphore
+
+    logger.error(
+        "In-use counter drift on %r (%s): %s%s. This is a bug, or the permit rows "
+        "were changed outside django-semaphore; please report it.",
+        drift.semaphore,
+        alias,
+        drift,
+        " (corrected)" if corrected else "",
+    )
+    signals.counter_drift.send_robust(
+        sender=Semaphore, drift=drift, corrected=corrected, using=alias
+    )

@@ -1,0 +1,307 @@
+"""The grant: one short transaction that gives permits on every named
+semaphore, or on none.
+
+1. Lock the semaphore rows with ``SELECT ... FOR UPDATE`` in name order, so
+   two multi-semaphore requests never wait on each other in a circle.
+2. Check room on what the lock returned: ``in_use + count <= capacity``.
+   ``in_use`` is an exact counter kept in the same transaction as every
+   permit change, so the check is O(1) however many permits are held.
+3. Only if some semaphore lacks room: reclaim expired permits holding it, and
+   let a fair queue say whether this call must wait behind older tickets.
+4. Insert the request (its unique key settles repeated and concurrent first
+   calls), raise the counters and advance the fencing counters in one
+   update, insert the permits with their tokens. Commit.
+
+From the lock to the commit every other caller of these semaphores waits, so
+each step is one precompiled statement (``statements.py``).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from django.db import IntegrityError, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
+
+from django_semaphore import backends, fairness, prelock, signals
+from django_semaphore.backends import DatabaseNow
+from django_semaphore.exceptions import (
+    CapacityExceeded,
+    IdempotencyConflict,
+    PermitAlreadyReleased,
+    SemaphoreError,
+    SemaphoreExhausted,
+    SemaphoreNotFound,
+)
+from django_semaphore.releasing import release_requests
+from django_semaphore.statements import LockedSemaphore, Statements, statements
+from django_semaphore.validation import Demand
+
+if TYPE_CHECKING:
+    from django_semaphore.models import PermitRequest
+
+# The columns of a request, in the order grant() has their values.
+REQUEST_COLUMNS = [
+    "id",
+    "external_id",
+    "owner",
+    "state",
+    "ttl",
+    "expires_at",
+    "created_at",
+    "updated_at",
+    "released_at",
+    "release_reason",
+]
+
+
+def acquire_once(
+    connection: BaseDatabaseWrapper,
+    demand: Demand,
+    key: str,
+    owner: str,
+    ttl: int | None,
+    lock_wait: float,
+    place: fairness.Place,
+) -> PermitRequest:
+    """One attempt at the grant; a repeated call is answered with its request.
+
+    Raises ``SemaphoreExhausted`` when there is no room (the caller may wait
+    and call again) and any database error as it came (the caller retries).
+    """
+    # No look-up of the key before the grant: the insert's unique index tells
+    # whether the key is taken (or, when there is no room, the read that
+    # says why).
+    with prelock.prelocked(demand.names):
+        try:
+            with backends.bounded_transaction(
+                connection, lock_wait, statements_bounded=True, durable=True
+            ):
+                outcome = grant(connection, demand, key, owner, ttl, lock_wait, place)
+        except IntegrityError:
+            # The key has a request already: a repeated call, or two first
+            # calls at once where the other's insert won.
+            existing = reattach_key(connection, key, demand)
+            if existing is None:
+                raise
+            return existing
+    if isinstance(outcome, KeyTaken):
+        existing = reattach_key(connection, key, demand)
+        # None: deleted by the clean-up since; the key is free again.
+        return existing or acquire_once(connection, demand, key, owner, ttl, lock_wait, place)
+    if isinstance(outcome, (SemaphoreNotFound, CapacityExceeded)):
+        # Decided before the key was read: a repeated call still answers with
+        # its request.
+        existing = reattach_key(connection, key, demand)
+        if existing is not None:
+            return existing
+    if isinstance(outcome, SemaphoreError):
+        # Raised only after the commit, so that a reclaim of expired permits
+        # done while deciding is kept.
+        raise outcome
+    return outcome
+
+
+class KeyTaken:
+    """The grant found the key already used: answer as a repeated acquire."""
+
+
+def grant(
+    connection: BaseDatabaseWrapper,
+    demand: Demand,
+    key: str,
+    owner: str,
+    ttl: int | None,
+    lock_wait: float,
+    place: fairness.Place,
+) -> PermitRequest | SemaphoreError | KeyTaken:
+    """Inside the transaction: lock, check room, maybe reclaim, insert."""
+    from django_semaphore.models import PermitRequest, State
+
+    alias = connection.alias
+    sql = statements(connection)
+    with connection.cursor() as cursor:
+        locked = sql.lock(cursor, demand.names, lock_wait)
+        # A case- or accent-insensitive collation (MySQL's default) also matches
+        # "EXPORTS" to the row "exports": names are exact, as Python compares them.
+        locked = [s for s in locked if s.name in demand.counts]
+        if len(locked) != len(demand.names):
+            return SemaphoreNotFound(set(demand.names) - {s.name for s in locked})
+        too_big = [s.name for s in locked if demand.counts[s.name] > s.capacity]
+        if too_big:
+            return CapacityExceeded(
+                "Asked for more permits than the capacity of: " + ", ".join(too_big)
+            )
+        # While a fair queue is live on one of these semaphores, the queue
+        # decides too (see refusal): nobody is granted past an older ticket.
+        if _lacking_room(locked, demand) or any(s.queue_live for s in locked):
+            refused = refusal(connection, sql, cursor, key, locked, demand, lock_wait, place)
+            if refused is not None:
+                return refused
+        request_id, now, expires_at = sql.insert_request(cursor, key, owner, ttl, lock_wait)
+        sql.count_grant(cursor, {s.id: demand.counts[s.name] for s in locked}, now, lock_wait)
+        tokens = {s.name: s.fencing_counter + 1 for s in locked}
+        sql.insert_permits(
+            cursor,
+            [(s.id, request_id, demand.counts[s.name], tokens[s.name]) for s in locked],
+            lock_wait,
+        )
+    # The row as inserted: what Django would build had it read the row back.
+    request = PermitRequest.from_db(
+        alias,
+        REQUEST_COLUMNS,
+        [request_id, key, owner, State.ACQUIRED, ttl, expires_at, now, now, None, ""],
+    )
+    request.__dict__["fencing_tokens"] = tokens
+    if signals.permit_acquired.has_listeners(PermitRequest):
+        transaction.on_commit(
+            lambda: signals.permit_acquired.send_robust(
+                sender=PermitRequest, request=request, using=alias
+            ),
+            using=alias,
+        )
+    return request
+
+
+def refusal(
+    connection: BaseDatabaseWrapper,
+    sql: Statements,
+    cursor: CursorWrapper,
+    key: str,
+    locked: list[LockedSemaphore],
+    demand: Demand,
+    lock_wait: float,
+    place: fairness.Place,
+) -> SemaphoreError | KeyTaken | None:
+    """Why this call may not insert: no room even after reclaiming expired
+    permits on the semaphores that lack it, or older tickets waiting (fair
+    mode takes this call's tickets then). ``None``: it may."""
+    ids = [s.id for s in locked]
+    usage = sql.usage(cursor, key, ids)
+    if usage.key_taken:
+        # A repeated call is answered with its request even when full.
+        return KeyTaken()
+    lacking = _lacking_room(locked, demand)
+    if lacking and usage.expired and _reclaim_expired(connection, lacking, usage.now, lock_wait):
+        for s in locked:
+            s.in_use = sql.in_use(cursor, ids)[s.id]
+        lacking = _lacking_room(locked, demand)
+    waiting_on = place.admit(
+        connection, cursor, locked, usage.now, [s.name for s in lacking], lock_wait
+    )
+    return SemaphoreExhausted(waiting_on) if waiting_on else None
+
+
+def _lacking_room(locked: list[LockedSemaphore], demand: Demand) -> list[LockedSemaphore]:
+    return [s for s in locked if s.in_use + demand.counts[s.name] > s.capacity]
+
+
+def _reclaim_expired(
+    connection: BaseDatabaseWrapper,
+    lacking: list[LockedSemaphore],
+    now: datetime,
+    lock_wait: float,
+) -> int:
+    """Release expired requests holding the locked semaphores that lack room:
+    a TTL takes effect when due, not at the next sweep.
+
+    An expired request may also hold semaphores this transaction has not
+    locked; its release locks them after these (out of name order), and
+    should that meet another transaction in a circle, the database reports
+    a deadlock and the attempt is retried whole.
+    """
+    from django_semaphore.models import PermitRequest, ReleaseReason, State
+
+    # The ORM read carries no per-statement bound: on MariaDB the session's
+    # lock wait is bounded around it instead (elsewhere it already is, for
+    # the whole grant transaction).
+    bound = (
+        backends.bounded_lock_wait(connection, lock_wait)
+        if backends.bounds_each_statement(connection)
+        else nullcontext()
+    )
+    with bound:
+        expired = list(
+            PermitRequest.objects.using(connection.alias)
+            .filter(
+                state=State.ACQUIRED,
+                expires_at__lte=now,
+                permits__semaphore_id__in=[s.id for s in lacking],
+                permits__state=State.ACQUIRED,
+            )
+            .values_list("id", flat=True)
+            .distinct()
+        )
+        return release_requests(connection.alias, expired, ReleaseReason.EXPIRED)
+
+
+# --- idempotent re-entry -----------------------------------------------------
+
+
+def find_request(alias: str, key: str) -> PermitRequest | None:
+    """The request with exactly this key, annotated with the database's clock."""
+    from django_semaphore.models import PermitRequest
+
+    request = (
+        PermitRequest.objects.using(alias)
+        .annotate(db_now=DatabaseNow())
+        .filter(external_id=key)
+        .first()
+    )
+    if request is not None and request.external_id != key:
+        # Equal under MySQL's collation (case, accents, trailing spaces), yet
+        # another caller's key: never hand out or touch its permit.
+        raise IdempotencyConflict(
+            f"Key {key!r} collides with the existing key {request.external_id!r}: "
+            f"the database compares keys ignoring case, accents and trailing spaces."
+        )
+    return request
+
+
+def reattach_key(connection: BaseDatabaseWrapper, key: str, demand: Demand) -> PermitRequest | None:
+    """The key's request, answered as a repeated acquire; ``None`` if the key
+    has none (one indexed probe; the request is loaded only if it exists)."""
+    if not statements(connection).key_exists(key):
+        return None
+    existing = find_request(connection.alias, key)
+    return None if existing is None else _reattach(connection.alias, existing, demand)
+
+
+def _reattach(alias: str, request: PermitRequest, demand: Demand) -> PermitRequest:
+    held = {
+        name: (count, token)
+        for name, count, token in request.permits.using(alias).values_list(
+            "semaphore__name", "count", "fencing_token"
+        )
+    }
+    if {name: count for name, (count, _) in held.items()} != demand.counts:
+        raise IdempotencyConflict(
+            f"Key {request.external_id!r} already holds {_describe(held)}, "
+            f"not {_describe({n: (c, 0) for n, c in demand.counts.items()})}."
+        )
+    raise_if_not_held(alias, request)
+    request.__dict__["fencing_tokens"] = {name: token for name, (_, token) in held.items()}
+    return request
+
+
+def _describe(held: dict[str, tuple[int, int]]) -> str:
+    return ", ".join(f"{name}x{count}" for name, (count, _) in sorted(held.items())) or "nothing"
+
+
+def raise_if_not_held(alias: str, request: PermitRequest) -> None:
+    """``PermitAlreadyReleased`` unless ``request`` (read by ``find_request``)
+    is held; an expired one is released on the way."""
+    from django_semaphore.models import ReleaseReason, State
+
+    if request.state != State.ACQUIRED:
+        raise PermitAlreadyReleased(
+            f"Request {request.external_id!r} was released "
+            f"({request.release_reason or 'unknown reason'})."
+        )
+    db_now: datetime = request.db_now  # type: ignore[attr-defined]
+    if request.expires_at is not None and request.expires_at <= db_now:
+        release_requests(alias, [request.pk], ReleaseReason.EXPIRED)
+        raise PermitAlreadyReleased(f"Request {request.external_id!r} expired.")

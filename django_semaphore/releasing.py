@@ -1,0 +1,93 @@
+"""Ending requests: the one-way ACQUIRED -> RELEASED step, with the exact
+in-use counter lowered in the same transaction.
+
+A release locks the semaphore rows of the request in the acquire's order
+(sorted by name), so the two never wait on each other in a circle, and
+lowers ``Semaphore.in_use`` by what it freed while it holds them: the counter
+is what makes the grant's room check O(1), so every path that ends a permit
+-- release, the inline reclaim, the sweeps, a force release -- comes here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from django.db import connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_semaphore import backends, holds, signals
+from django_semaphore.conf import app_settings
+from django_semaphore.outcomes import ReleaseOutcome
+from django_semaphore.statements import statements
+
+
+def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
+    """End the request with this key (one attempt; the caller retries)."""
+    from django_semaphore.models import ReleaseReason, State
+
+    sql = statements(connection)
+    # One statement where the database can say it, unless someone listens
+    # for the released ids (as Django's delete skips fetching rows nobody's
+    # signal receives).
+    if sql.release_by_key_sql and not released_ids_wanted():
+        lock_wait = app_settings.LOCK_WAIT_TIMEOUT
+        # MariaDB bounds the statement itself; elsewhere its lock wait is
+        # bounded by the transaction it runs in.
+        if backends.bounds_each_statement(connection):
+            released = sql.release_by_key(key, ReleaseReason.RELEASED, lock_wait)
+        else:
+            with backends.bounded_transaction(connection, lock_wait, statements_bounded=True):
+                released = sql.release_by_key(key, ReleaseReason.RELEASED, lock_wait)
+        if released:
+            return ReleaseOutcome.RELEASED
+    row = sql.find_request(key)
+    if row is None:
+        return ReleaseOutcome.NOT_FOUND
+    pk, state = row
+    if state == State.RELEASED:
+        return ReleaseOutcome.ALREADY_RELEASED
+    released = release_requests(connection.alias, [pk], ReleaseReason.RELEASED)
+    return ReleaseOutcome.RELEASED if released else ReleaseOutcome.ALREADY_RELEASED
+
+
+def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int:
+    """Release the given requests; returns how many this call released.
+
+    Runs in its own transaction, or as part of the caller's (the grant's
+    reclaim, a sweep batch). Repeating it is harmless: every update says
+    ``AND state = 'ACQUIRED'``.
+    """
+    if not request_ids:
+        return 0
+    connection = connections[alias]
+    ids = list(request_ids)
+    lock_wait = app_settings.LOCK_WAIT_TIMEOUT
+    with (
+        transaction.atomic(using=alias, savepoint=False)
+        if connection.in_atomic_block
+        else backends.bounded_transaction(connection, lock_wait, statements_bounded=True)
+    ):
+        with connection.cursor() as cursor:
+            released, _ = statements(connection).release(cursor, ids, reason, lock_wait)
+        if released:
+            transaction.on_commit(lambda: announce(alias, ids, reason), using=alias)
+    return released
+
+
+def announce(alias: str, request_ids: list[int], reason: str) -> None:
+    """Tell receivers which requests ended, once that is committed."""
+    from django_semaphore.models import PermitRequest
+
+    signals.permit_released.send_robust(
+        sender=PermitRequest, request_ids=request_ids, reason=reason, using=alias
+    )
+    holds.send_hold_ended(PermitRequest, request_ids, reason, alias)
+
+
+def released_ids_wanted() -> bool:
+    """Whether a receiver wants to know which requests a release ended."""
+    from django_semaphore.models import PermitRequest
+
+    return signals.permit_released.has_listeners(PermitRequest) or signals.hold_ended.has_listeners(
+        PermitRequest
+    )

@@ -1,0 +1,91 @@
+"""Retrying what is safe to retry, and translating what is not.
+
+Deadlocks, lock wait timeouts, a busy SQLite file and lost connections are
+normal events: the operation is run again. Anything else leaves as a typed
+``SemaphoreError``, never as a raw driver exception.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from django.db import DatabaseError, IntegrityError
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_semaphore import backends, signals
+from django_semaphore.backends import Failure
+from django_semaphore.conf import app_settings
+from django_semaphore.exceptions import (
+    DatabaseUnavailable,
+    InconsistentState,
+    LockContention,
+    SemaphoreError,
+)
+from django_semaphore.prelock import PrelockTimeout
+
+T = TypeVar("T")
+
+
+def run_with_retries(connection: BaseDatabaseWrapper, operation: Callable[[], T]) -> T:
+    """Run ``operation``, retrying deadlocks, lock waits and lost connections.
+
+    Safe because every operation is idempotent by its key: a grant whose
+    COMMIT succeeded but whose answer was lost is found again by the retry.
+    Inside the caller's transaction nothing is retried (the failure may have
+    rolled it back), but the error is still translated.
+    """
+    attempts = 1 if connection.in_atomic_block else max(1, app_settings.RETRY_ATTEMPTS)
+    for attempt in range(1, attempts + 1):
+        try:
+            return operation()
+        except PrelockTimeout:
+            failure = Failure.CONTENTION
+            cause: Exception = LockContention("Timed out waiting for this process's pre-lock.")
+        except DatabaseError as exc:
+            failure_or_none = backends.classify(connection, exc)
+            if failure_or_none is None:
+                raise _untransient(exc) from exc
+            failure, cause = failure_or_none, exc
+        if failure is Failure.DISCONNECT and not connection.in_atomic_block:
+            connection.close()  # the next statement reconnects
+        if attempt == attempts:
+            break
+        _send_database_retry(connection, failure, attempt, cause)
+        time.sleep(random.uniform(0.01, 0.05) * attempt)
+    if failure is Failure.DISCONNECT:
+        raise DatabaseUnavailable(
+            f"Database unavailable after {attempts} attempts: {cause}"
+        ) from cause
+    raise LockContention(f"Gave up after {attempts} attempts: {cause}") from cause
+
+
+def _untransient(exc: DatabaseError) -> SemaphoreError:
+    """The typed error for a database error that retrying cannot cure."""
+    if isinstance(exc, IntegrityError):
+        # The engine's own statements only break a constraint when its rows
+        # were changed behind its back (a manual edit, a restore).
+        return InconsistentState(
+            f"The semaphore tables hold a state the engine did not write ({exc}). "
+            f"Run `manage.py semaphore_sweep` (or `semaphore_status --verify`) to repair it."
+        )
+    return SemaphoreError(
+        f"Unexpected database error: {exc}. Check the server's log and that "
+        f"`manage.py migrate` has run on this database."
+    )
+
+
+def _send_database_retry(
+    connection: BaseDatabaseWrapper, failure: Failure, attempt: int, error: Exception
+) -> None:
+    from django_semaphore.models import PermitRequest
+
+    signals.database_retry.send_robust(
+        sender=PermitRequest,
+        kind=failure.value,
+        attempt=attempt,
+        error=error,
+        using=connection.alias,
+    )
