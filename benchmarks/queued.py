@@ -74,7 +74,7 @@ def measure_waiting(
                 local.queued = True
                 queued.append(time.monotonic())
 
-    with _patched(core, "_acquire_once", counted_attempt), _lines(fairness, lines):
+    with _patched(grant, "acquire_once", counted_attempt), _lines(fairness, lines):
         workers = [threading.Thread(target=waiter) for _ in range(threads)]
         for worker in workers:
             worker.start()

@@ -11,6 +11,7 @@ signal, and the metrics counter fed by it. The orphan sweep runs it;
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -58,10 +59,8 @@ def verify(
     size = batch_size or app_settings.CLEANUP_BATCH_SIZE
     drifts: list[Drift] = []
     for start in range(0, len(ids), size):
-        batch = ids[start : start + size]
-        drifts += run_with_retries(
-            connection, lambda batch=batch: _verify_batch(connection, batch, correct)
-        )
+        batch = functools.partial(_verify_batch, connection, ids[start : start + size], correct)
+        drifts += run_with_retries(connection, batch)
     for drift in drifts:
         _report(alias, drift, corrected=correct)
     return drifts

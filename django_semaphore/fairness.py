@@ -46,7 +46,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.db import DatabaseError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -54,10 +54,8 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
 from django_semaphore import backends
+from django_semaphore.statements import LockedSemaphore, statements
 from django_semaphore.validation import Demand
-
-if TYPE_CHECKING:
-    from django_semaphore.statements import LockedSemaphore
 
 # Seconds, before a jitter of x0.5-1 (see the module's docstring).
 PROBE_EVERY = 0.02
@@ -280,20 +278,11 @@ def _delete_tickets(
 
 def _room_for(connection: BaseDatabaseWrapper, place: Place) -> bool:
     """Whether every semaphore of ``place`` has room for it now, by one plain
-    read (no lock, no transaction; the attempt decides)."""
-    from django_semaphore.models import Permit, State
-
-    q = connection.ops.quote_name
+    read of the counters (no lock, no transaction; the attempt decides)."""
     ids = [id for id, _, _ in place.semaphores]
-    sql = (
-        f"SELECT {q('semaphore_id')}, COALESCE(SUM({q('count')}), 0)"
-        f" FROM {q(Permit._meta.db_table)} WHERE {q('state')} = %s"
-        f" AND {q('semaphore_id')} IN ({_placeholders(len(ids))}) GROUP BY {q('semaphore_id')}"
-    )
     try:
         with connection.cursor() as cursor:
-            cursor.execute(sql, [State.ACQUIRED.value, *ids])
-            in_use = {int(id): int(n) for id, n in cursor.fetchall()}
+            in_use = statements(connection).in_use(cursor, ids)
     except DatabaseError:
         return True  # the attempt, with its retries, tells what went wrong
     return all(

@@ -46,8 +46,9 @@ def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     pk, state = row
     if state == State.RELEASED:
         return ReleaseOutcome.ALREADY_RELEASED
-    released = release_requests(connection.alias, [pk], ReleaseReason.RELEASED)
-    return ReleaseOutcome.RELEASED if released else ReleaseOutcome.ALREADY_RELEASED
+    if release_requests(connection.alias, [pk], ReleaseReason.RELEASED):
+        return ReleaseOutcome.RELEASED
+    return ReleaseOutcome.ALREADY_RELEASED
 
 
 def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int:

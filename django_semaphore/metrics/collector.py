@@ -47,7 +47,7 @@ class SemaphoreCollector(Collector):
         for semaphore in semaphores:
             capacity.add_metric([semaphore.name], semaphore.capacity)
             # MySQL returns the annotated sum as a Decimal.
-            in_use.add_metric([semaphore.name], int(semaphore.in_use))  # type: ignore[attr-defined]
+            in_use.add_metric([semaphore.name], semaphore.in_use)
             waiters.add_metric([semaphore.name], int(semaphore.waiters))  # type: ignore[attr-defined]
             waited: timedelta | None = semaphore.longest_wait  # type: ignore[attr-defined]
             longest_wait.add_metric([semaphore.name], waited.total_seconds() if waited else 0)

@@ -13,8 +13,9 @@ from typing import Any
 from prometheus_client import Counter, Histogram
 
 from django_semaphore import signals
+from django_semaphore.counter import Drift
 from django_semaphore.holds import Hold
-from django_semaphore.models import PermitRequest
+from django_semaphore.models import PermitRequest, Semaphore
 
 # Waits run from a fail-fast refusal (milliseconds) to a caller's timeout
 # (minutes); holds from a view's response to a nightly job.
@@ -41,6 +42,12 @@ RETRIES = Counter(
     "django_semaphore_retries",
     "Transient database errors retried, by kind (contention, disconnect).",
     ["kind"],
+)
+COUNTER_DRIFT = Counter(
+    "django_semaphore_counter_drift",
+    "In-use counters the verifier found differing from the permits they count "
+    "(a bug: alert on any increase).",
+    ["semaphore"],
 )
 WAIT = Histogram(
     "django_semaphore_wait_seconds",
@@ -86,6 +93,10 @@ def on_database_retry(sender: Any, kind: str, **kwargs: Any) -> None:
     RETRIES.labels(kind).inc()
 
 
+def on_counter_drift(sender: Any, drift: Drift, **kwargs: Any) -> None:
+    COUNTER_DRIFT.labels(drift.semaphore).inc()
+
+
 def connect_receivers() -> None:
     """Connect every receiver above (idempotent: each has a ``dispatch_uid``)."""
     for signal, receiver in (
@@ -93,9 +104,10 @@ def connect_receivers() -> None:
         (signals.acquire_finished, on_acquire_finished),
         (signals.hold_ended, on_hold_ended),
         (signals.database_retry, on_database_retry),
+        (signals.counter_drift, on_counter_drift),
     ):
         signal.connect(
             receiver,
-            sender=PermitRequest,
+            sender=Semaphore if signal is signals.counter_drift else PermitRequest,
             dispatch_uid=f"django_semaphore.metrics.{receiver.__name__}",
         )

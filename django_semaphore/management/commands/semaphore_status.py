@@ -1,5 +1,7 @@
 """``manage.py semaphore_status``: every semaphore's capacity, use, holders
-and waiters, then the queue of each semaphore that fair waiters wait on."""
+and waiters, then the queue of each semaphore that fair waiters wait on.
+``--verify`` first checks every in-use counter against the permits it counts
+(``counter.verify``), corrects any difference and reports it."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandParser
 from django.db.models import Count, Q, QuerySet
 
-from django_semaphore import routing
+from django_semaphore import counter, routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.models import Semaphore, State, Ticket
 
@@ -25,8 +27,16 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("names", nargs="*", help="Only these semaphores.")
+        parser.add_argument(
+            "--verify",
+            action="store_true",
+            help="First recount what each semaphore holds under its row lock; correct "
+            "and report any in-use counter that differs (a bug: please report it).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["verify"]:
+            self._verify(options["names"] or None)
         rows = [("name", "capacity", "in use", "available", "holders", "waiters", "longest wait")]
         queued = []
         # Every alias holding semaphores (sharded by name: see routing.py).
@@ -34,7 +44,7 @@ class Command(BaseCommand):
             (s for alias in routing.aliases() for s in self._semaphores(alias, options["names"])),
             key=lambda s: s.name,
         ):
-            in_use: int = s.in_use  # type: ignore[attr-defined]
+            in_use = s.in_use
             available = str(s.capacity - in_use) if in_use <= s.capacity else "0 (over)"
             waiters: int = s.waiters  # type: ignore[attr-defined]
             name = f"{s.name} (fair)" if s.fair else s.name
@@ -56,6 +66,13 @@ class Command(BaseCommand):
             self.stdout.write("(no semaphores)")
         for semaphore in queued:
             self._queue(semaphore)
+
+    def _verify(self, names: list[str] | None) -> None:
+        drifts = [drift for _ in routing.each_alias() for drift in counter.verify(names)]
+        for drift in drifts:
+            self.stderr.write(self.style.ERROR(f"Corrected in-use counter drift: {drift}."))
+        if not drifts:
+            self.stdout.write(self.style.SUCCESS("Every in-use counter is exact."))
 
     def _queue(self, semaphore: Semaphore) -> None:
         tickets = (

@@ -1,0 +1,226 @@
+"""The exact in-use counter: every path that changes a permit changes it in
+the same transaction, and the verifier corrects and reports any difference.
+
+(Every test that touches the database also ends with the counter check of
+``conftest._exact_in_use_counter``.)
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from datetime import timedelta
+from io import StringIO
+from types import SimpleNamespace
+from unittest.mock import patch
+
+import pytest
+from django.apps import apps
+from django.core.management import call_command
+from django.db import connection
+
+from django_semaphore import acquire, counter, release, sweep
+from django_semaphore.exceptions import SemaphoreExhausted
+from django_semaphore.models import PermitRequest, Semaphore
+from django_semaphore.releasing import release_requests
+from django_semaphore.signals import counter_drift as counter_drift_signal
+from django_semaphore.signals import hold_ended, permit_released
+from tests.conftest import counter_drift, unique
+
+
+def in_use(semaphore: Semaphore) -> int:
+    return Semaphore.objects.values_list("in_use", flat=True).get(pk=semaphore.pk)
+
+
+def expire(request: PermitRequest) -> None:
+    PermitRequest.objects.filter(pk=request.pk).update(
+        expires_at=request.created_at - timedelta(seconds=1)
+    )
+
+
+def test_grants_raise_the_counter_by_their_counts(make_semaphore):
+    a, b = make_semaphore(5), make_semaphore(5)
+
+    acquire({a.name: 2, b.name: 3}, external_id=unique())
+    acquire(a.name, external_id=unique())
+
+    assert (in_use(a), in_use(b)) == (3, 3)
+
+
+def test_a_refused_or_repeated_acquire_changes_nothing(make_semaphore):
+    a = make_semaphore(2)
+    key = unique()
+    acquire({a.name: 2}, external_id=key)
+
+    acquire({a.name: 2}, external_id=key)
+    with pytest.raises(SemaphoreExhausted):
+        acquire(a.name, external_id=unique())
+
+    assert in_use(a) == 2
+
+
+def _release(request: PermitRequest) -> None:
+    # With nobody listening for the released ids: one statement on MariaDB
+    # and PostgreSQL (the metrics app of the test settings listens).
+    with (
+        patch.object(permit_released, "receivers", []),
+        patch.object(hold_ended, "receivers", []),
+    ):
+        assert release(request.external_id).value == "released"
+
+
+def _release_with_a_listener(request: PermitRequest) -> None:
+    # A receiver of the released ids takes release's other path.
+    def receiver(**kwargs: object) -> None:
+        pass
+
+    permit_released.connect(receiver)
+    try:
+        assert release(request.external_id).value == "released"
+    finally:
+        permit_released.disconnect(receiver)
+
+
+def _release_by_id(request: PermitRequest) -> None:
+    assert release_requests("default", [request.pk], "admin") == 1
+
+
+def _reclaimed_by_the_next_grant(request: PermitRequest) -> None:
+    expire(request)
+    fuller = Semaphore.objects.get(permits__request=request, permits__count=2)
+    # 3 of 4 held: 2 more fit only once the expired request is reclaimed.
+    newcomer = acquire({fuller.name: 2}, external_id=unique())
+    release(newcomer.external_id)
+
+
+def _swept_as_expired(request: PermitRequest) -> None:
+    expire(request)
+    assert sweep.release_orphans().expired == 1
+
+
+def _swept_as_stale(request: PermitRequest) -> None:
+    PermitRequest.objects.filter(pk=request.pk).update(
+        created_at=request.created_at - timedelta(days=30)
+    )
+    assert sweep.release_orphans().stale == 1
+
+
+def _force_released(request: PermitRequest) -> None:
+    assert sweep.force_release([request.external_id])[request.external_id].value == "released"
+
+
+def _released_by_the_command(request: PermitRequest) -> None:
+    call_command("semaphore_release", request.external_id, stdout=StringIO())
+
+
+@pytest.mark.parametrize(
+    "end",
+    [
+        _release,
+        _release_with_a_listener,
+        _release_by_id,
+        _reclaimed_by_the_next_grant,
+        _swept_as_expired,
+        _swept_as_stale,
+        _force_released,
+        _released_by_the_command,
+    ],
+)
+def test_every_way_a_permit_ends_lowers_the_counter(make_semaphore, end):
+    a, b = make_semaphore(4), make_semaphore(4)
+    kept = acquire(a.name, external_id=unique())
+    request = acquire({a.name: 2, b.name: 1}, external_id=unique(), ttl=60)
+
+    end(request)
+
+    assert PermitRequest.objects.get(pk=request.pk).state == "RELEASED"
+    assert (in_use(a), in_use(b)) == (1, 0)
+    assert PermitRequest.objects.get(pk=kept.pk).is_held
+    assert counter_drift() == {}
+
+
+@pytest.mark.counter_drift_expected
+def test_the_verifier_corrects_and_reports_drift(make_semaphore, caplog):
+    a, b = make_semaphore(3), make_semaphore(3)
+    acquire({a.name: 2}, external_id=unique())
+    Semaphore.objects.filter(pk=a.pk).update(in_use=0)  # behind the engine's back
+    Semaphore.objects.filter(pk=b.pk).update(in_use=3)
+    received = []
+
+    def receiver(**kwargs: object) -> None:
+        received.append(kwargs)
+
+    counter_drift_signal.connect(receiver)
+    try:
+        with caplog.at_level(logging.ERROR, logger="django_semaphore"):
+            drifts = counter.verify()
+    finally:
+        counter_drift_signal.disconnect(receiver)
+
+    assert sorted(drifts, key=lambda d: d.recorded) == [
+        counter.Drift(a.name, 0, 2),
+        counter.Drift(b.name, 3, 0),
+    ]
+    assert (in_use(a), in_use(b)) == (2, 0)
+    assert sum("In-use counter drift" in r.message for r in caplog.records) == 2
+    assert {r["drift"].semaphore for r in received} == {a.name, b.name}
+    assert all(r["corrected"] for r in received)
+    assert counter.verify() == []
+
+
+@pytest.mark.counter_drift_expected
+def test_the_orphan_sweep_verifies_and_a_dry_run_only_reports(make_semaphore):
+    a = make_semaphore(3)
+    acquire(a.name, external_id=unique())
+    Semaphore.objects.filter(pk=a.pk).update(in_use=2)
+
+    assert sweep.release_orphans(dry_run=True).counter_drift == 1
+    assert in_use(a) == 2
+    report = sweep.release_orphans()
+
+    assert report.counter_drift == 1
+    assert "1 in-use counters drifted" in str(report)
+    assert in_use(a) == 1
+
+
+@pytest.mark.counter_drift_expected
+def test_status_verify_reports_and_corrects(make_semaphore):
+    a = make_semaphore(3)
+    Semaphore.objects.filter(pk=a.pk).update(in_use=1)
+    out, err = StringIO(), StringIO()
+
+    call_command("semaphore_status", "--verify", stdout=out, stderr=err)
+
+    assert (
+        f"Corrected in-use counter drift: {a.name}: in_use was 1, permits held 0" in err.getvalue()
+    )
+    assert in_use(a) == 0
+    out = StringIO()
+    call_command("semaphore_status", "--verify", stdout=out, stderr=StringIO())
+    assert "Every in-use counter is exact." in out.getvalue()
+
+
+def test_a_drifted_counter_never_makes_a_release_fail(make_semaphore):
+    """A counter below what a release frees stops at zero (and the verifier
+    reports the rest) rather than failing the holder's release."""
+    a = make_semaphore(3)
+    request = acquire({a.name: 2}, external_id=unique())
+    Semaphore.objects.filter(pk=a.pk).update(in_use=1)
+
+    release(request.external_id)
+
+    assert in_use(a) == 0
+
+
+@pytest.mark.counter_drift_expected
+def test_the_migration_fills_the_counter_from_the_permits_held(make_semaphore):
+    a, b = make_semaphore(5), make_semaphore(5)
+    acquire({a.name: 2, b.name: 1}, external_id=unique())
+    release(acquire(a.name, external_id=unique()).external_id)
+    Semaphore.objects.update(in_use=0)
+    migration = importlib.import_module("django_semaphore.migrations.0004_semaphore_in_use")
+
+    # What RunPython hands it: the registry and a schema editor on the alias.
+    migration.fill_in_use(apps, SimpleNamespace(connection=connection))
+
+    assert (in_use(a), in_use(b)) == (2, 1)
