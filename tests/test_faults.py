@@ -40,13 +40,17 @@ def test_no_invariant_breaks_under_faults(capsys):
     with capsys.disabled():
         print(f"\nFault suite (CI subset), {elapsed:.0f}s:\n{table(results)}")
     details = json.dumps(
-        [{k: r[k] for k in ("scenario", "violations", "examples", "leaked")} for r in results],
+        [
+            {k: r[k] for k in ("scenario", "violations", "examples", "leaked", "counter_drift")}
+            for r in results
+        ],
         indent=1,
     )
     assert len(results) == 13, "every scenario runs"
     assert sum(r["attempts"] for r in results) >= CI_MINIMUM
     assert all(r["violation_total"] == 0 for r in results), details
     assert all(r["leaked"] == 0 for r in results), details
+    assert all(r["counter_drift"] == {} for r in results), details
     # Each scenario's fault really happened, and was survived.
     by_name = {r["scenario"]: r for r in results}
     for name, result in by_name.items():

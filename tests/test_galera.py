@@ -116,12 +116,19 @@ def node_view(address: tuple[str, int], semaphore: str) -> tuple[int, list[int]]
         cursor = node.cursor()
         cursor.execute("SET SESSION wsrep_sync_wait = 1")
         semaphores, permits = Semaphore._meta.db_table, Permit._meta.db_table
-        cursor.execute(f"SELECT id, fencing_counter FROM {semaphores} WHERE name = %s", [semaphore])
-        semaphore_id, counter = cursor.fetchone()
         cursor.execute(
-            f"SELECT fencing_token FROM {permits} WHERE semaphore_id = %s", [semaphore_id]
+            f"SELECT id, fencing_counter, in_use FROM {semaphores} WHERE name = %s", [semaphore]
         )
-        return int(counter), [int(token) for (token,) in cursor.fetchall()]
+        semaphore_id, counter, in_use = cursor.fetchone()
+        cursor.execute(
+            f"SELECT fencing_token, count, state FROM {permits} WHERE semaphore_id = %s",
+            [semaphore_id],
+        )
+        permits_rows = cursor.fetchall()
+        held = sum(int(count) for _, count, state in permits_rows if state == "ACQUIRED")
+        # The in-use counter exact on this node too: no drift.
+        assert int(in_use) == held, f"node {address}: in_use {in_use}, permits held {held}"
+        return int(counter), [int(token) for token, _, _ in permits_rows]
     finally:
         node.close()
 

@@ -42,6 +42,19 @@ def held(url: str) -> dict[str, int]:
     return {"requests": int(requests), "permits": int(permits)}
 
 
+def counter_drift(url: str) -> dict[str, list[int]]:
+    """Semaphore name -> [its in-use counter, the permits it holds], for each
+    counter that differs: every grant and release changes both in one
+    transaction, so any entry is a bug."""
+    with db.cursor(url) as cur:
+        cur.execute(
+            "SELECT s.name, s.in_use, COALESCE(SUM(p.count), 0)"
+            " FROM django_semaphore_semaphore s LEFT JOIN django_semaphore_permit p"
+            " ON p.semaphore_id = s.id AND p.state = 'ACQUIRED' GROUP BY s.id, s.name, s.in_use"
+        )
+        return {name: [int(n), int(held)] for name, n, held in cur.fetchall() if n != held}
+
+
 def seconds_until_expired(url: str) -> float:
     """How long until every held request with a TTL has expired (DB clock)."""
     with db.cursor(url) as cur:

@@ -382,6 +382,8 @@ def run_scenario(
     # Let every TTL run out, then one sweep: what is still held afterwards leaked.
     time.sleep(checker.seconds_until_expired(url) + 0.1)
     before_sweep = checker.held(url)
+    # Before the sweep, whose verifier would correct (and count) a drift.
+    drift = checker.counter_drift(url)
     swept = json.loads(
         subprocess.run(
             [sys.executable, "-m", "benchmarks.faults.sweep_once"],
@@ -398,6 +400,10 @@ def run_scenario(
     if clients.crashed:
         result["violations"]["client crashed"] = clients.crashed
         result["violation_total"] += clients.crashed
+    result["counter_drift"] = drift
+    if drift:
+        result["violations"]["in-use counter drift"] = len(drift)
+        result["violation_total"] += len(drift)
     injected = {
         "armed faults fired": result.pop("faults_fired"),
         "clients SIGKILLed": clients.killed,
