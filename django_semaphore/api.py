@@ -54,6 +54,11 @@ if TYPE_CHECKING:
 # spread out instead of stampeding the row the moment a permit is released.
 BACKOFF_BASE = 0.05
 BACKOFF_CAP = 2.0
+# A release locks the semaphore rows, so it meets contention too (on Galera,
+# certification conflicts with grants on other nodes). One that gives up
+# leaves its permits held until their TTL, and repeating it is always safe:
+# it insists longer than an acquire, whose caller can try again.
+RELEASE_PERSISTENCE = 4
 
 
 # --- acquire -----------------------------------------------------------------
@@ -222,7 +227,9 @@ def release(external_id: str) -> ReleaseOutcome:
     """
     key = validate_key(external_id)
     connection = connections[routing.alias_for_key(key)]
-    return run_with_retries(connection, functools.partial(release_key, connection, key))
+    return run_with_retries(
+        connection, functools.partial(release_key, connection, key), persistence=RELEASE_PERSISTENCE
+    )
 
 
 def renew(external_id: str, ttl: int | float | timedelta | None = None) -> PermitRequest:

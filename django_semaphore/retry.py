@@ -29,15 +29,20 @@ from django_semaphore.prelock import PrelockTimeout
 T = TypeVar("T")
 
 
-def run_with_retries(connection: BaseDatabaseWrapper, operation: Callable[[], T]) -> T:
+def run_with_retries(
+    connection: BaseDatabaseWrapper, operation: Callable[[], T], *, persistence: int = 1
+) -> T:
     """Run ``operation``, retrying deadlocks, lock waits and lost connections.
 
     Safe because every operation is idempotent by its key: a grant whose
     COMMIT succeeded but whose answer was lost is found again by the retry.
     Inside the caller's transaction nothing is retried (the failure may have
-    rolled it back), but the error is still translated.
+    rolled it back), but the error is still translated. ``persistence``
+    multiplies ``RETRY_ATTEMPTS``, for operations worth insisting on.
     """
-    attempts = 1 if connection.in_atomic_block else max(1, app_settings.RETRY_ATTEMPTS)
+    attempts = (
+        1 if connection.in_atomic_block else max(1, app_settings.RETRY_ATTEMPTS * persistence)
+    )
     for attempt in range(1, attempts + 1):
         try:
             return operation()
