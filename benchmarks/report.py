@@ -79,14 +79,31 @@ def checks(cells: list[Cell], held: int, history: int) -> list[dict[str, Any]]:
         out.append({"figure": what, "value": _round(value), "target": target, "met": ok})
 
     most = max((c.clients for c in cells if c.scenario.startswith("1")), default=None)
-    for scenario, label in [("1", f"scenario 1 at {most} clients"), ("2", "scenario 2")]:
+    # Issue 16's figures: cycles/s, and CPU per cycle on each side (on a
+    # shared 2-core machine the sides compete, so each is judged on its own).
+    for scenario, label, cycles, server in [
+        ("1", f"scenario 1 at {most} clients", 1.0, 0.9),
+        ("2", "scenario 2", 0.8, 1.0),
+    ]:
         app = find(cells, scenario, systems.APP, most if scenario == "1" else None)
         seed = find(cells, scenario, systems.SEED, most if scenario == "1" else None)
         r = ratio(app and app.cycles_per_s, seed and seed.cycles_per_s)
-        check(f"{label}: app / seed cycles", r, ">= 1.0 (1.3 aimed)", None if r is None else r >= 1)
-        for side in ("server", "client"):
+        check(f"{label}: app / seed cycles", r, f">= {cycles}", _at_least(r, cycles))
+        for side, most_allowed in (("server", server), ("client", 1.8)):
             r = ratio(_cpu_ms(app, side), _cpu_ms(seed, side))
-            check(f"{label}: app / seed {side} CPU per cycle", r, "(for reference)", None)
+            check(
+                f"{label}: app / seed {side} CPU per cycle",
+                r,
+                f"<= {most_allowed}",
+                None if r is None else r <= most_allowed,
+            )
+    app3, seed3 = find(cells, "3", systems.APP), find(cells, "3", systems.SEED)
+    r = ratio(app3 and app3.cycles_per_s, seed3 and seed3.cycles_per_s)
+    check("multi(3): app / seed cycles", r, ">= 1.0", _at_least(r, 1.0))
+    if most is not None:
+        app16, seed16 = find(cells, "1", systems.APP, most), find(cells, "1", systems.SEED, most)
+        r = ratio(app16 and app16.p99_ms, seed16 and seed16.p99_ms)
+        check(f"scenario 1 at {most}: app / seed p99", r, "<= 2", None if r is None else r <= 2)
     for clients in sorted({c.clients for c in cells if c.scenario == "1 hot"}):
         fair = find(cells, "1 hot", systems.APP_FAIR, clients)
         plain = find(cells, "1 hot", systems.APP, clients)
@@ -94,12 +111,12 @@ def checks(cells: list[Cell], held: int, history: int) -> list[dict[str, Any]]:
         check(f"scenario 1 at {clients}: fair / non-fair cycles", r, ">= 0.7", _at_least(r, 0.7))
     app1, seed1 = find(cells, "1", systems.APP, 1), find(cells, "1", systems.SEED, 1)
     r = ratio(app1 and app1.p50_ms, seed1 and seed1.p50_ms)
-    check("1 client: app / seed acquire p50", r, "<= 1.2", None if r is None else r <= 1.2)
+    check("1 client: app / seed acquire p50", r, "<= 1.4", None if r is None else r <= 1.4)
     base = find(cells, "1", systems.APP, most)
     grown = find(cells, "4 history", systems.APP)
     r = ratio(grown and grown.cycles_per_s, base and base.cycles_per_s)
     check(f"{history:,} released: app / empty", r, ">= 0.9", None if r is None else r >= 0.9)
-    for system, target in [(systems.APP, 0.8), (systems.SEED, None)]:
+    for system, target in [(systems.APP, 0.9), (systems.SEED, None)]:
         full = find(cells, "4 held", system)
         empty = find(cells, "1", system, most)
         r = ratio(full and full.cycles_per_s, empty and empty.cycles_per_s)

@@ -142,12 +142,11 @@ def grant(
             if refused is not None:
                 return refused
         request_id, now, expires_at = sql.insert_request(cursor, key, owner, ttl, lock_wait)
-        sql.count_grant(cursor, {s.id: demand.counts[s.name] for s in locked}, now, lock_wait)
+        sql.count_grant(cursor, {s.id: demand.counts[s.name] for s in locked}, now)
         tokens = {s.name: s.fencing_counter + 1 for s in locked}
         sql.insert_permits(
             cursor,
             [(s.id, request_id, demand.counts[s.name], tokens[s.name]) for s in locked],
-            lock_wait,
         )
     # The row as inserted: what Django would build had it read the row back.
     request = PermitRequest.from_db(

@@ -300,9 +300,7 @@ class Statements:
         stamp = functools.partial(backends.datetime_from_db, self.connection)
         return int(request_id), stamp(now), None if expires_at is None else stamp(expires_at)
 
-    def count_grant(
-        self, cursor: CursorWrapper, added: dict[int, int], now: datetime, lock_wait: float
-    ) -> None:
+    def count_grant(self, cursor: CursorWrapper, added: dict[int, int], now: datetime) -> None:
         """Advance the fencing counter and raise ``in_use`` by ``added``
         (semaphore id -> count) on rows this transaction holds locked."""
         counts = set(added.values())
@@ -311,20 +309,20 @@ class Statements:
         else:
             sql = "CASE " + " ".join([self.add_case_sql] * len(added)) + " END"
             params = [value for item in added.items() for value in item]
+        # No lock wait to bound: the rows are this transaction's already.
         cursor.execute(
-            self.bounded(
-                self.grant_sql.format(added=sql, ids=_placeholders(len(added))), lock_wait
-            ),
+            self.grant_sql.format(added=sql, ids=_placeholders(len(added))),
             [*params, self.connection.ops.adapt_datetimefield_value(now), *added],
         )
 
-    def insert_permits(
-        self, cursor: CursorWrapper, rows: list[tuple[int, int, int, int]], lock_wait: float
-    ) -> None:
+    def insert_permits(self, cursor: CursorWrapper, rows: list[tuple[int, int, int, int]]) -> None:
         """``rows``: (semaphore id, request id, count, fencing token) each."""
+        # No lock wait to bound: the rows its keys refer to (the request, the
+        # semaphores) are this transaction's, and no other can insert a token
+        # of these semaphores while it holds them.
         values = ", ".join(["(%s, %s, %s, %s, %s)"] * len(rows))
         cursor.execute(
-            self.bounded(self.insert_permits_sql.format(rows=values), lock_wait),
+            self.insert_permits_sql.format(rows=values),
             [value for row in rows for value in (*row, self.acquired)],
         )
 

@@ -136,12 +136,12 @@ def _remove_semaphore_row_write(statements: Any) -> None:
     conflict Galera certifies too, and the check would prove nothing."""
     insert_permits = statements.insert_permits
 
-    def insert_uncoordinated(self: Any, cursor: Any, rows: Any, lock_wait: float) -> None:
+    def insert_uncoordinated(self: Any, cursor: Any, rows: Any) -> None:
         rows = [
             (semaphore, request, count, random.getrandbits(62))
             for semaphore, request, count, _ in rows
         ]
-        insert_permits(self, cursor, rows, lock_wait)
+        insert_permits(self, cursor, rows)
 
-    statements.count_grant = lambda self, cursor, added, now, lock_wait: None
+    statements.count_grant = lambda self, cursor, added, now: None
     statements.insert_permits = insert_uncoordinated
