@@ -8,7 +8,7 @@ deleted at any time.  Everything is idempotent, so the test command and CI can
 simply call ``start`` every time.
 
     python3 scripts/servers.py start [mariadb] [postgres] [redis] [galera]   # default: all
-    python3 scripts/servers.py stop
+    python3 scripts/servers.py stop     # every server under the runtime dir
     python3 scripts/servers.py env      # `export SEMAPHORE_*_URL=...` lines
 
 ``start`` prints the same ``export`` lines as ``env`` (for the servers it
@@ -27,6 +27,11 @@ Configuration (environment):
 ``galera`` is a 3-node MariaDB Galera cluster (multi-primary) on loopback, data
 under <runtime>/galera/node{1,2,3}; besides SEMAPHORE_GALERA_URL (node 1) it
 exports SEMAPHORE_GALERA_URLS, the three nodes' URLs separated by commas.
+
+A runtime dir may hold other runtime dirs one level down (the fault suite
+keeps its own MariaDB and Redis in <runtime>/faults, since it kills them):
+``stop`` stops those too, and then fails if any process still works in the
+runtime dir, so nothing a test run started outlives it unnoticed.
 
 Stdlib only: this runs before any virtualenv exists.
 """
@@ -711,6 +716,8 @@ def _start_redis() -> str:
         "daemonize": "yes",
         "pidfile": str(pid_file),
         "logfile": str(log),
+        # Stopped through its socket: the port may be another runtime dir's.
+        "unixsocket": str(home / "redis.sock"),
         "dir": str(home),
     }
     flags = [part for name, value in options.items() for part in (f"--{name}", value)]
@@ -728,8 +735,8 @@ def _stop_redis() -> bool:
     pid = _redis_pid()
     if pid is None:
         return False
-    shutdown = ["redis-cli", "-h", "127.0.0.1", "-p", str(port("redis")), "shutdown"]
-    _shut_down("redis", pid, [*shutdown, "nosave"])
+    socket_path = _redis_home() / "redis.sock"
+    _shut_down("redis", pid, ["redis-cli", "-s", socket_path, "shutdown", "nosave"])
     return True
 
 
@@ -992,14 +999,68 @@ def start(names: Sequence[str] = SERVERS) -> dict[str, str]:
 
 
 def stop(names: Sequence[str] = SERVERS) -> None:
-    """Stop the named servers gracefully; servers that are not running are fine."""
+    """Stop the named servers gracefully, here and in the runtime dirs nested one
+    level down; servers that are not running are fine.  Stopping them all (no
+    names) then checks that no process is left working in the runtime dir."""
     chosen = _canonical(names)
-    if not runtime_dir().exists():
+    root = runtime_dir()
+    if not root.exists():
         return
-    with _locked():
-        for name in chosen:
-            stopped = STOPPERS[name]()
-            _say(f"{name:<9} {'stopped' if stopped else 'not running'}")
+    for home in [root, *_nested_runtime_dirs(root)]:
+        with _runtime_dir_set(home), _locked():
+            for name in chosen:
+                stopped = STOPPERS[name]()
+                where = "" if home == root else f"  ({home.name})"
+                _say(f"{name:<9} {'stopped' if stopped else 'not running'}{where}")
+    left = leftover_processes(root) if set(chosen) == set(SERVERS) else {}
+    if left:
+        listing = "\n".join(f"  pid {pid}: {command}" for pid, command in sorted(left.items()))
+        raise ServerError(f"processes still run in {root} after stopping every server:\n{listing}")
+
+
+def _nested_runtime_dirs(root: Path) -> list[Path]:
+    """Runtime dirs inside `root` (another suite's own servers): every runtime dir
+    that was ever used holds the `.lock` that start and stop take."""
+    return sorted(
+        child
+        for child in root.iterdir()
+        if child.is_dir() and not child.is_symlink() and (child / ".lock").exists()
+    )
+
+
+@contextlib.contextmanager
+def _runtime_dir_set(path: Path) -> Iterator[None]:
+    """Point every helper here at `path` for a while (they read the environment)."""
+    saved = os.environ.get("SEMAPHORE_RUNTIME_DIR")
+    os.environ["SEMAPHORE_RUNTIME_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("SEMAPHORE_RUNTIME_DIR", None)
+        else:
+            os.environ["SEMAPHORE_RUNTIME_DIR"] = saved
+
+
+def leftover_processes(root: Path) -> dict[int, str]:
+    """Live processes working in `root` or in a directory one of its symlinks
+    points to (a cluster kept in /tmp), pid -> command line.  Every server here
+    chdirs into its data dir, and a server's helpers run in it too, so this is
+    what proves that nothing started under `root` still runs; the demo's
+    processes, which only name files in it, work in the checkout."""
+    links = [*root.glob("*"), *root.glob("*/*")]  # <runtime>[/<nested>]/postgres, /galera
+    roots = [root.resolve(), *(link.resolve() for link in links if link.is_symlink())]
+    left = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or not _alive(int(entry.name)):
+            continue
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+        except OSError:  # gone meanwhile, or not ours to look at
+            continue
+        if any(cwd.is_relative_to(where) for where in roots):
+            left[int(entry.name)] = " ".join(_cmdline(int(entry.name))).strip()
+    return left
 
 
 def restart_mariadb(hard: bool) -> None:
