@@ -716,8 +716,6 @@ def _start_redis() -> str:
         "daemonize": "yes",
         "pidfile": str(pid_file),
         "logfile": str(log),
-        # Stopped through its socket: the port may be another runtime dir's.
-        "unixsocket": str(home / "redis.sock"),
         "dir": str(home),
     }
     flags = [part for name, value in options.items() for part in (f"--{name}", value)]
@@ -735,8 +733,9 @@ def _stop_redis() -> bool:
     pid = _redis_pid()
     if pid is None:
         return False
-    socket_path = _redis_home() / "redis.sock"
-    _shut_down("redis", pid, ["redis-cli", "-s", socket_path, "shutdown", "nosave"])
+    # SIGTERM is Redis's graceful shutdown (nothing to save here), and unlike
+    # `redis-cli -p` it cannot reach another runtime dir's Redis on this port.
+    _shut_down("redis", pid, ["kill", "-TERM", str(pid)])
     return True
 
 
