@@ -10,6 +10,7 @@ simply call ``start`` every time.
     python3 scripts/servers.py start [mariadb] [postgres] [redis] [galera]   # default: all
     python3 scripts/servers.py stop     # every server under the runtime dir
     python3 scripts/servers.py env      # `export SEMAPHORE_*_URL=...` lines
+    python3 scripts/servers.py leftovers RUN_ID   # fail if a process of the run lives
 
 ``start`` prints the same ``export`` lines as ``env`` (for the servers it
 started), so ``eval "$(python3 scripts/servers.py start)"`` works.  Progress
@@ -1079,9 +1080,49 @@ def restart_mariadb(hard: bool) -> None:
 # ---------------------------------------------------------------- command line
 
 
+RUN_MARKER = "SEMAPHORE_RUN_ID"
+
+
+def processes_of_run(run_id: str, grace: float = 10.0) -> dict[int, str]:
+    """Live processes that inherited ``SEMAPHORE_RUN_ID=<run_id>`` (pid -> command
+    line), apart from this one and its ancestors, after waiting up to `grace`
+    seconds for stragglers to exit.  The test command exports the marker
+    first, so every process it starts carries it, wherever it runs and even
+    when it left its parent's session (a server, a daemonized Redis, a Celery
+    worker): what is still alive at the end was leaked."""
+    marker = f"{RUN_MARKER}={run_id}".encode()
+    ours = {os.getpid()}
+    pid = os.getppid()
+    while pid > 1 and pid not in ours:  # the command that asked, and its callers
+        ours.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    deadline = time.monotonic() + grace
+    while True:
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) in ours:
+                continue
+            try:
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            if marker in environ and _alive(int(entry.name)):
+                found[int(entry.name)] = " ".join(_cmdline(int(entry.name))).strip()
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
 def main(argv: Sequence[str]) -> int:
-    usage = "usage: servers.py start [mariadb] [postgres] [redis] [galera] | stop | env"
-    if not argv or argv[0] not in ("start", "stop", "env") or (argv[0] == "env" and argv[1:]):
+    usage = (
+        "usage: servers.py start [mariadb] [postgres] [redis] [galera] | stop | env"
+        " | leftovers RUN_ID"
+    )
+    valid = {"start": None, "stop": None, "env": 0, "leftovers": 1}
+    if not argv or argv[0] not in valid or valid[argv[0]] not in (None, len(argv) - 1):
         _say(usage)
         return 2
     command, names = argv[0], list(argv[1:])
@@ -1090,6 +1131,11 @@ def main(argv: Sequence[str]) -> int:
             print(env_lines(start(names)))
         elif command == "stop":
             stop(names)
+        elif command == "leftovers":
+            left = processes_of_run(names[0])
+            listing = "\n".join(f"  pid {pid}: {cmd}" for pid, cmd in sorted(left.items()))
+            if left:
+                raise ServerError(f"processes of run {names[0]} outlived it:\n{listing}")
         else:
             print(env_lines(urls()))
     except ServerError as error:

@@ -1,4 +1,5 @@
-"""``scripts/servers.py stop`` leaves no server behind, nested runtime dirs included.
+"""``scripts/servers.py stop`` leaves no server behind, nested runtime dirs
+included, and ``servers.py leftovers`` finds any process a test run leaked.
 
 Real servers, started in a runtime dir of their own (inside this checkout's,
 so an interrupted run is still stopped by ``servers.py stop``) on free ports:
@@ -7,6 +8,7 @@ the servers the rest of the suite uses are never touched. Marked ``once``.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -71,3 +73,18 @@ def test_stop_fails_when_a_process_is_left_in_the_runtime_dir(runtime: Path) -> 
         stray.kill()
         stray.wait()
     servers.stop()
+
+
+def test_a_process_of_the_run_that_outlives_it_is_found(tmp_path: Path) -> None:
+    run_id = f"leftover-{tmp_path.name}"
+    marked = {**os.environ, servers.RUN_MARKER: run_id}
+    # Detached, as a server is: no longer in the run's session or process tree.
+    leaked = subprocess.Popen(["sleep", "300"], env=marked, start_new_session=True)
+    unrelated = subprocess.Popen(["sleep", "300"])
+    try:
+        assert servers.processes_of_run(run_id, grace=0) == {leaked.pid: "sleep 300"}
+    finally:
+        for process in (leaked, unrelated):
+            process.kill()
+            process.wait()
+    assert servers.processes_of_run(run_id, grace=0) == {}
