@@ -30,7 +30,9 @@ def run_all(
     servers.start()
     env = db.env_for(servers.url)
     db.create(servers.url, env)
-    work = Path(tempfile.mkdtemp(prefix="faults-histories-"))
+    # Inside the suite's runtime dir, so even an interrupted run leaves
+    # nothing in /tmp.
+    work = Path(tempfile.mkdtemp(prefix="histories-", dir=servers.runtime_dir))
     results = []
     try:
         for scenario in SCENARIOS:
