@@ -1063,23 +1063,6 @@ def leftover_processes(root: Path) -> dict[int, str]:
     return left
 
 
-def restart_mariadb(hard: bool) -> None:
-    """Restart MariaDB on the same data dir, for the fault suite.  `hard` SIGKILLs
-    mariadbd (a crash: the next start runs InnoDB recovery); otherwise it shuts
-    down cleanly.  Either way clients see their connections drop."""
-    with _locked():
-        pid = _mariadb_pid()
-        if pid is not None and hard:
-            os.kill(pid, signal.SIGKILL)
-            _wait_gone(pid, 10)
-        elif pid is not None:
-            _stop_mariadb()
-        _start_mariadb()
-
-
-# ---------------------------------------------------------------- command line
-
-
 RUN_MARKER = "SEMAPHORE_RUN_ID"
 
 
@@ -1114,6 +1097,23 @@ def processes_of_run(run_id: str, grace: float = 10.0) -> dict[int, str]:
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
+
+
+def restart_mariadb(hard: bool) -> None:
+    """Restart MariaDB on the same data dir, for the fault suite.  `hard` SIGKILLs
+    mariadbd (a crash: the next start runs InnoDB recovery); otherwise it shuts
+    down cleanly.  Either way clients see their connections drop."""
+    with _locked():
+        pid = _mariadb_pid()
+        if pid is not None and hard:
+            os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid, 10)
+        elif pid is not None:
+            _stop_mariadb()
+        _start_mariadb()
+
+
+# ---------------------------------------------------------------- command line
 
 
 def main(argv: Sequence[str]) -> int:
