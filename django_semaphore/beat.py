@@ -22,14 +22,18 @@ from datetime import timedelta
 from typing import Any
 
 RELEASE_ORPHANS = "django_semaphore.release_orphans"
+"""Task name (and schedule key) of the orphan sweep, ``tasks.release_orphans``."""
 CLEAN_RELEASED = "django_semaphore.clean_released"
+"""Task name (and schedule key) of ``tasks.clean_released``."""
 CLEAN_HISTORY = "django_semaphore.clean_history"
+"""Task name (and schedule key) of ``tasks.clean_history``."""
 
 DEFAULT_INTERVALS: dict[str, timedelta] = {
     RELEASE_ORPHANS: timedelta(minutes=5),
     CLEAN_RELEASED: timedelta(hours=4),
     CLEAN_HISTORY: timedelta(hours=24),
 }
+"""How often each task runs unless told otherwise (SPEC §3's defaults)."""
 
 
 def beat_schedule(
@@ -41,9 +45,13 @@ def beat_schedule(
 ) -> dict[str, dict[str, Any]]:
     """A fresh beat schedule with these intervals.
 
+    Each interval is seconds, a ``timedelta`` or a Celery ``crontab``;
+    ``None`` leaves that task out.
+
     Args:
-        release_orphans, clean_released, clean_history: how often each task
-            runs: seconds, a ``timedelta``, a ``crontab``; ``None`` leaves it out.
+        release_orphans: how often the orphan sweep runs.
+        clean_released: how often old released requests are deleted.
+        clean_history: how often old capacity history is deleted.
         queue: route the tasks to this queue (default: the default queue).
 
     Returns:
@@ -72,3 +80,4 @@ def beat_schedule(
 
 
 BEAT_SCHEDULE: dict[str, dict[str, Any]] = beat_schedule()
+"""The schedule with the default intervals, to merge into ``CELERY_BEAT_SCHEDULE``."""

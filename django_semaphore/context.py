@@ -228,14 +228,24 @@ def permit(
     background thread (a task under ``async with``) with its own connection;
     if the permit is lost meanwhile, leaving the block raises ``PermitLost``.
 
+    ``names``, ``owner``, ``ttl``, ``timeout`` and ``fair`` are as for
+    [`acquire`][django_semaphore.acquire], and so is every error raised on entry
+    (the block does not run then).
+
     Args:
-        names, owner, ttl, timeout, fair: as for :func:`django_semaphore.acquire`.
+        names: the semaphores, and how many permits of each.
         external_id: the idempotency key; a fresh UUID by default.
+        owner: who holds the permits, for the admin and the liveness sweep.
+        ttl: the lease; renewed in the background while ``heartbeat`` is on.
+        timeout: how long to wait for room on entry.
         heartbeat: renew the TTL while the block runs.
+        fair: wait in line, first come first served.
+
+    Returns:
+        A [`Grant`][django_semaphore.context.Grant], entered by ``with``.
 
     Raises:
-        Everything ``acquire`` raises, on entry (the block does not run);
-        PermitLost on exit.
+        PermitLost: on exit, when the permit was lost while the block ran.
     """
     return Grant(
         names,

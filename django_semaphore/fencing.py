@@ -1,9 +1,10 @@
 """Fencing for downstream resources (Kleppmann): reject a stale holder's write.
 
 A TTL can expire while its holder is paused; a newer holder then gets a higher
-token. A resource that calls :func:`advance` with the token before each write
-refuses the old holder when it wakes up. Call it in the same transaction as
-the write it guards so that the check and the write commit together.
+token. A resource that calls [`advance`][django_semaphore.fencing.advance]
+with the token before each write refuses the old holder when it wakes up.
+Call it in the same transaction as the write it guards so that the check and
+the write commit together.
 """
 
 from __future__ import annotations

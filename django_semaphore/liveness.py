@@ -3,7 +3,8 @@
 A checker answers ``ALIVE``, ``DEAD`` or ``UNKNOWN`` for each owner string it
 is asked about. Checkers are listed by dotted path in
 ``DJANGO_SEMAPHORE["LIVENESS_CHECKERS"]``; each path names a
-:class:`LivenessChecker` subclass or a plain function ``owner -> Liveness``.
+[`LivenessChecker`][django_semaphore.liveness.LivenessChecker] subclass or a
+plain function ``owner -> Liveness``.
 Only ``DEAD`` ever releases a permit, and only when no checker says ``ALIVE``:
 a checker that is unsure, fails or times out has said nothing.
 """
@@ -31,19 +32,37 @@ PARKED_PID = 0
 
 
 class Liveness(enum.Enum):
+    """A checker's answer about an owner. Only ``DEAD`` releases its permits:
+    a checker that cannot tell says ``UNKNOWN``, and the permit stays."""
+
     ALIVE = "alive"
     DEAD = "dead"
     UNKNOWN = "unknown"
 
 
 class LivenessChecker:
-    """Base class: override :meth:`check_owner`, or :meth:`check` to answer a
+    """Base class: override
+    [`check_owner`][django_semaphore.liveness.LivenessChecker.check_owner], or
+    [`check`][django_semaphore.liveness.LivenessChecker.check] to answer a
     whole batch at once (one network round trip instead of one per owner)."""
 
     def check(self, owners: Collection[str]) -> Mapping[str, Liveness]:
+        """Judge a batch of owners; the sweep calls this once per batch.
+
+        Args:
+            owners: owner strings as stored in ``PermitRequest.owner``.
+
+        Returns:
+            An answer for every owner; only ``DEAD`` releases a permit.
+        """
         return {owner: self.check_owner(owner) for owner in owners}
 
     def check_owner(self, owner: str) -> Liveness:
+        """Judge one owner; the default knows nothing (``UNKNOWN``).
+
+        Args:
+            owner: an owner string as stored in ``PermitRequest.owner``.
+        """
         return Liveness.UNKNOWN
 
 
@@ -149,6 +168,8 @@ class CeleryTaskChecker(LivenessChecker):
     timeout: float = 1.0
 
     def get_app(self) -> Any:
+        """The Celery app to ask: ``app`` if set, else Celery's current app
+        (imported late, so this module loads without Celery installed)."""
         if self.app is not None:
             return self.app
         from celery import current_app

@@ -1,50 +1,12 @@
 """Signals: the figures of every grant, wait, release and retry, for any
 metrics system (``django_semaphore.metrics`` feeds Prometheus from them).
 
-Every signal's sender is ``PermitRequest``; ``using`` is the database alias.
+Every signal's sender is ``PermitRequest`` (``counter_drift``'s: ``Semaphore``);
+``using`` is the database alias.
 Signals about writes are sent only after the transaction that made them true
 commits; the others are sent at once, when no transaction of the app is open.
 Receivers run in the caller's thread: keep them quick, and never raise.
-
-permit_acquired
-    ``request``: the new ACQUIRED request, with ``fencing_tokens`` mapping each
-    semaphore name to its token (not sent for an idempotent repeat that
-    granted nothing).
-
-acquire_finished
-    Once per ``acquire()`` call that ends in a grant or for want of room (not
-    for invalid arguments or database errors). ``names``: the semaphores
-    asked for, sorted; ``granted``: whether the call returned a held request
-    (new, or an idempotent repeat's); ``lacking``: the semaphores without room
-    when it was refused (empty when granted); ``waited``: seconds from the
-    call to its answer, on the monotonic clock.
-
-permit_released
-    ``request_ids``: the requests that were held and are now RELEASED;
-    ``reason``: a ``ReleaseReason`` value (``released``, ``expired``,
-    ``owner_dead``, ``stale``, ``admin``). One signal per release call or
-    sweep batch.
-
-hold_ended
-    After ``permit_released``, only while a receiver is connected (it costs
-    one query on the released rows). ``holds``: a list of
-    ``django_semaphore.holds.Hold`` (``request_id``, ``semaphore``, ``count``,
-    ``seconds`` from grant to release by the database's clock), one per
-    released permit; ``reason``: as above.
-
-counter_drift
-    The verifier found a semaphore's ``in_use`` counter differing from the
-    permits it counts (a bug, or rows changed outside the app). Sender:
-    ``Semaphore``. ``drift``: a ``django_semaphore.counter.Drift``
-    (``semaphore``, ``recorded``, ``actual``); ``corrected``: whether the
-    counter was set to ``actual``.
-
-database_retry
-    A transient database error is about to be retried. ``kind``: a
-    ``backends.Failure`` value (``contention``: deadlock, lock wait timeout,
-    busy database, or this process's pre-lock; ``disconnect``: the connection
-    was lost); ``attempt``: the attempt that failed, from 1; ``error``: the
-    exception. The last attempt's error is raised, not signalled.
+Each signal's keyword arguments are described below it.
 """
 
 from __future__ import annotations
@@ -52,8 +14,47 @@ from __future__ import annotations
 from django.dispatch import Signal
 
 permit_acquired = Signal()
+"""A request was granted, once committed. ``request``: the new ACQUIRED
+request, with ``fencing_tokens`` mapping each semaphore name to its token
+(not sent for an idempotent repeat that granted nothing).
+"""
+
 acquire_finished = Signal()
+"""Once per ``acquire()`` call that ends in a grant or for want of room (not
+for invalid arguments or database errors). ``names``: the semaphores
+asked for, sorted; ``granted``: whether the call returned a held request
+(new, or an idempotent repeat's); ``lacking``: the semaphores without room
+when it was refused (empty when granted); ``waited``: seconds from the
+call to its answer, on the monotonic clock.
+"""
+
 permit_released = Signal()
+"""Held requests ended, once committed. ``request_ids``: the requests that
+were held and are now RELEASED; ``reason``: a ``ReleaseReason`` value
+(``released``, ``expired``, ``owner_dead``, ``stale``, ``admin``). One
+signal per release call or sweep batch.
+"""
+
 hold_ended = Signal()
+"""After ``permit_released``, only while a receiver is connected (it costs
+one query on the released rows). ``holds``: a list of
+``django_semaphore.holds.Hold`` (``request_id``, ``semaphore``, ``count``,
+``seconds`` from grant to release by the database's clock), one per
+released permit; ``reason``: as for ``permit_released``.
+"""
+
 database_retry = Signal()
+"""A transient database error is about to be retried. ``kind``: a
+``backends.Failure`` value (``contention``: deadlock, lock wait timeout,
+busy database, or this process's pre-lock; ``disconnect``: the connection
+was lost); ``attempt``: the attempt that failed, from 1; ``error``: the
+exception. The last attempt's error is raised, not signalled.
+"""
+
 counter_drift = Signal()
+"""The verifier found a semaphore's ``in_use`` counter differing from the
+permits it counts (a bug, or rows changed outside the app). Sender:
+``Semaphore`` (every other signal's is ``PermitRequest``). ``drift``: a
+``django_semaphore.counter.Drift`` (``semaphore``, ``recorded``,
+``actual``); ``corrected``: whether the counter was set to ``actual``.
+"""

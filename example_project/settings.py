@@ -75,8 +75,11 @@ DJANGO_SEMAPHORE = {
     "SEMAPHORES": {"exports": 3, "backups": 1, "network": 2},
 }
 
-CELERY_BROKER_URL = env("CELERY_BROKER_URL", default="filesystem://")
-if CELERY_BROKER_URL == "filesystem://":
+# "localhost": the filesystem transport ignores it, but kombu warns on every
+# connection when a URL names no host.
+_FILESYSTEM_BROKER = "filesystem://localhost//"
+CELERY_BROKER_URL = env("CELERY_BROKER_URL", default=_FILESYSTEM_BROKER)
+if CELERY_BROKER_URL == _FILESYSTEM_BROKER:
     _queue = RUNTIME_DIR / "broker"
     for _folder in ("processed", "control"):
         (_queue / _folder).mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,9 @@ deleted at any time.  Everything is idempotent, so the test command and CI can
 simply call ``start`` every time.
 
     python3 scripts/servers.py start [mariadb] [postgres] [redis] [galera]   # default: all
-    python3 scripts/servers.py stop
+    python3 scripts/servers.py stop     # every server under the runtime dir
     python3 scripts/servers.py env      # `export SEMAPHORE_*_URL=...` lines
+    python3 scripts/servers.py leftovers RUN_ID   # fail if a process of the run lives
 
 ``start`` prints the same ``export`` lines as ``env`` (for the servers it
 started), so ``eval "$(python3 scripts/servers.py start)"`` works.  Progress
@@ -27,6 +28,11 @@ Configuration (environment):
 ``galera`` is a 3-node MariaDB Galera cluster (multi-primary) on loopback, data
 under <runtime>/galera/node{1,2,3}; besides SEMAPHORE_GALERA_URL (node 1) it
 exports SEMAPHORE_GALERA_URLS, the three nodes' URLs separated by commas.
+
+A runtime dir may hold other runtime dirs one level down (the fault suite
+keeps its own MariaDB and Redis in <runtime>/faults, since it kills them):
+``stop`` stops those too, and then fails if any process still works in the
+runtime dir, so nothing a test run started outlives it unnoticed.
 
 Stdlib only: this runs before any virtualenv exists.
 """
@@ -728,8 +734,9 @@ def _stop_redis() -> bool:
     pid = _redis_pid()
     if pid is None:
         return False
-    shutdown = ["redis-cli", "-h", "127.0.0.1", "-p", str(port("redis")), "shutdown"]
-    _shut_down("redis", pid, [*shutdown, "nosave"])
+    # SIGTERM is Redis's graceful shutdown (nothing to save here), and unlike
+    # `redis-cli -p` it cannot reach another runtime dir's Redis on this port.
+    _shut_down("redis", pid, ["kill", "-TERM", str(pid)])
     return True
 
 
@@ -992,14 +999,104 @@ def start(names: Sequence[str] = SERVERS) -> dict[str, str]:
 
 
 def stop(names: Sequence[str] = SERVERS) -> None:
-    """Stop the named servers gracefully; servers that are not running are fine."""
+    """Stop the named servers gracefully, here and in the runtime dirs nested one
+    level down; servers that are not running are fine.  Stopping them all (no
+    names) then checks that no process is left working in the runtime dir."""
     chosen = _canonical(names)
-    if not runtime_dir().exists():
+    root = runtime_dir()
+    if not root.exists():
         return
-    with _locked():
-        for name in chosen:
-            stopped = STOPPERS[name]()
-            _say(f"{name:<9} {'stopped' if stopped else 'not running'}")
+    for home in [root, *_nested_runtime_dirs(root)]:
+        with _runtime_dir_set(home), _locked():
+            for name in chosen:
+                stopped = STOPPERS[name]()
+                where = "" if home == root else f"  ({home.name})"
+                _say(f"{name:<9} {'stopped' if stopped else 'not running'}{where}")
+    left = leftover_processes(root) if set(chosen) == set(SERVERS) else {}
+    if left:
+        listing = "\n".join(f"  pid {pid}: {command}" for pid, command in sorted(left.items()))
+        raise ServerError(f"processes still run in {root} after stopping every server:\n{listing}")
+
+
+def _nested_runtime_dirs(root: Path) -> list[Path]:
+    """Runtime dirs inside `root` (another suite's own servers): every runtime dir
+    that was ever used holds the `.lock` that start and stop take."""
+    return sorted(
+        child
+        for child in root.iterdir()
+        if child.is_dir() and not child.is_symlink() and (child / ".lock").exists()
+    )
+
+
+@contextlib.contextmanager
+def _runtime_dir_set(path: Path) -> Iterator[None]:
+    """Point every helper here at `path` for a while (they read the environment)."""
+    saved = os.environ.get("SEMAPHORE_RUNTIME_DIR")
+    os.environ["SEMAPHORE_RUNTIME_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("SEMAPHORE_RUNTIME_DIR", None)
+        else:
+            os.environ["SEMAPHORE_RUNTIME_DIR"] = saved
+
+
+def leftover_processes(root: Path) -> dict[int, str]:
+    """Live processes working in `root` or in a directory one of its symlinks
+    points to (a cluster kept in /tmp), pid -> command line.  Every server here
+    chdirs into its data dir, and a server's helpers run in it too, so this is
+    what proves that nothing started under `root` still runs; the demo's
+    processes, which only name files in it, work in the checkout."""
+    links = [*root.glob("*"), *root.glob("*/*")]  # <runtime>[/<nested>]/postgres, /galera
+    roots = [root.resolve(), *(link.resolve() for link in links if link.is_symlink())]
+    left = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or not _alive(int(entry.name)):
+            continue
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+        except OSError:  # gone meanwhile, or not ours to look at
+            continue
+        if any(cwd.is_relative_to(where) for where in roots):
+            left[int(entry.name)] = " ".join(_cmdline(int(entry.name))).strip()
+    return left
+
+
+RUN_MARKER = "SEMAPHORE_RUN_ID"
+
+
+def processes_of_run(run_id: str, grace: float = 10.0) -> dict[int, str]:
+    """Live processes that inherited ``SEMAPHORE_RUN_ID=<run_id>`` (pid -> command
+    line), apart from this one and its ancestors, after waiting up to `grace`
+    seconds for stragglers to exit.  The test command exports the marker
+    first, so every process it starts carries it, wherever it runs and even
+    when it left its parent's session (a server, a daemonized Redis, a Celery
+    worker): what is still alive at the end was leaked."""
+    marker = f"{RUN_MARKER}={run_id}".encode()
+    ours = {os.getpid()}
+    pid = os.getppid()
+    while pid > 1 and pid not in ours:  # the command that asked, and its callers
+        ours.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    deadline = time.monotonic() + grace
+    while True:
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) in ours:
+                continue
+            try:
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            if marker in environ and _alive(int(entry.name)):
+                found[int(entry.name)] = " ".join(_cmdline(int(entry.name))).strip()
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 def restart_mariadb(hard: bool) -> None:
@@ -1020,8 +1117,12 @@ def restart_mariadb(hard: bool) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    usage = "usage: servers.py start [mariadb] [postgres] [redis] [galera] | stop | env"
-    if not argv or argv[0] not in ("start", "stop", "env") or (argv[0] == "env" and argv[1:]):
+    usage = (
+        "usage: servers.py start [mariadb] [postgres] [redis] [galera] | stop | env"
+        " | leftovers RUN_ID"
+    )
+    valid = {"start": None, "stop": None, "env": 0, "leftovers": 1}
+    if not argv or argv[0] not in valid or valid[argv[0]] not in (None, len(argv) - 1):
         _say(usage)
         return 2
     command, names = argv[0], list(argv[1:])
@@ -1030,6 +1131,11 @@ def main(argv: Sequence[str]) -> int:
             print(env_lines(start(names)))
         elif command == "stop":
             stop(names)
+        elif command == "leftovers":
+            left = processes_of_run(names[0])
+            listing = "\n".join(f"  pid {pid}: {cmd}" for pid, cmd in sorted(left.items()))
+            if left:
+                raise ServerError(f"processes of run {names[0]} outlived it:\n{listing}")
         else:
             print(env_lines(urls()))
     except ServerError as error:

@@ -10,6 +10,7 @@ Screenshots go to ``$SEMAPHORE_SCREENSHOTS`` (default
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,7 +78,10 @@ def server(django_db_setup, django_db_blocker) -> Iterator[str]:
 def browser(pytestconfig) -> Iterator[webdriver.Chrome]:
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    profile = tempfile.mkdtemp(prefix="semaphore-chromium-")
+    # In the checkout's runtime dir, and removed afterwards: a run leaves
+    # nothing behind in /tmp.
+    (REPO / ".runtime").mkdir(exist_ok=True)
+    profile = tempfile.mkdtemp(prefix="chromium-profile-", dir=REPO / ".runtime")
     for flag in [
         "--headless=new",
         "--no-sandbox",  # running as root in a container
@@ -100,6 +104,7 @@ def browser(pytestconfig) -> Iterator[webdriver.Chrome]:
         yield driver
     finally:
         driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
         # Past output capturing, so the folder shows in every run's output.
         reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
         capture = pytestconfig.pluginmanager.get_plugin("capturemanager")

@@ -108,6 +108,20 @@ def test_first_readme_command_on_a_clean_checkout(tmp_path):
             assert demo.poll() is None, (tmp_path / "demo.log").read_text()[-3000:]
             assert time.monotonic() < deadline, (tmp_path / "demo.log").read_text()[-3000:]
             time.sleep(1)
+        # The first screen is the exports semaphore's page (behind the login),
+        # with a day of history on its chart.
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as page:
+            assert "/admin/django_semaphore/semaphore/" in page.url
+        database = checkout / "example_project" / "db.sqlite3"
+        with sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=5) as db:
+            (changes,) = db.execute("SELECT COUNT(*) FROM django_semaphore_capacitychange")
+        assert changes == (2,)
+        # No surprises for a new user: the traffic generator waited for the
+        # web server, and nothing failed.
+        traffic = (checkout / ".runtime" / "example" / "traffic.log").read_text()
+        assert "GET " in traffic
+        assert "unreachable" not in traffic
+        assert "Traceback" not in (tmp_path / "demo.log").read_text()
     finally:
         demo.send_signal(signal.SIGINT)  # what Ctrl-C sends
         try:

@@ -1,37 +1,35 @@
 """The fault-injection suite's CI subset (``python -m benchmarks.faults --ci``).
 
 Runs every scenario of ``benchmarks/faults`` briefly -- real client processes,
-real faults -- on a MariaDB and a Redis of its own (own runtime dir and
-ports), because it restarts and SIGKILLs its server: the servers the rest of
-the suite uses are never touched. If they cannot be started the test fails;
-it never skips. Marked ``once``: it does not depend on the database under
-test, so the test command runs it in one pass only. The full run
-(>= 200,000 acquires) is
-``python -m benchmarks.faults``; see docs/faults.md.
+real faults -- on a MariaDB and a Redis of its own (own ports, and its own
+runtime dir ``<runtime>/faults`` inside the one ``scripts/servers.py`` owns, so
+``servers.py stop`` ends them too), because it restarts and SIGKILLs its
+server: the servers the rest of the suite uses are never touched. If they
+cannot be started the test fails; it never skips. Marked ``once``: it does
+not depend on the database under test, so the test command runs it in one
+pass only. The full run (>= 200,000 acquires) is ``python -m benchmarks.faults``;
+see docs/faults.md.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
 from benchmarks.faults.__main__ import CI_MINIMUM, run_all, table
-from benchmarks.faults.runner import Servers
+from benchmarks.faults.runner import Servers, own_runtime_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.once, pytest.mark.timeout(900)]
 
-RUNTIME = Path(tempfile.gettempdir()) / "django-semaphore-faults-ci"
 MARIADB_PORT = int(os.environ.get("FAULTS_CI_MARIADB_PORT", "33091"))
 REDIS_PORT = int(os.environ.get("FAULTS_CI_REDIS_PORT", "63811"))
 
 
 def test_no_invariant_breaks_under_faults(capsys):
-    servers = Servers(str(RUNTIME), MARIADB_PORT, REDIS_PORT)
+    servers = Servers(str(own_runtime_dir()), MARIADB_PORT, REDIS_PORT)
     began = time.monotonic()
 
     results = run_all(servers, ci=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.faults import db
-from benchmarks.faults.runner import REPO, Servers, run_scenario
+from benchmarks.faults.runner import REPO, Servers, own_runtime_dir, run_scenario
 from benchmarks.faults.scenarios import SCENARIOS
 
 FULL_MINIMUM = 200_000
@@ -31,7 +30,9 @@ def run_all(
     servers.start()
     env = db.env_for(servers.url)
     db.create(servers.url, env)
-    work = Path(tempfile.mkdtemp(prefix="faults-histories-"))
+    # Inside the suite's runtime dir, so even an interrupted run leaves
+    # nothing in /tmp.
+    work = Path(tempfile.mkdtemp(prefix="histories-", dir=servers.runtime_dir))
     results = []
     try:
         for scenario in SCENARIOS:
@@ -79,9 +80,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.faults", description=__doc__)
     parser.add_argument("--ci", action="store_true", help="the short subset the tests run")
     parser.add_argument("--only", default="", help="comma-separated scenario names")
-    parser.add_argument(
-        "--runtime-dir", default=os.environ.get("FAULTS_RUNTIME_DIR", "/tmp/faults-rt")
-    )
+    parser.add_argument("--runtime-dir", default=str(own_runtime_dir()))
     parser.add_argument("--mariadb-port", type=int, default=33081)
     parser.add_argument("--redis-port", type=int, default=63801)
     args = parser.parse_args(argv)

@@ -35,6 +35,13 @@ def servers_module() -> ModuleType:
     return module
 
 
+def own_runtime_dir() -> Path:
+    """Where this suite's servers live: a runtime dir nested in the one
+    ``scripts/servers.py`` owns, so ``servers.py stop`` (and the end of
+    ``scripts/test``) stops them with the others."""
+    return Path(servers_module().runtime_dir()) / "faults"
+
+
 @dataclass
 class Servers:
     """This suite's own MariaDB and Redis, never the test suite's."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import sys
 import traceback
 
@@ -25,6 +26,11 @@ def main() -> None:
     import django_semaphore.api  # noqa: F401  (imported once, before forking)
     from benchmarks.faults import client
 
+    # The runner arms faults with SIGUSR1 at any live client, a replacement
+    # too, which installs its handler only once it has connected: until then
+    # the default action would kill it, counted as a crash. Forked children
+    # inherit this, so an early arm is dropped (the runner arms again).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     out = sys.stdout
     stdin = sys.stdin.fileno()
     buffer = b""

@@ -6,8 +6,10 @@ import time
 from collections.abc import Iterator
 
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.shortcuts import redirect
 
 from django_semaphore import holds_permit
+from django_semaphore.models import Semaphore
 
 
 @holds_permit("exports", ttl=60)
@@ -26,8 +28,8 @@ def export_csv(request: HttpRequest) -> StreamingHttpResponse:
 
 
 def index(request: HttpRequest) -> HttpResponse:
-    return HttpResponse(
-        "<h1>django-semaphore demo</h1>"
-        '<p><a href="/exports/report.csv">Download the export</a> (3 at a time) · '
-        '<a href="/admin/">Admin</a> (demo / demo)</p>'
-    )
+    """The demo's first screen: the ``exports`` semaphore in the admin, where the
+    traffic generator's downloads come and go (the admin asks for the demo
+    login first, then comes back here)."""
+    exports = Semaphore.objects.get(name="exports")
+    return redirect("admin:django_semaphore_semaphore_change", exports.pk)

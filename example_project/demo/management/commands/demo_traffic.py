@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from example_project.demo.tasks import build_export, run_backup, sync_mirror
 
@@ -21,8 +21,16 @@ class Command(BaseCommand):
         parser.add_argument("--url", default="http://127.0.0.1:8000")
         parser.add_argument("--clients", type=int, default=4)
         parser.add_argument("--seconds", type=float, default=0, help="0: until stopped")
+        parser.add_argument(
+            "--wait", type=float, default=120, help="seconds to wait for the web server"
+        )
 
-    def handle(self, *args: Any, url: str, clients: int, seconds: float, **options: Any) -> None:
+    def handle(
+        self, *args: Any, url: str, clients: int, seconds: float, wait: float, **options: Any
+    ) -> None:
+        # Started beside the web server: a first request before it listens
+        # would only log "connection refused".
+        self.wait_until_answering(url, wait)
         stop = threading.Event()
         downloaders = [
             threading.Thread(target=self.download, args=(f"{url}/exports/report.csv", stop))
@@ -47,6 +55,20 @@ class Command(BaseCommand):
             stop.set()
             for thread in downloaders:
                 thread.join()
+
+    def wait_until_answering(self, url: str, seconds: float) -> None:
+        """Return once the server at `url` answers HTTP at all (any status)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=5):
+                    return
+            except urllib.error.HTTPError:  # an answer, even if not a 200
+                return
+            except OSError as error:
+                if time.monotonic() > deadline:
+                    raise CommandError(f"{url} did not answer within {seconds:.0f}s") from error
+                time.sleep(0.5)
 
     def download(self, url: str, stop: threading.Event) -> None:
         while not stop.is_set():
