@@ -21,7 +21,7 @@ from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Q
 
-from django_semaphore import fairness, grant, routing, signals
+from django_semaphore import fairness, families, grant, routing, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import (
@@ -93,8 +93,11 @@ def acquire(
 
     Raises:
         InvalidRequest: a malformed argument (nothing is written);
-            ``CrossShardRequest`` when the names live on different aliases.
-        SemaphoreNotFound: a name has no semaphore.
+            ``CrossShardRequest`` when the names live on different aliases;
+            a family's pattern given as a name.
+        SemaphoreNotFound: a name has no semaphore, and no family's pattern
+            matches it (a name one matches is created on first use).
+        FamilyFull: creating a member would exceed its family's ``max_members``.
         CapacityExceeded: a count larger than the semaphore's capacity.
         SemaphoreExhausted: no room now (``AcquireTimeout`` once ``timeout`` ran out).
         IdempotencyConflict: the key was used with other names or counts.
@@ -103,6 +106,7 @@ def acquire(
         LockContention, DatabaseUnavailable: retries did not get through.
     """
     demand = validate_demand(names)
+    families.refuse_patterns(demand.names)
     key = validate_key(external_id)
     owner = validate_owner(owner)
     ttl_seconds = validate_ttl(ttl)
@@ -287,14 +291,33 @@ def set_capacity(
     Lowering below what is in use is allowed: the semaphore is over capacity
     and grants nothing until usage falls; held permits are never revoked.
     Runs in the caller's transaction if there is one (the admin's save).
+
+    A family member changed this way keeps its own capacity from then on
+    (the clean-up keeps it too). Changing a family's pattern changes the
+    family default: once committed, the members that follow it are changed
+    too, in batches, each recorded in their history.
     """
     capacity = validate_capacity(capacity)
     reason = validate_owner(reason, field="reason")
     connection = connections[routing.alias_for_name(name)]
-    return run_with_retries(
+    semaphore = run_with_retries(
         connection,
         lambda: _set_capacity(connection.alias, name, capacity, changed_by, reason),
     )
+    if families.is_family_default(name):
+        changed_by_id = None if changed_by is None else changed_by.pk
+        why = reason or f"family default of {name}"
+
+        def follow() -> None:
+            run_with_retries(
+                connection,
+                lambda: families.follow_default(connection.alias, name, changed_by_id, why),
+            )
+
+        # Members are changed after the default's own change is committed:
+        # at once, or when the caller's transaction (the admin's) commits.
+        transaction.on_commit(follow, using=connection.alias)
+    return semaphore
 
 
 def _set_capacity(
@@ -320,5 +343,7 @@ def _set_capacity(
                 reason=reason,
             )
             semaphore.capacity = capacity
-            semaphore.save(using=alias, update_fields=["capacity", "updated_at"])
+            # A member changed on its own no longer follows its family default.
+            semaphore.own_capacity = bool(semaphore.family)
+            semaphore.save(using=alias, update_fields=["capacity", "own_capacity", "updated_at"])
     return semaphore

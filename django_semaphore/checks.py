@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import timedelta
+from fnmatch import fnmatchcase
 from typing import Any
 
 from django.conf import settings
@@ -11,7 +12,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import DatabaseError, connections
 from django.utils.module_loading import import_string
 
-from django_semaphore import backends, routing
+from django_semaphore import backends, families, routing
 from django_semaphore.conf import DEFAULTS, DURATION_KEYS, app_settings
 from django_semaphore.validation import MAX_COUNT, MAX_LENGTH
 
@@ -93,16 +94,51 @@ def _check_checkers(value: Any) -> list[CheckMessage]:
 def _check_declared(value: Any) -> list[CheckMessage]:
     if not isinstance(value, Mapping):
         return [_error(9, "DJANGO_SEMAPHORE['SEMAPHORES'] must map names to capacities.")]
-    return [
+    errors: list[CheckMessage] = [
         _error(9, f"Declared semaphore {name!r}: {capacity!r} is not a valid name and capacity.")
         for name, capacity in value.items()
         if not (
             isinstance(name, str)
             and 0 < len(name) <= MAX_LENGTH
-            and isinstance(capacity, int)
-            and not isinstance(capacity, bool)
-            and 0 <= capacity <= MAX_COUNT
+            and (_is_capacity(capacity) or (families.is_pattern(name) and _is_family(capacity)))
         )
+    ]
+    if errors:
+        return errors
+    return [
+        Warning(
+            f"Family {pattern!r} may never create a member: {earlier!r}, declared "
+            "before it, matches it.",
+            hint="Declare the narrower pattern first: the first matching pattern wins.",
+            id="django_semaphore.W006",
+        )
+        for pattern, earlier in _shadowed([name for name in value if families.is_pattern(name)])
+    ]
+
+
+def _is_capacity(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+
+
+def _is_family(value: Any) -> bool:
+    """``{"capacity": n}`` with an optional ``"max_members"`` of at least 1."""
+    if not isinstance(value, Mapping) or not set(value) <= {"capacity", "max_members"}:
+        return False
+    bound = value.get("max_members")
+    return _is_capacity(value.get("capacity")) and (
+        bound is None or (_is_capacity(bound) and bound >= 1)
+    )
+
+
+def _shadowed(patterns: list[str]) -> list[tuple[str, str]]:
+    """(pattern, an earlier pattern that matches the pattern's own text): a
+    heuristic (hence a warning) for the usual mistake, a broad pattern such
+    as ``"export:*"`` declared before ``"export:customer:*"``."""
+    return [
+        (pattern, earlier)
+        for i, pattern in enumerate(patterns)
+        for earlier in patterns[:i]
+        if fnmatchcase(pattern, earlier)
     ]
 
 

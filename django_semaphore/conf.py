@@ -38,11 +38,18 @@ DEFAULTS: dict[str, Any] = {
     "LIVENESS_CHECKERS": [],
     # Status of a view response when its semaphore is exhausted.
     "VIEW_STATUS_CODE": 429,
-    # Declared semaphores, name -> initial capacity, created after migrate.
+    # Declared semaphores, name -> initial capacity, created after migrate. A
+    # name with wildcards is a family: its members are created on first use
+    # (a capacity, or {"capacity": n, "max_members": m}; see families.py).
     "SEMAPHORES": {},
+    # Family members not granted for this long, with nothing held or queued,
+    # are deleted by the clean-up (the family's pattern creates them again).
+    "MEMBER_IDLE_LIMIT": timedelta(days=1),
 }
 
-DURATION_KEYS = frozenset({"STALENESS_LIMIT", "RELEASED_RETENTION", "HISTORY_RETENTION"})
+DURATION_KEYS = frozenset(
+    {"STALENESS_LIMIT", "RELEASED_RETENTION", "HISTORY_RETENTION", "MEMBER_IDLE_LIMIT"}
+)
 
 # Set by ``routing.on_alias``: the alias the app's single-alias code (sweeps,
 # commands, the admin) works on while it visits each shard.
@@ -119,8 +126,12 @@ class Settings:
         return int(self._get("VIEW_STATUS_CODE"))
 
     @property
-    def SEMAPHORES(self) -> dict[str, int]:
+    def SEMAPHORES(self) -> dict[str, Any]:
         return dict(self._get("SEMAPHORES"))
+
+    @property
+    def MEMBER_IDLE_LIMIT(self) -> timedelta:
+        return self._get("MEMBER_IDLE_LIMIT")  # type: ignore[no-any-return]
 
 
 app_settings = Settings()

@@ -2,6 +2,8 @@
 
 Only missing ones are created: from then on capacity belongs to the admin and
 the capacity API, where every change is recorded, so settings never overwrite it.
+The same holds for a family's default capacity, kept in the row named by its
+pattern (see ``families.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from django.db import router
 
 from django_semaphore import routing
 from django_semaphore.conf import app_settings
+from django_semaphore.families import declared_capacity
 
 
 def create_declared_semaphores(using: str, **kwargs: Any) -> None:
@@ -20,9 +23,10 @@ def create_declared_semaphores(using: str, **kwargs: Any) -> None:
 
     if not router.allow_migrate_model(using, Semaphore):
         return
+    # A family's pattern is created too: its row holds the family default.
     declared = {
-        name: capacity
-        for name, capacity in app_settings.SEMAPHORES.items()
+        name: declared_capacity(value)
+        for name, value in app_settings.SEMAPHORES.items()
         if routing.alias_for_name(name) == using
     }
     if not declared:

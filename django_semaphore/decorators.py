@@ -14,7 +14,7 @@ import random
 import socket
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -62,7 +62,12 @@ def holds_permit(
 
     Args:
         names: a name or list of names (each ``count`` permits), or a mapping
-            name -> count.
+            name -> count; or a callable returning one of those, computed
+            for each call: a view's gets the request
+            (``lambda request: f"export:customer:{request.user.pk}"``), a
+            task's the task's arguments (``lambda customer_id, **_: ...``),
+            a function's its arguments. With a family declared in settings
+            the computed semaphore is created on first use.
         count: permits per name when ``names`` is not a mapping.
         ttl: lease renewed in the background while the body runs.
         timeout: seconds to wait for room before giving up (views, functions).
@@ -70,16 +75,18 @@ def holds_permit(
         fair: wait in first-come, first-served order (see ``acquire``); a
             task, which never waits, is refused while older waiters queue.
     """
-    # Validated now, so a typo fails at import rather than on the first request.
-    if isinstance(names, str):
-        names = [names]
-    if not isinstance(names, Mapping):
-        names = dict.fromkeys(validate_demand(names).names, count)
-    demand = validate_demand(names).counts
+    names_of: Callable[..., Any] | None = None
+    if callable(names) and not isinstance(names, str | Mapping):
+        names_of, demand = names, {}
+    else:
+        # Validated now, so a typo fails at import rather than on the first request.
+        demand = _demand(names, count)
     ttl_seconds = validate_ttl(ttl)
 
     def decorate(func: F) -> F:
-        options = _Options(demand, ttl_seconds, timeout, retry_after, _label(func), fair)
+        options = _Options(
+            demand, ttl_seconds, timeout, retry_after, _label(func), fair, count, names_of
+        )
         if inspect.iscoroutinefunction(func):
             return cast(F, _async_wrapper(func, options))
         return cast(F, _sync_wrapper(func, options))
@@ -95,6 +102,24 @@ class _Options:
     retry_after: int
     label: str  # module.qualname of the decorated function, for owners and logs
     fair: bool
+    count: int
+    names_of: Callable[..., Any] | None  # names computed from each call's arguments
+
+
+def _demand(names: Any, count: int) -> dict[str, int]:
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, Mapping):
+        names = dict.fromkeys(validate_demand(names).names, count)
+    return validate_demand(names).counts
+
+
+def _for_call(options: _Options, *args: Any, **kwargs: Any) -> _Options:
+    """The options of one call: its demand computed from its arguments, when
+    the decorator was given a callable."""
+    if options.names_of is None:
+        return options
+    return replace(options, demand=_demand(options.names_of(*args, **kwargs), options.count))
 
 
 def _label(func: Callable[..., Any]) -> str:
@@ -133,16 +158,20 @@ def _sync_wrapper(func: F, options: _Options) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         request = _find_request(args)
         if request is not None:
-            return _run_view(func, options, request, args, kwargs)
+            return _run_view(func, _for_call(options, request), request, args, kwargs)
         task = _running_task_of(wrapper)
         if task is not None:
-            return _run_task(func, options, task, args, kwargs)
+            # A bound task's body gets the task first; the names do not.
+            bound = getattr(task, "_get_current_object", lambda: task)()  # current_task's proxy
+            own = args[1:] if args and args[0] is bound else args
+            return _run_task(func, _for_call(options, *own, **kwargs), task, args, kwargs)
+        call = _for_call(options, *args, **kwargs)
         with permit(
-            options.demand,
-            owner=_process_owner(options.label),
-            ttl=options.ttl,
-            timeout=options.timeout,
-            fair=options.fair,
+            call.demand,
+            owner=_process_owner(call.label),
+            ttl=call.ttl,
+            timeout=call.timeout,
+            fair=call.fair,
         ):
             return func(*args, **kwargs)
 
@@ -154,19 +183,21 @@ def _async_wrapper(func: F, options: _Options) -> Callable[..., Any]:
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         request = _find_request(args)
         if request is None:
+            call = _for_call(options, *args, **kwargs)
             async with permit(
-                options.demand,
-                owner=_process_owner(options.label),
-                ttl=options.ttl,
-                timeout=options.timeout,
-                fair=options.fair,
+                call.demand,
+                owner=_process_owner(call.label),
+                ttl=call.ttl,
+                timeout=call.timeout,
+                fair=call.fair,
             ):
                 return await func(*args, **kwargs)
         key = uuid.uuid4().hex
-        refusal = await sync_to_async(_acquire_for_view)(options, request, key)
+        call = _for_call(options, request)
+        refusal = await sync_to_async(_acquire_for_view)(call, request, key)
         if refusal is not None:
             return refusal
-        heartbeat = _start_heartbeat(key, options.ttl)
+        heartbeat = _start_heartbeat(key, call.ttl)
         try:
             response = await func(*args, **kwargs)
         except BaseException:

@@ -34,6 +34,11 @@ class AcquireTimeout(SemaphoreExhausted, TimeoutError):
     """Still no room when the caller's ``timeout`` ran out."""
 
 
+class FamilyFull(SemaphoreExhausted):
+    """A family has its maximum number of live members: ``names`` were not
+    created (idle members are deleted by the clean-up, making room)."""
+
+
 class CrossShardRequest(InvalidRequest):
     """A request names semaphores placed on different database aliases."""
 

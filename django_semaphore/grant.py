@@ -26,7 +26,7 @@ from django.db import IntegrityError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
-from django_semaphore import backends, fairness, prelock, signals
+from django_semaphore import backends, fairness, families, prelock, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import (
     CapacityExceeded,
@@ -66,11 +66,14 @@ def acquire_once(
     ttl: int | None,
     lock_wait: float,
     place: fairness.Place,
+    creations: int = 0,
 ) -> PermitRequest:
     """One attempt at the grant; a repeated call is answered with its request.
 
     Raises ``SemaphoreExhausted`` when there is no room (the caller may wait
     and call again) and any database error as it came (the caller retries).
+    Missing names that a family matches are created (``families``), and the
+    grant is attempted again.
     """
     # No look-up of the key before the grant: the insert's unique index tells
     # whether the key is taken (or, when there is no room, the read that
@@ -98,11 +101,26 @@ def acquire_once(
         existing = reattach_key(connection, key, demand)
         if existing is not None:
             return existing
+    if isinstance(outcome, SemaphoreNotFound) and creations < MAX_CREATIONS:
+        # Only now, after the grant's transaction: the members are created in
+        # a transaction of their own, and the next attempt locks them in the
+        # usual sorted order. A name no family matches raises here.
+        families.create_members(connection, outcome.names, lock_wait)
+        return acquire_once(
+            connection, demand, key, owner, ttl, lock_wait, place, creations=creations + 1
+        )
     if isinstance(outcome, SemaphoreError):
         # Raised only after the commit, so that a reclaim of expired permits
         # done while deciding is kept.
         raise outcome
     return outcome
+
+
+# Attempts at creating a family's missing members before the name is reported
+# missing: more than one only when the clean-up deleted a member between its
+# creation and the grant; a name that a case-insensitive collation calls
+# equal to another member's is never found, however often it is created.
+MAX_CREATIONS = 3
 
 
 class KeyTaken:

@@ -57,6 +57,17 @@ class Semaphore(models.Model):
     # while it is in the past no ticket can be live, so an acquire skips the
     # queue check and pays nothing for fairness.
     queued_until = models.DateTimeField(_("queued until"), null=True, blank=True, editable=False)
+    # The pattern of the family this semaphore was created from on first use
+    # (``SEMAPHORES = {"export:customer:*": 2}``, see ``families.py``); empty
+    # for every other semaphore. Only members are ever deleted by the
+    # clean-up, and only while idle.
+    family = models.CharField(
+        _("family"), max_length=MAX_NAME_LENGTH, blank=True, default="", editable=False
+    )
+    # A member whose capacity was changed on its own (admin, set_capacity):
+    # it keeps that capacity when the family default changes, and the
+    # clean-up keeps it.
+    own_capacity = models.BooleanField(_("own capacity"), default=False, editable=False)
     created_at = models.DateTimeField(_("created at"), auto_now_add=True)
     updated_at = models.DateTimeField(_("updated at"), auto_now=True)
 
@@ -68,6 +79,11 @@ class Semaphore(models.Model):
         ordering = ["name"]
         constraints = [
             models.CheckConstraint(condition=Q(capacity__gte=0), name="semaphore_capacity_gte_0"),
+        ]
+        indexes = [
+            # A family's members: the live-member count, the admin's filter,
+            # and the clean-up's look-up of idle members (by last grant).
+            models.Index(fields=["family", "updated_at"], name="semaphore_family_idle"),
         ]
 
     def __str__(self) -> str:

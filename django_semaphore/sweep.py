@@ -7,8 +7,10 @@ command and the admin run.
   half-released requests (rows edited or restored from outside); and has
   ``counter.verify`` check every in-use counter.
 - :func:`clean_released` deletes requests released longer ago than
-  ``RELEASED_RETENTION``, with their permits; :func:`clean_history` deletes
-  ``CapacityChange`` rows older than ``HISTORY_RETENTION``;
+  ``RELEASED_RETENTION``, with their permits; :func:`clean_idle_members`
+  deletes family members idle past ``MEMBER_IDLE_LIMIT``;
+  :func:`clean_history` deletes ``CapacityChange`` rows older than
+  ``HISTORY_RETENTION``;
   :func:`clean_tickets` deletes fair-mode tickets past their deadline.
 
 Every decision about time uses the database's clock (``DatabaseNow``), never
@@ -105,7 +107,11 @@ class CleanupReport:
 
     def __str__(self) -> str:
         verb = "would delete" if self.dry_run else "deleted"
-        permits = f" and {self.permits} permits" if self.what == "released requests" else ""
+        permits = (
+            f" and {self.permits} permits"
+            if self.what in {"released requests", "idle family members"}
+            else ""
+        )
         text = f"{self.what.capitalize()}: {verb} {self.deleted}{permits}"
         if not self.dry_run:
             text += f" in {self.batches} batches"
@@ -328,6 +334,59 @@ def clean_history(
         report.deleted = old.count()
         return report
     return _delete_in_batches(old.order_by("changed_at"), report, batch_size, time_budget, progress)
+
+
+@_on_every_alias
+def clean_idle_members(
+    *,
+    batch_size: int | None = None,
+    time_budget: float | None = DEFAULT_TIME_BUDGET,
+    dry_run: bool = False,
+    progress: Callable[[CleanupReport], None] | None = None,
+) -> CleanupReport:
+    """Delete family members (semaphores created on first use) that hold
+    nothing, have no live fair waiter and were not granted for
+    ``MEMBER_IDLE_LIMIT``, with their released permits, dead tickets and
+    capacity history, in batches; arguments as for :func:`clean_released`.
+
+    Declared semaphores, family defaults and members whose capacity was
+    changed on their own are never deleted. A member acquired again later
+    is created again (its fencing tokens still increase, see ``families``).
+    """
+    from django_semaphore.models import CapacityChange, Permit, Semaphore, State, Ticket
+
+    alias = app_settings.DATABASE
+    now = DatabaseNow()
+    # The row lock of each batch re-reads these conditions on the latest
+    # committed row (InnoDB's locking read; PostgreSQL re-checks a row
+    # changed meanwhile), so a member granted since it was listed is kept.
+    idle = (
+        Semaphore.objects.using(alias)
+        .exclude(family="")
+        .filter(own_capacity=False, in_use=0, updated_at__lte=_ago(app_settings.MEMBER_IDLE_LIMIT))
+        .filter(Q(queued_until__isnull=True) | Q(queued_until__lte=now))
+        .filter(~Exists(Permit.objects.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)))
+    )
+    report = CleanupReport("idle family members", dry_run=dry_run)
+    if dry_run:
+        report.deleted = idle.count()
+        return report
+
+    def delete_dependents(ids: list[int]) -> int:
+        # What CASCADE would delete, without Django's collector reading it:
+        # released permits only (nothing is held), and dead tickets.
+        for model in (Ticket, CapacityChange):
+            _raw_delete(model.objects.using(alias).filter(semaphore_id__in=ids))
+        return _raw_delete(Permit.objects.using(alias).filter(semaphore_id__in=ids))
+
+    return _delete_in_batches(
+        idle.order_by("family", "updated_at"),
+        report,
+        batch_size,
+        time_budget,
+        progress,
+        before=delete_dependents,
+    )
 
 
 @_on_every_alias

@@ -22,8 +22,10 @@ def release_orphans() -> None:
 
 @shared_task(name="django_semaphore.clean_released", ignore_result=True)  # type: ignore[untyped-decorator]
 def clean_released(time_budget: float | None = sweep.DEFAULT_TIME_BUDGET) -> None:
-    """Delete requests released longer ago than ``RELEASED_RETENTION``."""
+    """Delete requests released longer ago than ``RELEASED_RETENTION``, and
+    family members idle longer than ``MEMBER_IDLE_LIMIT``."""
     sweep.clean_released(time_budget=time_budget)
+    sweep.clean_idle_members(time_budget=time_budget)
 
 
 @shared_task(name="django_semaphore.clean_history", ignore_result=True)  # type: ignore[untyped-decorator]

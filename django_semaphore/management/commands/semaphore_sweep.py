@@ -19,7 +19,10 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--orphans", action="store_true", help="Release orphaned requests.")
         parser.add_argument(
-            "--cleanup", action="store_true", help="Delete requests past RELEASED_RETENTION."
+            "--cleanup",
+            action="store_true",
+            help="Delete requests past RELEASED_RETENTION and family members idle past "
+            "MEMBER_IDLE_LIMIT.",
         )
         parser.add_argument(
             "--history", action="store_true", help="Delete capacity history past HISTORY_RETENTION."
@@ -54,6 +57,10 @@ class Command(BaseCommand):
                 batch_size=size, time_budget=budget, dry_run=dry_run, progress=self._progress
             )
             self.stdout.write(str(report))
+            members = sweep.clean_idle_members(
+                batch_size=size, time_budget=budget, dry_run=dry_run, progress=self._progress
+            )
+            self.stdout.write(str(members))
         if options["history"] or everything:
             report = sweep.clean_history(
                 batch_size=size, time_budget=budget, dry_run=dry_run, progress=self._progress

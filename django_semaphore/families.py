@@ -1,0 +1,282 @@
+"""Families: per-key semaphores, created on first use from a pattern.
+
+::
+
+    DJANGO_SEMAPHORE = {"SEMAPHORES": {
+        "exports": 3,                                      # declared
+        "export:customer:*": 2,                            # a family: default capacity 2
+        "sync:*": {"capacity": 1, "max_members": 10_000},  # at most 10,000 live members
+    }}
+
+A declared name with ``fnmatch`` wildcards (``*``, ``?``, ``[``) is a
+family's pattern. Acquiring a name that a pattern matches (the first, in
+settings order) creates that semaphore, a *member*, if it does not exist. A
+name no pattern matches still raises ``SemaphoreNotFound``.
+
+- **Nothing extra when the member exists.** The grant's locking read already
+  tells that a name is missing; only then does :func:`create_members` run,
+  in its own short transaction after the grant's has ended (so the sorted
+  lock order of grants is untouched), and the grant is attempted again.
+- **Race-free.** Creations of one family are serialized by the lock on its
+  *template* row, and the insert ignores a name that exists: two first
+  acquires create one row, and ``max_members`` is exact.
+- **The family default is a row**, the template: a semaphore named by the
+  pattern, created after ``migrate`` like the declared ones (or by the first
+  creation, if ``migrate`` has not run since the family was declared). Its
+  capacity belongs to the admin and ``set_capacity`` from then on, with its
+  history, like any declared capacity; a change is carried to the members
+  that follow the default (:func:`follow_default`). The template itself
+  cannot be acquired.
+- **Fencing tokens stay increasing across a member's lives.** A member's
+  fencing counter starts at the database clock in microseconds, not at 0: a
+  member deleted while idle and created again later hands out tokens above
+  every token of its earlier life (a grant takes far longer than a
+  microsecond), so a downstream ``fencing.advance`` never sees them go back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_semaphore import backends
+from django_semaphore.backends import DatabaseNow
+from django_semaphore.conf import app_settings
+from django_semaphore.exceptions import FamilyFull, InvalidRequest, SemaphoreNotFound
+
+if TYPE_CHECKING:
+    from django.db.models import QuerySet
+
+    from django_semaphore.models import Semaphore
+
+WILDCARDS = frozenset("*?[")
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A pattern declared in ``SEMAPHORES``, as settings give it."""
+
+    pattern: str
+    capacity: int  # the template's first capacity; the row's rules once it exists
+    max_members: int | None
+
+
+def is_pattern(name: str) -> bool:
+    """Whether a declared name is a family's pattern rather than a semaphore."""
+    return any(char in WILDCARDS for char in name)
+
+
+def declared_capacity(value: Any) -> int:
+    """The capacity of a ``SEMAPHORES`` value: ``2`` or ``{"capacity": 2, ...}``."""
+    return int(value["capacity"] if isinstance(value, Mapping) else value)
+
+
+def families() -> list[Family]:
+    """The declared families, in settings order (the order names are matched in)."""
+    return [
+        Family(
+            pattern,
+            declared_capacity(value),
+            value.get("max_members") if isinstance(value, Mapping) else None,
+        )
+        for pattern, value in app_settings.SEMAPHORES.items()
+        if is_pattern(pattern)
+    ]
+
+
+def family_of(name: str) -> Family | None:
+    """The family whose pattern matches ``name`` first; ``None`` if none does."""
+    for family in families():
+        if name != family.pattern and fnmatchcase(name, family.pattern):
+            return family
+    return None
+
+
+def refuse_patterns(names: Iterable[str]) -> None:
+    """A family's template row is its default, not a semaphore to acquire.
+
+    Raises:
+        InvalidRequest: a name is a declared family's pattern.
+    """
+    for name in names:
+        if is_pattern(name) and name in app_settings.SEMAPHORES:
+            raise InvalidRequest(
+                f"{name!r} is a family's pattern, not a semaphore: acquire a name it matches."
+            )
+
+
+def create_members(
+    connection: BaseDatabaseWrapper, missing: Iterable[str], lock_wait: float
+) -> None:
+    """Create the missing semaphores ``missing`` that families match, in one
+    short transaction of their own (members that exist meanwhile are left
+    as they are).
+
+    Raises:
+        SemaphoreNotFound: a name no family matches (nothing is created).
+        FamilyFull: a family would exceed its ``max_members``.
+    """
+    wanted: dict[str, list[str]] = {}
+    unknown: list[str] = []
+    for name in missing:
+        family = family_of(name)
+        if family is None:
+            unknown.append(name)
+        else:
+            wanted.setdefault(family.pattern, []).append(name)
+    if unknown:
+        raise SemaphoreNotFound(unknown)
+    declared = {family.pattern: family for family in families()}
+    alias = connection.alias
+    with backends.bounded_transaction(connection, lock_wait, durable=True):
+        templates = _lock_templates(alias, [declared[pattern] for pattern in sorted(wanted)])
+        for pattern in sorted(wanted):
+            _create(alias, declared[pattern], templates[pattern], wanted[pattern])
+
+
+@dataclass(frozen=True)
+class _Template:
+    capacity: int
+    fair: bool
+    now: datetime  # the database's clock, read with the lock
+
+
+def _lock_templates(alias: str, wanted: list[Family]) -> dict[str, _Template]:
+    """Lock the families' template rows in name order (as grants lock rows),
+    creating those that ``migrate`` has not created yet."""
+    from django_semaphore.models import Semaphore
+
+    patterns = [family.pattern for family in wanted]
+    locking = (
+        Semaphore.objects.using(alias)
+        .select_for_update()
+        .filter(name__in=patterns)
+        .order_by("name")
+        .annotate(db_now=DatabaseNow())
+        .values_list("name", "capacity", "fair", "db_now")
+    )
+    locked = {name: _Template(capacity, fair, now) for name, capacity, fair, now in locking}
+    absent = [family for family in wanted if family.pattern not in locked]
+    if absent:
+        Semaphore.objects.using(alias).bulk_create(
+            [Semaphore(name=family.pattern, capacity=family.capacity) for family in absent],
+            ignore_conflicts=True,
+        )
+        # Again, not from the first read's cache: every template exists now.
+        locked = {
+            name: _Template(capacity, fair, now) for name, capacity, fair, now in locking.all()
+        }
+    return locked
+
+
+def _create(alias: str, family: Family, template: _Template, names: list[str]) -> None:
+    from django_semaphore.models import Semaphore
+
+    members = Semaphore.objects.using(alias)
+    # Under the template's lock no other creation of this family runs: what
+    # exists now is exact. (A case-insensitive collation also calls equal a
+    # name that differs in case; the retried grant then reports it missing.)
+    existing = set(members.filter(name__in=names).values_list("name", flat=True))
+    new = sorted(name for name in names if name not in existing)
+    if not new:
+        return
+    if family.max_members is not None:
+        live = members.filter(family=family.pattern).count()
+        if live + len(new) > family.max_members:
+            raise FamilyFull(
+                new,
+                f"Family {family.pattern!r} has {live} live members, its maximum is "
+                f"{family.max_members}: not created: {', '.join(new)}",
+            )
+    start = _microseconds(template.now)
+    members.bulk_create(
+        [
+            Semaphore(
+                name=name,
+                capacity=template.capacity,
+                fair=template.fair,
+                family=family.pattern,
+                fencing_counter=start,
+            )
+            for name in new
+        ],
+        ignore_conflicts=True,
+    )
+
+
+def _microseconds(moment: datetime) -> int:
+    if moment.tzinfo is None:  # USE_TZ off: the database's local time, taken as UTC
+        moment = moment.replace(tzinfo=UTC)
+    return (moment - EPOCH) // timedelta(microseconds=1)
+
+
+def is_family_default(name: str) -> bool:
+    """Whether ``name`` is a declared family's pattern (its template row)."""
+    return is_pattern(name) and name in app_settings.SEMAPHORES
+
+
+def follow_default(alias: str, pattern: str, changed_by_id: Any, reason: str) -> int:
+    """Give the members that follow their family's default (not changed on
+    their own) the template's capacity, ``CLEANUP_BATCH_SIZE`` members per
+    short transaction, each change under the members' row locks and in
+    their capacity history. Returns how many members changed.
+
+    Each batch reads the template's capacity under its lock first (the order
+    creations lock in too): two default changes in a row end with the last.
+    """
+    total = 0
+    while changed := _follow_batch(alias, pattern, changed_by_id, reason):
+        total += changed
+    return total
+
+
+def _follow_batch(alias: str, pattern: str, changed_by_id: Any, reason: str) -> int:
+    from django_semaphore.models import CapacityChange, Semaphore
+
+    with transaction.atomic(using=alias):
+        capacity = (
+            Semaphore.objects.using(alias)
+            .select_for_update()
+            .filter(name=pattern)
+            .values_list("capacity", flat=True)
+            .first()
+        )
+        if capacity is None:
+            return 0
+        batch = list(
+            followers(alias, pattern)
+            .exclude(capacity=capacity)
+            .select_for_update()
+            .order_by("name")
+            .values_list("pk", "capacity")[: app_settings.CLEANUP_BATCH_SIZE]
+        )
+        if not batch:
+            return 0
+        CapacityChange.objects.using(alias).bulk_create(
+            CapacityChange(
+                semaphore_id=pk,
+                old_capacity=old,
+                new_capacity=capacity,
+                changed_by_id=changed_by_id,
+                reason=reason,
+            )
+            for pk, old in batch
+        )
+        Semaphore.objects.using(alias).filter(pk__in=[pk for pk, _ in batch]).update(
+            capacity=capacity
+        )
+        return len(batch)
+
+
+def followers(alias: str, pattern: str) -> QuerySet[Semaphore]:
+    """The members of ``pattern`` whose capacity is the family default's."""
+    from django_semaphore.models import Semaphore
+
+    return Semaphore.objects.using(alias).filter(family=pattern, own_capacity=False)
