@@ -37,6 +37,7 @@ from django.db.models import (
     Model,
     OuterRef,
     Prefetch,
+    Q,
     QuerySet,
     Subquery,
     Value,
@@ -54,7 +55,7 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
-from django_semaphore import routing
+from django_semaphore import families, routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.models import (
@@ -311,6 +312,22 @@ class UsageFilter(admin.SimpleListFilter):
         return queryset
 
 
+class FamilyFilter(admin.SimpleListFilter):
+    """A family's default row and its members; shown only where families are
+    declared (the choices are read per request, never at import)."""
+
+    title = _("family")
+    parameter_name = "family"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [(family.pattern, family.pattern) for family in families.families()]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() is None:
+            return queryset
+        return queryset.filter(Q(family=self.value()) | Q(name=self.value()))
+
+
 class SemaphoreForm(forms.ModelForm):
     capacity = forms.IntegerField(
         label=_("Capacity"),
@@ -356,7 +373,7 @@ class SemaphoreAdmin(OperatorAdmin):
         "longest_wait",
         "last_capacity_change",
     ]
-    list_filter = [UsageFilter, "fair"]
+    list_filter = [UsageFilter, "fair", FamilyFilter]
     search_fields = ["name"]
     ordering = ["name"]
     readonly_fields = [
@@ -367,6 +384,7 @@ class SemaphoreAdmin(OperatorAdmin):
         "waiters",
         "longest_wait",
         "fencing_counter",
+        "family_role",
         "created_at",
         "updated_at",
     ]
@@ -380,6 +398,8 @@ class SemaphoreAdmin(OperatorAdmin):
         settings = ["name", "capacity", "fair"]
         if self.has_change_permission(request, obj):
             settings.append("reason")
+        if obj.family or families.is_family_default(obj.name):
+            settings.append("family_role")
         return [
             (None, {"fields": settings}),
             (
@@ -409,6 +429,29 @@ class SemaphoreAdmin(OperatorAdmin):
     ) -> list[str] | tuple[str, ...]:
         # Renaming would strand every caller that acquires by the old name.
         return [*self.readonly_fields, "name"] if obj else self.readonly_fields
+
+    @admin.display(description=_("family"))
+    def family_role(self, obj: Semaphore) -> SafeString | str:
+        """What a capacity change here does: to a family's default, or to one member."""
+        if families.is_family_default(obj.name):
+            return format_html(
+                '{} <a href="{}">{}</a>',
+                gettext(
+                    "The default of this family: a change is made to every member that "
+                    "follows it, and to members created from then on."
+                ),
+                self.admin_url(Semaphore, "changelist", family=obj.name),
+                gettext("Its members"),
+            )
+        if not obj.family:
+            return self.get_empty_value_display()
+        if obj.own_capacity:
+            return gettext(
+                "Member of %(family)s, with a capacity of its own (kept by the clean-up)."
+            ) % {"family": obj.family}
+        return gettext(
+            "Member of %(family)s, following its default; deleted by the clean-up when idle."
+        ) % {"family": obj.family}
 
     @admin.display(description=_("in use"), ordering="in_use")
     def in_use(self, obj: Semaphore) -> int:

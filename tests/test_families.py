@@ -440,3 +440,46 @@ def test_the_clean_up_racing_acquires_never_deletes_a_held_member(family):
 
     assert run_threads(work, count=5) == []
     assert held
+
+
+# --- the admin -------------------------------------------------------------------------
+
+
+def test_the_admin_filters_a_family_with_its_default_and_utilization(family, client):
+    from tests.test_admin import SEMAPHORES, VIEW_ALL, staff
+
+    client.force_login(staff(*VIEW_ALL))
+    acquire(f"{family}:a", external_id=key())
+    acquire(f"{family}:b", external_id=key(), ttl=60)
+
+    changelist = client.get(SEMAPHORES, {"family": f"{family}:*"})
+
+    rows = {row.name: row.in_use for row in changelist.context["cl"].result_list}
+    assert rows == {f"{family}:*": 0, f"{family}:a": 1, f"{family}:b": 1}
+    assert "semaphore-bar" in changelist.content.decode()  # the utilization column
+
+
+def test_the_admin_changes_one_member_or_the_family_default(
+    family, client, django_capture_on_commit_callbacks
+):
+    from tests.test_admin import VIEW_ALL, semaphore_url, staff
+
+    user = staff(*VIEW_ALL, "change_semaphore")
+    client.force_login(user)
+    release(acquire(f"{family}:a", external_id=key()).external_id)
+    release(acquire(f"{family}:b", external_id=key()).external_id)
+    member = Semaphore.objects.get(name=f"{family}:a")
+    template = Semaphore.objects.get(name=f"{family}:*")
+    assert "default of this family" in client.get(semaphore_url(template)).content.decode()
+
+    one = client.post(semaphore_url(member), {"capacity": "9", "reason": "big"})
+    with django_capture_on_commit_callbacks(execute=True):
+        default = client.post(semaphore_url(template), {"capacity": "4", "reason": "more"})
+
+    assert (one.status_code, default.status_code) == (302, 302)
+    capacities = dict(
+        Semaphore.objects.filter(family=f"{family}:*").values_list("name", "capacity")
+    )
+    assert capacities == {f"{family}:a": 9, f"{family}:b": 4}
+    assert CapacityChange.objects.get(semaphore__name=f"{family}:b").changed_by == user
+    assert "capacity of its own" in client.get(semaphore_url(member)).content.decode()
