@@ -1,0 +1,279 @@
+"""Families (issue 17): members created by first use under many processes,
+and what an acquire on an existing member costs against a declared semaphore.
+
+1. **Creation**: ``--members`` names of the family ``bench:customer:*``
+   (capacity 2), none existing, split into one chunk per process; each
+   process acquires and releases every name of its own chunk and of the next
+   process's, in a random order, so every name is raced by two processes.
+   Counted: rows created, duplicate names, errors by type (any exception is
+   one: with capacity 2 and two racers, no acquire can even be refused).
+2. **Acquire cost**: the same processes loop acquire/release for
+   ``--duration`` seconds, each on a semaphore of its own (a member, then a
+   declared semaphore), then all on one (capacity 10): cycles/s and acquire
+   p50/p99, and the ratio member / declared.
+
+Usage (the database is created if missing and migrated; the family's and
+the benchmark's semaphores are deleted first)::
+
+    python -m benchmarks.families \\
+        --database-url mysql://semaphore:semaphore@127.0.0.1:33061/bench \\
+        --members 10000 --processes 16
+
+``tests/test_benchmark_families.py`` runs a small version on the database under test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+FAMILY = "bench:customer:*"
+DECLARED = "bench-declared"
+HOT_CAPACITY = 10
+
+
+def configure(database_url: str) -> None:
+    """Django settings for a standalone run (each client process too)."""
+    import django
+    import environ
+    from django.conf import settings
+
+    if settings.configured:
+        return
+    database = environ.Env.db_url_config(database_url)
+    if database["ENGINE"].endswith("sqlite3"):
+        database["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 30}
+    elif database["ENGINE"].endswith("mysql"):
+        database["OPTIONS"] = {"charset": "utf8mb4"}
+    settings.configure(
+        DATABASES={"default": database},
+        INSTALLED_APPS=["django.contrib.auth", "django.contrib.contenttypes", "django_semaphore"],
+        USE_TZ=True,
+        TIME_ZONE="UTC",
+        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
+        DJANGO_SEMAPHORE={"SEMAPHORES": {FAMILY: 2}},
+    )
+    django.setup()
+
+
+def member(i: int) -> str:
+    return FAMILY.replace("*", str(i))
+
+
+# --- phase 1: creation by first use ------------------------------------------------
+
+
+def create_loop(database_url: str, names: list[str], start: Any, results: Any) -> None:
+    """Acquire and release each of ``names`` once; sends back (latencies, errors)."""
+    configure(database_url)
+    from django.db import connections
+
+    from django_semaphore import acquire, release
+
+    latencies: list[float] = []
+    errors: list[str] = []
+    try:
+        start.wait()
+        for name in names:
+            key = uuid.uuid4().hex
+            began = time.perf_counter()
+            try:
+                acquire(name, external_id=key, owner="bench creator")
+            except Exception as exc:
+                errors.append(type(exc).__name__)
+                continue
+            latencies.append(time.perf_counter() - began)
+            try:
+                release(key)
+            except Exception as exc:
+                errors.append(type(exc).__name__)
+    finally:
+        results.put((latencies, errors))
+        connections.close_all()
+
+
+def create_members(database_url: str, members: int, processes: int) -> dict[str, Any]:
+    """Phase 1: every name raced by two processes; the rows checked after."""
+    from django.db.models import Count
+
+    from django_semaphore.models import Semaphore
+
+    chunks = [list(range(p, members, processes)) for p in range(processes)]
+    plans = []
+    for p in range(processes):
+        mine = [member(i) for i in chunks[p] + chunks[(p + 1) % processes]]
+        random.Random(p).shuffle(mine)
+        plans.append(mine)
+    latencies, errors, seconds = _run(database_url, create_loop, plans)
+    rows = Semaphore.objects.filter(family=FAMILY)
+    duplicates = (
+        Semaphore.objects.filter(name__startswith="bench:customer:")
+        .values("name")
+        .annotate(n=Count("id"))
+        .filter(n__gt=1)
+        .count()
+    )
+    return {
+        "members": members,
+        "processes": processes,
+        "acquires": sum(len(plan) for plan in plans),
+        "created": rows.count(),
+        "duplicates": duplicates,
+        "errors": dict(Counter(errors)),
+        "in_use_after": sum(rows.values_list("in_use", flat=True)),
+        "seconds": round(seconds, 2),
+        "acquires_per_second": round(len(latencies) / seconds, 1),
+        **_percentiles(latencies),
+    }
+
+
+# --- phase 2: acquire cost ----------------------------------------------------------
+
+
+def cycle_loop(database_url: str, name: str, start: Any, duration: float, results: Any) -> None:
+    """Acquire and release ``name`` for ``duration`` seconds."""
+    configure(database_url)
+    from django.db import connections
+
+    from django_semaphore import acquire, release
+
+    latencies: list[float] = []
+    errors: list[str] = []
+    try:
+        start.wait()
+        stop_at = time.monotonic() + duration
+        while time.monotonic() < stop_at:
+            key = uuid.uuid4().hex
+            began = time.perf_counter()
+            try:
+                acquire(name, external_id=key, owner="bench cycle")
+            except Exception as exc:
+                errors.append(type(exc).__name__)
+                continue
+            latencies.append(time.perf_counter() - began)
+            release(key)
+    finally:
+        results.put((latencies, errors))
+        connections.close_all()
+
+
+def cycles(database_url: str, names: list[str], duration: float) -> dict[str, Any]:
+    latencies, errors, _ = _run(database_url, cycle_loop, names, extra=(duration,))
+    return {
+        "cycles_per_second": round(len(latencies) / duration, 1),
+        "errors": dict(Counter(errors)),
+        **_percentiles(latencies),
+    }
+
+
+def acquire_cost(database_url: str, processes: int, duration: float) -> dict[str, Any]:
+    """Phase 2: own semaphore per process, then one shared, member against declared."""
+    from django_semaphore.models import Semaphore
+
+    Semaphore.objects.bulk_create(
+        [Semaphore(name=f"{DECLARED}-{p}", capacity=2) for p in range(processes)]
+        + [Semaphore(name=DECLARED, capacity=HOT_CAPACITY)]
+    )
+    # Created by phase 1; from now on with a capacity of its own.
+    Semaphore.objects.set_capacity(member(0), HOT_CAPACITY)
+    results: dict[str, Any] = {
+        "own, member": cycles(database_url, [member(p + 1) for p in range(processes)], duration),
+        "own, declared": cycles(
+            database_url, [f"{DECLARED}-{p}" for p in range(processes)], duration
+        ),
+        "one, member": cycles(database_url, [member(0)] * processes, duration),
+        "one, declared": cycles(database_url, [DECLARED] * processes, duration),
+    }
+    for shape in ("own", "one"):
+        mine, declared = results[f"{shape}, member"], results[f"{shape}, declared"]
+        results[f"{shape}: member / declared cycles"] = round(
+            mine["cycles_per_second"] / declared["cycles_per_second"], 2
+        )
+        results[f"{shape}: member / declared p50"] = round(mine["p50_ms"] / declared["p50_ms"], 2)
+    return results
+
+
+# --- plumbing -------------------------------------------------------------------------
+
+
+def _run(
+    database_url: str, target: Any, plans: list[Any], extra: tuple[Any, ...] = ()
+) -> tuple[list[float], list[str], float]:
+    """One spawned process per plan, all started together once each is set
+    up; (latencies, errors, seconds from the start)."""
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(len(plans) + 1), context.Queue()
+    workers = [
+        context.Process(target=target, args=(database_url, plan, start, *extra, results))
+        for plan in plans
+    ]
+    for worker in workers:
+        worker.start()
+    start.wait(timeout=120)
+    began = time.perf_counter()
+    latencies: list[float] = []
+    errors: list[str] = []
+    for _ in workers:
+        mine, theirs = results.get(timeout=3600)
+        latencies += mine
+        errors += theirs
+    seconds = time.perf_counter() - began
+    for worker in workers:
+        worker.join()
+        if worker.exitcode:
+            errors.append(f"process exit {worker.exitcode}")
+    return latencies, errors, seconds
+
+
+def _percentiles(latencies: list[float]) -> dict[str, float]:
+    if len(latencies) < 2:
+        return {"p50_ms": 0.0, "p99_ms": 0.0}
+    cuts = statistics.quantiles(latencies, n=100)
+    return {"p50_ms": round(cuts[49] * 1000, 2), "p99_ms": round(cuts[98] * 1000, 2)}
+
+
+def reset() -> None:
+    from django.core.management import call_command
+
+    from django_semaphore.models import PermitRequest, Semaphore
+
+    call_command("migrate", verbosity=0)
+    Semaphore.objects.filter(name__startswith="bench").delete()
+    PermitRequest.objects.filter(owner__startswith="bench").delete()
+
+
+def run(database_url: str, members: int, processes: int, duration: float) -> dict[str, Any]:
+    """Both phases on a fresh family; the figures as one dict."""
+    configure(database_url)
+    reset()
+    created = create_members(database_url, members, processes)
+    cost = acquire_cost(database_url, processes, duration)
+    from django.db import connection
+
+    return {"database": connection.vendor, "creation": created, "acquire": cost}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.families", description=__doc__)
+    parser.add_argument("--database-url", required=True)
+    parser.add_argument("--members", type=int, default=10_000)
+    parser.add_argument("--processes", type=int, default=16)
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per cost cell")
+    args = parser.parse_args(argv)
+    from benchmarks import db
+
+    db.ensure_database(db.Target.parse(args.database_url))
+    print(json.dumps(run(args.database_url, args.members, args.processes, args.duration), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
