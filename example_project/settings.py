@@ -72,7 +72,11 @@ STATIC_URL = "static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 DJANGO_SEMAPHORE = {
-    "SEMAPHORES": {"exports": 3, "backups": 1, "network": 2},
+    # "export:customer:*" is a family: one semaphore per customer, capacity 2,
+    # created on the customer's first export (see docs/families.md).
+    "SEMAPHORES": {"exports": 3, "backups": 1, "network": 2, "export:customer:*": 2},
+    # The demo's idle customers are deleted by the clean-up after 10 minutes.
+    "MEMBER_IDLE_LIMIT": 600,
 }
 
 # "localhost": the filesystem transport ignores it, but kombu warns on every

@@ -12,5 +12,10 @@ urlpatterns = [
     # wrapper view; see docs/metrics.md).
     path("metrics/", include("django_semaphore.metrics.urls")),
     path("exports/report.csv", views.export_csv, name="export-csv"),
+    path(
+        "exports/customer/<int:customer>/report.csv",
+        views.customer_export_csv,
+        name="customer-export-csv",
+    ),
     path("", views.index),
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import threading
 import uuid
 from datetime import timedelta
@@ -483,3 +484,25 @@ def test_the_admin_changes_one_member_or_the_family_default(
     assert capacities == {f"{family}:a": 9, f"{family}:b": 4}
     assert CapacityChange.objects.get(semaphore__name=f"{family}:b").changed_by == user
     assert "capacity of its own" in client.get(semaphore_url(member)).content.decode()
+
+
+@pytest.mark.urls("example_project.urls")
+def test_the_example_projects_per_customer_export(settings, client, monkeypatch):
+    from example_project.demo import views
+
+    monkeypatch.setattr(views.time, "sleep", lambda seconds: None)
+    settings.DJANGO_SEMAPHORE = {"SEMAPHORES": {"export:customer:*": 2}}
+    customer = 10**9 + os.getpid() % 1000
+
+    def url(customer: int) -> str:
+        return f"/exports/customer/{customer}/report.csv"
+
+    first, second = client.get(url(customer)), client.get(url(customer))
+    third = client.get(url(customer))
+    other = client.get(url(customer + 1))
+
+    assert [r.status_code for r in (first, second, third, other)] == [200, 200, 429, 200]
+    assert Semaphore.objects.get(name=f"export:customer:{customer}").in_use == 2
+    for response in (first, second, other):
+        assert b"".join(response.streaming_content).startswith(b"id,customer,amount")
+    assert Semaphore.objects.get(name=f"export:customer:{customer}").in_use == 0

@@ -35,6 +35,11 @@ class Command(BaseCommand):
         downloaders = [
             threading.Thread(target=self.download, args=(f"{url}/exports/report.csv", stop))
             for _ in range(clients)
+        ] + [
+            # Three clients on a handful of customers: now and then a customer
+            # has a third download at once, and gets 429.
+            threading.Thread(target=self.download_customers, args=(url, stop))
+            for _ in range(3)
         ]
         for thread in downloaders:
             thread.start()
@@ -70,7 +75,12 @@ class Command(BaseCommand):
                     raise CommandError(f"{url} did not answer within {seconds:.0f}s") from error
                 time.sleep(0.5)
 
-    def download(self, url: str, stop: threading.Event) -> None:
+    def download_customers(self, url: str, stop: threading.Event) -> None:
+        while not stop.is_set():
+            customer = random.randint(1, 4)
+            self.download(f"{url}/exports/customer/{customer}/report.csv", stop, once=True)
+
+    def download(self, url: str, stop: threading.Event, once: bool = False) -> None:
         while not stop.is_set():
             try:
                 with urllib.request.urlopen(url, timeout=30) as response:
@@ -82,3 +92,5 @@ class Command(BaseCommand):
                 outcome = f"unreachable: {error}"
             self.stdout.write(f"GET {url} -> {outcome}")
             stop.wait(random.uniform(0.2, 1.5))
+            if once:
+                return
