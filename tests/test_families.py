@@ -284,7 +284,13 @@ def export(request: Any) -> HttpResponse:
     return HttpResponse(str(member.in_use))
 
 
-urlpatterns = [path("export/", export)]
+@holds_permit(lambda request: f"{request.GET['family']}:async")
+async def async_export(request: Any) -> HttpResponse:
+    member = await Semaphore.objects.aget(name=f"{request.GET['family']}:async")
+    return HttpResponse(str(member.in_use))
+
+
+urlpatterns = [path("export/", export), path("async-export/", async_export)]
 
 
 @pytest.mark.urls("tests.test_families")
@@ -301,6 +307,17 @@ def test_a_view_computes_its_semaphore_from_the_request(family, client):
     acquire(f"{family}:customer:{other.pk}", external_id=key())
     client.force_login(other)
     assert client.get("/export/", {"family": family}).status_code == 429
+
+
+@pytest.mark.django_db(transaction=True)  # the view acquires in asgiref's thread
+@pytest.mark.urls("tests.test_families")
+@pytest.mark.usefixtures("sync_thread_connections")
+async def test_an_async_view_computes_its_semaphore_from_the_request(family, async_client):
+    response = await async_client.get("/async-export/", {"family": family})
+
+    assert (response.status_code, response.content) == (200, b"1")
+    member = await Semaphore.objects.aget(name=f"{family}:async")
+    assert member.in_use == 0
 
 
 @shared_task(bind=True)
