@@ -7,12 +7,12 @@ and what an acquire on an existing member costs against a declared semaphore.
    process's, in a random order, so every name is raced by two processes.
    Counted: rows created, duplicate names, errors by type (any exception is
    one: with capacity 2 and two racers, no acquire can even be refused).
-2. **Acquire cost**: the same processes loop acquire/release for
-   ``--duration`` seconds, each on a semaphore of its own (a member, or a
-   declared semaphore), then all on one (capacity 10; a refusal is counted
-   and retried at once, as in ``python -m benchmarks``): cycles/s and
-   acquire p50/p99, the median of ``--repeat`` rounds, and the ratios
-   member / declared.
+2. **Acquire cost**: half the processes on members, half on declared
+   semaphores, side by side (the same load for both), looping acquire/release
+   for ``--duration`` seconds: each on a semaphore of its own, then each
+   half on one (capacity 10; a refusal is counted and retried at once, as in
+   ``python -m benchmarks``). ``--repeat`` rounds added up: cycles/s,
+   acquire p50/p99, and the ratios member / declared.
 
 Usage (the database is created if missing and migrated; the family's and
 the benchmark's semaphores are deleted first)::
@@ -74,7 +74,7 @@ def member(i: int) -> str:
 
 
 def create_loop(database_url: str, names: list[str], start: Any, results: Any) -> None:
-    """Acquire and release each of ``names`` once; sends back (latencies, errors)."""
+    """Acquire and release each of ``names`` once; sends back ("create", latencies, errors)."""
     configure(database_url)
     from django.db import connections
 
@@ -98,7 +98,7 @@ def create_loop(database_url: str, names: list[str], start: Any, results: Any) -
             except Exception as exc:
                 errors.append(type(exc).__name__)
     finally:
-        results.put((latencies, errors))
+        results.put(("create", latencies, errors))
         connections.close_all()
 
 
@@ -114,7 +114,9 @@ def create_members(database_url: str, members: int, processes: int) -> dict[str,
         mine = [member(i) for i in chunks[p] + chunks[(p + 1) % processes]]
         random.Random(p).shuffle(mine)
         plans.append(mine)
-    latencies, errors, seconds = _run(database_url, create_loop, plans)
+    groups, seconds = _run(database_url, create_loop, plans)
+    latencies = [t for mine, _ in groups.values() for t in mine]
+    errors = [e for _, theirs in groups.values() for e in theirs]
     rows = Semaphore.objects.filter(family=FAMILY)
     duplicates = (
         Semaphore.objects.filter(name__startswith="bench:customer:")
@@ -140,14 +142,18 @@ def create_members(database_url: str, members: int, processes: int) -> dict[str,
 # --- phase 2: acquire cost ----------------------------------------------------------
 
 
-def cycle_loop(database_url: str, name: str, start: Any, duration: float, results: Any) -> None:
-    """Acquire and release ``name`` for ``duration`` seconds."""
+def cycle_loop(
+    database_url: str, plan: tuple[str, str], start: Any, duration: float, results: Any
+) -> None:
+    """Acquire and release the semaphore of ``plan`` (group, name) for
+    ``duration`` seconds; sends back (group, latencies, errors)."""
     configure(database_url)
     from django.db import connections
 
     from django_semaphore import acquire, release
     from django_semaphore.exceptions import SemaphoreExhausted
 
+    group, name = plan
     latencies: list[float] = []
     errors: list[str] = []
     try:
@@ -167,62 +173,51 @@ def cycle_loop(database_url: str, name: str, start: Any, duration: float, result
             latencies.append(time.perf_counter() - began)
             release(key)
     finally:
-        results.put((latencies, errors))
+        results.put((group, latencies, errors))
         connections.close_all()
 
 
-def cycles(database_url: str, names: list[str], duration: float) -> dict[str, Any]:
-    latencies, errors, _ = _run(database_url, cycle_loop, names, extra=(duration,))
-    counted = Counter(errors)
-    rejected = counted.pop("rejected", 0)
-    return {
-        "cycles_per_second": round(len(latencies) / duration, 1),
-        "rejected": rejected,
-        "errors": dict(counted),
-        **_percentiles(latencies),
-    }
-
-
-def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the median cycles/s, with every run's cycles/s beside it."""
-    ranked = sorted(runs, key=lambda run: run["cycles_per_second"])
-    errors: Counter[str] = Counter()
-    for run in runs:
-        errors.update(run["errors"])
-    return {
-        **ranked[len(ranked) // 2],
-        "runs": [run["cycles_per_second"] for run in runs],
-        "errors": dict(errors),
-    }
-
-
 def acquire_cost(database_url: str, processes: int, duration: float, repeat: int) -> dict[str, Any]:
-    """Phase 2: own semaphore per process, then one shared, member against
-    declared; ``repeat`` rounds, alternating which of the two runs first (a
-    shared machine's load drifts), the median run kept."""
+    """Phase 2, side by side: half the processes on members, half on declared
+    semaphores *at the same time*, so both see the same load (on a shared
+    machine, load drifts between runs far more than the difference sought).
+    First each process on a semaphore of its own, then each half on one
+    semaphore (capacity 10). ``repeat`` rounds, added up."""
     from django_semaphore.models import Semaphore
 
+    half = max(1, processes // 2)
     Semaphore.objects.bulk_create(
-        [Semaphore(name=f"{DECLARED}-{p}", capacity=2) for p in range(processes)]
+        [Semaphore(name=f"{DECLARED}-{p}", capacity=2) for p in range(half)]
         + [Semaphore(name=DECLARED, capacity=HOT_CAPACITY)]
     )
     # Created by phase 1; from now on with a capacity of its own.
     Semaphore.objects.set_capacity(member(0), HOT_CAPACITY)
-    cells = {
-        "own, member": [member(p + 1) for p in range(processes)],
-        "own, declared": [f"{DECLARED}-{p}" for p in range(processes)],
-        "one, member": [member(0)] * processes,
-        "one, declared": [DECLARED] * processes,
+    shapes = {
+        "own": [("member", member(p + 1)) for p in range(half)]
+        + [("declared", f"{DECLARED}-{p}") for p in range(half)],
+        "one": [("member", member(0))] * half + [("declared", DECLARED)] * half,
     }
-    runs: dict[str, list[dict[str, Any]]] = {cell: [] for cell in cells}
-    for round_ in range(repeat):
-        for shape in ("own", "one"):
-            order = ("member", "declared") if round_ % 2 == 0 else ("declared", "member")
-            for kind in order:
-                cell = f"{shape}, {kind}"
-                runs[cell].append(cycles(database_url, cells[cell], duration))
-    results: dict[str, Any] = {cell: _median(cell_runs) for cell, cell_runs in runs.items()}
-    for shape in ("own", "one"):
+    results: dict[str, Any] = {"processes per side": half, "rounds": repeat}
+    for shape, plans in shapes.items():
+        totals: dict[str, tuple[list[float], list[str]]] = {
+            "member": ([], []),
+            "declared": ([], []),
+        }
+        for _ in range(repeat):
+            for group, (latencies, errors) in _run(
+                database_url, cycle_loop, plans, extra=(duration,)
+            )[0].items():
+                totals[group][0].extend(latencies)
+                totals[group][1].extend(errors)
+        for group, (latencies, errors) in totals.items():
+            counted = Counter(errors)
+            rejected = counted.pop("rejected", 0)
+            results[f"{shape}, {group}"] = {
+                "cycles_per_second": round(len(latencies) / (duration * repeat), 1),
+                "rejected": rejected,
+                "errors": dict(counted),
+                **_percentiles(latencies),
+            }
         mine, declared = results[f"{shape}, member"], results[f"{shape}, declared"]
         results[f"{shape}: member / declared cycles"] = round(
             mine["cycles_per_second"] / declared["cycles_per_second"], 2
@@ -236,9 +231,9 @@ def acquire_cost(database_url: str, processes: int, duration: float, repeat: int
 
 def _run(
     database_url: str, target: Any, plans: list[Any], extra: tuple[Any, ...] = ()
-) -> tuple[list[float], list[str], float]:
+) -> tuple[dict[str, tuple[list[float], list[str]]], float]:
     """One spawned process per plan, all started together once each is set
-    up; (latencies, errors, seconds from the start)."""
+    up; (group -> (latencies, errors), seconds from the start)."""
     context = multiprocessing.get_context("spawn")
     start, results = context.Barrier(len(plans) + 1), context.Queue()
     workers = [
@@ -249,18 +244,18 @@ def _run(
         worker.start()
     start.wait(timeout=120)
     began = time.perf_counter()
-    latencies: list[float] = []
-    errors: list[str] = []
+    groups: dict[str, tuple[list[float], list[str]]] = {}
     for _ in workers:
-        mine, theirs = results.get(timeout=3600)
-        latencies += mine
-        errors += theirs
+        group, latencies, errors = results.get(timeout=3600)
+        mine = groups.setdefault(group, ([], []))
+        mine[0].extend(latencies)
+        mine[1].extend(errors)
     seconds = time.perf_counter() - began
     for worker in workers:
         worker.join()
         if worker.exitcode:
-            errors.append(f"process exit {worker.exitcode}")
-    return latencies, errors, seconds
+            groups.setdefault("exit", ([], []))[1].append(f"process exit {worker.exitcode}")
+    return groups, seconds
 
 
 def _percentiles(latencies: list[float]) -> dict[str, float]:
