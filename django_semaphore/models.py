@@ -23,6 +23,9 @@ class State(models.TextChoices):
 
 
 class ReleaseReason(models.TextChoices):
+    """Why a request ended: ``PermitRequest.release_reason``, and the
+    ``reason`` of ``permit_released``; any but ``released`` is a reclaim."""
+
     RELEASED = "released", _("released by its holder")
     EXPIRED = "expired", _("TTL expired")
     OWNER_DEAD = "owner_dead", _("owner no longer alive")
