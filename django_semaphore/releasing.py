@@ -29,17 +29,12 @@ def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     # One statement where the database can say it, unless someone listens
     # for the released ids (as Django's delete skips fetching rows nobody's
     # signal receives).
-    if sql.release_by_key_sql and not released_ids_wanted():
-        lock_wait = app_settings.LOCK_WAIT_TIMEOUT
-        # MariaDB bounds the statement itself; elsewhere its lock wait is
-        # bounded by the transaction it runs in.
-        if backends.bounds_each_statement(connection):
-            released = sql.release_by_key(key, ReleaseReason.RELEASED, lock_wait)
-        else:
-            with backends.bounded_transaction(connection, lock_wait, statements_bounded=True):
-                released = sql.release_by_key(key, ReleaseReason.RELEASED, lock_wait)
-        if released:
-            return ReleaseOutcome.RELEASED
+    if (
+        sql.releases_by_key()
+        and not released_ids_wanted()
+        and sql.release_by_key(key, ReleaseReason.RELEASED, app_settings.LOCK_WAIT_TIMEOUT)
+    ):
+        return ReleaseOutcome.RELEASED
     row = sql.find_request(key)
     if row is None:
         return ReleaseOutcome.NOT_FOUND

@@ -199,6 +199,15 @@ class Statements:
         # Not another key that only the collation calls equal.
         return None if row is None or row[2] != key else (row[0], row[1])
 
+    def releases_by_key(self) -> bool:
+        """Whether ``release_by_key`` may run now: where the database can say
+        it in one statement, and on PostgreSQL outside the caller's
+        transaction (its lock-wait setting lasts as long as the transaction
+        it runs in)."""
+        return bool(self.release_by_key_sql) and not (
+            self.connection.vendor == "postgresql" and self.connection.in_atomic_block
+        )
+
     def release_by_key(self, key: str, reason: str, lock_wait: float) -> bool:
         """Release the key's request, its permits and their share of the
         counters in one statement; whether this call released it."""
@@ -207,7 +216,8 @@ class Statements:
         if self.connection.vendor == "mysql":
             params = [acquired, released, released, reason, key, acquired, key]
         else:
-            params = [acquired, key, released, reason, key, acquired, released, acquired]
+            bound = f"{int(lock_wait * 1000)}ms"
+            params = [bound, acquired, key, released, reason, key, acquired, released, acquired]
         with self.connection.cursor() as cursor:
             cursor.execute(self.bounded(self.release_by_key_sql, lock_wait), params)
             if self.connection.vendor == "mysql":
@@ -384,8 +394,8 @@ def _release_by_key_sql(
     vendor: str, q: Callable[[str], str], semaphore: str, request: str, permit: str, now: str
 ) -> str:
     """Release by key in one statement where the database can update three
-    tables in one; "" elsewhere (SQLite: the generic path, one transaction).
-    Parameters: acquired, released, released, reason, key, acquired, key."""
+    tables in one; "" elsewhere (SQLite: the general path, one transaction).
+    It runs in autocommit, its own transaction."""
     if vendor == "mysql":
         # The join reads the request by its key, its permits through the
         # request's index in id order -- the order the grant inserted them,
@@ -405,12 +415,17 @@ def _release_by_key_sql(
             f" AND CAST(r.{q('external_id')} AS BINARY) = CAST(%s AS BINARY)"
         )
     if vendor == "postgresql":
-        # "l" locks the semaphore rows in name order; the request's update
-        # reads it, so it runs first. Each update then re-reads a row changed
-        # since the statement began (READ COMMITTED), so a concurrent release
-        # of the same key makes this one match nothing.
+        # "l" locks the semaphore rows in name order, after its filter set the
+        # statement's lock wait bound (an InitPlan, evaluated before any row
+        # reaches the lock: autocommit makes the statement its transaction,
+        # so the setting ends with it). The request's update reads "l", so it
+        # runs after it. Each update re-reads a row changed since the
+        # statement began (READ COMMITTED): a concurrent release of the same
+        # key makes this one match nothing.
         return (
-            f"WITH l AS (SELECT s.{q('id')} FROM {semaphore} s WHERE s.{q('id')} IN"
+            f"WITH l AS (SELECT s.{q('id')} FROM {semaphore} s"
+            " WHERE (SELECT set_config('lock_timeout', %s, true)) IS NOT NULL"
+            f" AND s.{q('id')} IN"
             f" (SELECT p.{q('semaphore_id')} FROM {permit} p JOIN {request} r"
             f" ON r.{q('id')} = p.{q('request_id')} WHERE p.{q('state')} = %s"
             f" AND r.{q('external_id')} = %s) ORDER BY s.{q('name')} FOR UPDATE),"
