@@ -18,14 +18,14 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_semaphore import backends, holds, signals
 from django_semaphore.conf import app_settings
 from django_semaphore.outcomes import ReleaseOutcome
-from django_semaphore.statements import statements
+from django_semaphore.statements.release import release_statements
 
 
 def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     """End the request with this key (one attempt; the caller retries)."""
     from django_semaphore.models import ReleaseReason, State
 
-    sql = statements(connection)
+    sql = release_statements(connection)
     # One statement where the database can say it, unless someone listens
     # for the released ids (as Django's delete skips fetching rows nobody's
     # signal receives).
@@ -64,7 +64,7 @@ def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int
         else backends.bounded_transaction(connection, lock_wait, statements_bounded=True)
     ):
         with connection.cursor() as cursor:
-            released, _ = statements(connection).release(cursor, ids, reason, lock_wait)
+            released, _ = release_statements(connection).release(cursor, ids, reason, lock_wait)
         if released:
             transaction.on_commit(lambda: announce(alias, ids, reason), using=alias)
     return released
