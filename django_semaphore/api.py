@@ -101,6 +101,8 @@ def acquire(
         PermitAlreadyReleased: the key's request was released or expired.
         NestedTransactionError: called inside ``atomic()`` on the app's alias.
         LockContention, DatabaseUnavailable: retries did not get through.
+        InconsistentState: the tables hold rows the engine did not write
+            (run the orphan sweep).
     """
     demand = validate_demand(names)
     key = validate_key(external_id)
