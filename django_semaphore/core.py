@@ -33,6 +33,7 @@ from django.db.models import Q
 from django_semaphore import backends, fairness, holds, routing, signals
 from django_semaphore.backends import DatabaseNow, Failure, StatementNow
 from django_semaphore.conf import app_settings
+from django_semaphore.guards import engine_writes
 from django_semaphore.exceptions import (
     AcquireTimeout,
     CapacityExceeded,
@@ -274,7 +275,8 @@ def _grant_transaction(connection: BaseDatabaseWrapper, lock_wait: float) -> Ite
         if backends.bounds_each_statement(connection)
         else backends.bounded_lock_wait(connection, lock_wait)
     )
-    with session_bound, transaction.atomic(using=connection.alias, durable=True):
+    # engine_writes(): fair mode writes queued_until through the ORM.
+    with session_bound, transaction.atomic(using=connection.alias, durable=True), engine_writes():
         backends.start_bounded_transaction(connection, lock_wait)
         yield
 
@@ -585,6 +587,25 @@ def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int
     return released
 
 
+def release_permits(alias: str, permit_ids: Sequence[int]) -> int:
+    """Release the given permits that are still ACQUIRED, whatever their
+    request says; returns how many this call released.
+
+    Only for the sweep's repairs: permits held under a released request, or
+    with no request at all. Every other release goes by request.
+    """
+    from django_semaphore.models import Permit, State
+
+    if not permit_ids:
+        return 0
+    with engine_writes():
+        return (
+            Permit.objects.using(alias)
+            .filter(pk__in=list(permit_ids), state=State.ACQUIRED)
+            .update(state=State.RELEASED)
+        )
+
+
 def _released_ids_wanted() -> bool:
     """Whether a receiver wants to know which requests a release ended."""
     from django_semaphore.models import PermitRequest
@@ -666,24 +687,55 @@ def _set_capacity(
     changed_by: AbstractBaseUser | None,
     reason: str,
 ) -> Semaphore:
-    from django_semaphore.models import CapacityChange, Semaphore
+    from django_semaphore.models import Semaphore
 
     with transaction.atomic(using=alias):
         try:
             semaphore = Semaphore.objects.using(alias).select_for_update().get(name=name)
         except Semaphore.DoesNotExist:
             raise SemaphoreNotFound([name]) from None
-        if semaphore.capacity != capacity:
-            CapacityChange.objects.using(alias).create(
-                semaphore=semaphore,
-                old_capacity=semaphore.capacity,
-                new_capacity=capacity,
-                changed_by_id=None if changed_by is None else changed_by.pk,
-                reason=reason,
-            )
-            semaphore.capacity = capacity
-            semaphore.save(using=alias, update_fields=["capacity", "updated_at"])
+        _change_capacity(alias, semaphore, capacity, changed_by, reason)
     return semaphore
+
+
+def lock_for_save(alias: str, semaphore_id: int, capacity: int | None) -> bool:
+    """``Semaphore.save()`` of an existing row: lock it and, if ``capacity``
+    is given, change it as :func:`set_capacity` does (no user, no reason).
+    In the caller's transaction; ``False`` if no row has this id."""
+    from django_semaphore.models import Semaphore
+
+    if capacity is not None:
+        capacity = validate_capacity(capacity)
+    semaphore = Semaphore.objects.using(alias).select_for_update().filter(pk=semaphore_id).first()
+    if semaphore is None:
+        return False
+    if capacity is not None:
+        _change_capacity(alias, semaphore, capacity, None, "")
+    return True
+
+
+def _change_capacity(
+    alias: str,
+    semaphore: Semaphore,
+    capacity: int,
+    changed_by: AbstractBaseUser | None,
+    reason: str,
+) -> None:
+    """On the locked row: record the change, then make it."""
+    from django_semaphore.models import CapacityChange
+
+    if semaphore.capacity == capacity:
+        return
+    CapacityChange.objects.using(alias).create(
+        semaphore=semaphore,
+        old_capacity=semaphore.capacity,
+        new_capacity=capacity,
+        changed_by_id=None if changed_by is None else changed_by.pk,
+        reason=reason,
+    )
+    semaphore.capacity = capacity
+    with engine_writes():
+        semaphore.save(using=alias, update_fields=["capacity", "updated_at"])
 
 
 # --- the hot path's SQL, built once per connection ----------------------------

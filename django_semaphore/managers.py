@@ -19,17 +19,18 @@ from django.db.models.functions import Coalesce
 
 from django_semaphore import core
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.guards import GuardedQuerySet
 from django_semaphore.outcomes import ReleaseOutcome
 
 if TYPE_CHECKING:
     from django.contrib.auth.base_user import AbstractBaseUser
 
-    from django_semaphore.models import PermitRequest, Semaphore
+    from django_semaphore.models import Permit, PermitRequest, Semaphore
 
 ACQUIRED = "ACQUIRED"  # models.State.ACQUIRED, without importing models here
 
 
-class SemaphoreQuerySet(models.QuerySet["Semaphore"]):
+class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
     def with_usage(self) -> SemaphoreQuerySet:
         """Annotate ``in_use``: the sum of counts of ACQUIRED permits;
         ``waiters``: the number of live tickets (fair waiters queued);
@@ -108,7 +109,7 @@ class SemaphoreManager(models.Manager["Semaphore"]):
         return core.set_capacity(name, capacity, changed_by=changed_by, reason=reason)
 
 
-class PermitRequestQuerySet(models.QuerySet["PermitRequest"]):
+class PermitRequestQuerySet(GuardedQuerySet["PermitRequest"]):
     def held(self) -> PermitRequestQuerySet:
         return self.filter(state=ACQUIRED)
 
@@ -118,3 +119,10 @@ class PermitRequestQuerySet(models.QuerySet["PermitRequest"]):
 
 
 PermitRequestManager = models.Manager.from_queryset(PermitRequestQuerySet)
+
+
+class PermitQuerySet(GuardedQuerySet["Permit"]):
+    """Permits: every column is the engine's (see ``Permit.ORM_REFUSED``)."""
+
+
+PermitManager = models.Manager.from_queryset(PermitQuerySet)

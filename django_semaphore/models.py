@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Collection, Iterable
+from typing import Any, ClassVar
 
 from django.conf import settings
-from django.db import models
+from django.db import models, router, transaction
 from django.db.models import Q
 from django.utils.functional import cached_property
 from django.utils.translation import gettext_lazy as _
 
-from django_semaphore.managers import PermitRequestManager, SemaphoreManager
+from django_semaphore.exceptions import SemaphoreNotFound, UnsafeWrite
+from django_semaphore.guards import engine_is_writing
+from django_semaphore.managers import PermitManager, PermitRequestManager, SemaphoreManager
 
 MAX_NAME_LENGTH = 255
+
+# What an ORM write is told to use instead (see guards.py).
+ENGINE_ONLY = "only the engine writes it, under the semaphore's row lock."
+USE_SET_CAPACITY = (
+    "change capacity with Semaphore.objects.set_capacity(name, capacity), which locks "
+    "the row and records a CapacityChange (or load the row, set capacity and save() it)."
+)
+USE_RELEASE = (
+    "end a request with release(key), or force-release it (the admin's action, "
+    "manage.py semaphore_release, sweep.force_release): permits and request change together."
+)
+# A sentinel: an instance built by hand, whose capacity nobody loaded.
+_NOT_LOADED = object()
 
 
 class State(models.TextChoices):
@@ -31,7 +47,23 @@ class ReleaseReason(models.TextChoices):
 
 
 class Semaphore(models.Model):
-    """One counting semaphore; acquire locks this row to serialize its grants."""
+    """One counting semaphore; acquire locks this row to serialize its grants.
+
+    Safe to use with the ORM: ``objects.create()`` (or ``save()`` of a new
+    instance) creates one; ``save()`` of a loaded one writes back ``name``,
+    ``fair`` and a changed ``capacity`` (recorded as ``set_capacity`` does),
+    never the engine-owned columns. Bulk writes of those columns or of
+    ``capacity`` are refused (``UnsafeWrite``), and so is deleting a held
+    semaphore (``PermitHeld``). See docs/concepts.md, "Using the models".
+    """
+
+    # The columns written only by the engine's own statements, under the row
+    # lock. save() never writes them back; bulk writes of them are refused.
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = ("fencing_counter", "queued_until")
+    ORM_REFUSED: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(ENGINE_OWNED_FIELDS, ENGINE_ONLY),
+        "capacity": USE_SET_CAPACITY,
+    }
 
     name = models.CharField(_("name"), max_length=MAX_NAME_LENGTH, unique=True)
     capacity = models.PositiveIntegerField(_("capacity"))
@@ -57,6 +89,8 @@ class Semaphore(models.Model):
     updated_at = models.DateTimeField(_("updated at"), auto_now=True)
 
     objects: ClassVar[SemaphoreManager] = SemaphoreManager()
+    # The capacity as loaded from the database (see save()).
+    _loaded_capacity: object
 
     class Meta:
         verbose_name = _("semaphore")
@@ -69,9 +103,103 @@ class Semaphore(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    @classmethod
+    def from_db(
+        cls, db: str | None, field_names: Collection[str], values: Collection[Any], **kwargs: Any
+    ) -> Semaphore:
+        instance = super().from_db(db, field_names, values, **kwargs)
+        instance._loaded_capacity = instance.__dict__.get("capacity", _NOT_LOADED)
+        return instance
+
+    def refresh_from_db(
+        self,
+        using: str | None = None,
+        fields: Iterable[str] | None = None,
+        from_queryset: models.QuerySet[Semaphore] | None = None,
+    ) -> None:
+        fields = None if fields is None else list(fields)
+        super().refresh_from_db(using=using, fields=fields, from_queryset=from_queryset)
+        if fields is None or "capacity" in fields:
+            self._loaded_capacity = self.capacity
+
+    def save(
+        self,
+        *,
+        force_insert: bool | tuple[models.base.ModelBase, ...] = False,
+        force_update: bool = False,
+        using: str | None = None,
+        update_fields: Iterable[str] | None = None,
+    ) -> None:
+        """Create the semaphore, or write back what may be written of it.
+
+        On an existing row the engine-owned columns are never written (the
+        instance's copy of them is stale the moment a grant commits), and a
+        capacity changed since the instance was loaded is changed as
+        ``set_capacity`` does it: under the row lock, with a
+        ``CapacityChange`` (no user, no reason). A capacity the instance did
+        not change is not written back, so a stale instance never undoes
+        someone else's change.
+
+        Raises:
+            UnsafeWrite: ``update_fields`` names an engine-owned column.
+            InvalidRequest: the new capacity is out of range.
+            SemaphoreNotFound: ``update_fields`` or ``force_update`` was given
+                and the row is gone (Django would raise ``DatabaseError``).
+        """
+        if self.pk is None or force_insert or engine_is_writing():
+            super().save(
+                force_insert=force_insert,
+                force_update=force_update,
+                using=using,
+                update_fields=update_fields,
+            )
+            self._loaded_capacity = self.capacity
+            return
+        from django_semaphore import core
+
+        using = using or router.db_for_write(Semaphore, instance=self)
+        names = self._writable_fields(update_fields)
+        capacity = None
+        if "capacity" in names:
+            names.discard("capacity")
+            if self.capacity != getattr(self, "_loaded_capacity", _NOT_LOADED):
+                capacity = self.capacity
+                names.add("updated_at")  # and so pre_save/post_save are sent
+        with transaction.atomic(using=using):
+            if not core.lock_for_save(using, self.pk, capacity):
+                if update_fields is not None or force_update:
+                    raise SemaphoreNotFound([self.name])
+                # Deleted since it was loaded: saved anew, as Django would.
+                super().save(using=using)
+            elif names:
+                super().save(using=using, update_fields=names)
+        self._loaded_capacity = self.capacity
+
+    def _writable_fields(self, update_fields: Iterable[str] | None) -> set[str]:
+        if update_fields is not None:
+            names = set(update_fields)
+            owned = sorted(names & set(self.ENGINE_OWNED_FIELDS))
+            if owned:
+                raise UnsafeWrite(f"Semaphore.save() may not write {owned[0]!r}: {ENGINE_ONLY}")
+            return names
+        deferred = self.get_deferred_fields()
+        return {
+            field.name
+            for field in self._meta.concrete_fields
+            if not field.primary_key
+            and field.attname not in deferred
+            and field.name not in self.ENGINE_OWNED_FIELDS
+        }
+
 
 class PermitRequest(models.Model):
-    """One acquire call: all the permits it was granted, over 1..n semaphores."""
+    """One acquire call: all the permits it was granted, over 1..n semaphores.
+
+    Its ``state`` is written only by the engine (bulk writes of it are
+    refused); a held request cannot be deleted (``PermitHeld``).
+    """
+
+    ORM_REFUSED: ClassVar[dict[str, str]] = {"state": USE_RELEASE}
 
     external_id = models.CharField(
         _("key"),
@@ -132,7 +260,15 @@ class PermitRequest(models.Model):
 
 
 class Permit(models.Model):
-    """The share of one request on one semaphore."""
+    """The share of one request on one semaphore; written only by the engine.
+
+    Bulk writes of its columns are refused; a held permit cannot be deleted.
+    """
+
+    ORM_REFUSED: ClassVar[dict[str, str]] = dict.fromkeys(
+        ["semaphore", "request", "count", "state", "fencing_token"],
+        "permits are written only by acquire and release; " + USE_RELEASE,
+    )
 
     semaphore = models.ForeignKey(Semaphore, on_delete=models.CASCADE, related_name="permits")
     request = models.ForeignKey(PermitRequest, on_delete=models.CASCADE, related_name="permits")
@@ -141,6 +277,8 @@ class Permit(models.Model):
         _("state"), max_length=8, choices=State.choices, default=State.ACQUIRED
     )
     fencing_token = models.PositiveBigIntegerField(_("fencing token"))
+
+    objects = PermitManager()
 
     class Meta:
         verbose_name = _("permit")
