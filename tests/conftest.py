@@ -3,11 +3,13 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connection, connections
 
+from django_semaphore.guards import engine_writes
 from django_semaphore.models import Semaphore
 
 
@@ -31,6 +33,13 @@ async def sync_thread_connections():
     yield
     await sync_to_async(connections.close_all)()
     await asyncio.get_running_loop().run_in_executor(None, connections.close_all)
+
+
+def behind_the_engine() -> AbstractContextManager[None]:
+    """Write what only the engine may, as a crash between two statements, a
+    manual SQL edit or a restore from backup would leave it (no guard sees
+    those)."""
+    return engine_writes()
 
 
 def unique(prefix: str = "sem") -> str:
