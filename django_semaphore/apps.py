@@ -12,8 +12,10 @@ class DjangoSemaphoreConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django_semaphore import checks  # noqa: F401  (registers the checks)
-        from django_semaphore import guards
+        from django_semaphore import (
+            checks,  # noqa: F401  (registers the checks)
+            guards,
+        )
         from django_semaphore.declared import create_declared_semaphores
         from django_semaphore.models import Permit, PermitRequest, Semaphore
 
@@ -24,7 +26,9 @@ class DjangoSemaphoreConfig(AppConfig):
             (PermitRequest, guards.refuse_deleting_held_request),
             (Permit, guards.refuse_deleting_held_permit),
         ):
-            pre_delete.connect(guard, sender=model, dispatch_uid=f"django_semaphore.{guard.__name__}")
+            pre_delete.connect(
+                guard, sender=model, dispatch_uid=f"django_semaphore.{guard.__name__}"
+            )
         try:
             from celery.signals import before_task_publish, task_postrun
         except ImportError:  # Celery is optional

@@ -33,7 +33,6 @@ from django.db.models import Q
 from django_semaphore import backends, fairness, holds, routing, signals
 from django_semaphore.backends import DatabaseNow, Failure, StatementNow
 from django_semaphore.conf import app_settings
-from django_semaphore.guards import engine_writes
 from django_semaphore.exceptions import (
     AcquireTimeout,
     CapacityExceeded,
@@ -47,6 +46,7 @@ from django_semaphore.exceptions import (
     SemaphoreExhausted,
     SemaphoreNotFound,
 )
+from django_semaphore.guards import engine_writes
 from django_semaphore.outcomes import ReleaseOutcome
 from django_semaphore.validation import (
     Demand,
@@ -1090,7 +1090,7 @@ def run_with_retries(connection: BaseDatabaseWrapper, operation: Callable[[], T]
         except DatabaseError as exc:
             failure_or_none = backends.classify(connection, exc)
             if failure_or_none is None:
-                raise SemaphoreError(f"Database error: {exc}") from exc
+                raise backends.translate(connection, exc) from exc
             failure, cause = failure_or_none, exc
         if failure is Failure.DISCONNECT and not connection.in_atomic_block:
             connection.close()  # the next statement reconnects

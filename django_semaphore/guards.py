@@ -80,7 +80,9 @@ class GuardedQuerySet(models.QuerySet[M]):
         self._refuse(kwargs, "update")
         return super().update(**kwargs)
 
-    def bulk_update(self, objs: Iterable[M], fields: Iterable[str], batch_size: int | None = None) -> int:
+    def bulk_update(
+        self, objs: Iterable[M], fields: Iterable[str], batch_size: int | None = None
+    ) -> int:
         fields = list(fields)
         self._refuse(fields, "bulk_update")
         return super().bulk_update(objs, fields, batch_size=batch_size)

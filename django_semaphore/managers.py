@@ -25,7 +25,7 @@ from django_semaphore.outcomes import ReleaseOutcome
 if TYPE_CHECKING:
     from django.contrib.auth.base_user import AbstractBaseUser
 
-    from django_semaphore.models import Permit, PermitRequest, Semaphore
+    from django_semaphore.models import Permit, PermitRequest, Semaphore  # noqa: F401
 
 ACQUIRED = "ACQUIRED"  # models.State.ACQUIRED, without importing models here
 

@@ -103,25 +103,6 @@ class Semaphore(models.Model):
     def __str__(self) -> str:
         return self.name
 
-    @classmethod
-    def from_db(
-        cls, db: str | None, field_names: Collection[str], values: Collection[Any], **kwargs: Any
-    ) -> Semaphore:
-        instance = super().from_db(db, field_names, values, **kwargs)
-        instance._loaded_capacity = instance.__dict__.get("capacity", _NOT_LOADED)
-        return instance
-
-    def refresh_from_db(
-        self,
-        using: str | None = None,
-        fields: Iterable[str] | None = None,
-        from_queryset: models.QuerySet[Semaphore] | None = None,
-    ) -> None:
-        fields = None if fields is None else list(fields)
-        super().refresh_from_db(using=using, fields=fields, from_queryset=from_queryset)
-        if fields is None or "capacity" in fields:
-            self._loaded_capacity = self.capacity
-
     def save(
         self,
         *,
@@ -174,6 +155,25 @@ class Semaphore(models.Model):
             elif names:
                 super().save(using=using, update_fields=names)
         self._loaded_capacity = self.capacity
+
+    @classmethod
+    def from_db(
+        cls, db: str | None, field_names: Collection[str], values: Collection[Any], **kwargs: Any
+    ) -> Semaphore:
+        instance = super().from_db(db, field_names, values, **kwargs)
+        instance._loaded_capacity = instance.__dict__.get("capacity", _NOT_LOADED)
+        return instance
+
+    def refresh_from_db(
+        self,
+        using: str | None = None,
+        fields: Iterable[str] | None = None,
+        from_queryset: models.QuerySet[Semaphore] | None = None,
+    ) -> None:
+        fields = None if fields is None else list(fields)
+        super().refresh_from_db(using=using, fields=fields, from_queryset=from_queryset)
+        if fields is None or "capacity" in fields:
+            self._loaded_capacity = self.capacity
 
     def _writable_fields(self, update_fields: Iterable[str] | None) -> set[str]:
         if update_fields is not None:

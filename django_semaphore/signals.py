@@ -38,6 +38,17 @@ database_retry
     busy database, or this process's pre-lock; ``disconnect``: the connection
     was lost); ``attempt``: the attempt that failed, from 1; ``error``: the
     exception. The last attempt's error is raised, not signalled.
+
+data_repaired
+    The orphan sweep repaired a state the engine did not write (a manual
+    edit, a restore from backup, a crash, foreign key checks switched off).
+    ``kind``: ``partly_released`` (held requests with released permits,
+    completed; ``ids`` are request ids), ``stray_permits`` (held permits of
+    released requests, released; permit ids), ``orphan_permits`` (held
+    permits with no request row, released; permit ids) or
+    ``fencing_counters`` (counters below a token already issued, raised;
+    semaphore ids); ``count``: how many were repaired. Sent after the repair
+    commits, one per sweep batch; the same is logged at WARNING.
 """
 
 from __future__ import annotations
@@ -49,3 +60,4 @@ acquire_finished = Signal()
 permit_released = Signal()
 hold_ended = Signal()
 database_retry = Signal()
+data_repaired = Signal()
