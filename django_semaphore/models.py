@@ -89,8 +89,6 @@ class Semaphore(models.Model):
     updated_at = models.DateTimeField(_("updated at"), auto_now=True)
 
     objects: ClassVar[SemaphoreManager] = SemaphoreManager()
-    # The capacity as loaded from the database (see save()).
-    _loaded_capacity: object
 
     class Meta:
         verbose_name = _("semaphore")
@@ -122,7 +120,7 @@ class Semaphore(models.Model):
         someone else's change.
 
         Raises:
-            UnsafeWrite: ``update_fields`` names an engine-owned column.
+            UnsafeWrite: an engine-owned column was changed on the instance.
             InvalidRequest: the new capacity is out of range.
             SemaphoreNotFound: ``update_fields`` or ``force_update`` was given
                 and the row is gone (Django would raise ``DatabaseError``).
@@ -134,7 +132,7 @@ class Semaphore(models.Model):
                 using=using,
                 update_fields=update_fields,
             )
-            self._loaded_capacity = self.capacity
+            self._remember_loaded()
             return
         from django_semaphore import core
 
@@ -143,7 +141,7 @@ class Semaphore(models.Model):
         capacity = None
         if "capacity" in names:
             names.discard("capacity")
-            if self.capacity != getattr(self, "_loaded_capacity", _NOT_LOADED):
+            if self._changed("capacity"):
                 capacity = self.capacity
                 names.add("updated_at")  # and so pre_save/post_save are sent
         with transaction.atomic(using=using):
@@ -154,14 +152,14 @@ class Semaphore(models.Model):
                 super().save(using=using)
             elif names:
                 super().save(using=using, update_fields=names)
-        self._loaded_capacity = self.capacity
+        self._remember_loaded()
 
     @classmethod
     def from_db(
         cls, db: str | None, field_names: Collection[str], values: Collection[Any], **kwargs: Any
     ) -> Semaphore:
         instance = super().from_db(db, field_names, values, **kwargs)
-        instance._loaded_capacity = instance.__dict__.get("capacity", _NOT_LOADED)
+        instance._remember_loaded()
         return instance
 
     def refresh_from_db(
@@ -172,24 +170,36 @@ class Semaphore(models.Model):
     ) -> None:
         fields = None if fields is None else list(fields)
         super().refresh_from_db(using=using, fields=fields, from_queryset=from_queryset)
-        if fields is None or "capacity" in fields:
-            self._loaded_capacity = self.capacity
+        self._remember_loaded(fields)
+
+    def _remember_loaded(self, fields: Iterable[str] | None = None) -> None:
+        """Keep the values save() compares with: what the database said."""
+        loaded = self.__dict__.setdefault("_loaded", {})
+        for name in ("capacity", *self.ENGINE_OWNED_FIELDS) if fields is None else fields:
+            if name in self.__dict__:
+                loaded[name] = self.__dict__[name]
+
+    def _changed(self, name: str) -> bool:
+        """Whether the instance's value differs from the one loaded (an
+        instance built by hand has none: it counts as changed)."""
+        return bool(self.__dict__.get("_loaded", {}).get(name, _NOT_LOADED) != getattr(self, name))
 
     def _writable_fields(self, update_fields: Iterable[str] | None) -> set[str]:
-        if update_fields is not None:
-            names = set(update_fields)
-            owned = sorted(names & set(self.ENGINE_OWNED_FIELDS))
-            if owned:
-                raise UnsafeWrite(f"Semaphore.save() may not write {owned[0]!r}: {ENGINE_ONLY}")
-            return names
-        deferred = self.get_deferred_fields()
-        return {
-            field.name
-            for field in self._meta.concrete_fields
-            if not field.primary_key
-            and field.attname not in deferred
-            and field.name not in self.ENGINE_OWNED_FIELDS
-        }
+        # A change to an engine-owned column is a mistake to report; an
+        # unchanged one (update_or_create() names every date field) is dropped.
+        names = (
+            set(update_fields)
+            if update_fields is not None
+            else {
+                field.name
+                for field in self._meta.concrete_fields
+                if not field.primary_key and field.attname not in self.get_deferred_fields()
+            }
+        )
+        for name in sorted(names & set(self.ENGINE_OWNED_FIELDS)):
+            if name in self.__dict__.get("_loaded", {}) and self._changed(name):
+                raise UnsafeWrite(f"Semaphore.save() may not write {name!r}: {ENGINE_ONLY}")
+        return names - set(self.ENGINE_OWNED_FIELDS)
 
 
 class PermitRequest(models.Model):
