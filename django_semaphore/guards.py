@@ -42,7 +42,8 @@ _engine_writing: ContextVar[bool] = ContextVar("django_semaphore_engine_writing"
 @contextmanager
 def engine_writes() -> Iterator[None]:
     """Mark the engine's own ORM writes (the capacity change under its row
-    lock, fair mode's ``queued_until``): the guards let them through.
+    lock, fair mode's ``queued_until``): the guards let them through. Also
+    for tools that reset the tables wholesale (the benchmarks' fixtures).
 
     A context variable, so it holds for this thread (or task) only: another
     thread's ``update()`` at the same moment is still refused.
@@ -124,6 +125,8 @@ def refuse_deleting_held_semaphore(
     """Deleting a held semaphore would end its holders' permits silently."""
     from django_semaphore.models import Permit, Semaphore
 
+    if engine_is_writing():
+        return
     # Under the row lock (the delete's own transaction): a grant committed
     # after Django collected the permits to delete is seen here, and no new
     # one starts until the delete commits.
@@ -148,7 +151,7 @@ def refuse_deleting_held_request(
     # ACQUIRED -> RELEASED is one-way: an instance loaded RELEASED is still
     # released; one loaded ACQUIRED may have been released since (refused
     # all the same: reload it).
-    if instance.state == ACQUIRED:
+    if instance.state == ACQUIRED and not engine_is_writing():
         raise PermitHeld(
             f"Permit request {instance.external_id!r} is held and cannot be deleted: "
             f"{RELEASE_FIRST}"
@@ -158,7 +161,7 @@ def refuse_deleting_held_request(
 def refuse_deleting_held_permit(
     sender: type[Permit], instance: Permit, using: str, **kwargs: Any
 ) -> None:
-    if instance.state == ACQUIRED:
+    if instance.state == ACQUIRED and not engine_is_writing():
         raise PermitHeld(
             f"Permit {instance} is held and cannot be deleted: release its request first "
             f"(or, if its request is already released, run manage.py semaphore_sweep "

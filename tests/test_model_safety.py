@@ -7,6 +7,7 @@ import threading
 from datetime import timedelta
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
 from django.db import connections
@@ -356,3 +357,14 @@ def test_the_admin_form_records_one_change_and_never_touches_the_counters(client
     assert (fresh.capacity, fresh.fencing_counter) == (5, 1)
     change = CapacityChange.objects.get(semaphore=sem)
     assert (change.changed_by, change.reason, change.new_capacity) == (user, "more", 5)
+
+
+async def test_the_async_calls_are_guarded_too(make_semaphore, sync_thread_connections):
+    sem = await sync_to_async(make_semaphore)(capacity=3)
+    with pytest.raises(UnsafeWrite):
+        await Semaphore.objects.filter(pk=sem.pk).aupdate(capacity=1)
+    with pytest.raises(UnsafeWrite):
+        await Semaphore.objects.abulk_update([sem], ["fencing_counter"])
+    sem.capacity = 4
+    await sem.asave()
+    assert await CapacityChange.objects.filter(semaphore=sem).acount() == 1
