@@ -97,6 +97,9 @@ class GuardedQuerySet(models.QuerySet[M]):
         update_fields: Collection[str] | None = None,
         unique_fields: Collection[str] | None = None,
     ) -> list[M]:
+        created_by = getattr(self.model, "CREATED_BY", "")
+        if created_by and not engine_is_writing():
+            raise UnsafeWrite(f"{self.model.__name__} rows are created only by {created_by}.")
         # New rows may carry any value, as objects.create() may: nothing refers
         # to them yet. Rows updated on conflict are existing rows.
         if update_conflicts and update_fields:

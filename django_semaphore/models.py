@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from django.conf import settings
 from django.db import models, router, transaction
@@ -23,11 +23,12 @@ USE_SET_CAPACITY = (
     "change capacity with Semaphore.objects.set_capacity(name, capacity), which locks "
     "the row and records a CapacityChange (or load the row, set capacity and save() it)."
 )
+USE_ACQUIRE = "acquire(), which grants a request and its permits together"
 USE_RELEASE = (
     "end a request with release(key), or force-release it (the admin's action, "
     "manage.py semaphore_release, sweep.force_release): permits and request change together."
 )
-# A sentinel: an instance built by hand, whose capacity nobody loaded.
+# A sentinel: an instance built by hand, whose values nobody loaded.
 _NOT_LOADED = object()
 
 
@@ -46,7 +47,114 @@ class ReleaseReason(models.TextChoices):
     ADMIN = "admin", _("force-released by staff")
 
 
-class Semaphore(models.Model):
+class GuardedModel(models.Model):
+    """A model whose rows the engine writes, wholly or in part.
+
+    ``save()`` of an existing row never writes back an engine-owned column
+    the instance did not change (the instance's copy is stale the moment the
+    engine writes the row), and refuses one it did change if ``ORM_REFUSED``
+    names it; ``CREATED_BY``, when set, refuses creating rows outside the
+    engine. Bulk calls are guarded by ``guards.GuardedQuerySet``.
+    """
+
+    # The columns written only by the engine's own statements.
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = ()
+    # Field name -> what to call instead; an ORM write of it is refused.
+    ORM_REFUSED: ClassVar[dict[str, str]] = {}
+    # What creates the rows, when only the engine may.
+    CREATED_BY: ClassVar[str] = ""
+
+    class Meta:
+        abstract = True
+
+    def save(
+        self,
+        *,
+        force_insert: bool | tuple[models.base.ModelBase, ...] = False,
+        force_update: bool = False,
+        using: str | None = None,
+        update_fields: Iterable[str] | None = None,
+    ) -> None:
+        """Create the row (where the ORM may), or write back what may be
+        written of it.
+
+        Raises:
+            UnsafeWrite: a refused column was changed on the instance, or the
+                row may only be created by the engine.
+        """
+        creating = self.pk is None or force_insert or self._state.adding
+        if engine_is_writing() or (creating and not self.CREATED_BY):
+            update = update_fields
+        elif creating:
+            raise UnsafeWrite(f"{type(self).__name__} rows are created only by {self.CREATED_BY}.")
+        else:
+            update = self._writable_fields(update_fields)
+        super().save(
+            force_insert=force_insert, force_update=force_update, using=using, update_fields=update
+        )
+        self._remember_loaded()
+
+    @classmethod
+    def from_db(
+        cls, db: str | None, field_names: Collection[str], values: Collection[Any], **kwargs: Any
+    ) -> Self:
+        instance = super().from_db(db, field_names, values, **kwargs)
+        instance._remember_loaded()
+        return instance
+
+    def refresh_from_db(
+        self,
+        using: str | None = None,
+        fields: Iterable[str] | None = None,
+        from_queryset: models.QuerySet[Any] | None = None,
+    ) -> None:
+        fields = None if fields is None else list(fields)
+        super().refresh_from_db(using=using, fields=fields, from_queryset=from_queryset)
+        self._remember_loaded(fields)
+
+    def _remember_loaded(self, fields: Iterable[str] | None = None) -> None:
+        """Keep the values save() compares with: what the database said."""
+        loaded = self.__dict__.setdefault("_loaded", {})
+        tracked = (*self.ENGINE_OWNED_FIELDS, *self.ORM_REFUSED)
+        wanted = set(tracked if fields is None else fields)
+        for field in self._meta.concrete_fields:
+            # refresh_from_db() may name a field by its attname ("request_id").
+            if wanted & {field.name, field.attname} and field.attname in self.__dict__:
+                loaded[field.name] = self.__dict__[field.attname]
+
+    def _changed(self, name: str) -> bool:
+        """Whether the instance's value differs from the one loaded (an
+        instance built by hand has none: it counts as changed)."""
+        attname = next(f.attname for f in self._meta.concrete_fields if f.name == name)
+        current = self.__dict__.get(attname, _NOT_LOADED)
+        return bool(self.__dict__.get("_loaded", {}).get(name, _NOT_LOADED) != current)
+
+    def _writable_fields(self, update_fields: Iterable[str] | None) -> set[str]:
+        """The fields save() writes on an existing row: an engine-owned one
+        only if the instance changed it and the ORM may (a refused change is
+        a mistake to report; unchanged ones are dropped, also when named:
+        ``update_or_create()`` names every date field)."""
+        names = (
+            set(update_fields)
+            if update_fields is not None
+            else {
+                field.name
+                for field in self._meta.concrete_fields
+                if not field.primary_key and field.attname not in self.get_deferred_fields()
+            }
+        )
+        loaded = self.__dict__.get("_loaded", {})
+        for name in sorted(names & set(self.ENGINE_OWNED_FIELDS)):
+            if name not in loaded or not self._changed(name):
+                names.discard(name)
+            elif name in self.ORM_REFUSED:
+                raise UnsafeWrite(
+                    f"{type(self).__name__}.save() may not write {name!r}: {self.ORM_REFUSED[name]}"
+                )
+        return names
+
+
+class Semaphore(GuardedModel):
     """One counting semaphore; acquire locks this row to serialize its grants.
 
     Safe to use with the ORM: ``objects.create()`` (or ``save()`` of a new
@@ -149,67 +257,22 @@ class Semaphore(models.Model):
                 if update_fields is not None or force_update:
                     raise SemaphoreNotFound([self.name])
                 # Deleted since it was loaded: saved anew, as Django would.
-                super().save(using=using)
+                super().save(using=using, force_insert=True)
             elif names:
                 super().save(using=using, update_fields=names)
         self._remember_loaded()
 
-    @classmethod
-    def from_db(
-        cls, db: str | None, field_names: Collection[str], values: Collection[Any], **kwargs: Any
-    ) -> Semaphore:
-        instance = super().from_db(db, field_names, values, **kwargs)
-        instance._remember_loaded()
-        return instance
 
-    def refresh_from_db(
-        self,
-        using: str | None = None,
-        fields: Iterable[str] | None = None,
-        from_queryset: models.QuerySet[Semaphore] | None = None,
-    ) -> None:
-        fields = None if fields is None else list(fields)
-        super().refresh_from_db(using=using, fields=fields, from_queryset=from_queryset)
-        self._remember_loaded(fields)
-
-    def _remember_loaded(self, fields: Iterable[str] | None = None) -> None:
-        """Keep the values save() compares with: what the database said."""
-        loaded = self.__dict__.setdefault("_loaded", {})
-        for name in ("capacity", *self.ENGINE_OWNED_FIELDS) if fields is None else fields:
-            if name in self.__dict__:
-                loaded[name] = self.__dict__[name]
-
-    def _changed(self, name: str) -> bool:
-        """Whether the instance's value differs from the one loaded (an
-        instance built by hand has none: it counts as changed)."""
-        return bool(self.__dict__.get("_loaded", {}).get(name, _NOT_LOADED) != getattr(self, name))
-
-    def _writable_fields(self, update_fields: Iterable[str] | None) -> set[str]:
-        # A change to an engine-owned column is a mistake to report; an
-        # unchanged one (update_or_create() names every date field) is dropped.
-        names = (
-            set(update_fields)
-            if update_fields is not None
-            else {
-                field.name
-                for field in self._meta.concrete_fields
-                if not field.primary_key and field.attname not in self.get_deferred_fields()
-            }
-        )
-        for name in sorted(names & set(self.ENGINE_OWNED_FIELDS)):
-            if name in self.__dict__.get("_loaded", {}) and self._changed(name):
-                raise UnsafeWrite(f"Semaphore.save() may not write {name!r}: {ENGINE_ONLY}")
-        return names - set(self.ENGINE_OWNED_FIELDS)
-
-
-class PermitRequest(models.Model):
+class PermitRequest(GuardedModel):
     """One acquire call: all the permits it was granted, over 1..n semaphores.
 
     Its ``state`` is written only by the engine (bulk writes of it are
     refused); a held request cannot be deleted (``PermitHeld``).
     """
 
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = ("state", "released_at", "release_reason")
     ORM_REFUSED: ClassVar[dict[str, str]] = {"state": USE_RELEASE}
+    CREATED_BY: ClassVar[str] = USE_ACQUIRE
 
     external_id = models.CharField(
         _("key"),
@@ -269,16 +332,23 @@ class PermitRequest(models.Model):
             raise KeyError(f"Request {self.external_id!r} holds no permit on {name!r}.") from None
 
 
-class Permit(models.Model):
+class Permit(GuardedModel):
     """The share of one request on one semaphore; written only by the engine.
 
     Bulk writes of its columns are refused; a held permit cannot be deleted.
     """
 
-    ORM_REFUSED: ClassVar[dict[str, str]] = dict.fromkeys(
-        ["semaphore", "request", "count", "state", "fencing_token"],
-        "permits are written only by acquire and release; " + USE_RELEASE,
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = (
+        "semaphore",
+        "request",
+        "count",
+        "state",
+        "fencing_token",
     )
+    ORM_REFUSED: ClassVar[dict[str, str]] = dict.fromkeys(
+        ENGINE_OWNED_FIELDS, "permits are written only by acquire and release; " + USE_RELEASE
+    )
+    CREATED_BY: ClassVar[str] = USE_ACQUIRE
 
     semaphore = models.ForeignKey(Semaphore, on_delete=models.CASCADE, related_name="permits")
     request = models.ForeignKey(PermitRequest, on_delete=models.CASCADE, related_name="permits")

@@ -300,6 +300,56 @@ def test_request_state_and_permits_are_the_engines(make_semaphore):
     assert request.permits.get().state == State.ACQUIRED
 
 
+def test_a_stale_request_save_never_revives_or_rewrites_its_release(make_semaphore):
+    sem = make_semaphore()
+    request = grant(sem)
+    stale = PermitRequest.objects.get(pk=request.pk)  # loaded ACQUIRED
+    release(request.external_id)
+
+    stale.owner = "renamed"
+    stale.save()
+
+    fresh = PermitRequest.objects.get(pk=request.pk)
+    assert (fresh.owner, fresh.state, fresh.release_reason) == (
+        "renamed",
+        State.RELEASED,
+        "released",
+    )
+    assert fresh.released_at is not None
+    fresh.state = State.ACQUIRED
+    with pytest.raises(UnsafeWrite, match="release"):
+        fresh.save()
+    grant(sem)  # the room stayed free
+
+
+def test_a_permit_save_writes_nothing_and_a_change_is_refused(make_semaphore):
+    sem = make_semaphore()
+    request = grant(sem)
+    permit = request.permits.get()
+    permit.save()  # nothing changed: nothing written
+    permit.state = State.RELEASED
+    with pytest.raises(UnsafeWrite):
+        permit.save()
+    permit = request.permits.get()
+    permit.fencing_token = 99
+    with pytest.raises(UnsafeWrite):
+        permit.save(update_fields=["fencing_token"])
+    assert request.permits.get().fencing_token == 1
+
+
+def test_requests_and_permits_are_created_only_by_acquire(make_semaphore):
+    sem = make_semaphore()
+    now = timezone.now()
+    with pytest.raises(UnsafeWrite, match="acquire"):
+        PermitRequest.objects.create(external_id=unique("key"), created_at=now)
+    with pytest.raises(UnsafeWrite, match="acquire"):
+        PermitRequest.objects.bulk_create([PermitRequest(external_id=unique(), created_at=now)])
+    request = grant(sem)
+    with pytest.raises(UnsafeWrite, match="acquire"):
+        Permit.objects.create(semaphore=sem, request=request, fencing_token=2)
+    assert Permit.objects.filter(semaphore=sem).count() == 1
+
+
 # --- deletes ----------------------------------------------------------------------------
 
 
