@@ -8,10 +8,12 @@ models by a project (a shell, a data migration, a script) go through here:
 - ``QuerySet.update()``, ``bulk_update()`` and ``bulk_create(update_conflicts=True)``
   of a column only the engine may write raise :class:`UnsafeWrite`, naming the
   call to use instead (``set_capacity``, ``release``, ``force_release``).
+- ``bulk_create()`` of requests or permits raises :class:`UnsafeWrite`:
+  only ``acquire()`` creates them.
 - ``delete()`` of a held semaphore, request or permit raises
   :class:`PermitHeld` (a ``pre_delete`` receiver, so it covers instances,
   querysets, cascades and the admin alike).
-- ``Semaphore.save()`` on an existing row is in ``models.py``.
+- ``save()`` is guarded in ``models.py`` (``GuardedModel``, ``Semaphore``).
 
 What no Python hook sees (raw SQL, ``QuerySet._raw_delete()``, ``TRUNCATE``,
 ``flush``, a restore from backup) is repaired by the orphan sweep and reported
