@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Iterable
 from typing import Any, ClassVar, Self
 
@@ -114,18 +115,26 @@ class GuardedModel(models.Model):
 
     def _remember_loaded(self, fields: Iterable[str] | None = None) -> None:
         """Keep the values save() compares with: what the database said."""
+        # Also run when the grant builds its request, under the row locks:
+        # only the few tracked fields are visited.
         loaded = self.__dict__.setdefault("_loaded", {})
-        tracked = (*self.ENGINE_OWNED_FIELDS, *self.ORM_REFUSED)
-        wanted = set(tracked if fields is None else fields)
-        for field in self._meta.concrete_fields:
+        values = self.__dict__
+        for name, attname in self._tracked_fields():
             # refresh_from_db() may name a field by its attname ("request_id").
-            if wanted & {field.name, field.attname} and field.attname in self.__dict__:
-                loaded[field.name] = self.__dict__[field.attname]
+            if (fields is None or name in fields or attname in fields) and attname in values:
+                loaded[name] = values[attname]
+
+    @classmethod
+    @functools.cache
+    def _tracked_fields(cls) -> tuple[tuple[str, str], ...]:
+        """(name, attname) of the fields save() compares with their loaded value."""
+        tracked = {*cls.ENGINE_OWNED_FIELDS, *cls.ORM_REFUSED}
+        return tuple((f.name, f.attname) for f in cls._meta.concrete_fields if f.name in tracked)
 
     def _changed(self, name: str) -> bool:
         """Whether the instance's value differs from the one loaded (an
         instance built by hand has none: it counts as changed)."""
-        attname = next(f.attname for f in self._meta.concrete_fields if f.name == name)
+        attname = dict(self._tracked_fields())[name]
         current = self.__dict__.get(attname, _NOT_LOADED)
         return bool(self.__dict__.get("_loaded", {}).get(name, _NOT_LOADED) != current)
 
