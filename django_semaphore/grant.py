@@ -36,6 +36,7 @@ from django_semaphore.exceptions import (
     SemaphoreExhausted,
     SemaphoreNotFound,
 )
+from django_semaphore.guards import engine_writes
 from django_semaphore.releasing import release_requests
 from django_semaphore.statements import LockedSemaphore, Statements, statements
 from django_semaphore.validation import Demand
@@ -77,8 +78,12 @@ def acquire_once(
     # says why).
     with prelock.prelocked(demand.names):
         try:
-            with backends.bounded_transaction(
-                connection, lock_wait, statements_bounded=True, durable=True
+            # engine_writes(): fair mode writes queued_until through the ORM.
+            with (
+                backends.bounded_transaction(
+                    connection, lock_wait, statements_bounded=True, durable=True
+                ),
+                engine_writes(),
             ):
                 outcome = grant(connection, demand, key, owner, ttl, lock_wait, place)
         except IntegrityError:

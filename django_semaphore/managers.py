@@ -18,17 +18,18 @@ from django.db.models.functions import Coalesce
 
 from django_semaphore import api
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.guards import GuardedQuerySet
 from django_semaphore.outcomes import ReleaseOutcome
 
 if TYPE_CHECKING:
     from django.contrib.auth.base_user import AbstractBaseUser
 
-    from django_semaphore.models import PermitRequest, Semaphore
+    from django_semaphore.models import Permit, PermitRequest, Semaphore  # noqa: F401
 
 ACQUIRED = "ACQUIRED"  # models.State.ACQUIRED, without importing models here
 
 
-class SemaphoreQuerySet(models.QuerySet["Semaphore"]):
+class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
     """``Semaphore.objects``' queries: semaphores with what waits on them."""
 
     def with_usage(self) -> SemaphoreQuerySet:
@@ -102,7 +103,7 @@ class SemaphoreManager(models.Manager["Semaphore"]):
         return api.set_capacity(name, capacity, changed_by=changed_by, reason=reason)
 
 
-class PermitRequestQuerySet(models.QuerySet["PermitRequest"]):
+class PermitRequestQuerySet(GuardedQuerySet["PermitRequest"]):
     """``PermitRequest.objects``' queries: the requests by where they stand."""
 
     def held(self) -> PermitRequestQuerySet:
@@ -116,3 +117,10 @@ class PermitRequestQuerySet(models.QuerySet["PermitRequest"]):
 
 
 PermitRequestManager = models.Manager.from_queryset(PermitRequestQuerySet)
+
+
+class PermitQuerySet(GuardedQuerySet["Permit"]):
+    """Permits: every column is the engine's (see ``Permit.ORM_REFUSED``)."""
+
+
+PermitManager = models.Manager.from_queryset(PermitQuerySet)

@@ -10,15 +10,17 @@ is what makes the grant's room check O(1), so every path that ends a permit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
 
 from django_semaphore import backends, holds, signals
 from django_semaphore.conf import app_settings
 from django_semaphore.outcomes import ReleaseOutcome
-from django_semaphore.statements.release import release_statements
+from django_semaphore.statements.release import ReleaseStatements, release_statements
 
 
 def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
@@ -49,25 +51,46 @@ def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
 def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int:
     """Release the given requests; returns how many this call released.
 
-    Runs in its own transaction, or as part of the caller's (the grant's
-    reclaim, a sweep batch). Repeating it is harmless: every update says
-    ``AND state = 'ACQUIRED'``.
+    Repeating it is harmless: every update says ``AND state = 'ACQUIRED'``.
     """
     if not request_ids:
         return 0
-    connection = connections[alias]
     ids = list(request_ids)
-    lock_wait = app_settings.LOCK_WAIT_TIMEOUT
-    with (
-        transaction.atomic(using=alias, savepoint=False)
-        if connection.in_atomic_block
-        else backends.bounded_transaction(connection, lock_wait, statements_bounded=True)
-    ):
-        with connection.cursor() as cursor:
-            released, _ = release_statements(connection).release(cursor, ids, reason, lock_wait)
+    with _transaction(alias) as (cursor, sql, lock_wait):
+        released = sql.release(cursor, ids, reason, lock_wait)
         if released:
             transaction.on_commit(lambda: announce(alias, ids, reason), using=alias)
     return released
+
+
+def release_permits(alias: str, permit_ids: Sequence[int]) -> int:
+    """Release the given permits that are still ACQUIRED, whatever their
+    request says, lowering the counters; returns how many this call released.
+
+    Only for the sweep's repairs (permits held under a released request, or
+    with no request at all): every other release goes by request.
+    """
+    if not permit_ids:
+        return 0
+    with _transaction(alias) as (cursor, sql, lock_wait):
+        return sql.release_permits(cursor, list(permit_ids), lock_wait)
+
+
+@contextmanager
+def _transaction(alias: str) -> Iterator[tuple[CursorWrapper, ReleaseStatements, float]]:
+    """A release's transaction of its own, or its part of the caller's (the
+    grant's reclaim, a sweep batch)."""
+    connection = connections[alias]
+    lock_wait = app_settings.LOCK_WAIT_TIMEOUT
+    with (
+        (
+            transaction.atomic(using=alias, savepoint=False)
+            if connection.in_atomic_block
+            else backends.bounded_transaction(connection, lock_wait, statements_bounded=True)
+        ),
+        connection.cursor() as cursor,
+    ):
+        yield cursor, release_statements(connection), lock_wait
 
 
 def announce(alias: str, request_ids: list[int], reason: str) -> None:

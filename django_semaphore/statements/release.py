@@ -18,11 +18,12 @@ class ReleaseStatements(SQL):
         super().__init__(connection)
         q, now = self.q, self.now
         semaphore, request, permit = self.semaphore, self.request, self.permit
-        # By request ids, in a transaction: which semaphores, lock them in the
-        # acquire's order, read what is held under the lock, then the updates.
+        # Permits chosen by a column ("request_id" or "id") in a transaction:
+        # their semaphores, locked in the acquire's order, what they hold read
+        # under the lock, then the updates.
         self.held_on_sql = (
             f"SELECT DISTINCT {q('semaphore_id')} FROM {permit}"
-            f" WHERE {q('request_id')} IN ({{ids}}) AND {q('state')} = %s"
+            f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
         )
         self.lock_by_id_sql = (
             f"SELECT {q('id')} FROM {semaphore} WHERE {q('id')} IN ({{ids}})"
@@ -30,12 +31,12 @@ class ReleaseStatements(SQL):
         )
         self.held_counts_sql = (
             f"SELECT {q('semaphore_id')}, SUM({q('count')}) FROM {permit}"
-            f" WHERE {q('request_id')} IN ({{ids}}) AND {q('state')} = %s"
+            f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
             f" GROUP BY {q('semaphore_id')}"
         )
         self.release_permits_sql = (
             f"UPDATE {permit} SET {q('state')} = %s"
-            f" WHERE {q('request_id')} IN ({{ids}}) AND {q('state')} = %s"
+            f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
         )
         self.release_requests_sql = (
             f"UPDATE {request} SET {q('state')} = %s, {q('released_at')} = {now},"
@@ -147,15 +148,35 @@ class ReleaseStatements(SQL):
 
     def release(
         self, cursor: CursorWrapper, request_ids: list[int], reason: str, lock_wait: float
-    ) -> tuple[int, dict[int, int]]:
-        """Release these requests and their permits, lowering the counters:
-        (requests this call released, semaphore id -> permits it freed)."""
-        ids = placeholders(len(request_ids))
+    ) -> int:
+        """Release these requests and their permits, lowering the counters;
+        how many requests this call released."""
+        self._free(cursor, self.q("request_id"), request_ids, lock_wait)
+        cursor.execute(
+            self.release_requests_sql.format(ids=placeholders(len(request_ids))),
+            [self.released, reason, *request_ids, self.acquired],
+        )
+        return int(cursor.rowcount)
+
+    def release_permits(
+        self, cursor: CursorWrapper, permit_ids: list[int], lock_wait: float
+    ) -> int:
+        """Release these permits, whatever their requests say, lowering the
+        counters; how many this call released (the sweep's repairs)."""
+        return self._free(cursor, self.q("id"), permit_ids, lock_wait)
+
+    def _free(self, cursor: CursorWrapper, column: str, ids: list[int], lock_wait: float) -> int:
+        """Release the ACQUIRED permits whose ``column`` is in ``ids`` and lower
+        their semaphores' counters, under those rows' locks taken in name
+        order; how many permits this call released."""
+        listed = placeholders(len(ids))
         if self.connection.features.has_select_for_update:
-            cursor.execute(self.held_on_sql.format(ids=ids), [*request_ids, self.acquired])
+            cursor.execute(
+                self.held_on_sql.format(column=column, ids=listed), [*ids, self.acquired]
+            )
             semaphore_ids = [int(id) for (id,) in cursor.fetchall()]
             if not semaphore_ids:
-                return self._release_requests(cursor, request_ids, reason), {}
+                return 0
             cursor.execute(
                 self.bounded(
                     self.lock_by_id_sql.format(ids=placeholders(len(semaphore_ids))), lock_wait
@@ -164,22 +185,19 @@ class ReleaseStatements(SQL):
             )
         # Under the locks (SQLite: the file's write lock): no other release
         # can free these permits now.
-        cursor.execute(self.held_counts_sql.format(ids=ids), [*request_ids, self.acquired])
-        freed = {int(id): int(n) for id, n in cursor.fetchall()}
-        if freed:
-            cursor.execute(
-                self.release_permits_sql.format(ids=ids),
-                [self.released, *request_ids, self.acquired],
-            )
-            self._lower(cursor, freed)
-        return self._release_requests(cursor, request_ids, reason), freed
-
-    def _release_requests(self, cursor: CursorWrapper, request_ids: list[int], reason: str) -> int:
         cursor.execute(
-            self.release_requests_sql.format(ids=placeholders(len(request_ids))),
-            [self.released, reason, *request_ids, self.acquired],
+            self.held_counts_sql.format(column=column, ids=listed), [*ids, self.acquired]
         )
-        return int(cursor.rowcount)
+        freed = {int(id): int(n) for id, n in cursor.fetchall()}
+        if not freed:
+            return 0
+        cursor.execute(
+            self.release_permits_sql.format(column=column, ids=listed),
+            [self.released, *ids, self.acquired],
+        )
+        released = int(cursor.rowcount)
+        self._lower(cursor, freed)
+        return released
 
     def _lower(self, cursor: CursorWrapper, freed: dict[int, int]) -> None:
         """Lower ``in_use`` by ``freed`` (semaphore id -> count) on rows this
