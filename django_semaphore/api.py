@@ -23,6 +23,7 @@ from django.db.models import Q
 
 from django_semaphore import fairness, families, grant, routing, signals
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.capacity import change as capacity_change
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import (
     AcquireTimeout,
@@ -30,7 +31,6 @@ from django_semaphore.exceptions import (
     PermitAlreadyReleased,
     PermitNotFound,
     SemaphoreExhausted,
-    SemaphoreNotFound,
 )
 from django_semaphore.outcomes import ReleaseOutcome
 from django_semaphore.releasing import release_key
@@ -104,6 +104,8 @@ def acquire(
         PermitAlreadyReleased: the key's request was released or expired.
         NestedTransactionError: called inside ``atomic()`` on the app's alias.
         LockContention, DatabaseUnavailable: retries did not get through.
+        InconsistentData: the tables hold rows the engine did not write
+            (run the orphan sweep); ``SchemaOutOfDate``: run ``migrate``.
     """
     demand = validate_demand(names)
     families.refuse_patterns(demand.names)
@@ -302,7 +304,7 @@ def set_capacity(
     connection = connections[routing.alias_for_name(name)]
     semaphore = run_with_retries(
         connection,
-        lambda: _set_capacity(connection.alias, name, capacity, changed_by, reason),
+        lambda: capacity_change(connection.alias, name, capacity, changed_by, reason),
     )
     if families.is_family_default(name):
         changed_by_id = None if changed_by is None else changed_by.pk
@@ -317,33 +319,4 @@ def set_capacity(
         # Members are changed after the default's own change is committed:
         # at once, or when the caller's transaction (the admin's) commits.
         transaction.on_commit(follow, using=connection.alias)
-    return semaphore
-
-
-def _set_capacity(
-    alias: str,
-    name: str,
-    capacity: int,
-    changed_by: AbstractBaseUser | None,
-    reason: str,
-) -> Semaphore:
-    from django_semaphore.models import CapacityChange, Semaphore
-
-    with transaction.atomic(using=alias):
-        try:
-            semaphore = Semaphore.objects.using(alias).select_for_update().get(name=name)
-        except Semaphore.DoesNotExist:
-            raise SemaphoreNotFound([name]) from None
-        if semaphore.capacity != capacity:
-            CapacityChange.objects.using(alias).create(
-                semaphore=semaphore,
-                old_capacity=semaphore.capacity,
-                new_capacity=capacity,
-                changed_by_id=None if changed_by is None else changed_by.pk,
-                reason=reason,
-            )
-            semaphore.capacity = capacity
-            # A member changed on its own no longer follows its family default.
-            semaphore.own_capacity = bool(semaphore.family)
-            semaphore.save(using=alias, update_fields=["capacity", "own_capacity", "updated_at"])
     return semaphore

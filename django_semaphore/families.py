@@ -49,6 +49,7 @@ from django_semaphore import backends
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import FamilyFull, InvalidRequest, SemaphoreNotFound
+from django_semaphore.guards import engine_writes
 
 if TYPE_CHECKING:
     from django.db.models import QuerySet
@@ -269,9 +270,10 @@ def _follow_batch(alias: str, pattern: str, changed_by_id: Any, reason: str) -> 
             )
             for pk, old in batch
         )
-        Semaphore.objects.using(alias).filter(pk__in=[pk for pk, _ in batch]).update(
-            capacity=capacity
-        )
+        with engine_writes():  # capacity, under the rows' locks, recorded above
+            Semaphore.objects.using(alias).filter(pk__in=[pk for pk, _ in batch]).update(
+                capacity=capacity
+            )
         return len(batch)
 
 
