@@ -183,6 +183,9 @@ class Semaphore(GuardedModel):
     ORM_REFUSED: ClassVar[dict[str, str]] = {
         **dict.fromkeys(ENGINE_OWNED_FIELDS, ENGINE_ONLY),
         "capacity": USE_SET_CAPACITY,
+        # Set when a family creates the member: only members are ever deleted
+        # by the clean-up, so marking a declared semaphore one would lose it.
+        "family": "only a family's first use sets it (see families.py).",
     }
 
     name = models.CharField(_("name"), max_length=MAX_NAME_LENGTH, unique=True)

@@ -525,3 +525,10 @@ def test_the_example_projects_per_customer_export(settings, client, monkeypatch)
     for response in (first, second, other):
         assert b"".join(response.streaming_content).startswith(b"id,customer,amount")
     assert Semaphore.objects.get(name=f"export:customer:{customer}").in_use == 0
+
+
+def test_the_orm_cannot_make_a_declared_semaphore_a_member(family):
+    from django_semaphore.exceptions import UnsafeWrite
+
+    with pytest.raises(UnsafeWrite, match="family"):
+        Semaphore.objects.filter(name=f"{family}-declared").update(family=f"{family}:*")
