@@ -78,7 +78,9 @@ TEMPLATES = [
         },
     }
 ]
-DJANGO_SEMAPHORE = {"SEMAPHORES": {"declared-in-settings": 4}}
+# A family too, for the real worker's tasks whose semaphore is computed
+# (tests/tasks.py, per_member): created on first use, capacity 1 each.
+DJANGO_SEMAPHORE = {"SEMAPHORES": {"declared-in-settings": 4, "celery-family:*": 1}}
 # SQLite outside DEBUG is what the SQLite test pass is for (tests force DEBUG off).
 SILENCED_SYSTEM_CHECKS = ["django_semaphore.W002"]
 

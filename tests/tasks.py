@@ -109,3 +109,14 @@ def fails_then_autoretries(self: Any, label: str) -> int:
     if self.request.retries < 2:
         raise ValueError("not yet")
     return log_pk
+
+
+@shared_task(bind=True, max_retries=40)
+@holds_permit(lambda member, **_: f"celery-family:{member}")
+def per_member(self: Any, member: str, hold: float = 0.0) -> int:
+    """Holds a permit of its own member of the family ``celery-family:*``
+    (capacity 1), computed from its argument; returns the member's in-use."""
+    from django_semaphore.models import Semaphore
+
+    time.sleep(hold)
+    return Semaphore.objects.get(name=f"celery-family:{member}").in_use

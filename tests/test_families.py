@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -532,3 +533,28 @@ def test_the_orm_cannot_make_a_declared_semaphore_a_member(family):
 
     with pytest.raises(UnsafeWrite, match="family"):
         Semaphore.objects.filter(name=f"{family}-declared").update(family=f"{family}:*")
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_real_workers_tasks_compute_their_member_from_their_arguments(celery_worker):
+    from tests import tasks
+
+    member, other = unique("m"), unique("m")
+    results = [
+        tasks.per_member.delay(member, hold=0.5),
+        tasks.per_member.delay(member, hold=0.5),  # capacity 1: waits its turn
+        tasks.per_member.apply_async(args=[other], kwargs={"hold": 0.5}),
+    ]
+
+    assert [result.get(timeout=90) for result in results] == [1, 1, 1]
+    assert (
+        Semaphore.objects.filter(
+            name__in=[f"celery-family:{member}", f"celery-family:{other}"]
+        ).count()
+        == 2
+    )
+    deadline = time.monotonic() + 10
+    while Semaphore.objects.filter(name__startswith="celery-family:", in_use__gt=0).exists():
+        assert time.monotonic() < deadline, "a finished task kept its permit"
+        time.sleep(0.05)

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from django_semaphore import families, sweep
+from django_semaphore import sweep
 
 
 class Command(BaseCommand):
@@ -57,10 +57,10 @@ class Command(BaseCommand):
                 batch_size=size, time_budget=budget, dry_run=dry_run, progress=self._progress
             )
             self.stdout.write(str(report))
-            if families.families():  # nothing to say where no family is declared
-                members = sweep.clean_idle_members(
-                    batch_size=size, time_budget=budget, dry_run=dry_run, progress=self._progress
-                )
+            members = sweep.clean_idle_members(
+                batch_size=size, time_budget=budget, dry_run=dry_run, progress=self._progress
+            )
+            if members.deleted:  # as for tickets: a line only when there were some
                 self.stdout.write(str(members))
         if options["history"] or everything:
             report = sweep.clean_history(
