@@ -506,7 +506,20 @@ def test_the_admin_changes_one_member_or_the_family_default(
     assert "capacity of its own" in client.get(semaphore_url(member)).content.decode()
 
 
+@pytest.fixture
+def celery_app_kept():
+    """Importing ``example_project`` makes its Celery app (a filesystem broker)
+    the current one; the real-worker tests publish through the current app."""
+    from celery import _state
+
+    current, default = _state.get_current_app(), _state.default_app
+    yield
+    _state._set_current_app(current)
+    _state.set_default_app(default)
+
+
 @pytest.mark.urls("example_project.urls")
+@pytest.mark.usefixtures("celery_app_kept")
 def test_the_example_projects_per_customer_export(settings, client, monkeypatch):
     from example_project.demo import views
 
