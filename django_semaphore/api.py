@@ -21,7 +21,7 @@ from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Q
 
-from django_semaphore import fairness, grant, routing, signals
+from django_semaphore import fairness, grant, releasing, routing, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import (
@@ -319,6 +319,10 @@ def _set_capacity(
                 changed_by_id=None if changed_by is None else changed_by.pk,
                 reason=reason,
             )
+            raised = capacity - semaphore.capacity
             semaphore.capacity = capacity
             semaphore.save(using=alias, update_fields=["capacity", "updated_at"])
+            if raised > 0 and releasing.room_wanted():
+                freed = {semaphore.pk: raised}
+                transaction.on_commit(lambda: releasing.announce_room(alias, freed), using=alias)
     return semaphore

@@ -26,3 +26,9 @@ class DjangoSemaphoreConfig(AppConfig):
         before_task_publish.connect(
             task_runs.on_before_task_publish, dispatch_uid="django_semaphore.publish"
         )
+        from django_semaphore.conf import app_settings
+
+        if app_settings.PARK_TASKS:
+            from django_semaphore import parking
+
+            parking.enable()

@@ -40,9 +40,18 @@ DEFAULTS: dict[str, Any] = {
     "VIEW_STATUS_CODE": 429,
     # Declared semaphores, name -> initial capacity, created after migrate.
     "SEMAPHORES": {},
+    # Whether @holds_permit tasks that find no room park (wait in the
+    # database, woken by releases) rather than retry; park= overrides it.
+    "PARK_TASKS": False,
+    # A woken parked task whose run has not started after this long is
+    # published again by the beat sweep (its message was lost, or the
+    # publish failed without an error).
+    "PARKED_REPUBLISH_AFTER": timedelta(minutes=5),
 }
 
-DURATION_KEYS = frozenset({"STALENESS_LIMIT", "RELEASED_RETENTION", "HISTORY_RETENTION"})
+DURATION_KEYS = frozenset(
+    {"STALENESS_LIMIT", "RELEASED_RETENTION", "HISTORY_RETENTION", "PARKED_REPUBLISH_AFTER"}
+)
 
 # Set by ``routing.on_alias``: the alias the app's single-alias code (sweeps,
 # commands, the admin) works on while it visits each shard.
@@ -121,6 +130,14 @@ class Settings:
     @property
     def SEMAPHORES(self) -> dict[str, int]:
         return dict(self._get("SEMAPHORES"))
+
+    @property
+    def PARK_TASKS(self) -> bool:
+        return bool(self._get("PARK_TASKS"))
+
+    @property
+    def PARKED_REPUBLISH_AFTER(self) -> timedelta:
+        return self._get("PARKED_REPUBLISH_AFTER")  # type: ignore[no-any-return]
 
 
 app_settings = Settings()

@@ -83,3 +83,12 @@ class DatabaseUnavailable(SemaphoreError, ConnectionError):
 class InconsistentState(SemaphoreError):
     """The semaphore tables hold a state the engine never writes (a manual
     edit, a restore from backup): the orphan sweep repairs it."""
+
+
+class LiveDuplicate(SemaphoreExhausted):
+    """Another run of the same Celery task id, alive, holds its permit."""
+
+
+class TaskAlreadyRan(SemaphoreError):
+    """A copy of a Celery task that already finished for good (a parked task
+    published twice): it is dropped, not run again."""

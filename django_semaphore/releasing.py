@@ -69,9 +69,11 @@ def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int
         else backends.bounded_transaction(connection, lock_wait, statements_bounded=True)
     ):
         with connection.cursor() as cursor:
-            released, _ = statements(connection).release(cursor, ids, reason, lock_wait)
+            released, freed = statements(connection).release(cursor, ids, reason, lock_wait)
         if released:
             transaction.on_commit(lambda: announce(alias, ids, reason), using=alias)
+        if freed and room_wanted():
+            transaction.on_commit(lambda: announce_room(alias, freed), using=alias)
     return released
 
 
@@ -85,10 +87,27 @@ def announce(alias: str, request_ids: list[int], reason: str) -> None:
     holds.send_hold_ended(PermitRequest, request_ids, reason, alias)
 
 
+def announce_room(alias: str, freed: dict[int, int]) -> None:
+    """Tell receivers (parked tasks) which semaphores have room again."""
+    from django_semaphore.models import Semaphore
+
+    signals.permits_freed.send_robust(sender=Semaphore, freed=freed, using=alias)
+
+
 def released_ids_wanted() -> bool:
-    """Whether a receiver wants to know which requests a release ended."""
+    """Whether a receiver wants to know which requests a release ended, or
+    which semaphores it freed: the one-statement release can say neither."""
     from django_semaphore.models import PermitRequest
 
-    return signals.permit_released.has_listeners(PermitRequest) or signals.hold_ended.has_listeners(
-        PermitRequest
+    return (
+        signals.permit_released.has_listeners(PermitRequest)
+        or signals.hold_ended.has_listeners(PermitRequest)
+        or room_wanted()
     )
+
+
+def room_wanted() -> bool:
+    """Whether a receiver waits for room on semaphores (parked tasks)."""
+    from django_semaphore.models import Semaphore
+
+    return signals.permits_freed.has_listeners(Semaphore)

@@ -58,3 +58,12 @@ permits it counts (a bug, or rows changed outside the app). Sender:
 ``django_semaphore.counter.Drift`` (``semaphore``, ``recorded``,
 ``actual``); ``corrected``: whether the counter was set to ``actual``.
 """
+
+permits_freed = Signal()
+"""Room was made on semaphores, once committed: permits released (by their
+holder, a sweep, an expiry reclaim, a force release) or capacity raised.
+Sender: ``Semaphore``. ``freed``: semaphore id -> permits freed.
+While a receiver is connected, every release takes the general path, which
+knows what it freed (the one-statement release does not); parked Celery
+tasks connect one (``parking.py``).
+"""
