@@ -91,12 +91,6 @@ def holds_permit(
     demand = validate_demand(names).counts
     ttl_seconds = validate_ttl(ttl)
 
-    if park:
-        from django_semaphore import parking
-
-        # This process's releases must now say what they freed.
-        parking.enable()
-
     def decorate(func: F) -> F:
         options = _Options(demand, ttl_seconds, timeout, retry_after, _label(func), fair, park)
         if inspect.iscoroutinefunction(func):
@@ -344,10 +338,17 @@ def _run_task(
     from django_semaphore import task_runs
 
     parks = options.parks
+    if parks:
+        from django_semaphore import parking
+
+        # From this process's first parking task on, its releases (this
+        # task's own, when it finishes) wake the parked tasks they make room for.
+        parking.enable()
     try:
         key = task_runs.claim(task, options.demand, options.ttl, rerun_finished=not parks)
     except TaskAlreadyRan as exc:
         logger.info("Task %s[%s] dropped: %s", task.name, task.request.id, exc)
+        _forget_parked(task, options)
         raise _ignore() from None
     except SemaphoreExhausted as exc:
         if parks and not isinstance(exc, LiveDuplicate):

@@ -334,8 +334,10 @@ def on_permits_freed(sender: Any, freed: Mapping[int, int], using: str, **kwargs
 
 
 def on_task_revoked(request: Any = None, **kwargs: Any) -> None:
-    """``task_revoked`` receiver: a parked task revoked or expired while woken
-    is dropped when Celery discards its message, and gives its room back."""
+    """``task_revoked`` receiver (connected in every process, as the worker's
+    main process discards revoked and expired messages): a parked task
+    revoked or expired while woken is dropped and gives its room back. One
+    indexed delete per revoked task."""
     task_id = getattr(request, "id", None)
     if task_id is None:
         return
@@ -416,21 +418,36 @@ def sweep() -> ParkedReport:
 # --- switched on -------------------------------------------------------------------
 
 
-def enable() -> None:
-    """Connect the receivers that wake parked tasks, in this process.
+_enabled = False
 
-    Called when a parking task is decorated and, with ``PARK_TASKS``, when
-    the app is ready. From then on this process's releases take the general
-    path, which knows which semaphores it freed (see ``docs/decisions.md``).
+
+def enable() -> None:
+    """Make this process's releases wake the parked tasks they make room for.
+
+    Called by the first parking task a worker process runs and, with
+    ``PARK_TASKS``, when the app is ready; call it from ``AppConfig.ready()``
+    of the web processes whose ``release()`` should wake parked tasks at
+    once (otherwise the beat sweep does, within its interval). From then on
+    this process's releases take the general path, which knows which
+    semaphores it freed (see ``docs/decisions.md``).
     """
-    # No sender: this runs when a task module is imported, maybe before the
-    # models are; has_listeners(Semaphore) counts receivers of any sender.
-    signals.permits_freed.connect(on_permits_freed, dispatch_uid="django_semaphore.parking")
-    try:
-        from celery.signals import task_revoked
-    except ImportError:  # pragma: no cover - parking needs Celery
+    global _enabled
+    if _enabled:
         return
-    task_revoked.connect(on_task_revoked, dispatch_uid="django_semaphore.parking.revoked")
+    # No sender: has_listeners(Semaphore) counts receivers of any sender, and
+    # this may run before the models are loaded.
+    signals.permits_freed.connect(on_permits_freed, dispatch_uid=_UID)
+    _enabled = True
+
+
+def disable() -> None:
+    """Undo ``enable``: this process's releases wake nobody (the tests')."""
+    global _enabled
+    signals.permits_freed.disconnect(dispatch_uid=_UID)
+    _enabled = False
+
+
+_UID = "django_semaphore.parking"
 
 
 def parked_counts(alias: str | None = None) -> dict[str, int]:
