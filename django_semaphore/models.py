@@ -284,7 +284,9 @@ class ParkedDemand(models.Model):
     parked task's id) per semaphore when its permits are released."""
 
     task = models.ForeignKey(ParkedTask, on_delete=models.CASCADE, related_name="demands")
-    semaphore = models.ForeignKey(Semaphore, on_delete=models.CASCADE, related_name="parked")
+    semaphore = models.ForeignKey(
+        Semaphore, on_delete=models.CASCADE, related_name="parked_demands"
+    )
     count = models.PositiveIntegerField(_("count"), default=1)
 
     class Meta:

@@ -39,11 +39,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Min, Sum
+from django.db.models import BigIntegerField, Count, Min, OuterRef, QuerySet, Subquery, Sum
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from django_semaphore import backends, routing, signals
@@ -51,6 +52,9 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import SemaphoreError
 from django_semaphore.retry import run_with_retries
+
+if TYPE_CHECKING:
+    from django_semaphore.models import Semaphore
 
 logger = logging.getLogger("django_semaphore")
 
@@ -450,16 +454,17 @@ def disable() -> None:
 _UID = "django_semaphore.parking"
 
 
-def parked_counts(alias: str | None = None) -> dict[str, int]:
-    """Semaphore name -> parked tasks waiting for it (woken ones included)."""
-    from django.db.models import Count
-
+def with_parked(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
+    """Annotate ``parked``: the Celery tasks parked on each semaphore (woken
+    ones included), by a correlated subquery on the (semaphore, task) index,
+    in the same query (the admin, ``semaphore_status``, the metrics)."""
     from django_semaphore.models import ParkedDemand
 
-    rows = (
-        ParkedDemand.objects.using(alias or app_settings.DATABASE)
-        .values("semaphore__name")
-        .annotate(n=Count("task_id"))
-        .values_list("semaphore__name", "n")
+    parked = ParkedDemand.objects.filter(semaphore=OuterRef("pk")).order_by().values("semaphore")
+    return queryset.annotate(
+        parked=Coalesce(
+            Subquery(parked.annotate(number=Count("task_id")).values("number")),
+            0,
+            output_field=BigIntegerField(),
+        )
     )
-    return {name: int(n) for name, n in rows}

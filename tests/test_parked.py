@@ -12,11 +12,13 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from io import StringIO
 from typing import Any
 
 import pytest
 from celery.result import AsyncResult
 from django.db import connection
+from django.urls import reverse
 from django.utils import timezone
 
 from django_semaphore import acquire, parking, release
@@ -373,3 +375,64 @@ def test_releases_take_the_general_path_only_while_parking_is_enabled(wakes):
     parking.disable()
     assert not releasing.room_wanted()
     parking.enable()
+
+
+# --- visible: admin, semaphore_status, metrics ------------------------------------
+
+
+def staff_client(client: Any, *codenames: str) -> Any:
+    from tests.test_admin import staff
+
+    client.force_login(staff("view_semaphore", "view_parkedtask", *codenames))
+    return client
+
+
+def test_the_changelist_and_the_semaphore_page_show_parked_tasks(client):
+    s = semaphore(1)
+    park_row({s.name: 1})
+    park_row({s.name: 1})
+    viewer = staff_client(client)
+
+    response = viewer.get(reverse("admin:django_semaphore_semaphore_changelist"), {"q": s.name})
+    assert response.context["cl"].result_list.get().parked == 2
+    parked_list = reverse("admin:django_semaphore_parkedtask_changelist")
+    link = f"{parked_list}?demands__semaphore__id__exact={s.pk}"
+    assert link in response.content.decode()
+    page = viewer.get(reverse("admin:django_semaphore_semaphore_change", args=[s.pk]))
+    assert link in page.content.decode()
+    listed = viewer.get(link.replace("&amp;", "&"))
+    assert len(listed.context["cl"].result_list) == 2
+    # Viewing is not dropping.
+    assert listed.context["action_form"] is None
+
+
+def test_the_drop_action_needs_the_delete_permission_and_drops(client):
+    s = semaphore(1)
+    dropped = park_row({s.name: 1})
+    kept = park_row({s.name: 1})
+    url = reverse("admin:django_semaphore_parkedtask_changelist")
+    row = ParkedTask.objects.get(task_id=dropped)
+    form = {"action": "drop", "_selected_action": [row.pk]}
+
+    assert staff_client(client).post(url, form).status_code == 403
+    assert parked_ids() == [dropped, kept]
+    response = staff_client(client, "delete_parkedtask").post(url, form, follow=True)
+
+    assert parked_ids() == [kept]
+    assert "1 parked task was dropped." in [str(m) for m in response.context["messages"]]
+
+
+def test_semaphore_status_and_the_metrics_count_parked_tasks(client):
+    from django.core.management import call_command
+
+    s = semaphore(1)
+    for _ in range(3):
+        park_row({s.name: 1})
+    out = StringIO()
+    call_command("semaphore_status", s.name, stdout=out)
+    header, row = out.getvalue().splitlines()[:2]
+    assert header.split()[-1] == "parked"
+    assert row.split()[-1] == "3"
+
+    metrics = client.get("/metrics/").content.decode()
+    assert f'django_semaphore_parked_tasks{{semaphore="{s.name}"}} 3.0' in metrics
