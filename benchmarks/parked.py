@@ -5,7 +5,8 @@ permit of a capacity ``--capacity`` semaphore for ``--hold`` seconds, run by
 ``celery worker --pool=prefork``, once with ``park=True`` and once as
 ``@holds_permit`` tasks retry by default, and reports for each:
 
-- **drain**: first publish to the last run's end, against the ideal
+- **drain**: from the first run's start, with every task already in the
+  broker (a backlog), to the last run's end, against the ideal
   ``tasks x hold / capacity``;
 - **messages per task**: every message published (first publishes, retries,
   wake-ups, the sweep's), over the tasks;
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="40 tasks of 10 ms")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    # Stopped by a signal, still stop the worker (the with block's exit).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.smoke:
         args.tasks, args.hold, args.concurrency = 40, 0.01, 6
 
@@ -96,11 +99,13 @@ def run(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
     task = getattr(parked_app, mode)
     log = ROOT / ".runtime" / "benchmarks" / f"parked-{mode}-worker.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    # A backlog: every task is in the broker before the worker starts.
+    before = time.time()
+    for _ in range(args.tasks):
+        task.delay()
+    published_in = time.time() - before
     with worker(args, log, parked_app):
         started = time.time()
-        for _ in range(args.tasks):
-            task.delay()
-        published_in = time.time() - started
         swept = 0
         last_sweep = time.monotonic()
         deadline = time.monotonic() + args.timeout
@@ -122,7 +127,8 @@ def run(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
         for i, start in enumerate(starts)
         if i >= args.capacity and start >= ends[i - args.capacity]
     ]
-    drained = (ends[-1] if ends else time.time()) - started
+    # From the first run's start: the worker may take tasks before it answers a ping.
+    drained = ends[-1] - min(starts[0], started) if runs else float("nan")
     ideal = args.tasks * args.hold / args.capacity
     return {
         "mode": mode,

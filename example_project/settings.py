@@ -72,7 +72,7 @@ STATIC_URL = "static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 DJANGO_SEMAPHORE = {
-    "SEMAPHORES": {"exports": 3, "backups": 1, "network": 2},
+    "SEMAPHORES": {"exports": 3, "backups": 1, "network": 2, "reports": 2},
 }
 
 # "localhost": the filesystem transport ignores it, but kombu warns on every
@@ -91,6 +91,6 @@ if CELERY_BROKER_URL == _FILESYSTEM_BROKER:
     }
 # The app's maintenance sweeps; the demo reclaims orphans every 30 s so that
 # permits of killed processes visibly come back.
-CELERY_BEAT_SCHEDULE = beat_schedule(release_orphans=30)
+CELERY_BEAT_SCHEDULE = beat_schedule(release_orphans=30, wake_parked=30)
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
