@@ -3,7 +3,9 @@
 ``python -m benchmarks.parked`` enqueues ``--tasks`` tasks that each hold one
 permit of a capacity ``--capacity`` semaphore for ``--hold`` seconds, run by
 ``celery worker --pool=prefork``, once with ``park=True`` and once as
-``@holds_permit`` tasks retry by default, and reports for each:
+``@holds_permit`` tasks retry by default, and once without a semaphore on a
+worker of ``capacity`` processes (``unlimited``: what this machine's worker
+does at that concurrency, the practical ideal), and reports for each:
 
 - **drain**: from the first run's start, with every task already in the
   broker (a backlog), to the last run's end, against the ideal
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold", type=float, default=0.02)
     parser.add_argument("--capacity", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=8, help="worker processes")
-    parser.add_argument("--modes", default="parked,retried")
+    parser.add_argument("--modes", default="unlimited,parked,retried")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--smoke", action="store_true", help="40 tasks of 10 ms")
     parser.add_argument("--json", type=Path)
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run(mode, args, parked_app))
         print(format_result(results[-1]), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"config": vars(args) | {"json": None}, "results": results}))
+        config = vars(args) | {"json": None}
+        args.json.write_text(json.dumps({"config": config, "results": results}, indent=1))
     return 0
 
 
@@ -104,7 +107,9 @@ def run(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
     for _ in range(args.tasks):
         task.delay()
     published_in = time.time() - before
-    with worker(args, log, parked_app):
+    # Without a semaphore the worker has as many processes as the capacity.
+    concurrency = args.capacity if mode == "unlimited" else args.concurrency
+    with worker(concurrency, log, parked_app):
         started = time.time()
         swept = 0
         last_sweep = time.monotonic()
@@ -165,15 +170,15 @@ def _quantile(values: list[float], q: float) -> float:
 class worker:
     """``celery worker --pool=prefork`` on the benchmark's queue, while in use."""
 
-    def __init__(self, args: argparse.Namespace, log: Path, parked_app: Any) -> None:
-        self.args, self.log, self.app = args, log, parked_app.app
+    def __init__(self, concurrency: int, log: Path, parked_app: Any) -> None:
+        self.concurrency, self.log, self.app = concurrency, log, parked_app.app
 
     def __enter__(self) -> None:
         queue = os.environ["BENCH_QUEUE"]
         self.nodename = f"{queue}@{os.uname().nodename}"
         command = [
             sys.executable, "-m", "celery", "-A", "benchmarks.parked_app", "worker",
-            "--pool=prefork", f"--concurrency={self.args.concurrency}", f"--queues={queue}",
+            "--pool=prefork", f"--concurrency={self.concurrency}", f"--queues={queue}",
             f"--hostname={self.nodename}", "--without-gossip", "--without-mingle",
             "--loglevel=WARNING",
         ]  # fmt: skip

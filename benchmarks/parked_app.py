@@ -58,6 +58,13 @@ def retried(self: Any) -> None:
     _run(self.request.id)
 
 
+@app.task(bind=True)
+def unlimited(self: Any) -> None:
+    """No semaphore: run by a worker of ``capacity`` processes, what this
+    machine's worker can do at that concurrency (the practical ideal)."""
+    _run(self.request.id)
+
+
 @before_task_publish.connect
 def _count_publish(**kwargs: Any) -> None:
     counts.incr(PUBLISHED)

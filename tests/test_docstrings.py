@@ -31,6 +31,7 @@ PUBLIC_MODULES = (
     "managers",
     "models",
     "outcomes",
+    "parking",
     "signals",
     "tasks",
 )
