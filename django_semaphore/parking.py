@@ -236,7 +236,13 @@ def _wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> int:
 
     alias = connection.alias
     demands = ParkedDemand.objects.using(alias)
+    semaphores = Semaphore.objects.using(alias).select_for_update().order_by("name")
+    columns = ("id", "capacity", "in_use", "queued_until")
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
+        # Locked as the grant locks them (name order) before anything is read:
+        # two wake-ups of one semaphore run one after the other, the second
+        # reading what the first woke, so they never spend the same room.
+        locked = list(semaphores.filter(id__in=freed).values_list(*columns))
         expiries = dict(
             demands.filter(semaphore_id__in=freed, task__woken_at__isnull=True)
             .order_by("task_id")
@@ -252,15 +258,10 @@ def _wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> int:
         ):
             wanted[task_id][semaphore_id] = count
         involved = freed | {s for asks in wanted.values() for s in asks}
-        # Locked as the grant locks them (name order): the room read here
-        # stays true until this commits, and two wakes never both spend it.
-        locked = list(
-            Semaphore.objects.using(alias)
-            .select_for_update()
-            .filter(id__in=involved)
-            .order_by("name")
-            .values_list("id", "capacity", "in_use", "queued_until")
-        )
+        if involved - freed:
+            # The other semaphores of multi-semaphore demands, locked after
+            # these (out of name order): a deadlock with a grant is retried whole.
+            locked += semaphores.filter(id__in=involved - freed).values_list(*columns)
         room = {id: capacity - in_use for id, capacity, in_use, _ in locked}
         reserved = (
             demands.filter(semaphore_id__in=involved, task__woken_at__isnull=False)
@@ -369,7 +370,7 @@ def on_task_revoked(request: Any = None, **kwargs: Any) -> None:
     """``task_revoked`` receiver (connected in every process, as the worker's
     main process discards revoked and expired messages): a parked task
     revoked or expired while woken is dropped and gives its room back. One
-    indexed delete per revoked task."""
+    indexed read per revoked task that was not parked."""
     task_id = getattr(request, "id", None)
     if task_id is None:
         return
@@ -383,16 +384,21 @@ def cancel(task_ids: Iterable[str]) -> int:
     """
     from django_semaphore.models import ParkedDemand, ParkedTask
 
+    keys = list(task_ids)
     dropped = 0
     for alias in routing.aliases():
-        parked = ParkedTask.objects.using(alias).filter(task_id__in=list(task_ids))
-        semaphore_ids = set(
-            ParkedDemand.objects.using(alias)
-            .filter(task__in=parked.filter(woken_at__isnull=False))
-            .values_list("semaphore_id", flat=True)
+        rows = dict(
+            ParkedTask.objects.using(alias).filter(task_id__in=keys).values_list("id", "woken_at")
         )
-        ParkedDemand.objects.using(alias).filter(task__in=parked).delete()
-        dropped += parked.delete()[0]
+        if not rows:
+            continue
+        demands = ParkedDemand.objects.using(alias).filter(task_id__in=list(rows))
+        woken = [id for id, woken_at in rows.items() if woken_at is not None]
+        semaphore_ids = set(
+            demands.filter(task_id__in=woken).values_list("semaphore_id", flat=True)
+        )
+        _raw_delete(demands)
+        dropped += _raw_delete(ParkedTask.objects.using(alias).filter(id__in=list(rows)))
         wake(alias, semaphore_ids)
     return dropped
 
