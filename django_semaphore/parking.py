@@ -236,13 +236,9 @@ def _wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> int:
 
     alias = connection.alias
     demands = ParkedDemand.objects.using(alias)
-    semaphores = Semaphore.objects.using(alias).select_for_update().order_by("name")
-    columns = ("id", "capacity", "in_use", "queued_until")
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
-        # Locked as the grant locks them (name order) before anything is read:
-        # two wake-ups of one semaphore run one after the other, the second
-        # reading what the first woke, so they never spend the same room.
-        locked = list(semaphores.filter(id__in=freed).values_list(*columns))
+        # Read before the lock, to hold it for as short as can be (grants wait
+        # on it); what another wake-up woke meanwhile is left out under it.
         expiries = dict(
             demands.filter(semaphore_id__in=freed, task__woken_at__isnull=True)
             .order_by("task_id")
@@ -258,10 +254,21 @@ def _wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> int:
         ):
             wanted[task_id][semaphore_id] = count
         involved = freed | {s for asks in wanted.values() for s in asks}
-        if involved - freed:
-            # The other semaphores of multi-semaphore demands, locked after
-            # these (out of name order): a deadlock with a grant is retried whole.
-            locked += semaphores.filter(id__in=involved - freed).values_list(*columns)
+        # Locked as the grant locks them (name order): the room read here
+        # stays true until this commits, and two wake-ups never spend it twice.
+        locked = list(
+            Semaphore.objects.using(alias)
+            .select_for_update()
+            .filter(id__in=involved)
+            .order_by("name")
+            .values_list("id", "capacity", "in_use", "queued_until")
+        )
+        taken = set(
+            ParkedTask.objects.using(alias)
+            .filter(id__in=window, woken_at__isnull=False)
+            .values_list("id", flat=True)
+        )
+        window = [task_id for task_id in window if task_id not in taken]
         room = {id: capacity - in_use for id, capacity, in_use, _ in locked}
         reserved = (
             demands.filter(semaphore_id__in=involved, task__woken_at__isnull=False)
