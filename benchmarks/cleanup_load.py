@@ -70,6 +70,7 @@ def fill_old_released(rows: int, alias: str = "default") -> int:
     fencing counter is moved past their tokens. Returns the semaphore id."""
     from django.db import connections, transaction
 
+    from django_semaphore.guards import engine_writes
     from django_semaphore.models import Permit, PermitRequest, Semaphore
 
     connection = connections[alias]
@@ -108,9 +109,10 @@ def fill_old_released(rows: int, alias: str = "default") -> int:
                 [semaphore.pk, first_id],
             )
             top = _max_id(cursor, request_table)
-            Semaphore.objects.using(alias).filter(pk=semaphore.pk, fencing_counter__lt=top).update(
-                fencing_counter=top
-            )
+            with engine_writes():  # the permits above were written with raw SQL too
+                Semaphore.objects.using(alias).filter(
+                    pk=semaphore.pk, fencing_counter__lt=top
+                ).update(fencing_counter=top)
     if vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute(f"ANALYZE {request_table}")
@@ -445,13 +447,15 @@ def main(argv: list[str] | None = None) -> int:
     from django.core.management import call_command
     from django.db import connection
 
+    from django_semaphore.guards import engine_writes
     from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore
 
     call_command("migrate", verbosity=0)
-    Permit.objects.all().delete()
-    PermitRequest.objects.all()._raw_delete("default")
-    CapacityChange.objects.all().delete()
-    Semaphore.objects.filter(name=SEMAPHORE).delete()
+    with engine_writes():  # a wholesale reset of the benchmark's database
+        Permit.objects.all().delete()
+        PermitRequest.objects.all()._raw_delete("default")
+        CapacityChange.objects.all().delete()
+        Semaphore.objects.filter(name=SEMAPHORE).delete()
     with connection.cursor() as cursor:
         cursor.execute("SELECT VERSION()" if connection.vendor != "sqlite" else "SELECT 'sqlite'")
         version = cursor.fetchone()[0]

@@ -167,11 +167,13 @@ def prepare(urls: list[str], capacity: int) -> None:
 
 def reset(urls: list[str]) -> None:
     """Between modes: no permits, counter back to 0."""
+    from django_semaphore.guards import engine_writes
     from django_semaphore.models import Permit, PermitRequest, Semaphore
 
-    Permit.objects.all().delete()
-    PermitRequest.objects.all().delete()
-    Semaphore.objects.filter(name=SEMAPHORE).update(fencing_counter=0)
+    with engine_writes():  # a wholesale reset, not a Django developer's write
+        Permit.objects.all().delete()
+        PermitRequest.objects.all().delete()
+        Semaphore.objects.filter(name=SEMAPHORE).update(fencing_counter=0)
 
 
 def tokens_agree(urls: list[str], grants: int) -> int:

@@ -17,12 +17,13 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from django.db import connections, transaction
+from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Q
 
-from django_semaphore import fairness, grant, releasing, routing, signals
+from django_semaphore import fairness, grant, routing, signals
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.capacity import change as capacity_change
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import (
     AcquireTimeout,
@@ -30,7 +31,6 @@ from django_semaphore.exceptions import (
     PermitAlreadyReleased,
     PermitNotFound,
     SemaphoreExhausted,
-    SemaphoreNotFound,
 )
 from django_semaphore.outcomes import ReleaseOutcome
 from django_semaphore.releasing import release_key
@@ -101,6 +101,8 @@ def acquire(
         PermitAlreadyReleased: the key's request was released or expired.
         NestedTransactionError: called inside ``atomic()`` on the app's alias.
         LockContention, DatabaseUnavailable: retries did not get through.
+        InconsistentData: the tables hold rows the engine did not write
+            (run the orphan sweep); ``SchemaOutOfDate``: run ``migrate``.
     """
     demand = validate_demand(names)
     key = validate_key(external_id)
@@ -293,36 +295,5 @@ def set_capacity(
     connection = connections[routing.alias_for_name(name)]
     return run_with_retries(
         connection,
-        lambda: _set_capacity(connection.alias, name, capacity, changed_by, reason),
+        lambda: capacity_change(connection.alias, name, capacity, changed_by, reason),
     )
-
-
-def _set_capacity(
-    alias: str,
-    name: str,
-    capacity: int,
-    changed_by: AbstractBaseUser | None,
-    reason: str,
-) -> Semaphore:
-    from django_semaphore.models import CapacityChange, Semaphore
-
-    with transaction.atomic(using=alias):
-        try:
-            semaphore = Semaphore.objects.using(alias).select_for_update().get(name=name)
-        except Semaphore.DoesNotExist:
-            raise SemaphoreNotFound([name]) from None
-        if semaphore.capacity != capacity:
-            CapacityChange.objects.using(alias).create(
-                semaphore=semaphore,
-                old_capacity=semaphore.capacity,
-                new_capacity=capacity,
-                changed_by_id=None if changed_by is None else changed_by.pk,
-                reason=reason,
-            )
-            raised = capacity - semaphore.capacity
-            semaphore.capacity = capacity
-            semaphore.save(using=alias, update_fields=["capacity", "updated_at"])
-            if raised > 0 and releasing.room_wanted():
-                freed = {semaphore.pk: raised}
-                transaction.on_commit(lambda: releasing.announce_room(alias, freed), using=alias)
-    return semaphore

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from django.apps import AppConfig
-from django.db.models.signals import post_migrate
+from django.db.models.signals import post_migrate, pre_delete
 from django.utils.translation import gettext_lazy as _
 
 
@@ -12,10 +12,23 @@ class DjangoSemaphoreConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django_semaphore import checks  # noqa: F401  (registers the checks)
+        from django_semaphore import (
+            checks,  # noqa: F401  (registers the checks)
+            guards,
+        )
         from django_semaphore.declared import create_declared_semaphores
+        from django_semaphore.models import Permit, PermitRequest, Semaphore
 
         post_migrate.connect(create_declared_semaphores, sender=self)
+        # Deleting what is held would end permits behind their holders' backs.
+        for model, guard in (
+            (Semaphore, guards.refuse_deleting_held_semaphore),
+            (PermitRequest, guards.refuse_deleting_held_request),
+            (Permit, guards.refuse_deleting_held_permit),
+        ):
+            pre_delete.connect(
+                guard, sender=model, dispatch_uid=f"django_semaphore.{guard.__name__}"
+            )
         try:
             from celery.signals import before_task_publish, task_postrun, task_revoked
         except ImportError:  # Celery is optional

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, InterfaceError, OperationalError, transaction
+from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.functions import Now
 from django.db.models.sql.compiler import SQLCompiler
+
+from django_semaphore.exceptions import InconsistentData, SchemaOutOfDate, SemaphoreError
 
 
 class Failure(enum.Enum):
@@ -95,6 +97,45 @@ def classify(connection: BaseDatabaseWrapper, exc: DatabaseError) -> Failure | N
         if "database is locked" in message or "database table is locked" in message:
             return Failure.CONTENTION
     return None
+
+
+# A table or column of the app is missing: its migrations are not applied.
+MYSQL_SCHEMA = frozenset({1146, 1054})  # ER_NO_SUCH_TABLE, ER_BAD_FIELD_ERROR
+POSTGRES_SCHEMA = frozenset({"42P01", "42703"})  # undefined_table, undefined_column
+SQLITE_SCHEMA = ("no such table", "no such column")
+
+
+def translate(connection: BaseDatabaseWrapper, exc: DatabaseError) -> SemaphoreError:
+    """A database error not worth retrying (``classify`` said ``None``), as
+    the ``SemaphoreError`` that tells the caller what to do about it."""
+    alias = connection.alias
+    if isinstance(exc, IntegrityError):
+        # The grant's own inserts collide only with rows the engine did not
+        # write: a fencing counter lowered below a token already issued (a
+        # stale save() before 0004, an UPDATE, a restore), a permit without
+        # its request. Retrying cannot help; the sweep repairs these.
+        return InconsistentData(
+            f"The semaphore tables on database {alias!r} contradict themselves ({exc}). "
+            "Run manage.py semaphore_sweep --orphans (sweep.release_orphans()) to repair "
+            "them; manage.py check --database lists what it finds."
+        )
+    if _schema_missing(connection, exc):
+        return SchemaOutOfDate(
+            f"The semaphore tables on database {alias!r} are missing or out of date "
+            f"({exc}). Run manage.py migrate django_semaphore --database {alias}."
+        )
+    return SemaphoreError(
+        f"Unexpected database error on {alias!r}: {exc} (the driver's error is this "
+        "exception's __cause__; please report it if the database itself is healthy)."
+    )
+
+
+def _schema_missing(connection: BaseDatabaseWrapper, exc: DatabaseError) -> bool:
+    if connection.vendor == "mysql":
+        return bool(exc.args) and exc.args[0] in MYSQL_SCHEMA
+    if connection.vendor == "postgresql":
+        return getattr(exc.__cause__, "sqlstate", None) in POSTGRES_SCHEMA
+    return connection.vendor == "sqlite" and str(exc).startswith(SQLITE_SCHEMA)
 
 
 @contextmanager

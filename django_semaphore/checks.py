@@ -248,3 +248,62 @@ def _server_warnings(alias: str, server: backends.ServerSettings) -> list[CheckM
             )
         )
     return warnings
+
+
+# What check_data_consistency reports, by kind of repair (sweep.REPAIRS).
+INCONSISTENCIES = {
+    "partly_released": (
+        6,
+        "{count} held permit request(s) on {alias!r} have released permits: a request is "
+        "held all or nothing.",
+    ),
+    "stray_permits": (
+        7,
+        "{count} permit(s) on {alias!r} are held under released requests: counted against "
+        "capacity though nobody holds them.",
+    ),
+    "orphan_permits": (
+        8,
+        "{count} permit(s) on {alias!r} are held with no permit request row (written with "
+        "foreign key checks off): counted against capacity though nobody holds them.",
+    ),
+    "fencing_counters": (
+        9,
+        "{count} semaphore(s) on {alias!r} have a fencing counter below a token already "
+        "issued: their next grants fail, and would re-issue tokens once the clean-up "
+        "deletes the permits that hold them.",
+    ),
+}
+
+
+@register(Tags.database)
+def check_data_consistency(databases: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """States the engine never writes (a manual edit, a restore, a crash, raw
+    SQL): reported, not changed; the orphan sweep repairs them. Runs with
+    ``check --database``."""
+    from django_semaphore import sweep
+
+    if databases is None:
+        return []
+    messages: list[CheckMessage] = []
+    for alias in _app_aliases():
+        if alias not in databases:
+            continue
+        try:
+            found = sweep.inconsistencies(alias)
+        except DatabaseError:
+            continue  # unreachable or not migrated: Django's own checks say so
+        for kind, count in found.items():
+            if count:
+                number, text = INCONSISTENCIES[kind]
+                messages.append(
+                    # A warning, not an error: migrate runs the database
+                    # checks too, and must not be blocked by what the sweep repairs.
+                    Warning(
+                        text.format(count=count, alias=alias),
+                        hint="Run manage.py semaphore_sweep --orphans (or wait for the beat "
+                        "task release_orphans) to repair it. See docs/maintenance.md.",
+                        id=f"django_semaphore.W{number:03d}",
+                    )
+                )
+    return messages

@@ -80,9 +80,20 @@ class DatabaseUnavailable(SemaphoreError, ConnectionError):
     """The database connection kept failing through every retry."""
 
 
-class InconsistentState(SemaphoreError):
-    """The semaphore tables hold a state the engine never writes (a manual
-    edit, a restore from backup): the orphan sweep repairs it."""
+class UnsafeWrite(SemaphoreError, ValueError):
+    """An ORM write that would corrupt a semaphore; the message names the call to use."""
+
+
+class PermitHeld(UnsafeWrite):
+    """A delete that would end held permits behind their holders' backs."""
+
+
+class InconsistentData(SemaphoreError):
+    """The app's own rows contradict each other (a manual edit, a restore): run the sweep."""
+
+
+class SchemaOutOfDate(SemaphoreError):
+    """The app's tables or columns are missing: its migrations are not applied."""
 
 
 class LiveDuplicate(SemaphoreExhausted):

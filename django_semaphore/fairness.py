@@ -54,7 +54,7 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
 from django_semaphore import backends
-from django_semaphore.statements import LockedSemaphore, statements
+from django_semaphore.statements import LockedSemaphore, placeholders, statements
 from django_semaphore.validation import Demand
 
 # Seconds, before a jitter of x0.5-1 (see the module's docstring).
@@ -194,7 +194,7 @@ def _older_tickets(
     ids = [s.id for s in semaphores]
     sql = (
         f"SELECT t.{q('semaphore_id')}, COUNT(*), SUM(t.{q('count')}) FROM {table} t"
-        f" WHERE t.{q('semaphore_id')} IN ({_placeholders(len(ids))})"
+        f" WHERE t.{q('semaphore_id')} IN ({placeholders(len(ids))})"
         f" AND t.{q('expires_at')} > %s AND t.{q('external_id')} <> %s"
         f" AND NOT EXISTS (SELECT 1 FROM {table} m"
         f" WHERE m.{q('semaphore_id')} = t.{q('semaphore_id')}"
@@ -269,7 +269,7 @@ def _delete_tickets(
         backends.bound_statement(
             connection,
             f"DELETE FROM {table} WHERE {q('external_id')} = %s"
-            f" AND {q('semaphore_id')} IN ({_placeholders(len(semaphore_ids))})",
+            f" AND {q('semaphore_id')} IN ({placeholders(len(semaphore_ids))})",
             lock_wait,
         ),
         [key, *semaphore_ids],
@@ -289,10 +289,6 @@ def _room_for(connection: BaseDatabaseWrapper, place: Place) -> bool:
         in_use.get(id, 0) + place.demand.counts[name] <= capacity
         for id, name, capacity in place.semaphores
     )
-
-
-def _placeholders(count: int) -> str:
-    return ", ".join(["%s"] * count)
 
 
 def _after(connection: BaseDatabaseWrapper, queued_until: Any, now: datetime) -> bool:

@@ -13,7 +13,7 @@ semaphore, or on none.
    update, insert the permits with their tokens. Commit.
 
 From the lock to the commit every other caller of these semaphores waits, so
-each step is one precompiled statement (``statements.py``).
+each step is one precompiled statement (``statements/``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from django_semaphore.exceptions import (
     SemaphoreExhausted,
     SemaphoreNotFound,
 )
+from django_semaphore.guards import engine_writes
 from django_semaphore.releasing import release_requests
 from django_semaphore.statements import LockedSemaphore, Statements, statements
 from django_semaphore.validation import Demand
@@ -77,8 +78,12 @@ def acquire_once(
     # says why).
     with prelock.prelocked(demand.names):
         try:
-            with backends.bounded_transaction(
-                connection, lock_wait, statements_bounded=True, durable=True
+            # engine_writes(): fair mode writes queued_until through the ORM.
+            with (
+                backends.bounded_transaction(
+                    connection, lock_wait, statements_bounded=True, durable=True
+                ),
+                engine_writes(),
             ):
                 outcome = grant(connection, demand, key, owner, ttl, lock_wait, place)
         except IntegrityError:
@@ -185,8 +190,9 @@ def refusal(
         return KeyTaken()
     lacking = _lacking_room(locked, demand)
     if lacking and usage.expired and _reclaim_expired(connection, lacking, usage.now, lock_wait):
+        in_use = sql.in_use(cursor, ids)
         for s in locked:
-            s.in_use = sql.in_use(cursor, ids)[s.id]
+            s.in_use = in_use[s.id]
         lacking = _lacking_room(locked, demand)
     waiting_on = place.admit(
         connection, cursor, locked, usage.now, [s.name for s in lacking], lock_wait
@@ -214,8 +220,9 @@ def _reclaim_expired(
     """
     from django_semaphore.models import PermitRequest, ReleaseReason, State
 
-    # The ORM read carries no per-statement bound: on MariaDB the session's
-    # lock wait is bounded around it instead (elsewhere it already is, for
+    # Release's updates of request and permit rows carry no per-statement
+    # bound (a sweep may hold those rows): on MariaDB the session's lock wait
+    # is bounded around the reclaim instead (elsewhere it already is, for
     # the whole grant transaction).
     bound = (
         backends.bounded_lock_wait(connection, lock_wait)

@@ -18,17 +18,20 @@ from django.db.models.functions import Coalesce
 
 from django_semaphore import api
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.guards import GuardedQuerySet
 from django_semaphore.outcomes import ReleaseOutcome
 
 if TYPE_CHECKING:
     from django.contrib.auth.base_user import AbstractBaseUser
 
-    from django_semaphore.models import PermitRequest, Semaphore
+    from django_semaphore.models import Permit, PermitRequest, Semaphore  # noqa: F401
 
 ACQUIRED = "ACQUIRED"  # models.State.ACQUIRED, without importing models here
 
 
-class SemaphoreQuerySet(models.QuerySet["Semaphore"]):
+class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
+    """``Semaphore.objects``' queries: semaphores with what waits on them."""
+
     def with_usage(self) -> SemaphoreQuerySet:
         """Annotate ``waiters``: the number of live tickets (fair waiters
         queued); ``longest_wait``: how long the oldest of them has waited (a
@@ -61,6 +64,8 @@ class SemaphoreManager(models.Manager["Semaphore"]):
         return SemaphoreQuerySet(self.model, using=self._db)
 
     def with_usage(self) -> SemaphoreQuerySet:
+        """Every semaphore with its fair waiters annotated (see
+        [SemaphoreQuerySet.with_usage][django_semaphore.managers.SemaphoreQuerySet.with_usage])."""
         return self.get_queryset().with_usage()
 
     def acquire(
@@ -73,17 +78,17 @@ class SemaphoreManager(models.Manager["Semaphore"]):
         timeout: int | float | timedelta = 0,
         fair: bool = False,
     ) -> PermitRequest:
-        """See :func:`django_semaphore.acquire`."""
+        """See [acquire][django_semaphore.acquire]."""
         return api.acquire(
             names, external_id=external_id, owner=owner, ttl=ttl, timeout=timeout, fair=fair
         )
 
     def release(self, external_id: str) -> ReleaseOutcome:
-        """See :func:`django_semaphore.release`."""
+        """See [release][django_semaphore.release]."""
         return api.release(external_id)
 
     def renew(self, external_id: str, ttl: int | float | timedelta | None = None) -> PermitRequest:
-        """See :func:`django_semaphore.renew`."""
+        """See [renew][django_semaphore.renew]."""
         return api.renew(external_id, ttl)
 
     def set_capacity(
@@ -98,8 +103,12 @@ class SemaphoreManager(models.Manager["Semaphore"]):
         return api.set_capacity(name, capacity, changed_by=changed_by, reason=reason)
 
 
-class PermitRequestQuerySet(models.QuerySet["PermitRequest"]):
+class PermitRequestQuerySet(GuardedQuerySet["PermitRequest"]):
+    """``PermitRequest.objects``' queries: the requests by where they stand."""
+
     def held(self) -> PermitRequestQuerySet:
+        """Requests still ACQUIRED, whether or not their TTL has run out (see
+        ``expired``): what the holders think they hold."""
         return self.filter(state=ACQUIRED)
 
     def expired(self) -> PermitRequestQuerySet:
@@ -108,3 +117,10 @@ class PermitRequestQuerySet(models.QuerySet["PermitRequest"]):
 
 
 PermitRequestManager = models.Manager.from_queryset(PermitRequestQuerySet)
+
+
+class PermitQuerySet(GuardedQuerySet["Permit"]):
+    """Permits: every column is the engine's (see ``Permit.ORM_REFUSED``)."""
+
+
+PermitManager = models.Manager.from_queryset(PermitQuerySet)

@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+import functools
+from collections.abc import Collection, Iterable
+from typing import Any, ClassVar, Self
 
 from django.conf import settings
-from django.db import models
+from django.db import models, router, transaction
 from django.db.models import Q
 from django.utils.functional import cached_property
 from django.utils.translation import gettext_lazy as _
 
-from django_semaphore.managers import PermitRequestManager, SemaphoreManager
+from django_semaphore.exceptions import SemaphoreNotFound, UnsafeWrite
+from django_semaphore.guards import engine_is_writing
+from django_semaphore.managers import PermitManager, PermitRequestManager, SemaphoreManager
 
 MAX_NAME_LENGTH = 255
+
+# What an ORM write is told to use instead (see guards.py).
+ENGINE_ONLY = "only the engine writes it, under the semaphore's row lock."
+USE_SET_CAPACITY = (
+    "change capacity with Semaphore.objects.set_capacity(name, capacity), which locks "
+    "the row and records a CapacityChange (or load the row, set capacity and save() it)."
+)
+USE_ACQUIRE = "acquire(), which grants a request and its permits together"
+USE_RELEASE = (
+    "end a request with release(key), or force-release it (the admin's action, "
+    "manage.py semaphore_release, sweep.force_release): permits and request change together."
+)
+# A sentinel: an instance built by hand, whose values nobody loaded.
+_NOT_LOADED = object()
 
 
 class State(models.TextChoices):
@@ -23,6 +41,9 @@ class State(models.TextChoices):
 
 
 class ReleaseReason(models.TextChoices):
+    """Why a request ended: ``PermitRequest.release_reason``, and the
+    ``reason`` of ``permit_released``; any but ``released`` is a reclaim."""
+
     RELEASED = "released", _("released by its holder")
     EXPIRED = "expired", _("TTL expired")
     OWNER_DEAD = "owner_dead", _("owner no longer alive")
@@ -30,8 +51,139 @@ class ReleaseReason(models.TextChoices):
     ADMIN = "admin", _("force-released by staff")
 
 
-class Semaphore(models.Model):
-    """One counting semaphore; acquire locks this row to serialize its grants."""
+class GuardedModel(models.Model):
+    """A model whose rows the engine writes, wholly or in part.
+
+    ``save()`` of an existing row never writes back an engine-owned column
+    the instance did not change (the instance's copy is stale the moment the
+    engine writes the row), and refuses one it did change if ``ORM_REFUSED``
+    names it; ``CREATED_BY``, when set, refuses creating rows outside the
+    engine. Bulk calls are guarded by ``guards.GuardedQuerySet``.
+    """
+
+    # The columns written only by the engine's own statements.
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = ()
+    # Field name -> what to call instead; an ORM write of it is refused.
+    ORM_REFUSED: ClassVar[dict[str, str]] = {}
+    # What creates the rows, when only the engine may.
+    CREATED_BY: ClassVar[str] = ""
+
+    class Meta:
+        abstract = True
+
+    def save(
+        self,
+        *,
+        force_insert: bool | tuple[models.base.ModelBase, ...] = False,
+        force_update: bool = False,
+        using: str | None = None,
+        update_fields: Iterable[str] | None = None,
+    ) -> None:
+        """Create the row (where the ORM may), or write back what may be
+        written of it.
+
+        Raises:
+            UnsafeWrite: a refused column was changed on the instance, or the
+                row may only be created by the engine.
+        """
+        creating = self.pk is None or force_insert or self._state.adding
+        if engine_is_writing() or (creating and not self.CREATED_BY):
+            update = update_fields
+        elif creating:
+            raise UnsafeWrite(f"{type(self).__name__} rows are created only by {self.CREATED_BY}.")
+        else:
+            update = self._writable_fields(update_fields)
+        super().save(
+            force_insert=force_insert, force_update=force_update, using=using, update_fields=update
+        )
+        self._remember_loaded()
+
+    @classmethod
+    def from_db(
+        cls, db: str | None, field_names: Collection[str], values: Collection[Any], **kwargs: Any
+    ) -> Self:
+        instance = super().from_db(db, field_names, values, **kwargs)
+        instance._remember_loaded()
+        return instance
+
+    def refresh_from_db(
+        self,
+        using: str | None = None,
+        fields: Iterable[str] | None = None,
+        from_queryset: models.QuerySet[Any] | None = None,
+    ) -> None:
+        fields = None if fields is None else list(fields)
+        super().refresh_from_db(using=using, fields=fields, from_queryset=from_queryset)
+        self._remember_loaded(fields)
+
+    def _remember_loaded(self, fields: Iterable[str] | None = None) -> None:
+        """Keep the values save() compares with: what the database said."""
+        # Also run when the grant builds its request, under the row locks:
+        # only the few tracked fields are visited.
+        loaded = self.__dict__.setdefault("_loaded", {})
+        values = self.__dict__
+        for name, attname in self._tracked_fields():
+            # refresh_from_db() may name a field by its attname ("request_id").
+            if (fields is None or name in fields or attname in fields) and attname in values:
+                loaded[name] = values[attname]
+
+    @classmethod
+    @functools.cache
+    def _tracked_fields(cls) -> tuple[tuple[str, str], ...]:
+        """(name, attname) of the fields save() compares with their loaded value."""
+        tracked = {*cls.ENGINE_OWNED_FIELDS, *cls.ORM_REFUSED}
+        return tuple((f.name, f.attname) for f in cls._meta.concrete_fields if f.name in tracked)
+
+    def _changed(self, name: str) -> bool:
+        """Whether the instance's value differs from the one loaded (an
+        instance built by hand has none: it counts as changed)."""
+        attname = dict(self._tracked_fields())[name]
+        current = self.__dict__.get(attname, _NOT_LOADED)
+        return bool(self.__dict__.get("_loaded", {}).get(name, _NOT_LOADED) != current)
+
+    def _writable_fields(self, update_fields: Iterable[str] | None) -> set[str]:
+        """The fields save() writes on an existing row: an engine-owned one
+        only if the instance changed it and the ORM may (a refused change is
+        a mistake to report; unchanged ones are dropped, also when named:
+        ``update_or_create()`` names every date field)."""
+        names = (
+            set(update_fields)
+            if update_fields is not None
+            else {
+                field.name
+                for field in self._meta.concrete_fields
+                if not field.primary_key and field.attname not in self.get_deferred_fields()
+            }
+        )
+        loaded = self.__dict__.get("_loaded", {})
+        for name in sorted(names & set(self.ENGINE_OWNED_FIELDS)):
+            if name not in loaded or not self._changed(name):
+                names.discard(name)
+            elif name in self.ORM_REFUSED:
+                raise UnsafeWrite(
+                    f"{type(self).__name__}.save() may not write {name!r}: {self.ORM_REFUSED[name]}"
+                )
+        return names
+
+
+class Semaphore(GuardedModel):
+    """One counting semaphore; acquire locks this row to serialize its grants.
+
+    Safe to use with the ORM: ``objects.create()`` (or ``save()`` of a new
+    instance) creates one; ``save()`` of a loaded one writes back ``name``,
+    ``fair`` and a changed ``capacity`` (recorded as ``set_capacity`` does),
+    never the engine-owned columns. Bulk writes of those columns or of
+    ``capacity`` are refused (``UnsafeWrite``), and so is deleting a held
+    semaphore (``PermitHeld``). See docs/concepts.md, "Using the models".
+    """
+
+    # The columns written only by the engine's own statements, under the row
+    # lock. save() never writes them back; bulk writes of them are refused.
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = ("in_use", "fencing_counter", "queued_until")
+    ORM_REFUSED: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(ENGINE_OWNED_FIELDS, ENGINE_ONLY),
+        "capacity": USE_SET_CAPACITY,
+    }
 
     name = models.CharField(_("name"), max_length=MAX_NAME_LENGTH, unique=True)
     capacity = models.PositiveIntegerField(_("capacity"))
@@ -73,9 +225,70 @@ class Semaphore(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def save(
+        self,
+        *,
+        force_insert: bool | tuple[models.base.ModelBase, ...] = False,
+        force_update: bool = False,
+        using: str | None = None,
+        update_fields: Iterable[str] | None = None,
+    ) -> None:
+        """Create the semaphore, or write back what may be written of it.
 
-class PermitRequest(models.Model):
-    """One acquire call: all the permits it was granted, over 1..n semaphores."""
+        On an existing row the engine-owned columns are never written (the
+        instance's copy of them is stale the moment a grant commits), and a
+        capacity changed since the instance was loaded is changed as
+        ``set_capacity`` does it: under the row lock, with a
+        ``CapacityChange`` (no user, no reason). A capacity the instance did
+        not change is not written back, so a stale instance never undoes
+        someone else's change.
+
+        Raises:
+            UnsafeWrite: an engine-owned column was changed on the instance.
+            InvalidRequest: the new capacity is out of range.
+            SemaphoreNotFound: ``update_fields`` or ``force_update`` was given
+                and the row is gone (Django would raise ``DatabaseError``).
+        """
+        if self.pk is None or force_insert or engine_is_writing():
+            super().save(
+                force_insert=force_insert,
+                force_update=force_update,
+                using=using,
+                update_fields=update_fields,
+            )
+            self._remember_loaded()
+            return
+        from django_semaphore import capacity as capacity_changes
+
+        using = using or router.db_for_write(Semaphore, instance=self)
+        names = self._writable_fields(update_fields)
+        capacity = None
+        if "capacity" in names:
+            names.discard("capacity")
+            if self._changed("capacity"):
+                capacity = self.capacity
+                names.add("updated_at")  # and so pre_save/post_save are sent
+        with transaction.atomic(using=using):
+            if not capacity_changes.lock_for_save(using, self.pk, capacity):
+                if update_fields is not None or force_update:
+                    raise SemaphoreNotFound([self.name])
+                # Deleted since it was loaded: saved anew, as Django would.
+                super().save(using=using, force_insert=True)
+            elif names:
+                super().save(using=using, update_fields=names)
+        self._remember_loaded()
+
+
+class PermitRequest(GuardedModel):
+    """One acquire call: all the permits it was granted, over 1..n semaphores.
+
+    Its ``state`` is written only by the engine (bulk writes of it are
+    refused); a held request cannot be deleted (``PermitHeld``).
+    """
+
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = ("state", "released_at", "release_reason")
+    ORM_REFUSED: ClassVar[dict[str, str]] = {"state": USE_RELEASE}
+    CREATED_BY: ClassVar[str] = USE_ACQUIRE
 
     external_id = models.CharField(
         _("key"),
@@ -135,8 +348,23 @@ class PermitRequest(models.Model):
             raise KeyError(f"Request {self.external_id!r} holds no permit on {name!r}.") from None
 
 
-class Permit(models.Model):
-    """The share of one request on one semaphore."""
+class Permit(GuardedModel):
+    """The share of one request on one semaphore; written only by the engine.
+
+    Bulk writes of its columns are refused; a held permit cannot be deleted.
+    """
+
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = (
+        "semaphore",
+        "request",
+        "count",
+        "state",
+        "fencing_token",
+    )
+    ORM_REFUSED: ClassVar[dict[str, str]] = dict.fromkeys(
+        ENGINE_OWNED_FIELDS, "permits are written only by acquire and release; " + USE_RELEASE
+    )
+    CREATED_BY: ClassVar[str] = USE_ACQUIRE
 
     semaphore = models.ForeignKey(Semaphore, on_delete=models.CASCADE, related_name="permits")
     request = models.ForeignKey(PermitRequest, on_delete=models.CASCADE, related_name="permits")
@@ -145,6 +373,8 @@ class Permit(models.Model):
         _("state"), max_length=8, choices=State.choices, default=State.ACQUIRED
     )
     fencing_token = models.PositiveBigIntegerField(_("fencing token"))
+
+    objects = PermitManager()
 
     class Meta:
         verbose_name = _("permit")

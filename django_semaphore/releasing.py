@@ -10,36 +10,33 @@ is what makes the grant's room check O(1), so every path that ends a permit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
 
 from django_semaphore import backends, holds, signals
 from django_semaphore.conf import app_settings
 from django_semaphore.outcomes import ReleaseOutcome
-from django_semaphore.statements import statements
+from django_semaphore.statements.release import ReleaseStatements, release_statements
 
 
 def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     """End the request with this key (one attempt; the caller retries)."""
     from django_semaphore.models import ReleaseReason, State
 
-    sql = statements(connection)
+    sql = release_statements(connection)
     # One statement where the database can say it, unless someone listens
     # for the released ids (as Django's delete skips fetching rows nobody's
     # signal receives).
-    if sql.release_by_key_sql and not released_ids_wanted():
-        lock_wait = app_settings.LOCK_WAIT_TIMEOUT
-        # MariaDB bounds the statement itself; elsewhere its lock wait is
-        # bounded by the transaction it runs in.
-        if backends.bounds_each_statement(connection):
-            released = sql.release_by_key(key, ReleaseReason.RELEASED, lock_wait)
-        else:
-            with backends.bounded_transaction(connection, lock_wait, statements_bounded=True):
-                released = sql.release_by_key(key, ReleaseReason.RELEASED, lock_wait)
-        if released:
-            return ReleaseOutcome.RELEASED
+    if (
+        sql.releases_by_key()
+        and not released_ids_wanted()
+        and sql.release_by_key(key, ReleaseReason.RELEASED, app_settings.LOCK_WAIT_TIMEOUT)
+    ):
+        return ReleaseOutcome.RELEASED
     row = sql.find_request(key)
     if row is None:
         return ReleaseOutcome.NOT_FOUND
@@ -54,27 +51,53 @@ def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
 def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int:
     """Release the given requests; returns how many this call released.
 
-    Runs in its own transaction, or as part of the caller's (the grant's
-    reclaim, a sweep batch). Repeating it is harmless: every update says
-    ``AND state = 'ACQUIRED'``.
+    Repeating it is harmless: every update says ``AND state = 'ACQUIRED'``.
     """
     if not request_ids:
         return 0
-    connection = connections[alias]
     ids = list(request_ids)
-    lock_wait = app_settings.LOCK_WAIT_TIMEOUT
-    with (
-        transaction.atomic(using=alias, savepoint=False)
-        if connection.in_atomic_block
-        else backends.bounded_transaction(connection, lock_wait, statements_bounded=True)
-    ):
-        with connection.cursor() as cursor:
-            released, freed = statements(connection).release(cursor, ids, reason, lock_wait)
+    freed: dict[int, int] = {}
+    with _transaction(alias) as (cursor, sql, lock_wait):
+        released = sql.release(cursor, ids, reason, lock_wait, freed)
         if released:
             transaction.on_commit(lambda: announce(alias, ids, reason), using=alias)
         if freed and room_wanted():
             transaction.on_commit(lambda: announce_room(alias, freed), using=alias)
     return released
+
+
+def release_permits(alias: str, permit_ids: Sequence[int]) -> int:
+    """Release the given permits that are still ACQUIRED, whatever their
+    request says, lowering the counters; returns how many this call released.
+
+    Only for the sweep's repairs (permits held under a released request, or
+    with no request at all): every other release goes by request.
+    """
+    if not permit_ids:
+        return 0
+    freed: dict[int, int] = {}
+    with _transaction(alias) as (cursor, sql, lock_wait):
+        released = sql.release_permits(cursor, list(permit_ids), lock_wait, freed)
+        if freed and room_wanted():
+            transaction.on_commit(lambda: announce_room(alias, freed), using=alias)
+    return released
+
+
+@contextmanager
+def _transaction(alias: str) -> Iterator[tuple[CursorWrapper, ReleaseStatements, float]]:
+    """A release's transaction of its own, or its part of the caller's (the
+    grant's reclaim, a sweep batch)."""
+    connection = connections[alias]
+    lock_wait = app_settings.LOCK_WAIT_TIMEOUT
+    with (
+        (
+            transaction.atomic(using=alias, savepoint=False)
+            if connection.in_atomic_block
+            else backends.bounded_transaction(connection, lock_wait, statements_bounded=True)
+        ),
+        connection.cursor() as cursor,
+    ):
+        yield cursor, release_statements(connection), lock_wait
 
 
 def announce(alias: str, request_ids: list[int], reason: str) -> None:

@@ -12,18 +12,13 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from django.db import DatabaseError, IntegrityError
+from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends, signals
 from django_semaphore.backends import Failure
 from django_semaphore.conf import app_settings
-from django_semaphore.exceptions import (
-    DatabaseUnavailable,
-    InconsistentState,
-    LockContention,
-    SemaphoreError,
-)
+from django_semaphore.exceptions import DatabaseUnavailable, LockContention
 from django_semaphore.prelock import PrelockTimeout
 
 T = TypeVar("T")
@@ -52,7 +47,7 @@ def run_with_retries(
         except DatabaseError as exc:
             failure_or_none = backends.classify(connection, exc)
             if failure_or_none is None:
-                raise _untransient(exc) from exc
+                raise backends.translate(connection, exc) from exc
             failure, cause = failure_or_none, exc
         if failure is Failure.DISCONNECT and not connection.in_atomic_block:
             connection.close()  # the next statement reconnects
@@ -65,21 +60,6 @@ def run_with_retries(
             f"Database unavailable after {attempts} attempts: {cause}"
         ) from cause
     raise LockContention(f"Gave up after {attempts} attempts: {cause}") from cause
-
-
-def _untransient(exc: DatabaseError) -> SemaphoreError:
-    """The typed error for a database error that retrying cannot cure."""
-    if isinstance(exc, IntegrityError):
-        # The engine's own statements only break a constraint when its rows
-        # were changed behind its back (a manual edit, a restore).
-        return InconsistentState(
-            f"The semaphore tables hold a state the engine did not write ({exc}). "
-            f"Run `manage.py semaphore_sweep` (or `semaphore_status --verify`) to repair it."
-        )
-    return SemaphoreError(
-        f"Unexpected database error: {exc}. Check the server's log and that "
-        f"`manage.py migrate` has run on this database."
-    )
 
 
 def _send_database_retry(

@@ -59,6 +59,18 @@ permits it counts (a bug, or rows changed outside the app). Sender:
 ``actual``); ``corrected``: whether the counter was set to ``actual``.
 """
 
+data_repaired = Signal()
+"""The orphan sweep repaired a state the engine did not write (a manual
+edit, a restore from backup, a crash, foreign key checks switched off).
+``kind``: ``partly_released`` (held requests with released permits,
+completed; ``ids`` are request ids), ``stray_permits`` (held permits of
+released requests, released; permit ids), ``orphan_permits`` (held
+permits with no request row, released; permit ids) or
+``fencing_counters`` (counters below a token already issued, raised;
+semaphore ids); ``count``: how many were repaired. Sent after the repair
+commits, one per sweep batch; the same is logged at WARNING.
+"""
+
 permits_freed = Signal()
 """Room was made on semaphores, once committed: permits released (by their
 holder, a sweep, an expiry reclaim, a force release) or capacity raised.

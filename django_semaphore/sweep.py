@@ -39,24 +39,30 @@ from django.db.models import (
     DurationField,
     Exists,
     ExpressionWrapper,
+    F,
+    Max,
     OuterRef,
     Q,
     QuerySet,
+    Subquery,
     Value,
 )
 
-from django_semaphore import backends, counter, liveness, routing
+from django_semaphore import backends, counter, liveness, routing, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import LockContention
+from django_semaphore.guards import engine_writes
 from django_semaphore.outcomes import ReleaseOutcome
-from django_semaphore.releasing import release_requests
+from django_semaphore.releasing import release_permits, release_requests
 from django_semaphore.retry import run_with_retries
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
     from django.db.models import Model
     from django.db.models.expressions import CombinedExpression
+
+    from django_semaphore.models import Permit, Semaphore
 logger = logging.getLogger("django_semaphore")
 
 T = TypeVar("T")
@@ -70,12 +76,18 @@ DEFAULT_TIME_BUDGET = 600.0
 
 @dataclass
 class OrphanReport:
-    """How many requests one orphan sweep released, by reason."""
+    """How many requests one orphan sweep released, by reason, and what else
+    it repaired that the engine did not write (see :data:`REPAIRS`)."""
 
-    repaired: int = 0  # half-released: permits were free already, request completed
+    # Requests completed whose permits were all or partly released already:
+    # a crash between release's updates, or an edit behind the engine's back.
+    repaired: int = 0
     expired: int = 0
     owner_dead: int = 0
     stale: int = 0
+    stray_permits: int = 0  # ACQUIRED permits of a RELEASED request, released
+    orphan_permits: int = 0  # ACQUIRED permits whose request row is gone, released
+    fencing_counters: int = 0  # counters raised to the highest token already issued
     # In-use counters found differing from the permits they count (corrected
     # unless dry_run): a bug, reported loudly by ``counter.verify``.
     counter_drift: int = 0
@@ -83,13 +95,35 @@ class OrphanReport:
 
     @property
     def total(self) -> int:
+        """Requests released."""
         return self.repaired + self.expired + self.owner_dead + self.stale
+
+    @property
+    def repairs(self) -> int:
+        """Inconsistent states repaired, whichever way they arose."""
+        return self.repaired + self.stray_permits + self.orphan_permits + self.fencing_counters
 
     def __str__(self) -> str:
         verb = "would release" if self.dry_run else "released"
         counts = ", ".join(f"{f.name} {getattr(self, f.name)}" for f in fields(self)[:4])
-        drift = f" {self.counter_drift} in-use counters drifted." if self.counter_drift else ""
-        return f"Orphans: {verb} {self.total} ({counts}).{drift}"
+        text = f"Orphans: {verb} {self.total} ({counts})."
+        others = [f for f in fields(self)[4:7] if getattr(self, f.name)]
+        if others:
+            verb = "would repair" if self.dry_run else "repaired"
+            repairs = ", ".join(f"{f.name} {getattr(self, f.name)}" for f in others)
+            text += f" Also {verb}: {repairs}."
+        if self.counter_drift:
+            text += f" {self.counter_drift} in-use counters drifted."
+        return text
+
+
+# The kinds of repair, as sent in ``data_repaired`` and logged.
+REPAIRS = {
+    "partly_released": "held requests with released permits, completed",
+    "stray_permits": "held permits of released requests, released",
+    "orphan_permits": "held permits with no request, released",
+    "fencing_counters": "fencing counters below a token already issued, raised",
+}
 
 
 @dataclass
@@ -143,11 +177,16 @@ def release_orphans(
     dry_run: bool = False,
     checkers: Collection[liveness.LivenessChecker] | None = None,
 ) -> OrphanReport:
-    """Release the requests whose holders are gone.
+    """Release the requests whose holders are gone, and repair what the
+    engine did not write.
 
-    In order: half-released requests are completed, then TTL-expired ones are
-    released (``expired``), then those held past ``STALENESS_LIMIT``
-    (``stale``), then those whose owner the liveness checkers report dead
+    In order: held requests with released permits are completed
+    (``repaired``); held permits of released requests, and held permits
+    whose request row is gone, are released; fencing counters below a token
+    already issued are raised (each repair logged at WARNING and sent as
+    ``data_repaired``); then TTL-expired requests are released
+    (``expired``), then those held past ``STALENESS_LIMIT`` (``stale``),
+    then those whose owner the liveness checkers report dead
     (``owner_dead``; only a DEAD answer with no ALIVE one releases).
 
     Args:
@@ -157,23 +196,36 @@ def release_orphans(
         checkers: liveness checkers to ask (default: ``LIVENESS_CHECKERS``).
 
     Returns:
-        The counts released, by reason.
+        The counts released, by reason, and the repairs.
     """
-    from django_semaphore.models import Permit, ReleaseReason, State
+    from django_semaphore.models import ReleaseReason
 
     size = batch_size or app_settings.CLEANUP_BATCH_SIZE
     deadline = _deadline(time_budget)
     report = OrphanReport(dry_run=dry_run)
-    half_released = ~Exists(Permit.objects.filter(request=OuterRef("pk"), state=State.ACQUIRED))
+    alias = app_settings.DATABASE
+    half_released = _partly_released()
     expired = Q(expires_at__lte=DatabaseNow())
-    # The permits are free, only the request still says ACQUIRED: every
-    # release is one transaction, so only rows changed from outside (a manual
-    # edit, a restore, a crash of a version before 0.1) look like this. Its
-    # reason is lost; the TTL tells whether it was expiring, otherwise it
-    # was its holder's own release.
+    # The permits are free (or some of them), only the request still says
+    # ACQUIRED: every release is one transaction, so only rows changed from
+    # outside (a manual edit, a restore, a crash of a version before 0.1)
+    # look like this. Its reason is lost; the TTL tells whether it was
+    # expiring, otherwise it was its holder's own release. Either way the
+    # holder no longer has all it was granted, and a request is held all or
+    # nothing.
     report.repaired = _release_matching(
-        half_released & expired, ReleaseReason.EXPIRED, size, deadline, dry_run
-    ) + _release_matching(half_released & ~expired, ReleaseReason.RELEASED, size, deadline, dry_run)
+        half_released & expired, ReleaseReason.EXPIRED, size, deadline, dry_run, "partly_released"
+    ) + _release_matching(
+        half_released & ~expired, ReleaseReason.RELEASED, size, deadline, dry_run, "partly_released"
+    )
+    # Permits still counted against capacity though nobody holds them.
+    report.stray_permits = _release_permits_matching(
+        _stray_permits(alias), "stray_permits", size, deadline, dry_run
+    )
+    report.orphan_permits = _release_permits_matching(
+        _orphan_permits(alias), "orphan_permits", size, deadline, dry_run
+    )
+    report.fencing_counters = _raise_fencing_counters(dry_run)
     report.expired = _release_matching(expired, ReleaseReason.EXPIRED, size, deadline, dry_run)
     report.stale = _release_matching(
         Q(created_at__lte=_ago(app_settings.STALENESS_LIMIT)),
@@ -185,16 +237,23 @@ def release_orphans(
     report.owner_dead = _release_dead_owners(
         liveness.load_checkers() if checkers is None else list(checkers), size, deadline, dry_run
     )
+    # Last: the repairs above changed permits, and kept the counters exact.
     report.counter_drift = len(counter.verify(correct=not dry_run, batch_size=size))
-    if report.total or report.counter_drift:
+    if report.total or report.repairs or report.counter_drift:
         logger.info("%s", report)
     return report
 
 
 def _release_matching(
-    condition: Q, reason: str, size: int, deadline: float | None, dry_run: bool
+    condition: Q,
+    reason: str,
+    size: int,
+    deadline: float | None,
+    dry_run: bool,
+    repair: str | None = None,
 ) -> int:
-    """Release every ACQUIRED request matching ``condition``, batch by batch."""
+    """Release every ACQUIRED request matching ``condition``, batch by batch;
+    ``repair`` names the kind of repair this is, if it is one."""
     from django_semaphore.models import PermitRequest, State
 
     alias = app_settings.DATABASE
@@ -209,7 +268,10 @@ def _release_matching(
             .order_by("pk")
             .values_list("pk", flat=True)[:size]
         )
-        return len(ids), release_requests(alias, ids, reason)
+        released = release_requests(alias, ids, reason)
+        if repair is not None:
+            _announce_repair(alias, repair, ids, released)
+        return len(ids), released
 
     total = 0
     for found, released in _batches(batch, deadline, f"releasing {reason} requests"):
@@ -219,6 +281,161 @@ def _release_matching(
         if not found:
             break
     return total
+
+
+# --- repairs of what the engine did not write ----------------------------------------
+
+
+def _partly_released() -> Q:
+    """ACQUIRED requests some (or all) of whose permits are not ACQUIRED."""
+    from django_semaphore.models import Permit, State
+
+    return Q(Exists(Permit.objects.filter(request=OuterRef("pk"), state=State.RELEASED))) | ~Q(
+        Exists(Permit.objects.filter(request=OuterRef("pk"), state=State.ACQUIRED))
+    )
+
+
+def _stray_permits(alias: str) -> QuerySet[Permit]:
+    from django_semaphore.models import Permit, State
+
+    return Permit.objects.using(alias).filter(state=State.ACQUIRED, request__state=State.RELEASED)
+
+
+def _orphan_permits(alias: str) -> QuerySet[Permit]:
+    """Possible only with foreign key checks off (raw SQL, a partial restore)."""
+    from django_semaphore.models import Permit, PermitRequest, State
+
+    return Permit.objects.using(alias).filter(
+        ~Exists(PermitRequest.objects.using(alias).filter(pk=OuterRef("request_id"))),
+        state=State.ACQUIRED,
+    )
+
+
+def _lowered_counters(alias: str) -> QuerySet[Semaphore]:
+    """Semaphores whose fencing counter is below a token already issued: the
+    next grant would re-issue it (the unique index refuses it, until the
+    clean-up deletes the permit that had it)."""
+    from django_semaphore.models import Permit, Semaphore
+
+    # MAX over the unique (semaphore, fencing_token) index: one index probe each.
+    highest = (
+        Permit.objects.using(alias)
+        .filter(semaphore=OuterRef("pk"))
+        .order_by()
+        .values("semaphore")
+        .annotate(highest=Max("fencing_token"))
+        .values("highest")
+    )
+    return (
+        Semaphore.objects.using(alias)
+        .annotate(highest=Subquery(highest))
+        .filter(fencing_counter__lt=F("highest"))
+    )
+
+
+def inconsistencies(alias: str) -> dict[str, int]:
+    """How many rows of each kind in :data:`REPAIRS` the orphan sweep would
+    repair on ``alias`` now; changes nothing (``check --database`` runs it)."""
+    from django_semaphore.models import PermitRequest, State
+
+    return {
+        "partly_released": PermitRequest.objects.using(alias)
+        .filter(_partly_released(), state=State.ACQUIRED)
+        .count(),
+        "stray_permits": _stray_permits(alias).count(),
+        "orphan_permits": _orphan_permits(alias).count(),
+        "fencing_counters": _lowered_counters(alias).count(),
+    }
+
+
+def _release_permits_matching(
+    permits: QuerySet[Permit], repair: str, size: int, deadline: float | None, dry_run: bool
+) -> int:
+    """Release these ACQUIRED permits (whose requests are not held), batch by batch."""
+    if dry_run:
+        return permits.count()
+    alias = permits.db
+    total = 0
+    while True:
+        # Read without a lock: release_permits() changes only rows still
+        # ACQUIRED, so a second sweeper releasing the same ones is harmless.
+        ids = list(permits.order_by("pk").values_list("pk", flat=True)[:size])
+        if not ids:
+            return total
+
+        def batch(ids: list[int] = ids) -> int:
+            released = release_permits(alias, ids)
+            _announce_repair(alias, repair, ids, released)
+            return released
+
+        done = sum(_batches(batch, None, f"repairing {repair}", once=True))
+        total += done
+        if not done or len(ids) < size or _past(deadline):
+            return total
+
+
+def _raise_fencing_counters(dry_run: bool) -> int:
+    """Raise each fencing counter that is below a token already issued to the
+    highest one, so no token is issued twice."""
+    from django_semaphore.models import Permit, Semaphore
+
+    alias = app_settings.DATABASE
+    lowered = _lowered_counters(alias)
+    if dry_run:
+        return lowered.count()
+    ids = list(lowered.values_list("pk", flat=True))
+    if not ids:
+        return 0
+
+    def batch() -> int:
+        # Locked in name order, as acquire locks them; the highest token is
+        # read again once no grant can add one.
+        locked = list(
+            Semaphore.objects.using(alias)
+            .select_for_update()
+            .filter(pk__in=ids)
+            .order_by("name")
+            .values_list("pk", "fencing_counter")
+        )
+        highest = dict(
+            Permit.objects.using(alias)
+            .filter(semaphore_id__in=ids)
+            .order_by()
+            .values("semaphore_id")
+            .annotate(highest=Max("fencing_token"))
+            .values_list("semaphore_id", "highest")
+        )
+        raised = [pk for pk, counter in locked if counter < highest.get(pk, 0)]
+        with engine_writes():
+            for pk in raised:
+                Semaphore.objects.using(alias).filter(pk=pk).update(fencing_counter=highest[pk])
+        _announce_repair(alias, "fencing_counters", raised, len(raised))
+        return len(raised)
+
+    return sum(_batches(batch, None, "repairing fencing counters", once=True))
+
+
+def _announce_repair(alias: str, kind: str, ids: list[int], count: int) -> None:
+    """Log at WARNING and send ``data_repaired``, once the repair commits."""
+    from django_semaphore.models import PermitRequest
+
+    if not count:
+        return
+
+    def announce() -> None:
+        logger.warning(
+            "Repaired %d %s on database %r (rows %s): the engine did not write this "
+            "state (a manual edit, a restore, a crash).",
+            count,
+            REPAIRS[kind],
+            alias,
+            ", ".join(map(str, ids[:20])) + (", ..." if len(ids) > 20 else ""),
+        )
+        signals.data_repaired.send_robust(
+            sender=PermitRequest, kind=kind, ids=ids, count=count, using=alias
+        )
+
+    transaction.on_commit(announce, using=alias)
 
 
 def _release_dead_owners(

@@ -3,12 +3,14 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connection, connections
 from django.db.models import Sum
 
+from django_semaphore.guards import engine_writes
 from django_semaphore.models import Permit, Semaphore, State
 
 
@@ -67,6 +69,13 @@ def _exact_in_use_counter(request):
     yield
     if uses_db and not request.node.get_closest_marker("counter_drift_expected"):
         assert counter_drift() == {}, "in-use counter drift (name: (counter, held))"
+
+
+def behind_the_engine() -> AbstractContextManager[None]:
+    """Write what only the engine may, as a crash between two statements, a
+    manual SQL edit or a restore from backup would leave it (no guard sees
+    those)."""
+    return engine_writes()
 
 
 def unique(prefix: str = "sem") -> str:

@@ -16,7 +16,9 @@ def acquire_and_release(name: str, times: int) -> None:
     try:
         for _ in range(times):
             key = uuid.uuid4().hex
-            acquire(name, external_id=key, owner="metrics-client")
+            # Three clients on a capacity of 2: each waits its turn (fail-fast
+            # would make the counts depend on how the clients overlap).
+            acquire(name, external_id=key, owner="metrics-client", timeout=30)
             release(key)
     finally:
         connections.close_all()

@@ -6,14 +6,16 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from unittest.mock import patch
 
 import pytest
 from django.db import DatabaseError, connection, connections, transaction
 
-from django_semaphore import acquire, backends, prelock
+from django_semaphore import ReleaseOutcome, acquire, backends, prelock, release
 from django_semaphore.backends import Failure
 from django_semaphore.exceptions import LockContention
 from django_semaphore.models import Semaphore
+from django_semaphore.signals import permit_released
 from tests.conftest import unique
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -70,6 +72,38 @@ def test_lock_wait_is_bounded_then_a_typed_error(make_semaphore, settings):
     assert 2 <= elapsed < 6  # two bounded waits, not the server's default
     assert isinstance(excinfo.value.__cause__, DatabaseError)  # kept for debugging
     assert session_lock_wait() == before  # restored for the rest of the session
+
+
+@pytest.mark.parametrize("listening", [False, True], ids=["one statement", "general path"])
+def test_a_release_waits_for_the_semaphore_row_within_the_same_bound(
+    make_semaphore, settings, listening
+):
+    """Release locks the semaphore rows to lower their counters: its wait is
+    bounded like the grant's, then retried (longer than an acquire's), then a
+    typed error; the permit is still held and a later release frees it."""
+    settings.DJANGO_SEMAPHORE = {"LOCK_WAIT_TIMEOUT": 1, "RETRY_ATTEMPTS": 1}
+    sem = make_semaphore()
+    key = unique()
+    acquire(sem.name, external_id=key)
+    before = session_lock_wait()
+
+    def listener(**kwargs: object) -> None:
+        pass
+
+    with patch.object(permit_released, "receivers", []):
+        if listening:
+            permit_released.connect(listener)
+        with row_locked_elsewhere(sem.name):
+            started = time.monotonic()
+            with pytest.raises(LockContention):
+                release(key)
+            elapsed = time.monotonic() - started
+
+    assert 4 <= elapsed < 12  # RETRY_ATTEMPTS x 4 bounded waits
+    assert session_lock_wait() == before
+    assert Semaphore.objects.get(pk=sem.pk).in_use == 1
+    assert release(key) is ReleaseOutcome.RELEASED
+    assert Semaphore.objects.get(pk=sem.pk).in_use == 0
 
 
 def test_lock_wait_timeout_is_retried(make_semaphore, settings):

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 from unittest.mock import patch
 
 import pytest
-from django.apps import apps
 from django.core.management import call_command
 from django.db import connection
+from django.db.migrations.loader import MigrationLoader
 
 from django_semaphore import acquire, counter, release, sweep
 from django_semaphore.exceptions import SemaphoreExhausted
@@ -25,7 +25,7 @@ from django_semaphore.models import PermitRequest, Semaphore
 from django_semaphore.releasing import release_requests
 from django_semaphore.signals import counter_drift as counter_drift_signal
 from django_semaphore.signals import hold_ended, permit_released
-from tests.conftest import counter_drift, unique
+from tests.conftest import behind_the_engine, counter_drift, unique
 
 
 def in_use(semaphore: Semaphore) -> int:
@@ -143,8 +143,9 @@ def test_every_way_a_permit_ends_lowers_the_counter(make_semaphore, end):
 def test_the_verifier_corrects_and_reports_drift(make_semaphore, caplog):
     a, b = make_semaphore(3), make_semaphore(3)
     acquire({a.name: 2}, external_id=unique())
-    Semaphore.objects.filter(pk=a.pk).update(in_use=0)  # behind the engine's back
-    Semaphore.objects.filter(pk=b.pk).update(in_use=3)
+    with behind_the_engine():
+        Semaphore.objects.filter(pk=a.pk).update(in_use=0)
+        Semaphore.objects.filter(pk=b.pk).update(in_use=3)
     received = []
 
     def receiver(**kwargs: object) -> None:
@@ -172,7 +173,8 @@ def test_the_verifier_corrects_and_reports_drift(make_semaphore, caplog):
 def test_the_orphan_sweep_verifies_and_a_dry_run_only_reports(make_semaphore):
     a = make_semaphore(3)
     acquire(a.name, external_id=unique())
-    Semaphore.objects.filter(pk=a.pk).update(in_use=2)
+    with behind_the_engine():
+        Semaphore.objects.filter(pk=a.pk).update(in_use=2)
 
     assert sweep.release_orphans(dry_run=True).counter_drift == 1
     assert in_use(a) == 2
@@ -186,7 +188,8 @@ def test_the_orphan_sweep_verifies_and_a_dry_run_only_reports(make_semaphore):
 @pytest.mark.counter_drift_expected
 def test_status_verify_reports_and_corrects(make_semaphore):
     a = make_semaphore(3)
-    Semaphore.objects.filter(pk=a.pk).update(in_use=1)
+    with behind_the_engine():
+        Semaphore.objects.filter(pk=a.pk).update(in_use=1)
     out, err = StringIO(), StringIO()
 
     call_command("semaphore_status", "--verify", stdout=out, stderr=err)
@@ -205,7 +208,8 @@ def test_a_drifted_counter_never_makes_a_release_fail(make_semaphore):
     reports the rest) rather than failing the holder's release."""
     a = make_semaphore(3)
     request = acquire({a.name: 2}, external_id=unique())
-    Semaphore.objects.filter(pk=a.pk).update(in_use=1)
+    with behind_the_engine():
+        Semaphore.objects.filter(pk=a.pk).update(in_use=1)
 
     release(request.external_id)
 
@@ -217,10 +221,13 @@ def test_the_migration_fills_the_counter_from_the_permits_held(make_semaphore):
     a, b = make_semaphore(5), make_semaphore(5)
     acquire({a.name: 2, b.name: 1}, external_id=unique())
     release(acquire(a.name, external_id=unique()).external_id)
-    Semaphore.objects.update(in_use=0)
+    with behind_the_engine():
+        Semaphore.objects.update(in_use=0)
     migration = importlib.import_module("django_semaphore.migrations.0004_semaphore_in_use")
 
-    # What RunPython hands it: the registry and a schema editor on the alias.
-    migration.fill_in_use(apps, SimpleNamespace(connection=connection))
+    # What RunPython hands it: the models as of the migration, and a schema
+    # editor on the alias.
+    state = MigrationLoader(connection).project_state(("django_semaphore", "0004_semaphore_in_use"))
+    migration.fill_in_use(state.apps, SimpleNamespace(connection=connection))
 
     assert (in_use(a), in_use(b)) == (2, 1)

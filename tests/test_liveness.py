@@ -217,7 +217,7 @@ def test_parked_permit_between_retries_is_kept_until_the_task_is_ready(one, cele
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_sweep_with_the_celery_checker_releases_only_the_dead(one, celery_worker):
-    Semaphore.objects.filter(pk=one.pk).update(capacity=5)
+    Semaphore.objects.set_capacity(one.name, 5)
     result = tasks.slow.delay("sweep-liveness", 4)
     wait_until(lambda: RunLog.objects.filter(label="sweep-liveness").exists(), celery_worker)
     vanished = TaskOwner(str(uuid.uuid4()), "x", celery_worker.nodename, 4242)

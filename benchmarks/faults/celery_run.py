@@ -87,6 +87,8 @@ def run(scenario: Scenario, servers: Any, out: Path, ci: bool, log: Any) -> dict
     elapsed = time.monotonic() - began
     time.sleep(checker.seconds_until_expired(url) + 0.1)  # every TTL runs out, then one sweep
     before_sweep = checker.held(url)
+    # Before the sweep, whose verifier would correct (and count) a drift.
+    drift = checker.counter_drift(url)
     swept = json.loads(
         subprocess.run(
             [sys.executable, "-m", "benchmarks.faults.sweep_once"],
@@ -94,7 +96,7 @@ def run(scenario: Scenario, servers: Any, out: Path, ci: bool, log: Any) -> dict
         ).stdout.strip().splitlines()[-1]
     )  # fmt: skip
     histories = sorted(out.glob("task-*.jsonl"))
-    result = checker.check(url, histories)
+    result = checker.check(url, histories, drift)
     result.pop("faults_fired")
     with db.cursor(url) as cur:
         # When each key was granted and released, in the audit's (commit) order.

@@ -124,7 +124,9 @@ class Keys:
             self.last_event[key] = last
 
 
-def check(url: str, histories: Iterable[Path]) -> dict[str, Any]:
+def check(url: str, histories: Iterable[Path], drift: dict[str, list[int]]) -> dict[str, Any]:
+    """Every invariant, from the database and the clients' histories; ``drift``
+    is ``counter_drift`` read before the sweep."""
     keys = Keys(histories)
     with db.cursor(url) as cur:
         cur.execute("SELECT id, name, capacity FROM django_semaphore_semaphore")
@@ -252,6 +254,9 @@ def check(url: str, histories: Iterable[Path]) -> dict[str, Any]:
             if len(examples) < 20:
                 examples.append(f"leaked: {ext} state {state}, {acquired_permits} permits held")
 
+    for name, (recorded, held_now) in drift.items():
+        violation("in-use counter drift", f"{name}: counter {recorded}, permits held {held_now}")
+
     fired = Counter(f"{f['p']}:{f['a']}" for f in keys.faults)
     return {
         "attempts": keys.attempts,
@@ -269,6 +274,7 @@ def check(url: str, histories: Iterable[Path]) -> dict[str, Any]:
         "renewals_refused": keys.renews[0],
         "peak_held": {semaphores[s][0]: n for s, n in sorted(peak.items())},
         "leaked": leaked,
+        "counter_drift": drift,
         "examples": examples,
     }
 

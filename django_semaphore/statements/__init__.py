@@ -8,16 +8,17 @@ ORM's ``select_for_update()``, compiled once per number of names; the others
 are short, fixed SQL on the models' own table and column names.
 
 Nothing here decides anything: ``grant.py`` and ``releasing.py`` say which
-statement runs when.
+statement runs when. This module has the grant's (and the verifier's);
+``release.py`` has release's.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 from weakref import WeakKeyDictionary
 
 from django.conf import settings
@@ -64,12 +65,11 @@ LOCKED_COLUMNS = (
 )
 
 
-class Statements:
-    """The statements of grant and release, for one connection."""
+class SQL:
+    """What every statement builder starts from: the connection, its quoting,
+    the tables and the database's clock, compiled once."""
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
-        from django.db.models import DateTimeField, DurationField, Value
-        from django.db.models.expressions import CombinedExpression
         from django.db.models.sql import Query
 
         from django_semaphore.models import Permit, PermitRequest, Semaphore, State
@@ -77,11 +77,34 @@ class Statements:
         self.connection = connection
         self.use_tz = settings.USE_TZ
         self.acquired, self.released = State.ACQUIRED.value, State.RELEASED.value
+        self.q = q = connection.ops.quote_name
+        self.semaphore, self.request, self.permit = (
+            q(m._meta.db_table) for m in (Semaphore, PermitRequest, Permit)
+        )
+        self.compiler = Query(PermitRequest).get_compiler(connection=connection)
+        self.now, _ = self.compiler.compile(DatabaseNow())
+        # A key's request: (id, state, key as stored).
+        self.key_sql = (
+            f"SELECT {q('id')}, {q('state')}, {q('external_id')} FROM {self.request}"
+            f" WHERE {q('external_id')} = %s"
+        )
+
+    def bounded(self, sql: str, lock_wait: float) -> str:
+        return backends.bound_statement(self.connection, sql, lock_wait)
+
+
+class Statements(SQL):
+    """The grant's statements (and the verifier's), for one connection."""
+
+    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        from django.db.models import DateTimeField, DurationField, Value
+        from django.db.models.expressions import CombinedExpression
+
+        super().__init__(connection)
+        q, compiler, now = self.q, self.compiler, self.now
+        semaphore, request, permit = self.semaphore, self.request, self.permit
         self.locks: dict[int, str] = {}
         self.returning = connection.features.can_return_columns_from_insert
-        q = connection.ops.quote_name
-        compiler = Query(PermitRequest).get_compiler(connection=connection)
-        now, _ = compiler.compile(DatabaseNow())
         # The request's insert reads the clock once: when it starts, every row
         # it depends on is locked already.
         stamp, _ = compiler.compile(StatementNow())
@@ -93,13 +116,6 @@ class Statements:
         if len(expires_params) != 1:  # pragma: no cover - a Django change would show here
             raise AssertionError(f"Unexpected parameters in the expiry: {expires_params!r}")
         self.expires_sql = expires
-        semaphore, request, permit = (
-            q(m._meta.db_table) for m in (Semaphore, PermitRequest, Permit)
-        )
-        self.key_sql = (
-            f"SELECT {q('id')}, {q('state')}, {q('external_id')} FROM {request}"
-            f" WHERE {q('external_id')} = %s"
-        )
         # Read once the semaphore rows are locked, and only when one lacks
         # room. The clock is read here, not in the locking read, which may
         # compute it before its wait for the lock (PostgreSQL does).
@@ -143,45 +159,7 @@ class Statements:
             f"INSERT INTO {permit} ({q('semaphore_id')}, {q('request_id')}, {q('count')},"
             f" {q('fencing_token')}, {q('state')}) VALUES {{rows}}"
         )
-        # Release by request ids, in its transaction: which semaphores, lock
-        # them in the acquire's order, read what is held under the lock, then
-        # the three updates.
-        self.held_on_sql = (
-            f"SELECT DISTINCT {q('semaphore_id')} FROM {permit}"
-            f" WHERE {q('request_id')} IN ({{ids}}) AND {q('state')} = %s"
-        )
-        self.lock_by_id_sql = (
-            f"SELECT {q('id')} FROM {semaphore} WHERE {q('id')} IN ({{ids}})"
-            f" ORDER BY {q('name')} FOR UPDATE"
-        )
-        self.held_counts_sql = (
-            f"SELECT {q('semaphore_id')}, SUM({q('count')}) FROM {permit}"
-            f" WHERE {q('request_id')} IN ({{ids}}) AND {q('state')} = %s"
-            f" GROUP BY {q('semaphore_id')}"
-        )
-        self.release_permits_sql = (
-            f"UPDATE {permit} SET {q('state')} = %s"
-            f" WHERE {q('request_id')} IN ({{ids}}) AND {q('state')} = %s"
-        )
-        self.release_requests_sql = (
-            f"UPDATE {request} SET {q('state')} = %s, {q('released_at')} = {now},"
-            f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
-            f" WHERE {q('id')} IN ({{ids}}) AND {q('state')} = %s"
-        )
-        # Never below zero: a counter that drifted (a bug, or rows edited by
-        # hand) must not make a release fail; the verifier corrects it.
-        self.lower_sql = (
-            f"UPDATE {semaphore} SET {q('in_use')} = CASE {{cases}} ELSE {q('in_use')} END"
-            f" WHERE {q('id')} IN ({{ids}})"
-        )
-        self.lower_case_sql = (
-            f"WHEN {q('id')} = %s THEN CASE WHEN {q('in_use')} > %s"
-            f" THEN {q('in_use')} - %s ELSE 0 END"
-        )
         self.set_in_use_sql = f"UPDATE {semaphore} SET {q('in_use')} = %s WHERE {q('id')} = %s"
-        self.release_by_key_sql = _release_by_key_sql(
-            connection.vendor, q, semaphore, request, permit, now
-        )
 
     # Outside any transaction.
 
@@ -192,34 +170,7 @@ class Statements:
             cursor.execute(self.key_sql, [key])
             return cursor.fetchone() is not None
 
-    def find_request(self, key: str) -> tuple[int, str] | None:
-        with self.connection.cursor() as cursor:
-            cursor.execute(self.key_sql, [key])
-            row = cursor.fetchone()
-        # Not another key that only the collation calls equal.
-        return None if row is None or row[2] != key else (row[0], row[1])
-
-    def release_by_key(self, key: str, reason: str, lock_wait: float) -> bool:
-        """Release the key's request, its permits and their share of the
-        counters in one statement; whether this call released it."""
-        acquired, released = self.acquired, self.released
-        params: list[Any]
-        if self.connection.vendor == "mysql":
-            params = [acquired, released, released, reason, key, acquired, key]
-        else:
-            params = [acquired, key, released, reason, key, acquired, released, acquired]
-        with self.connection.cursor() as cursor:
-            cursor.execute(self.bounded(self.release_by_key_sql, lock_wait), params)
-            if self.connection.vendor == "mysql":
-                # Django connects with CLIENT.FOUND_ROWS: rows matched, and the
-                # request row matches only while ACQUIRED.
-                return bool(cursor.rowcount)
-            return bool(cursor.fetchone()[0])
-
     # Inside a transaction.
-
-    def bounded(self, sql: str, lock_wait: float) -> str:
-        return backends.bound_statement(self.connection, sql, lock_wait)
 
     def lock(
         self, cursor: CursorWrapper, names: Sequence[str], lock_wait: float
@@ -261,7 +212,7 @@ class Statements:
         """The clock, whether ``key`` is taken, and whether expired permits
         hold any of the semaphores: one round trip."""
         cursor.execute(
-            self.usage_sql.format(ids=_placeholders(len(semaphore_ids))),
+            self.usage_sql.format(ids=placeholders(len(semaphore_ids))),
             [key, self.acquired, *semaphore_ids, self.acquired],
         )
         now, key_id, expired = cursor.fetchone()
@@ -273,7 +224,7 @@ class Statements:
 
     def in_use(self, cursor: CursorWrapper, semaphore_ids: list[int]) -> dict[int, int]:
         """The counters of rows this transaction holds locked."""
-        cursor.execute(self.in_use_sql.format(ids=_placeholders(len(semaphore_ids))), semaphore_ids)
+        cursor.execute(self.in_use_sql.format(ids=placeholders(len(semaphore_ids))), semaphore_ids)
         return {int(id): int(n) for id, n in cursor.fetchall()}
 
     def insert_request(
@@ -311,7 +262,7 @@ class Statements:
             params = [value for item in added.items() for value in item]
         # No lock wait to bound: the rows are this transaction's already.
         cursor.execute(
-            self.grant_sql.format(added=sql, ids=_placeholders(len(added))),
+            self.grant_sql.format(added=sql, ids=placeholders(len(added))),
             [*params, self.connection.ops.adapt_datetimefield_value(now), *added],
         )
 
@@ -326,53 +277,6 @@ class Statements:
             [value for row in rows for value in (*row, self.acquired)],
         )
 
-    def release(
-        self, cursor: CursorWrapper, request_ids: list[int], reason: str, lock_wait: float
-    ) -> tuple[int, dict[int, int]]:
-        """Release these requests and their permits, lowering the counters:
-        (requests this call released, semaphore id -> permits it freed)."""
-        ids = _placeholders(len(request_ids))
-        if self.connection.features.has_select_for_update:
-            cursor.execute(self.held_on_sql.format(ids=ids), [*request_ids, self.acquired])
-            semaphore_ids = [int(id) for (id,) in cursor.fetchall()]
-            if not semaphore_ids:
-                return self._release_requests(cursor, request_ids, reason), {}
-            cursor.execute(
-                self.bounded(
-                    self.lock_by_id_sql.format(ids=_placeholders(len(semaphore_ids))), lock_wait
-                ),
-                semaphore_ids,
-            )
-        # Under the locks (SQLite: the file's write lock): no other release
-        # can free these permits now.
-        cursor.execute(self.held_counts_sql.format(ids=ids), [*request_ids, self.acquired])
-        freed = {int(id): int(n) for id, n in cursor.fetchall()}
-        if freed:
-            cursor.execute(
-                self.release_permits_sql.format(ids=ids),
-                [self.released, *request_ids, self.acquired],
-            )
-            self.lower(cursor, freed)
-        return self._release_requests(cursor, request_ids, reason), freed
-
-    def _release_requests(self, cursor: CursorWrapper, request_ids: list[int], reason: str) -> int:
-        cursor.execute(
-            self.release_requests_sql.format(ids=_placeholders(len(request_ids))),
-            [self.released, reason, *request_ids, self.acquired],
-        )
-        return int(cursor.rowcount)
-
-    def lower(self, cursor: CursorWrapper, freed: dict[int, int]) -> None:
-        """Lower ``in_use`` by ``freed`` (semaphore id -> count) on rows this
-        transaction holds locked."""
-        cursor.execute(
-            self.lower_sql.format(
-                cases=" ".join([self.lower_case_sql] * len(freed)),
-                ids=_placeholders(len(freed)),
-            ),
-            [*(v for id, n in freed.items() for v in (id, n, n)), *freed],
-        )
-
     def set_in_use(self, cursor: CursorWrapper, values: dict[int, int]) -> None:
         """Set ``in_use`` (semaphore id -> value) on rows this transaction
         holds locked: the verifier's correction."""
@@ -380,66 +284,25 @@ class Statements:
             cursor.execute(self.set_in_use_sql, [value, id])
 
 
-def _release_by_key_sql(
-    vendor: str, q: Callable[[str], str], semaphore: str, request: str, permit: str, now: str
-) -> str:
-    """Release by key in one statement where the database can update three
-    tables in one; "" elsewhere (SQLite: the generic path, one transaction).
-    Parameters: acquired, released, released, reason, key, acquired, key."""
-    if vendor == "mysql":
-        # The join reads the request by its key, its permits through the
-        # request's index in id order -- the order the grant inserted them,
-        # which is the order it locked their semaphores -- and each semaphore
-        # by its key: the semaphore rows are locked in the acquire's order.
-        # The binary comparison keeps keys exact under a case-insensitive
-        # collation.
-        return (
-            f"UPDATE {request} r LEFT JOIN {permit} p"
-            f" ON p.{q('request_id')} = r.{q('id')} AND p.{q('state')} = %s"
-            f" LEFT JOIN {semaphore} s ON s.{q('id')} = p.{q('semaphore_id')}"
-            f" SET s.{q('in_use')} = CASE WHEN s.{q('in_use')} > p.{q('count')}"
-            f" THEN s.{q('in_use')} - p.{q('count')} ELSE 0 END,"
-            f" p.{q('state')} = %s, r.{q('state')} = %s, r.{q('released_at')} = {now},"
-            f" r.{q('updated_at')} = {now}, r.{q('release_reason')} = %s"
-            f" WHERE r.{q('external_id')} = %s AND r.{q('state')} = %s"
-            f" AND CAST(r.{q('external_id')} AS BINARY) = CAST(%s AS BINARY)"
-        )
-    if vendor == "postgresql":
-        # "l" locks the semaphore rows in name order; the request's update
-        # reads it, so it runs first. Each update then re-reads a row changed
-        # since the statement began (READ COMMITTED), so a concurrent release
-        # of the same key makes this one match nothing.
-        return (
-            f"WITH l AS (SELECT s.{q('id')} FROM {semaphore} s WHERE s.{q('id')} IN"
-            f" (SELECT p.{q('semaphore_id')} FROM {permit} p JOIN {request} r"
-            f" ON r.{q('id')} = p.{q('request_id')} WHERE p.{q('state')} = %s"
-            f" AND r.{q('external_id')} = %s) ORDER BY s.{q('name')} FOR UPDATE),"
-            f" r AS (UPDATE {request} SET {q('state')} = %s, {q('released_at')} = {now},"
-            f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
-            f" WHERE {q('external_id')} = %s AND {q('state')} = %s"
-            f" AND (SELECT COUNT(*) FROM l) >= 0 RETURNING {q('id')}),"
-            f" p AS (UPDATE {permit} SET {q('state')} = %s"
-            f" WHERE {q('request_id')} IN (SELECT {q('id')} FROM r) AND {q('state')} = %s"
-            f" RETURNING {q('semaphore_id')}, {q('count')}),"
-            f" s AS (UPDATE {semaphore} SET {q('in_use')} = CASE"
-            f" WHEN {q('in_use')} > p.{q('count')} THEN {q('in_use')} - p.{q('count')}"
-            " ELSE 0 END FROM p"
-            f" WHERE {semaphore}.{q('id')} = p.{q('semaphore_id')})"
-            " SELECT COUNT(*) FROM r"
-        )
-    return ""
-
-
-def _placeholders(count: int) -> str:
+def placeholders(count: int) -> str:
+    """``%s, %s, ...``: one placeholder per value of an IN list or VALUES row."""
     return ", ".join(["%s"] * count)
 
 
-_by_connection: WeakKeyDictionary[BaseDatabaseWrapper, Statements] = WeakKeyDictionary()
+_by_connection: WeakKeyDictionary[BaseDatabaseWrapper, dict[type[SQL], SQL]] = WeakKeyDictionary()
+Built = TypeVar("Built", bound=SQL)
+
+
+def built(kind: type[Built], connection: BaseDatabaseWrapper) -> Built:
+    """This connection's statements of ``kind`` (each thread has its own
+    connection), built again if ``USE_TZ`` changed (tests override it)."""
+    kinds = _by_connection.setdefault(connection, {})
+    found = kinds.get(kind)
+    if found is None or found.use_tz != settings.USE_TZ:
+        found = kinds[kind] = kind(connection)
+    return found  # type: ignore[return-value]
 
 
 def statements(connection: BaseDatabaseWrapper) -> Statements:
-    """This connection's statements (each thread has its own connection)."""
-    built = _by_connection.get(connection)
-    if built is None or built.use_tz != settings.USE_TZ:
-        built = _by_connection[connection] = Statements(connection)
-    return built
+    """This connection's grant statements."""
+    return built(Statements, connection)

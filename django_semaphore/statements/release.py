@@ -1,0 +1,235 @@
+"""Release's statements: the request, its permits and the in-use counters of
+their semaphores, changed together."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
+
+from django_semaphore.statements import SQL, built, placeholders
+
+
+class ReleaseStatements(SQL):
+    """Release's statements, for one connection."""
+
+    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        super().__init__(connection)
+        q, now = self.q, self.now
+        semaphore, request, permit = self.semaphore, self.request, self.permit
+        # Permits chosen by a column ("request_id" or "id") in a transaction:
+        # their semaphores, locked in the acquire's order, what they hold read
+        # under the lock, then the updates.
+        self.held_on_sql = (
+            f"SELECT DISTINCT {q('semaphore_id')} FROM {permit}"
+            f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
+        )
+        self.lock_by_id_sql = (
+            f"SELECT {q('id')} FROM {semaphore} WHERE {q('id')} IN ({{ids}})"
+            f" ORDER BY {q('name')} FOR UPDATE"
+        )
+        self.held_counts_sql = (
+            f"SELECT {q('semaphore_id')}, SUM({q('count')}) FROM {permit}"
+            f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
+            f" GROUP BY {q('semaphore_id')}"
+        )
+        self.release_permits_sql = (
+            f"UPDATE {permit} SET {q('state')} = %s"
+            f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
+        )
+        self.release_requests_sql = (
+            f"UPDATE {request} SET {q('state')} = %s, {q('released_at')} = {now},"
+            f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
+            f" WHERE {q('id')} IN ({{ids}}) AND {q('state')} = %s"
+        )
+        # Never below zero: a counter that drifted (a bug, or rows edited by
+        # hand) must not make a release fail; the verifier corrects it.
+        self.lower_sql = (
+            f"UPDATE {semaphore} SET {q('in_use')} = CASE {{cases}} ELSE {q('in_use')} END"
+            f" WHERE {q('id')} IN ({{ids}})"
+        )
+        self.lower_case_sql = (
+            f"WHEN {q('id')} = %s THEN CASE WHEN {q('in_use')} > %s"
+            f" THEN {q('in_use')} - %s ELSE 0 END"
+        )
+        self.by_key_sql = self._by_key_sql()
+
+    def _by_key_sql(self) -> str:
+        """Release by key in one statement where the database can update
+        three tables in one; "" elsewhere (SQLite: the general path, one
+        transaction). It runs in autocommit, its own transaction."""
+        q, now = self.q, self.now
+        semaphore, request, permit = self.semaphore, self.request, self.permit
+        if self.connection.vendor == "mysql":
+            # The join reads the request by its key, its permits through the
+            # request's index in id order -- the order the grant inserted them,
+            # which is the order it locked their semaphores -- and each
+            # semaphore by its key: the semaphore rows are locked in the
+            # acquire's order. The binary comparison keeps keys exact under a
+            # case-insensitive collation.
+            return (
+                f"UPDATE {request} r LEFT JOIN {permit} p"
+                f" ON p.{q('request_id')} = r.{q('id')} AND p.{q('state')} = %s"
+                f" LEFT JOIN {semaphore} s ON s.{q('id')} = p.{q('semaphore_id')}"
+                f" SET s.{q('in_use')} = CASE WHEN s.{q('in_use')} > p.{q('count')}"
+                f" THEN s.{q('in_use')} - p.{q('count')} ELSE 0 END,"
+                f" p.{q('state')} = %s, r.{q('state')} = %s, r.{q('released_at')} = {now},"
+                f" r.{q('updated_at')} = {now}, r.{q('release_reason')} = %s"
+                f" WHERE r.{q('external_id')} = %s AND r.{q('state')} = %s"
+                f" AND CAST(r.{q('external_id')} AS BINARY) = CAST(%s AS BINARY)"
+            )
+        if self.connection.vendor == "postgresql":
+            # The same three updates, chained by RETURNING; the request's
+            # filter first sets the statement's lock-wait bound (an InitPlan,
+            # run before any row is locked; autocommit makes the statement its
+            # transaction, so the setting ends with it). The semaphore rows
+            # are locked in the order of the permits, which the grant inserted
+            # in name order. An update re-reads a row changed since the
+            # statement began (READ COMMITTED): a concurrent release of the
+            # same key makes this one match nothing. Kept to three parts: the
+            # server plans it on every call (0.15 ms; a fourth, locking part
+            # doubled that).
+            return (
+                f"WITH r AS (UPDATE {request} SET {q('state')} = %s, {q('released_at')} = {now},"
+                f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
+                f" WHERE {q('external_id')} = %s AND {q('state')} = %s"
+                " AND (SELECT set_config('lock_timeout', %s, true)) IS NOT NULL"
+                f" RETURNING {q('id')}),"
+                f" p AS (UPDATE {permit} SET {q('state')} = %s"
+                f" WHERE {q('request_id')} IN (SELECT {q('id')} FROM r) AND {q('state')} = %s"
+                f" RETURNING {q('semaphore_id')}, {q('count')}),"
+                f" s AS (UPDATE {semaphore} SET {q('in_use')} = CASE"
+                f" WHEN {q('in_use')} > p.{q('count')} THEN {q('in_use')} - p.{q('count')}"
+                " ELSE 0 END FROM p"
+                f" WHERE {semaphore}.{q('id')} = p.{q('semaphore_id')})"
+                " SELECT COUNT(*) FROM r"
+            )
+        return ""
+
+    # Outside any transaction.
+
+    def find_request(self, key: str) -> tuple[int, str] | None:
+        """(id, state) of the request with exactly this key."""
+        with self.connection.cursor() as cursor:
+            cursor.execute(self.key_sql, [key])
+            row = cursor.fetchone()
+        # Not another key that only the collation calls equal.
+        return None if row is None or row[2] != key else (row[0], row[1])
+
+    def releases_by_key(self) -> bool:
+        """Whether ``release_by_key`` may run now: where the database can say
+        it in one statement, and on PostgreSQL outside the caller's
+        transaction (its lock-wait setting lasts as long as the transaction
+        it runs in)."""
+        return bool(self.by_key_sql) and not (
+            self.connection.vendor == "postgresql" and self.connection.in_atomic_block
+        )
+
+    def release_by_key(self, key: str, reason: str, lock_wait: float) -> bool:
+        """Release the key's request, its permits and their share of the
+        counters in one statement; whether this call released it."""
+        acquired, released = self.acquired, self.released
+        params: list[Any]
+        if self.connection.vendor == "mysql":
+            params = [acquired, released, released, reason, key, acquired, key]
+        else:
+            bound = f"{int(lock_wait * 1000)}ms"
+            params = [released, reason, key, acquired, bound, released, acquired]
+        with self.connection.cursor() as cursor:
+            cursor.execute(self.bounded(self.by_key_sql, lock_wait), params)
+            if self.connection.vendor == "mysql":
+                # Django connects with CLIENT.FOUND_ROWS: rows matched, and the
+                # request row matches only while ACQUIRED.
+                return bool(cursor.rowcount)
+            return bool(cursor.fetchone()[0])
+
+    # Inside a transaction.
+
+    def release(
+        self,
+        cursor: CursorWrapper,
+        request_ids: list[int],
+        reason: str,
+        lock_wait: float,
+        freed: dict[int, int] | None = None,
+    ) -> int:
+        """Release these requests and their permits, lowering the counters;
+        how many requests this call released. ``freed``, if given, receives
+        semaphore id -> permits freed (for the parked tasks' wake-up)."""
+        self._free(cursor, self.q("request_id"), request_ids, lock_wait, freed)
+        cursor.execute(
+            self.release_requests_sql.format(ids=placeholders(len(request_ids))),
+            [self.released, reason, *request_ids, self.acquired],
+        )
+        return int(cursor.rowcount)
+
+    def release_permits(
+        self,
+        cursor: CursorWrapper,
+        permit_ids: list[int],
+        lock_wait: float,
+        freed: dict[int, int] | None = None,
+    ) -> int:
+        """Release these permits, whatever their requests say, lowering the
+        counters; how many this call released (the sweep's repairs)."""
+        return self._free(cursor, self.q("id"), permit_ids, lock_wait, freed)
+
+    def _free(
+        self,
+        cursor: CursorWrapper,
+        column: str,
+        ids: list[int],
+        lock_wait: float,
+        freed_into: dict[int, int] | None = None,
+    ) -> int:
+        """Release the ACQUIRED permits whose ``column`` is in ``ids`` and lower
+        their semaphores' counters, under those rows' locks taken in name
+        order; how many permits this call released."""
+        listed = placeholders(len(ids))
+        if self.connection.features.has_select_for_update:
+            cursor.execute(
+                self.held_on_sql.format(column=column, ids=listed), [*ids, self.acquired]
+            )
+            semaphore_ids = [int(id) for (id,) in cursor.fetchall()]
+            if not semaphore_ids:
+                return 0
+            cursor.execute(
+                self.bounded(
+                    self.lock_by_id_sql.format(ids=placeholders(len(semaphore_ids))), lock_wait
+                ),
+                semaphore_ids,
+            )
+        # Under the locks (SQLite: the file's write lock): no other release
+        # can free these permits now.
+        cursor.execute(
+            self.held_counts_sql.format(column=column, ids=listed), [*ids, self.acquired]
+        )
+        freed = {int(id): int(n) for id, n in cursor.fetchall()}
+        if not freed:
+            return 0
+        cursor.execute(
+            self.release_permits_sql.format(column=column, ids=listed),
+            [self.released, *ids, self.acquired],
+        )
+        released = int(cursor.rowcount)
+        self._lower(cursor, freed)
+        if freed_into is not None:
+            freed_into.update(freed)
+        return released
+
+    def _lower(self, cursor: CursorWrapper, freed: dict[int, int]) -> None:
+        """Lower ``in_use`` by ``freed`` (semaphore id -> count) on rows this
+        transaction holds locked."""
+        cursor.execute(
+            self.lower_sql.format(
+                cases=" ".join([self.lower_case_sql] * len(freed)),
+                ids=placeholders(len(freed)),
+            ),
+            [*(v for id, n in freed.items() for v in (id, n, n)), *freed],
+        )
+
+
+def release_statements(connection: BaseDatabaseWrapper) -> ReleaseStatements:
+    """This connection's release statements."""
+    return built(ReleaseStatements, connection)
