@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from django.db import transaction
 
+from django_semaphore import signals
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.guards import engine_writes
 from django_semaphore.validation import validate_capacity
@@ -64,7 +65,7 @@ def _record(
     reason: str,
 ) -> None:
     """On the locked row: record the change, then make it."""
-    from django_semaphore.models import CapacityChange
+    from django_semaphore.models import CapacityChange, Semaphore
 
     if semaphore.capacity == capacity:
         return
@@ -79,9 +80,10 @@ def _record(
     semaphore.capacity = capacity
     with engine_writes():
         semaphore.save(using=alias, update_fields=["capacity", "updated_at"])
-    from django_semaphore import releasing
-
-    if raised > 0 and releasing.room_wanted():
+    if raised > 0 and signals.permits_freed.has_listeners(Semaphore):
         # Room made: parked tasks that fit now are woken once this commits.
         freed = {semaphore.pk: raised}
-        transaction.on_commit(lambda: releasing.announce_room(alias, freed), using=alias)
+        transaction.on_commit(
+            lambda: signals.permits_freed.send_robust(sender=Semaphore, freed=freed, using=alias),
+            using=alias,
+        )
