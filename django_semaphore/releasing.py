@@ -56,9 +56,8 @@ def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int
     if not request_ids:
         return 0
     ids = list(request_ids)
-    freed: dict[int, int] = {}
     with _transaction(alias) as (cursor, sql, lock_wait):
-        released = sql.release(cursor, ids, reason, lock_wait, freed)
+        released, freed = sql.release(cursor, ids, reason, lock_wait)
         if released:
             transaction.on_commit(lambda: announce(alias, ids, reason), using=alias)
         if freed and room_wanted():
@@ -75,9 +74,8 @@ def release_permits(alias: str, permit_ids: Sequence[int]) -> int:
     """
     if not permit_ids:
         return 0
-    freed: dict[int, int] = {}
     with _transaction(alias) as (cursor, sql, lock_wait):
-        released = sql.release_permits(cursor, list(permit_ids), lock_wait, freed)
+        released, freed = sql.release_permits(cursor, list(permit_ids), lock_wait)
         if freed and room_wanted():
             transaction.on_commit(lambda: announce_room(alias, freed), using=alias)
     return released
