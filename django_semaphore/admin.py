@@ -55,12 +55,14 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
-from django_semaphore import families, routing
+from django_semaphore import families, parking, routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.models import (
     MAX_NAME_LENGTH,
     CapacityChange,
+    ParkedDemand,
+    ParkedTask,
     Permit,
     PermitRequest,
     ReleaseReason,
@@ -372,6 +374,7 @@ class SemaphoreAdmin(OperatorAdmin):
         "waiters",
         "longest_wait",
         "last_capacity_change",
+        "parked",
     ]
     list_filter = [UsageFilter, "fair", FamilyFilter]
     search_fields = ["name"]
@@ -383,6 +386,7 @@ class SemaphoreAdmin(OperatorAdmin):
         "holders",
         "waiters",
         "longest_wait",
+        "parked",
         "fencing_counter",
         "family_role",
         "created_at",
@@ -390,7 +394,7 @@ class SemaphoreAdmin(OperatorAdmin):
     ]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Semaphore]:
-        return with_usage(super().get_queryset(request))
+        return parking.with_parked(with_usage(super().get_queryset(request)))
 
     def get_fieldsets(self, request: HttpRequest, obj: Semaphore | None = None) -> Any:
         if obj is None:
@@ -412,6 +416,7 @@ class SemaphoreAdmin(OperatorAdmin):
                         "holders",
                         "waiters",
                         "longest_wait",
+                        "parked",
                     ]
                 },
             ),
@@ -492,6 +497,17 @@ class SemaphoreAdmin(OperatorAdmin):
         if since is None:
             return self.get_empty_value_display()
         return duration(since, timezone.now())
+
+    @admin.display(description=_("parked tasks"), ordering="parked")
+    def parked(self, obj: Semaphore) -> SafeString | int:
+        count = annotated(obj, "parked")
+        if not count:
+            return 0
+        return format_html(
+            '<a href="{}">{}</a>',
+            self.admin_url(ParkedTask, "changelist", demands__semaphore__id__exact=obj.pk),
+            count,
+        )
 
     @admin.display(description=_("last capacity change"), ordering="last_capacity_change")
     def last_capacity_change(self, obj: Semaphore) -> SafeString | str:
@@ -805,6 +821,71 @@ class PermitRequestAdmin(ReadOnlyAdmin):
                 % {"count": skipped},
                 messages.WARNING,
             )
+
+
+# --- parked tasks -------------------------------------------------------------------
+
+
+@admin.register(ParkedTask)
+class ParkedTaskAdmin(OperatorAdmin):
+    """Parked Celery tasks, oldest first: the order they are woken in."""
+
+    list_display = ["task_name", "task_id", "semaphores", "parked_at", "woken_at", "expires_at"]
+    list_filter = ["demands__semaphore", "task_name"]
+    search_fields = ["task_id", "task_name"]
+    ordering = ["id"]
+    actions = ["drop"]
+    fields = ("task_name", "task_id", "semaphores", "parked_at", "woken_at", "expires_at")
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ParkedTask]:
+        demands = ParkedDemand.objects.using(app_settings.DATABASE).select_related("semaphore")
+        return (
+            super()
+            .get_queryset(request)
+            .prefetch_related(Prefetch("demands", queryset=demands.order_by("semaphore__name")))
+        )
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        # Django's bulk delete would skip parking.cancel, which offers the
+        # room a woken task was keeping to the next in line.
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def delete_model(self, request: HttpRequest, obj: ParkedTask) -> None:
+        parking.cancel([obj.task_id])
+
+    @admin.display(description=_("semaphores"))
+    def semaphores(self, obj: ParkedTask) -> str:
+        return ", ".join(
+            demand.semaphore.name
+            if demand.count == 1
+            else f"{demand.semaphore.name} ({demand.count})"
+            for demand in obj.demands.all()
+        )
+
+    @admin.action(permissions=["delete"], description=_("Drop selected parked tasks"))
+    def drop(self, request: HttpRequest, queryset: QuerySet[ParkedTask]) -> None:
+        """Drop the selected tasks: never published again, their room offered
+        to the next in line. Their Celery state stays ``PARKED``."""
+        dropped = parking.cancel(queryset.values_list("task_id", flat=True))
+        self.message_user(
+            request,
+            ngettext(
+                "%(count)d parked task was dropped.",
+                "%(count)d parked tasks were dropped.",
+                dropped,
+            )
+            % {"count": dropped},
+            messages.SUCCESS,
+        )
 
 
 # --- capacity history ---------------------------------------------------------------

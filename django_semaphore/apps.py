@@ -30,7 +30,7 @@ class DjangoSemaphoreConfig(AppConfig):
                 guard, sender=model, dispatch_uid=f"django_semaphore.{guard.__name__}"
             )
         try:
-            from celery.signals import before_task_publish, task_postrun
+            from celery.signals import before_task_publish, task_postrun, task_revoked
         except ImportError:  # Celery is optional
             return
         from django_semaphore import task_runs
@@ -39,3 +39,9 @@ class DjangoSemaphoreConfig(AppConfig):
         before_task_publish.connect(
             task_runs.on_before_task_publish, dispatch_uid="django_semaphore.publish"
         )
+        from django_semaphore import parking
+        from django_semaphore.conf import app_settings
+
+        task_revoked.connect(parking.on_task_revoked, dispatch_uid="django_semaphore.revoked")
+        if app_settings.PARK_TASKS:
+            parking.enable()

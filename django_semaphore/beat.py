@@ -27,11 +27,15 @@ CLEAN_RELEASED = "django_semaphore.clean_released"
 """Task name (and schedule key) of ``tasks.clean_released``."""
 CLEAN_HISTORY = "django_semaphore.clean_history"
 """Task name (and schedule key) of ``tasks.clean_history``."""
+WAKE_PARKED = "django_semaphore.wake_parked"
+"""Task name (and schedule key) of ``tasks.wake_parked``, the parked tasks' backstop."""
 
 DEFAULT_INTERVALS: dict[str, timedelta] = {
     RELEASE_ORPHANS: timedelta(minutes=5),
     CLEAN_RELEASED: timedelta(hours=4),
     CLEAN_HISTORY: timedelta(hours=24),
+    # Only does work while tasks are parked (two indexed reads otherwise).
+    WAKE_PARKED: timedelta(minutes=1),
 }
 """How often each task runs unless told otherwise (SPEC §3's defaults)."""
 
@@ -41,6 +45,7 @@ def beat_schedule(
     release_orphans: Any = DEFAULT_INTERVALS[RELEASE_ORPHANS],
     clean_released: Any = DEFAULT_INTERVALS[CLEAN_RELEASED],
     clean_history: Any = DEFAULT_INTERVALS[CLEAN_HISTORY],
+    wake_parked: Any = DEFAULT_INTERVALS[WAKE_PARKED],
     queue: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """A fresh beat schedule with these intervals.
@@ -52,6 +57,8 @@ def beat_schedule(
         release_orphans: how often the orphan sweep runs.
         clean_released: how often old released requests are deleted.
         clean_history: how often old capacity history is deleted.
+        wake_parked: how often parked tasks are checked (releases made where
+            parking is not enabled, publishes that failed or were lost).
         queue: route the tasks to this queue (default: the default queue).
 
     Returns:
@@ -63,6 +70,7 @@ def beat_schedule(
         (RELEASE_ORPHANS, release_orphans),
         (CLEAN_RELEASED, clean_released),
         (CLEAN_HISTORY, clean_history),
+        (WAKE_PARKED, wake_parked),
     ):
         if every is None:
             continue

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from django.db import transaction
 
+from django_semaphore import signals
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.guards import engine_writes
 from django_semaphore.validation import validate_capacity
@@ -64,7 +65,7 @@ def _record(
     reason: str,
 ) -> None:
     """On the locked row: record the change, then make it."""
-    from django_semaphore.models import CapacityChange
+    from django_semaphore.models import CapacityChange, Semaphore
 
     if semaphore.capacity == capacity:
         return
@@ -75,9 +76,17 @@ def _record(
         changed_by_id=None if changed_by is None else changed_by.pk,
         reason=reason,
     )
+    raised = capacity - semaphore.capacity
     semaphore.capacity = capacity
     # A family member changed on its own no longer follows its family default
     # (families.py), and the clean-up keeps it.
     semaphore.own_capacity = bool(semaphore.family)
     with engine_writes():
         semaphore.save(using=alias, update_fields=["capacity", "own_capacity", "updated_at"])
+    if raised > 0 and signals.permits_freed.has_listeners(Semaphore):
+        # Room made: parked tasks that fit now are woken once this commits.
+        freed = {semaphore.pk: raised}
+        transaction.on_commit(
+            lambda: signals.permits_freed.send_robust(sender=Semaphore, freed=freed, using=alias),
+            using=alias,
+        )

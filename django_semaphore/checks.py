@@ -64,6 +64,9 @@ def _check_value(key: str, value: Any) -> list[CheckMessage]:
             return [_error(8, "DJANGO_SEMAPHORE['VIEW_STATUS_CODE'] must be a 4xx or 5xx status.")]
     elif key == "SEMAPHORES":
         return _check_declared(value)
+    elif key == "PARK_TASKS":
+        if not isinstance(value, bool):
+            return [_error(20, "DJANGO_SEMAPHORE['PARK_TASKS'] must be True or False.")]
     elif key == "SHARDS":
         return _check_shards(value)
     return []

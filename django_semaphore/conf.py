@@ -45,10 +45,23 @@ DEFAULTS: dict[str, Any] = {
     # Family members not granted for this long, with nothing held or queued,
     # are deleted by the clean-up (the family's pattern creates them again).
     "MEMBER_IDLE_LIMIT": timedelta(days=1),
+    # Whether @holds_permit tasks that find no room park (wait in the
+    # database, woken by releases) rather than retry; park= overrides it.
+    "PARK_TASKS": False,
+    # A woken parked task whose run has not started after this long is
+    # published again by the beat sweep (its message was lost, or the
+    # publish failed without an error).
+    "PARKED_REPUBLISH_AFTER": timedelta(minutes=5),
 }
 
 DURATION_KEYS = frozenset(
-    {"STALENESS_LIMIT", "RELEASED_RETENTION", "HISTORY_RETENTION", "MEMBER_IDLE_LIMIT"}
+    {
+        "STALENESS_LIMIT",
+        "RELEASED_RETENTION",
+        "HISTORY_RETENTION",
+        "MEMBER_IDLE_LIMIT",
+        "PARKED_REPUBLISH_AFTER",
+    }
 )
 
 # Set by ``routing.on_alias``: the alias the app's single-alias code (sweeps,
@@ -132,6 +145,14 @@ class Settings:
     @property
     def MEMBER_IDLE_LIMIT(self) -> timedelta:
         return self._get("MEMBER_IDLE_LIMIT")  # type: ignore[no-any-return]
+
+    @property
+    def PARK_TASKS(self) -> bool:
+        return bool(self._get("PARK_TASKS"))
+
+    @property
+    def PARKED_REPUBLISH_AFTER(self) -> timedelta:
+        return self._get("PARKED_REPUBLISH_AFTER")  # type: ignore[no-any-return]
 
 
 app_settings = Settings()

@@ -19,11 +19,18 @@ from datetime import timedelta
 from typing import Any, TypeVar, cast
 
 from asgiref.sync import sync_to_async
+from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 
 from django_semaphore.conf import app_settings
 from django_semaphore.context import Heartbeat, permit
-from django_semaphore.exceptions import PermitLost, SemaphoreError, SemaphoreExhausted
+from django_semaphore.exceptions import (
+    LiveDuplicate,
+    PermitLost,
+    SemaphoreError,
+    SemaphoreExhausted,
+    TaskAlreadyRan,
+)
 from django_semaphore.validation import MAX_LENGTH, validate_demand, validate_ttl
 
 logger = logging.getLogger("django_semaphore")
@@ -43,6 +50,7 @@ def holds_permit(
     timeout: int | float | timedelta = 0,
     retry_after: int = 1,
     fair: bool = False,
+    park: bool | None = None,
 ) -> Callable[[F], F]:
     """Hold permits while a view, Celery task or function runs.
 
@@ -57,7 +65,9 @@ def holds_permit(
       to its permit instead of taking a second one; the permit is kept across
       the task's own retries and released when the task finishes for good.
       When exhausted the task retries itself later (jittered countdown) and
-      after its retries are spent fails with ``SemaphoreExhausted``.
+      after its retries are spent fails with ``SemaphoreExhausted``; or, with
+      ``park``, it is parked in the database and published again when a
+      release makes room for it (``docs/parked.md``).
     - **Anything else**: held for the call with a fresh key; errors propagate.
 
     Args:
@@ -74,6 +84,9 @@ def holds_permit(
         retry_after: seconds a refused client is told to wait.
         fair: wait in first-come, first-served order (see ``acquire``); a
             task, which never waits, is refused while older waiters queue.
+        park: Celery tasks only: park a task that finds no room instead of
+            retrying it (``None``: ``DJANGO_SEMAPHORE["PARK_TASKS"]``, off
+            by default).
     """
     names_of: Callable[..., Any] | None = None
     if callable(names) and not isinstance(names, str | Mapping):
@@ -85,7 +98,7 @@ def holds_permit(
 
     def decorate(func: F) -> F:
         options = _Options(
-            demand, ttl_seconds, timeout, retry_after, _label(func), fair, count, names_of
+            demand, ttl_seconds, timeout, retry_after, _label(func), fair, park, count, names_of
         )
         if inspect.iscoroutinefunction(func):
             return cast(F, _async_wrapper(func, options))
@@ -102,6 +115,12 @@ class _Options:
     retry_after: int
     label: str  # module.qualname of the decorated function, for owners and logs
     fair: bool
+    park: bool | None  # None: the PARK_TASKS setting decides, when the task runs
+
+    @property
+    def parks(self) -> bool:
+        return app_settings.PARK_TASKS if self.park is None else self.park
+
     count: int
     names_of: Callable[..., Any] | None  # names computed from each call's arguments
 
@@ -350,9 +369,22 @@ def _run_task(
 ) -> Any:
     from django_semaphore import task_runs
 
+    parks = options.parks
+    if parks:
+        from django_semaphore import parking
+
+        # From this process's first parking task on, its releases (this
+        # task's own, when it finishes) wake the parked tasks they make room for.
+        parking.enable()
     try:
-        key = task_runs.claim(task, options.demand, options.ttl)
+        key = task_runs.claim(task, options.demand, options.ttl, rerun_finished=not parks)
+    except TaskAlreadyRan as exc:
+        logger.info("Task %s[%s] dropped: %s", task.name, task.request.id, exc)
+        _forget_parked(task, options)
+        raise _ignore() from None
     except SemaphoreExhausted as exc:
+        if parks and not isinstance(exc, LiveDuplicate):
+            _park(task, options, exc)
         retries = task.request.retries
         countdown = min(60.0, 2.0**retries) * random.uniform(0.5, 1.5)
         logger.info(
@@ -366,6 +398,8 @@ def _run_task(
         # Past max_retries, retry() raises ``exc``: the task fails with it.
         raise task.retry(exc=exc, countdown=math.ceil(countdown)) from None
     setattr(task.request, TASK_KEY_ATTRIBUTE, key)  # settled by task_runs.on_task_postrun
+    if parks:
+        _forget_parked(task, options)
     heartbeat = _start_heartbeat(key, options.ttl)
     try:
         result = func(*args, **kwargs)
@@ -375,3 +409,34 @@ def _run_task(
     if heartbeat is not None and heartbeat.lost:
         raise PermitLost(f"Task {task.request.id} lost its permit while it ran.")
     return result
+
+
+def _ignore() -> Exception:
+    from celery.exceptions import Ignore
+
+    return cast(Exception, Ignore())
+
+
+def _park(task: Any, options: _Options, refused: SemaphoreExhausted) -> None:
+    """Park the task and end this run (``Ignore``); returns only when the
+    row could not be written, and the caller then retries as without parking."""
+    from django_semaphore import parking
+
+    try:
+        parking.park(task, options.demand)
+    except SemaphoreError:
+        logger.exception("Task %s[%s] could not be parked", task.name, task.request.id)
+        return
+    logger.info("Task %s[%s] parked: %s", task.name, task.request.id, refused)
+    raise _ignore()
+
+
+def _forget_parked(task: Any, options: _Options) -> None:
+    from django_semaphore import parking
+
+    try:
+        parking.started(task.request.id, options.demand)
+    except DatabaseError:
+        # The row stays; the sweep may publish it again, and that copy is
+        # dropped (TaskAlreadyRan) or deferred as a live duplicate.
+        logger.exception("Could not delete the parked row of task %s", task.request.id)

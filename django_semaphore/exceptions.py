@@ -99,3 +99,12 @@ class InconsistentData(SemaphoreError):
 
 class SchemaOutOfDate(SemaphoreError):
     """The app's tables or columns are missing: its migrations are not applied."""
+
+
+class LiveDuplicate(SemaphoreExhausted):
+    """Another run of the same Celery task id, alive, holds its permit."""
+
+
+class TaskAlreadyRan(SemaphoreError):
+    """A copy of a Celery task that already finished for good (a parked task
+    published twice): it is dropped, not run again."""

@@ -57,9 +57,11 @@ def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int
         return 0
     ids = list(request_ids)
     with _transaction(alias) as (cursor, sql, lock_wait):
-        released = sql.release(cursor, ids, reason, lock_wait)
+        released, freed = sql.release(cursor, ids, reason, lock_wait)
         if released:
             transaction.on_commit(lambda: announce(alias, ids, reason), using=alias)
+        if freed and room_wanted():
+            transaction.on_commit(lambda: announce_room(alias, freed), using=alias)
     return released
 
 
@@ -73,7 +75,10 @@ def release_permits(alias: str, permit_ids: Sequence[int]) -> int:
     if not permit_ids:
         return 0
     with _transaction(alias) as (cursor, sql, lock_wait):
-        return sql.release_permits(cursor, list(permit_ids), lock_wait)
+        released, freed = sql.release_permits(cursor, list(permit_ids), lock_wait)
+        if freed and room_wanted():
+            transaction.on_commit(lambda: announce_room(alias, freed), using=alias)
+    return released
 
 
 @contextmanager
@@ -103,10 +108,27 @@ def announce(alias: str, request_ids: list[int], reason: str) -> None:
     holds.send_hold_ended(PermitRequest, request_ids, reason, alias)
 
 
+def announce_room(alias: str, freed: dict[int, int]) -> None:
+    """Tell receivers (parked tasks) which semaphores have room again."""
+    from django_semaphore.models import Semaphore
+
+    signals.permits_freed.send_robust(sender=Semaphore, freed=freed, using=alias)
+
+
 def released_ids_wanted() -> bool:
-    """Whether a receiver wants to know which requests a release ended."""
+    """Whether a receiver wants to know which requests a release ended, or
+    which semaphores it freed: the one-statement release can say neither."""
     from django_semaphore.models import PermitRequest
 
-    return signals.permit_released.has_listeners(PermitRequest) or signals.hold_ended.has_listeners(
-        PermitRequest
+    return (
+        signals.permit_released.has_listeners(PermitRequest)
+        or signals.hold_ended.has_listeners(PermitRequest)
+        or room_wanted()
     )
+
+
+def room_wanted() -> bool:
+    """Whether a receiver waits for room on semaphores (parked tasks)."""
+    from django_semaphore.models import Semaphore
+
+    return signals.permits_freed.has_listeners(Semaphore)

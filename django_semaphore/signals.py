@@ -70,3 +70,12 @@ permits with no request row, released; permit ids) or
 semaphore ids); ``count``: how many were repaired. Sent after the repair
 commits, one per sweep batch; the same is logged at WARNING.
 """
+
+permits_freed = Signal()
+"""Room was made on semaphores, once committed: permits released (by their
+holder, a sweep, an expiry reclaim, a force release) or capacity raised.
+Sender: ``Semaphore``. ``freed``: semaphore id -> permits freed.
+While a receiver is connected, every release takes the general path, which
+knows what it freed (the one-statement release does not); parked Celery
+tasks connect one (``parking.py``).
+"""

@@ -562,7 +562,7 @@ def clean_idle_members(
     progress: Callable[[CleanupReport], None] | None = None,
 ) -> CleanupReport:
     """Delete family members (semaphores created on first use) that hold
-    nothing, have no live fair waiter and were not granted for
+    nothing, have no live fair waiter nor parked task and were not granted for
     ``MEMBER_IDLE_LIMIT``, with their released permits, dead tickets and
     capacity history, in batches; arguments as for :func:`clean_released`.
 
@@ -570,7 +570,14 @@ def clean_idle_members(
     changed on their own are never deleted. A member acquired again later
     is created again (its fencing tokens still increase, see ``families``).
     """
-    from django_semaphore.models import CapacityChange, Permit, Semaphore, State, Ticket
+    from django_semaphore.models import (
+        CapacityChange,
+        ParkedDemand,
+        Permit,
+        Semaphore,
+        State,
+        Ticket,
+    )
 
     alias = app_settings.DATABASE
     now = DatabaseNow()
@@ -583,6 +590,8 @@ def clean_idle_members(
         .filter(own_capacity=False, in_use=0, updated_at__lte=_ago(app_settings.MEMBER_IDLE_LIMIT))
         .filter(Q(queued_until__isnull=True) | Q(queued_until__lte=now))
         .filter(~Exists(Permit.objects.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)))
+        # A parked task waits for it: deleting it would drop the task's demand.
+        .filter(~Exists(ParkedDemand.objects.filter(semaphore=OuterRef("pk"))))
     )
     report = CleanupReport("idle family members", dry_run=dry_run)
     if dry_run:

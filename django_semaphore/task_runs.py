@@ -20,7 +20,12 @@ from django.db import connections
 from django.db.models import QuerySet
 
 from django_semaphore import routing
-from django_semaphore.exceptions import PermitAlreadyReleased, SemaphoreError, SemaphoreExhausted
+from django_semaphore.exceptions import (
+    LiveDuplicate,
+    PermitAlreadyReleased,
+    SemaphoreError,
+    TaskAlreadyRan,
+)
 from django_semaphore.owners import TaskOwner
 
 if TYPE_CHECKING:
@@ -36,11 +41,17 @@ PARKED = 0
 MAX_GENERATIONS = 50
 
 
-def claim(task: Any, demand: Any, ttl: int | None) -> str:
+def claim(task: Any, demand: Any, ttl: int | None, *, rerun_finished: bool = True) -> str:
     """Acquire (or re-attach to) this task id's permit; returns the key held.
 
+    ``rerun_finished=False`` (parked tasks, which may be published twice):
+    a run whose task id's permit was released by its holder -- the task
+    finished -- is a duplicate and does not run.
+
     Raises:
-        SemaphoreExhausted: no room, or another live run holds the permit.
+        SemaphoreExhausted: no room; ``LiveDuplicate`` when another live run
+            holds the permit.
+        TaskAlreadyRan: ``rerun_finished`` is false and the task finished.
     """
     from django_semaphore.api import acquire
 
@@ -49,10 +60,15 @@ def claim(task: Any, demand: Any, ttl: int | None) -> str:
         try:
             request = acquire(demand, external_id=key, owner=str(me), ttl=ttl)
         except PermitAlreadyReleased:
+            if not rerun_finished and key == task.request.id:
+                from django_semaphore import parking
+
+                if parking.finished_before(key):
+                    raise TaskAlreadyRan(f"Task {key} already ran; this copy is dropped.") from None
             continue
         if request.owner == str(me) or _take_over(request, me):
             return key
-        raise SemaphoreExhausted(
+        raise LiveDuplicate(
             list(request.fencing_tokens),
             f"Another live run holds the permit of task {task.request.id}: {request.owner}",
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from django_semaphore import sweep
+from django_semaphore import parking, sweep
 
 
 @shared_task(name="django_semaphore.release_orphans", ignore_result=True)  # type: ignore[untyped-decorator]
@@ -32,3 +32,10 @@ def clean_released(time_budget: float | None = sweep.DEFAULT_TIME_BUDGET) -> Non
 def clean_history(time_budget: float | None = sweep.DEFAULT_TIME_BUDGET) -> None:
     """Delete capacity history older than ``HISTORY_RETENTION``."""
     sweep.clean_history(time_budget=time_budget)
+
+
+@shared_task(name="django_semaphore.wake_parked", ignore_result=True)  # type: ignore[untyped-decorator]
+def wake_parked() -> None:
+    """The backstop of parked tasks' wake-ups: drop expired ones, publish
+    again those whose woken run never started, wake what fits."""
+    parking.sweep()

@@ -74,7 +74,13 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 DJANGO_SEMAPHORE = {
     # "export:customer:*" is a family: one semaphore per customer, capacity 2,
     # created on the customer's first export (see docs/families.md).
-    "SEMAPHORES": {"exports": 3, "backups": 1, "network": 2, "export:customer:*": 2},
+    "SEMAPHORES": {
+        "exports": 3,
+        "backups": 1,
+        "network": 2,
+        "reports": 2,
+        "export:customer:*": 2,
+    },
     # The demo's idle customers are deleted by the clean-up after 10 minutes.
     "MEMBER_IDLE_LIMIT": 600,
 }
@@ -95,6 +101,6 @@ if CELERY_BROKER_URL == _FILESYSTEM_BROKER:
     }
 # The app's maintenance sweeps; the demo reclaims orphans every 30 s so that
 # permits of killed processes visibly come back.
-CELERY_BEAT_SCHEDULE = beat_schedule(release_orphans=30)
+CELERY_BEAT_SCHEDULE = beat_schedule(release_orphans=30, wake_parked=30)
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

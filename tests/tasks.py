@@ -111,6 +111,41 @@ def fails_then_autoretries(self: Any, label: str) -> int:
     return log_pk
 
 
+# --- parked tasks (test_parked) ----------------------------------------------------
+
+PARK = "celery-park"  # created by each test of test_parked, capacity as it needs
+PARK_OTHER = "celery-park-other"
+
+
+def _work_on(name: str, label: str, hold: float, task: Any) -> int:
+    from django_semaphore.models import PermitRequest
+
+    request = PermitRequest.objects.get(external_id__startswith=task.request.id, state="ACQUIRED")
+    log = RunLog.objects.create(
+        label=label,
+        task_id=task.request.id,
+        pid=os.getpid(),
+        token=request.token(name),
+        started_at=timezone.now(),
+    )
+    time.sleep(hold)
+    log.ended_at = timezone.now()
+    log.save(update_fields=["ended_at"])
+    return log.pk
+
+
+@shared_task(bind=True, max_retries=0)
+@holds_permit(PARK, park=True)
+def parked(self: Any, label: str, hold: float) -> int:
+    return _work_on(PARK, label, hold, self)
+
+
+@shared_task(bind=True, max_retries=0)
+@holds_permit({PARK: 1, PARK_OTHER: 1}, park=True)
+def parked_on_two(self: Any, label: str, hold: float) -> int:
+    return _work_on(PARK, label, hold, self)
+
+
 @shared_task(bind=True, max_retries=40)
 @holds_permit(lambda member, **_: f"celery-family:{member}")
 def per_member(self: Any, member: str, hold: float = 0.0) -> int:

@@ -25,11 +25,12 @@ from tests.celery_worker import celery_process
 from tests.conftest import unique
 
 
-def test_default_schedule_runs_the_three_tasks_every_5_min_4_h_and_24_h():
+def test_default_schedule_runs_the_four_tasks_every_5_min_4_h_24_h_and_1_min():
     assert {name: entry["schedule"] for name, entry in BEAT_SCHEDULE.items()} == {
         "django_semaphore.release_orphans": timedelta(minutes=5),
         "django_semaphore.clean_released": timedelta(hours=4),
         "django_semaphore.clean_history": timedelta(hours=24),
+        "django_semaphore.wake_parked": timedelta(minutes=1),
     }
     for name, entry in BEAT_SCHEDULE.items():
         assert entry["task"] == name
@@ -42,7 +43,11 @@ def test_default_schedule_runs_the_three_tasks_every_5_min_4_h_and_24_h():
 def test_schedule_intervals_queue_and_omissions_are_configurable():
     nightly = crontab(hour=3, minute=0)
     schedule = beat_schedule(
-        release_orphans=60, clean_released=nightly, clean_history=None, queue="maintenance"
+        release_orphans=60,
+        clean_released=nightly,
+        clean_history=None,
+        wake_parked=None,
+        queue="maintenance",
     )
     assert set(schedule) == {"django_semaphore.release_orphans", "django_semaphore.clean_released"}
     orphans = schedule["django_semaphore.release_orphans"]
@@ -65,7 +70,7 @@ def test_beat_module_imports_in_a_settings_file():
         [sys.executable, "-c", code], capture_output=True, text=True, env={}, check=False
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["3", "False"]
+    assert result.stdout.split() == ["4", "False"]
 
 
 # --- a real beat -------------------------------------------------------------------

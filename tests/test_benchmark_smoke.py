@@ -69,3 +69,29 @@ def test_smoke_mode_produces_sane_results(tmp_path):
                 assert cell["server_cpu_ms"] >= 0, cell
     assert any(check["figure"].startswith("errors") for check in results["checks"])
     assert "cycles/s" in run.stdout  # the table was printed
+
+
+def test_parked_benchmark_smoke_mode_drains_without_failures(tmp_path):
+    """``python -m benchmarks.parked --smoke``: a real prefork worker on the
+    test Redis; parked tasks all run once, none fails, no stall needs the sweep."""
+    from django.conf import settings
+
+    output = tmp_path / "parked.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    redis_url = settings.CELERY_BROKER_URL.rsplit("/", 1)[0] + "/6"
+    command = [
+        sys.executable, "-m", "benchmarks.parked", "--smoke",
+        "--database-url", smoke_database_url(tmp_path), "--redis-url", redis_url,
+        "--json", str(output),
+    ]  # fmt: skip
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    results = {r["mode"]: r for r in json.loads(output.read_text())["results"]}
+    assert set(results) == {"unlimited", "parked", "retried"}
+    parked = results["parked"]
+    assert (parked["ran"], parked["ran_twice"], parked["failed"]) == (40, 0, 0), parked
+    assert parked["woken_by_sweep"] == 0, parked
+    assert (parked["left_in_broker"], parked["parked_left"]) == (0, 0), parked
+    assert parked["messages_per_task"] <= 2, parked

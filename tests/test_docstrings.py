@@ -32,6 +32,7 @@ PUBLIC_MODULES = (
     "managers",
     "models",
     "outcomes",
+    "parking",
     "signals",
     "sweep",
     "tasks",

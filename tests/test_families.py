@@ -265,6 +265,18 @@ def test_a_member_with_a_live_fair_waiter_is_kept(family):
     assert sweep.clean_idle_members(dry_run=True).deleted == 0
 
 
+def test_a_member_a_parked_task_waits_for_is_kept(family):
+    from tests.test_parked import park_row
+
+    name = f"{family}:parked"
+    release(acquire(name, external_id=key()).external_id)
+    park_row({name: 1})
+    make_idle(name)
+
+    assert sweep.clean_idle_members().deleted == 0
+    assert members(family) == [name]
+
+
 def test_the_sweep_command_deletes_idle_members(family):
     from django.core.management import call_command
 

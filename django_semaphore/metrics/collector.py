@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from django_semaphore.conf import app_settings
 from django_semaphore.models import Semaphore
+from django_semaphore.parking import with_parked
 
 logger = logging.getLogger("django_semaphore")
 
@@ -31,13 +32,15 @@ class SemaphoreCollector(Collector):
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
-        capacity, in_use, waiters, longest_wait, up = families = self._families()
+        capacity, in_use, waiters, longest_wait, parked, up = families = self._families()
         try:
             semaphores = list(
-                Semaphore.objects.db_manager(app_settings.DATABASE)
-                .with_usage()
-                .only("name", "capacity")
-                .order_by("name")
+                with_parked(
+                    Semaphore.objects.db_manager(app_settings.DATABASE)
+                    .with_usage()
+                    .only("name", "capacity")
+                    .order_by("name")
+                )
             )
         except DatabaseError:
             logger.warning("Metrics: could not read the semaphores' usage.", exc_info=True)
@@ -51,6 +54,7 @@ class SemaphoreCollector(Collector):
             waiters.add_metric([semaphore.name], int(semaphore.waiters))  # type: ignore[attr-defined]
             waited: timedelta | None = semaphore.longest_wait  # type: ignore[attr-defined]
             longest_wait.add_metric([semaphore.name], waited.total_seconds() if waited else 0)
+            parked.add_metric([semaphore.name], int(semaphore.parked))  # type: ignore[attr-defined]
         return families
 
     @staticmethod
@@ -74,6 +78,11 @@ class SemaphoreCollector(Collector):
             GaugeMetricFamily(
                 "django_semaphore_longest_wait_seconds",
                 "How long the oldest queued fair-mode waiter has waited; 0 when none.",
+                labels=["semaphore"],
+            ),
+            GaugeMetricFamily(
+                "django_semaphore_parked_tasks",
+                "Celery tasks parked until this semaphore has room for them.",
                 labels=["semaphore"],
             ),
             GaugeMetricFamily(

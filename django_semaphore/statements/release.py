@@ -148,27 +148,30 @@ class ReleaseStatements(SQL):
 
     def release(
         self, cursor: CursorWrapper, request_ids: list[int], reason: str, lock_wait: float
-    ) -> int:
-        """Release these requests and their permits, lowering the counters;
-        how many requests this call released."""
-        self._free(cursor, self.q("request_id"), request_ids, lock_wait)
+    ) -> tuple[int, dict[int, int]]:
+        """Release these requests and their permits, lowering the counters:
+        (requests this call released, semaphore id -> permits it freed)."""
+        _, freed = self._free(cursor, self.q("request_id"), request_ids, lock_wait)
         cursor.execute(
             self.release_requests_sql.format(ids=placeholders(len(request_ids))),
             [self.released, reason, *request_ids, self.acquired],
         )
-        return int(cursor.rowcount)
+        return int(cursor.rowcount), freed
 
     def release_permits(
         self, cursor: CursorWrapper, permit_ids: list[int], lock_wait: float
-    ) -> int:
+    ) -> tuple[int, dict[int, int]]:
         """Release these permits, whatever their requests say, lowering the
-        counters; how many this call released (the sweep's repairs)."""
+        counters (the sweep's repairs): (permits this call released,
+        semaphore id -> permits it freed)."""
         return self._free(cursor, self.q("id"), permit_ids, lock_wait)
 
-    def _free(self, cursor: CursorWrapper, column: str, ids: list[int], lock_wait: float) -> int:
+    def _free(
+        self, cursor: CursorWrapper, column: str, ids: list[int], lock_wait: float
+    ) -> tuple[int, dict[int, int]]:
         """Release the ACQUIRED permits whose ``column`` is in ``ids`` and lower
         their semaphores' counters, under those rows' locks taken in name
-        order; how many permits this call released."""
+        order: (permits released, semaphore id -> count freed)."""
         listed = placeholders(len(ids))
         if self.connection.features.has_select_for_update:
             cursor.execute(
@@ -176,7 +179,7 @@ class ReleaseStatements(SQL):
             )
             semaphore_ids = [int(id) for (id,) in cursor.fetchall()]
             if not semaphore_ids:
-                return 0
+                return 0, {}
             cursor.execute(
                 self.bounded(
                     self.lock_by_id_sql.format(ids=placeholders(len(semaphore_ids))), lock_wait
@@ -190,14 +193,14 @@ class ReleaseStatements(SQL):
         )
         freed = {int(id): int(n) for id, n in cursor.fetchall()}
         if not freed:
-            return 0
+            return 0, {}
         cursor.execute(
             self.release_permits_sql.format(column=column, ids=listed),
             [self.released, *ids, self.acquired],
         )
         released = int(cursor.rowcount)
         self._lower(cursor, freed)
-        return released
+        return released, freed
 
     def _lower(self, cursor: CursorWrapper, freed: dict[int, int]) -> None:
         """Lower ``in_use`` by ``freed`` (semaphore id -> count) on rows this

@@ -32,3 +32,12 @@ def run_backup(self: Any, host: str) -> str:
 def sync_mirror(self: Any, mirror: str) -> str:
     time.sleep(random.uniform(1, 3))
     return f"{mirror} synced"
+
+
+@shared_task(bind=True)
+@holds_permit("reports", ttl=60, park=True)
+def render_report(self: Any, batch: int, page: int) -> str:
+    """Two at a time, enqueued in bursts: the rest are parked (see the admin's
+    parked tasks) and woken first in, first out as each one finishes."""
+    time.sleep(random.uniform(1, 2))
+    return f"batch {batch} page {page} rendered"

@@ -12,7 +12,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandParser
 from django.db.models import Count, Q, QuerySet
 
-from django_semaphore import counter, routing
+from django_semaphore import counter, parking, routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.models import Semaphore, State, Ticket
 
@@ -37,7 +37,18 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         if options["verify"]:
             self._verify(options["names"] or None)
-        rows = [("name", "capacity", "in use", "available", "holders", "waiters", "longest wait")]
+        rows = [
+            (
+                "name",
+                "capacity",
+                "in use",
+                "available",
+                "holders",
+                "waiters",
+                "longest wait",
+                "parked",
+            )
+        ]
         queued = []
         # Every alias holding semaphores (sharded by name: see routing.py).
         for s in sorted(
@@ -57,6 +68,7 @@ class Command(BaseCommand):
                     str(s.holders),  # type: ignore[attr-defined]
                     str(waiters),
                     _seconds(s.longest_wait),  # type: ignore[attr-defined]
+                    str(s.parked),  # type: ignore[attr-defined]
                 )
             )
             if waiters:
@@ -113,7 +125,8 @@ class Command(BaseCommand):
                 )
             )
         )
-        return semaphores.filter(name__in=names) if names else semaphores
+        parked = parking.with_parked(semaphores)
+        return parked.filter(name__in=names) if names else parked
 
 
 def _seconds(wait: timedelta | None) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from example_project.demo.tasks import build_export, run_backup, sync_mirror
+from example_project.demo.tasks import build_export, render_report, run_backup, sync_mirror
 
 
 class Command(BaseCommand):
@@ -53,6 +53,10 @@ class Command(BaseCommand):
                     run_backup.delay(random.choice(["db-1", "db-2", "files"]))
                 if n % 2 == 0:
                     sync_mirror.delay(random.choice(["eu", "us", "asia"]))
+                if n % 20 == 1:
+                    # A burst: a backlog of parked tasks draining, two at a time.
+                    for page in range(12):
+                        render_report.delay(n, page)
                 time.sleep(random.uniform(1, 2))
         except KeyboardInterrupt:
             pass

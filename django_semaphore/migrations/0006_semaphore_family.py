@@ -8,7 +8,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("django_semaphore", "0004_semaphore_in_use"),
+        ("django_semaphore", "0005_parked_tasks"),
     ]
 
     operations = [

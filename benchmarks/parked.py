@@ -1,0 +1,219 @@
+"""Parked tasks against today's retries, with a real prefork worker on Redis.
+
+``python -m benchmarks.parked`` enqueues ``--tasks`` tasks that each hold one
+permit of a capacity ``--capacity`` semaphore for ``--hold`` seconds, run by
+``celery worker --pool=prefork``, once with ``park=True`` and once as
+``@holds_permit`` tasks retry by default, and once without a semaphore on a
+worker of ``capacity`` processes (``unlimited``: what this machine's worker
+does at that concurrency, the practical ideal), and reports for each:
+
+- **drain**: from the first run's start, with every task already in the
+  broker (a backlog), to the last run's end, against the ideal
+  ``tasks x hold / capacity``;
+- **messages per task**: every message published (first publishes, retries,
+  wake-ups, the sweep's), over the tasks;
+- **failed**: tasks that failed (for want of room: they do nothing else);
+- **release to next start**: with the semaphore saturated, the i-th start
+  (in start order) uses the permit freed by the (i - capacity)-th end: the
+  gap between the two, p50 and p99 (an end is stamped just before the
+  release, so this includes the release itself).
+
+The driver also plays beat, only when nothing has run for ``STALLED``
+seconds: it then runs ``parking.sweep()`` and reports what it woke (a
+wake-up the releases missed; it should stay 0). ``--smoke`` is small enough for the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+STALLED = 5.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.parked", description=__doc__)
+    mariadb = os.environ.get("SEMAPHORE_MARIADB_PORT", "33061")
+    redis_port = os.environ.get("SEMAPHORE_REDIS_PORT", "63791")
+    parser.add_argument(
+        "--database-url", default=f"mysql://semaphore:semaphore@127.0.0.1:{mariadb}/bench_parked"
+    )
+    parser.add_argument("--redis-url", default=f"redis://127.0.0.1:{redis_port}/5")
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--hold", type=float, default=0.02)
+    parser.add_argument("--capacity", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=8, help="worker processes")
+    parser.add_argument("--modes", default="unlimited,parked,retried")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--smoke", action="store_true", help="40 tasks of 10 ms")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    # Stopped by a signal, still stop the worker (the with block's exit).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.smoke:
+        args.tasks, args.hold, args.concurrency = 40, 0.01, 6
+
+    from benchmarks.db import Target, ensure_database
+
+    ensure_database(Target.parse(args.database_url))
+    os.environ.update(
+        BENCH_DATABASE_URL=args.database_url,
+        BENCH_REDIS_URL=args.redis_url,
+        BENCH_HOLD=str(args.hold),
+        BENCH_QUEUE=f"bench-parked-{uuid.uuid4().hex[:8]}",
+    )
+    from django.core.management import call_command
+
+    from benchmarks import parked_app
+
+    call_command("migrate", verbosity=0, interactive=False)
+    results = []
+    for mode in args.modes.split(","):
+        results.append(run(mode, args, parked_app))
+        print(format_result(results[-1]), flush=True)
+    if args.json:
+        config = vars(args) | {"json": None}
+        args.json.write_text(json.dumps({"config": config, "results": results}, indent=1))
+    return 0
+
+
+def run(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
+    from django_semaphore import parking
+    from django_semaphore.models import ParkedTask, PermitRequest, Semaphore
+
+    counts = parked_app.counts
+    os.environ["BENCH_QUEUE"] = f"bench-parked-{mode}-{uuid.uuid4().hex[:8]}"
+    parked_app.app.conf.task_default_queue = os.environ["BENCH_QUEUE"]
+    counts.delete(parked_app.PUBLISHED, parked_app.RUNS, parked_app.FAILED)
+    ParkedTask.objects.all().delete()
+    PermitRequest.objects.all().delete()
+    Semaphore.objects.filter(name=parked_app.NAME).delete()
+    Semaphore.objects.create(name=parked_app.NAME, capacity=args.capacity)
+    task = getattr(parked_app, mode)
+    log = ROOT / ".runtime" / "benchmarks" / f"parked-{mode}-worker.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    # A backlog: every task is in the broker before the worker starts.
+    before = time.time()
+    for _ in range(args.tasks):
+        task.delay()
+    published_in = time.time() - before
+    # Without a semaphore the worker has as many processes as the capacity.
+    concurrency = args.capacity if mode == "unlimited" else args.concurrency
+    with worker(concurrency, log, parked_app):
+        started = time.time()
+        swept = 0
+        progress, last_progress = 0, time.monotonic()
+        deadline = time.monotonic() + args.timeout
+        while (done := _done(counts, parked_app)) < args.tasks:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{mode}: not drained after {args.timeout}s; see {log}")
+            if done != progress:
+                progress, last_progress = done, time.monotonic()
+            elif mode == "parked" and time.monotonic() - last_progress > STALLED:
+                # Nothing ran for a while: a wake-up was missed. Beat's sweep
+                # would catch it; count it, as it should never happen.
+                swept += parking.sweep().woken
+                last_progress = time.monotonic()
+            time.sleep(0.05)
+        time.sleep(1.0)  # what comes after the drain is a task run twice, or a leftover
+        leftover = int(counts.llen(os.environ["BENCH_QUEUE"]))
+    rows = [row.decode().split() for row in counts.lrange(parked_app.RUNS, 0, -1)]
+    runs = sorted((float(start), float(end)) for start, end, _ in rows)
+    starts = [start for start, _ in runs]
+    ends = sorted(end for _, end in runs)
+    gaps = [
+        (start - ends[i - args.capacity]) * 1000
+        for i, start in enumerate(starts)
+        if i >= args.capacity and start >= ends[i - args.capacity]
+    ]
+    # From the first run's start: the worker may take tasks before it answers a ping.
+    drained = ends[-1] - min(starts[0], started) if runs else float("nan")
+    ideal = args.tasks * args.hold / args.capacity
+    return {
+        "mode": mode,
+        "tasks": args.tasks,
+        "ran": len(runs),
+        # Runs of a task id that had run already: a task run twice.
+        "ran_twice": len(rows) - len({task_id for *_, task_id in rows}),
+        "failed": int(counts.get(parked_app.FAILED) or 0),
+        "drain_s": round(drained, 2),
+        "ideal_s": round(ideal, 2),
+        "drain_over_ideal": round(drained / ideal, 2),
+        "messages_per_task": round(int(counts.get(parked_app.PUBLISHED) or 0) / args.tasks, 2),
+        "release_to_start_p50_ms": round(_quantile(gaps, 0.5), 1),
+        "release_to_start_p99_ms": round(_quantile(gaps, 0.99), 1),
+        "publish_s": round(published_in, 2),
+        "woken_by_sweep": swept,
+        "left_in_broker": leftover,
+        "parked_left": ParkedTask.objects.count(),
+    }
+
+
+def _done(counts: Any, parked_app: Any) -> int:
+    return int(counts.llen(parked_app.RUNS)) + int(counts.get(parked_app.FAILED) or 0)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+class worker:
+    """``celery worker --pool=prefork`` on the benchmark's queue, while in use."""
+
+    def __init__(self, concurrency: int, log: Path, parked_app: Any) -> None:
+        self.concurrency, self.log, self.app = concurrency, log, parked_app.app
+
+    def __enter__(self) -> None:
+        queue = os.environ["BENCH_QUEUE"]
+        self.nodename = f"{queue}@{os.uname().nodename}"
+        command = [
+            sys.executable, "-m", "celery", "-A", "benchmarks.parked_app", "worker",
+            "--pool=prefork", f"--concurrency={self.concurrency}", f"--queues={queue}",
+            f"--hostname={self.nodename}", "--without-gossip", "--without-mingle",
+            "--loglevel=WARNING",
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "C_FORCE_ROOT": "1"}
+        with self.log.open("wb") as output:
+            self.process = subprocess.Popen(command, env=env, stdout=output, stderr=output)
+        deadline = time.monotonic() + 60
+        while not self.app.control.ping(destination=[self.nodename], timeout=0.5):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"The worker did not start; see {self.log}")
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def format_result(r: dict[str, Any]) -> str:
+    return (
+        f"{r['mode']:8} {r['ran']}/{r['tasks']} ran ({r['ran_twice']} twice), "
+        f"{r['failed']} failed; "
+        f"drain {r['drain_s']}s ({r['drain_over_ideal']}x ideal {r['ideal_s']}s); "
+        f"{r['messages_per_task']} messages/task; release->start p50 "
+        f"{r['release_to_start_p50_ms']} ms p99 {r['release_to_start_p99_ms']} ms; "
+        f"stalls woken by the sweep {r['woken_by_sweep']}; left: {r['left_in_broker']} messages, "
+        f"{r['parked_left']} parked"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

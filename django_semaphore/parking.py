@@ -1,0 +1,511 @@
+"""Parked Celery tasks: a task that finds no room waits in the database, not
+in the broker, and is published again when releases make room for it.
+
+**Park.** ``@holds_permit(..., park=True)`` (or ``PARK_TASKS``): a run that is
+refused writes a ``ParkedTask`` row -- its message as the task's serializer
+encodes it, the same one ``Task.retry`` would publish, minus the countdown --
+and one ``ParkedDemand`` row per semaphore, then ends in the ``PARKED`` state
+(``celery.exceptions.Ignore``: no failure, no retry counted). Once that is
+committed it looks for room once more (``wake``): a release that committed
+between its refusal and its row would otherwise have woken nobody.
+
+**Wake.** Every path that frees permits -- ``release()``, a task finishing, the
+sweeps, a force release, the grant's reclaim of expired permits, a capacity
+raise -- sends ``signals.permits_freed`` once committed; its receiver here
+(connected only while parking is in use, see ``enable``) runs one short
+transaction that locks the semaphore rows in name order (as the grant does),
+reads the room left -- capacity, minus ``in_use``, minus what tasks woken
+earlier and not started yet will take, minus what live fair-mode tickets wait
+for -- and marks the oldest parked tasks that fit, strictly first in, first
+out per semaphore: a task that does not fit holds back every younger one on
+its semaphores. Their messages are published after that commits.
+
+**Nothing lost, nothing run twice.** A woken row stays until its run holds its
+permit (``started``), so a publish that failed, or a message lost before a
+worker ran it, is published again by the beat sweep (``sweep``) once
+``PARKED_REPUBLISH_AFTER`` has passed; a publish that raised gives its room
+back at once. The run's key is its task id: a second copy meeting a live
+first one is deferred as any live duplicate is, and a copy arriving after the
+task finished is dropped (``TaskAlreadyRan``). A revoked or expired task is
+dropped when Celery discards its message (``task_revoked``), and a row past
+its ``expires`` is dropped instead of published.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import IntegrityError, connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import BigIntegerField, Count, Min, OuterRef, QuerySet, Subquery, Sum
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+
+from django_semaphore import backends, routing, signals
+from django_semaphore.backends import DatabaseNow
+from django_semaphore.conf import app_settings
+from django_semaphore.exceptions import SemaphoreError
+from django_semaphore.retry import run_with_retries
+
+if TYPE_CHECKING:
+    from django_semaphore.models import Semaphore
+
+logger = logging.getLogger("django_semaphore")
+
+PARKED = "PARKED"
+"""The Celery state of a parked task (a custom state, as ``PROGRESS`` would be):
+not failed, not pending on the broker; ``info`` says what it waits for."""
+
+# Parked tasks read per semaphore by one wake: more than any capacity frees
+# at once in practice; the rest wait for the next release.
+WAKE_WINDOW = 200
+
+
+# --- park ------------------------------------------------------------------------
+
+
+def park(task: Any, demand: Mapping[str, int]) -> None:
+    """Write the running task's message to a ``ParkedTask`` row (once per
+    task id: a woken task parked again keeps its place), then look for room.
+
+    Raises:
+        SemaphoreError: the row could not be written (the caller retries
+            the task as without parking, so it is not lost).
+    """
+    from kombu import serialization
+
+    request = task.request
+    signature = task.signature_from_request(request, request.args, request.kwargs)
+    content_type, encoding, body = serialization.dumps(  # type: ignore[no-untyped-call]
+        dict(signature), serializer=task.serializer
+    )
+    if isinstance(body, str):
+        body = body.encode(encoding)
+    alias = routing.alias_for_names(list(demand))
+    connection = connections[alias]
+    row = _Row(request.id, task.name, bytes(body), content_type, encoding, _expiry(request))
+    semaphore_ids = run_with_retries(
+        connection, functools.partial(_insert, connection, row, dict(demand))
+    )
+    _set_state(task, demand)
+    wake(alias, semaphore_ids)
+
+
+@dataclass(frozen=True)
+class _Row:
+    task_id: str
+    task_name: str
+    body: bytes
+    content_type: str
+    encoding: str
+    expires_at: datetime | None
+
+
+def _expiry(request: Any) -> datetime | None:
+    from celery.utils.time import maybe_iso8601
+
+    expires = request.expires
+    if expires is None:
+        return None
+    moment = expires if isinstance(expires, datetime) else maybe_iso8601(expires)
+    return moment if timezone.is_aware(moment) else timezone.make_aware(moment, UTC)
+
+
+def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) -> list[int]:
+    """The row and its demands in one transaction; the semaphores' ids."""
+    from django_semaphore.exceptions import SemaphoreNotFound
+    from django_semaphore.models import ParkedDemand, ParkedTask, Semaphore
+
+    alias = connection.alias
+    with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
+        ids = dict(Semaphore.objects.using(alias).filter(name__in=demand).values_list("name", "id"))
+        if len(ids) != len(demand):
+            raise SemaphoreNotFound(set(demand) - set(ids))
+        # A woken task that found no room again keeps its place in line.
+        if ParkedTask.objects.using(alias).filter(task_id=row.task_id).update(woken_at=None):
+            return list(ids.values())
+        try:
+            with transaction.atomic(using=alias):
+                parked = ParkedTask.objects.using(alias).create(
+                    task_id=row.task_id,
+                    task_name=row.task_name,
+                    body=row.body,
+                    content_type=row.content_type,
+                    content_encoding=row.encoding,
+                    parked_at=timezone.now(),
+                    expires_at=row.expires_at,
+                )
+        except IntegrityError:
+            return list(ids.values())  # another copy of this task parked it first
+        ParkedDemand.objects.using(alias).bulk_create(
+            ParkedDemand(task=parked, semaphore_id=ids[name], count=count)
+            for name, count in demand.items()
+        )
+    return list(ids.values())
+
+
+def _set_state(task: Any, demand: Mapping[str, int]) -> None:
+    """Record ``PARKED`` in the result backend, if the task keeps results."""
+    if task.request.ignore_result or task.ignore_result:
+        return
+    try:
+        task.update_state(state=PARKED, meta={"semaphores": dict(demand)})
+    except Exception:  # a disabled or unreachable backend must not lose the task
+        logger.warning("Could not record the PARKED state of %s", task.request.id, exc_info=True)
+
+
+def started(task_id: str, demand: Mapping[str, int]) -> None:
+    """The task holds its permit now: its parked row, if any, has done its job."""
+    from django_semaphore.models import ParkedDemand, ParkedTask
+
+    alias = routing.alias_for_names(list(demand))
+    # By id and without Django's collector (which reads the rows first): a
+    # run that was not parked pays one indexed read.
+    ids = list(ParkedTask.objects.using(alias).filter(task_id=task_id).values_list("id", flat=True))
+    if ids:
+        _raw_delete(ParkedDemand.objects.using(alias).filter(task_id__in=ids))
+        _raw_delete(ParkedTask.objects.using(alias).filter(id__in=ids))
+
+
+def _raw_delete(queryset: QuerySet[Any]) -> int:
+    return int(queryset._raw_delete(queryset.db))
+
+
+def finished_before(task_id: str) -> bool:
+    """Whether a run of this task id already ended for good (its permit was
+    released by its holder): a copy arriving now is a duplicate."""
+    from django_semaphore.models import PermitRequest, ReleaseReason
+
+    return (
+        PermitRequest.objects.using(routing.alias_for_key(task_id))
+        .filter(external_id=task_id, release_reason=ReleaseReason.RELEASED)
+        .exists()
+    )
+
+
+# --- wake ------------------------------------------------------------------------
+
+
+def wake(alias: str, semaphore_ids: Iterable[int]) -> int:
+    """Mark the oldest parked tasks that fit in the room on these semaphores,
+    and publish them once that is committed; returns how many were woken.
+
+    Never raises for the database: what it could not do, the beat sweep does.
+    """
+    ids = set(semaphore_ids)
+    if not ids:
+        return 0
+    connection = connections[alias]
+    try:
+        if not run_with_retries(connection, functools.partial(_may_wake, alias, ids)):
+            return 0
+        return run_with_retries(connection, functools.partial(_wake_once, connection, ids))
+    except SemaphoreError:
+        logger.exception("Could not wake parked tasks of semaphores %s", sorted(ids))
+        return 0
+
+
+def _may_wake(alias: str, ids: set[int]) -> bool:
+    """Whether a task waits on one of these semaphores and one has room, by one
+    plain read (no lock, no transaction): most releases of a busy semaphore
+    find nothing parked, or no room left, and skip the wake-up's transaction.
+    A park or a release committed after this read runs a wake-up of its own."""
+    from django.db.models import F
+
+    from django_semaphore.models import ParkedDemand
+
+    return (
+        ParkedDemand.objects.using(alias)
+        .filter(
+            semaphore_id__in=ids,
+            task__woken_at__isnull=True,
+            semaphore__in_use__lt=F("semaphore__capacity"),
+        )
+        .exists()
+    )
+
+
+def _wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> int:
+    from django_semaphore.models import ParkedDemand, ParkedTask, Semaphore, Ticket
+
+    alias = connection.alias
+    demands = ParkedDemand.objects.using(alias)
+    with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
+        # Read before the lock, to hold it for as short as can be (grants wait
+        # on it); what another wake-up woke meanwhile is left out under it.
+        expiries = dict(
+            demands.filter(semaphore_id__in=freed, task__woken_at__isnull=True)
+            .order_by("task_id")
+            .values_list("task_id", "task__expires_at")
+            .distinct()[:WAKE_WINDOW]
+        )
+        if not expiries:
+            return 0
+        window = sorted(expiries)
+        wanted: dict[int, dict[int, int]] = defaultdict(dict)  # task -> semaphore -> count
+        for task_id, semaphore_id, count in demands.filter(task_id__in=window).values_list(
+            "task_id", "semaphore_id", "count"
+        ):
+            wanted[task_id][semaphore_id] = count
+        involved = freed | {s for asks in wanted.values() for s in asks}
+        # Locked as the grant locks them (name order): the room read here
+        # stays true until this commits, and two wake-ups never spend it twice.
+        locked = list(
+            Semaphore.objects.using(alias)
+            .select_for_update()
+            .filter(id__in=involved)
+            .order_by("name")
+            .values_list("id", "capacity", "in_use", "queued_until")
+        )
+        taken = set(
+            ParkedTask.objects.using(alias)
+            .filter(id__in=window, woken_at__isnull=False)
+            .values_list("id", flat=True)
+        )
+        window = [task_id for task_id in window if task_id not in taken]
+        room = {id: capacity - in_use for id, capacity, in_use, _ in locked}
+        reserved = (
+            demands.filter(semaphore_id__in=involved, task__woken_at__isnull=False)
+            .values("semaphore_id")
+            .annotate(total=Sum("count"))
+            .values_list("semaphore_id", "total")
+        )
+        for semaphore_id, total in reserved:
+            room[semaphore_id] -= int(total)
+        if any(queued_until is not None for *_, queued_until in locked):
+            # Fair-mode waiters came first: a woken task would only be refused.
+            tickets = (
+                Ticket.objects.using(alias)
+                .filter(semaphore_id__in=involved, expires_at__gt=DatabaseNow())
+                .values("semaphore_id")
+                .annotate(total=Sum("count"))
+                .values_list("semaphore_id", "total")
+            )
+            for semaphore_id, total in tickets:
+                room[semaphore_id] -= int(total)
+        # Older parked tasks on the other semaphores of a multi-semaphore
+        # demand, outside the window: they come first there.
+        heads = dict(
+            demands.filter(semaphore_id__in=involved - freed, task__woken_at__isnull=True)
+            .values("semaphore_id")
+            .annotate(head=Min("task_id"))
+            .values_list("semaphore_id", "head")
+        )
+        now = timezone.now()
+        woken, expired = _choose(window, wanted, room, heads, expiries, now)
+        if expired:
+            ParkedTask.objects.using(alias).filter(id__in=expired).delete()
+        if woken:
+            ParkedTask.objects.using(alias).filter(id__in=woken).update(woken_at=now)
+            transaction.on_commit(lambda: publish(alias, woken), using=alias)
+    if expired:
+        logger.info("Dropped %d parked tasks past their expiry", len(expired))
+    return len(woken)
+
+
+def _choose(
+    window: list[int],
+    wanted: Mapping[int, Mapping[int, int]],
+    room: dict[int, int],
+    heads: Mapping[int, int],
+    expiries: Mapping[int, datetime | None],
+    now: datetime,
+) -> tuple[list[int], list[int]]:
+    """(tasks to wake, tasks expired), first in, first out per semaphore:
+    once a task does not fit, no younger task passes it on its semaphores."""
+    woken: list[int] = []
+    expired: list[int] = []
+    blocked: set[int] = set()
+    for task_id in window:
+        asks = wanted[task_id]
+        expires_at = expiries.get(task_id)
+        if expires_at is not None and expires_at <= now:
+            expired.append(task_id)
+            continue
+        behind = any(s in blocked or s not in room or heads.get(s, task_id) < task_id for s in asks)
+        if behind or any(room[s] < count for s, count in asks.items()):
+            blocked.update(asks)
+            continue
+        for s, count in asks.items():
+            room[s] -= count
+        woken.append(task_id)
+    return woken, expired
+
+
+def publish(alias: str, parked_ids: list[int]) -> int:
+    """Publish the messages of these woken rows; returns how many went out.
+
+    A publish that fails gives the row's room back (``woken_at`` cleared), so
+    the next release or the beat sweep tries again; the row is never lost.
+    """
+    from celery import current_app
+    from kombu import serialization
+
+    from django_semaphore.models import ParkedTask
+
+    rows = ParkedTask.objects.using(alias).filter(id__in=parked_ids).order_by("id")
+    sent = 0
+    for parked in rows:
+        try:
+            message = serialization.loads(  # type: ignore[no-untyped-call]
+                bytes(parked.body),
+                parked.content_type,
+                parked.content_encoding,
+                accept={parked.content_type},
+            )
+            current_app.signature(message).apply_async()
+        except Exception:  # the broker's errors are as varied as brokers
+            logger.exception("Could not publish the parked task %s", parked)
+            ParkedTask.objects.using(alias).filter(pk=parked.pk).update(woken_at=None)
+            continue
+        sent += 1
+    return sent
+
+
+def on_permits_freed(sender: Any, freed: Mapping[int, int], using: str, **kwargs: Any) -> None:
+    """``permits_freed`` receiver: wake the parked tasks that fit now."""
+    wake(using, freed)
+
+
+def on_task_revoked(request: Any = None, **kwargs: Any) -> None:
+    """``task_revoked`` receiver (connected in every process, as the worker's
+    main process discards revoked and expired messages): a parked task
+    revoked or expired while woken is dropped and gives its room back. One
+    indexed read per revoked task that was not parked."""
+    task_id = getattr(request, "id", None)
+    if task_id is None:
+        return
+    cancel([task_id])
+
+
+def cancel(task_ids: Iterable[str]) -> int:
+    """Drop these parked tasks (never published again); returns how many.
+
+    The room that woken ones were kept is offered to the next in line.
+    """
+    from django_semaphore.models import ParkedDemand, ParkedTask
+
+    keys = list(task_ids)
+    dropped = 0
+    for alias in routing.aliases():
+        rows = dict(
+            ParkedTask.objects.using(alias).filter(task_id__in=keys).values_list("id", "woken_at")
+        )
+        if not rows:
+            continue
+        demands = ParkedDemand.objects.using(alias).filter(task_id__in=list(rows))
+        woken = [id for id, woken_at in rows.items() if woken_at is not None]
+        semaphore_ids = set(
+            demands.filter(task_id__in=woken).values_list("semaphore_id", flat=True)
+        )
+        _raw_delete(demands)
+        dropped += _raw_delete(ParkedTask.objects.using(alias).filter(id__in=list(rows)))
+        wake(alias, semaphore_ids)
+    return dropped
+
+
+# --- the beat sweep ----------------------------------------------------------------
+
+
+@dataclass
+class ParkedReport:
+    """What one parked-task sweep did."""
+
+    republished: int = 0  # woken rows whose run never started
+    woken: int = 0
+    dropped: int = 0  # past their expiry
+
+    def __str__(self) -> str:
+        return (
+            f"Parked tasks: woken {self.woken}, republished {self.republished}, "
+            f"dropped {self.dropped} expired."
+        )
+
+
+def sweep() -> ParkedReport:
+    """The backstop of the wake-ups: drop expired rows, publish again woken
+    rows whose run has not started within ``PARKED_REPUBLISH_AFTER``, and
+    wake what fits on every semaphore with parked tasks (releases made by a
+    process that does not park tasks send no wake-up)."""
+    from django_semaphore.models import ParkedDemand, ParkedTask
+
+    report = ParkedReport()
+    for alias in routing.aliases():
+        tasks = ParkedTask.objects.using(alias)
+        dropped = tasks.filter(expires_at__lte=timezone.now())
+        ParkedDemand.objects.using(alias).filter(task__in=dropped).delete()
+        report.dropped += dropped.delete()[0]
+        overdue_since = timezone.now() - app_settings.PARKED_REPUBLISH_AFTER
+        overdue = list(
+            tasks.filter(woken_at__lte=overdue_since).order_by("id").values_list("id", flat=True)
+        )
+        if overdue:
+            tasks.filter(id__in=overdue).update(woken_at=timezone.now())
+            report.republished += publish(alias, overdue)
+        semaphore_ids = set(
+            ParkedDemand.objects.using(alias)
+            .filter(task__woken_at__isnull=True)
+            .values_list("semaphore_id", flat=True)
+            .distinct()
+        )
+        report.woken += wake(alias, semaphore_ids)
+    if report.republished or report.woken or report.dropped:
+        logger.info("%s", report)
+    return report
+
+
+# --- switched on -------------------------------------------------------------------
+
+
+_enabled = False
+
+
+def enable() -> None:
+    """Make this process's releases wake the parked tasks they make room for.
+
+    Called by the first parking task a worker process runs and, with
+    ``PARK_TASKS``, when the app is ready; call it from ``AppConfig.ready()``
+    of the web processes whose ``release()`` should wake parked tasks at
+    once (otherwise the beat sweep does, within its interval). From then on
+    this process's releases take the general path, which knows which
+    semaphores it freed (see ``docs/decisions.md``).
+    """
+    global _enabled
+    if _enabled:
+        return
+    # No sender: has_listeners(Semaphore) counts receivers of any sender, and
+    # this may run before the models are loaded.
+    signals.permits_freed.connect(on_permits_freed, dispatch_uid=_UID)
+    _enabled = True
+
+
+def disable() -> None:
+    """Undo ``enable``: this process's releases wake nobody (the tests')."""
+    global _enabled
+    signals.permits_freed.disconnect(dispatch_uid=_UID)
+    _enabled = False
+
+
+_UID = "django_semaphore.parking"
+
+
+def with_parked(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
+    """Annotate ``parked``: the Celery tasks parked on each semaphore (woken
+    ones included), by a correlated subquery on the (semaphore, task) index,
+    in the same query (the admin, ``semaphore_status``, the metrics)."""
+    from django_semaphore.models import ParkedDemand
+
+    parked = ParkedDemand.objects.filter(semaphore=OuterRef("pk")).order_by().values("semaphore")
+    return queryset.annotate(
+        parked=Coalesce(
+            Subquery(parked.annotate(number=Count("task_id")).values("number")),
+            0,
+            output_field=BigIntegerField(),
+        )
+    )

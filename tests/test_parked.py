@@ -1,0 +1,439 @@
+"""Parked Celery tasks: refused tasks wait in the database and are published
+again, first in first out, when releases make room (``parking.py``).
+
+The first part runs a real prefork worker on a real Redis broker; the second
+checks the wake-up's choices on rows written directly, with the publish
+replaced, so every rule can fail on its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from io import StringIO
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+from django.db import connection
+from django.urls import reverse
+from django.utils import timezone
+
+from django_semaphore import acquire, parking, release
+from django_semaphore.api import set_capacity
+from django_semaphore.exceptions import SemaphoreNotFound
+from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, State, Ticket
+from tests import tasks
+from tests.conftest import behind_the_engine, unique
+from tests.testapp.models import RunLog
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def wakes() -> Iterator[None]:
+    """This (test) process's releases wake parked tasks, as a worker's do."""
+    parking.enable()
+    yield
+    parking.disable()
+
+
+def eventually(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
+def parked_ids() -> list[str]:
+    return list(ParkedTask.objects.order_by("id").values_list("task_id", flat=True))
+
+
+def settled(results: list[AsyncResult], timeout: float = 90) -> None:
+    for result in results:
+        result.get(timeout=timeout, propagate=False)
+    keys = [r.id for r in results]
+    eventually(
+        lambda: (
+            not PermitRequest.objects.filter(external_id__in=keys, state=State.ACQUIRED).exists()
+        ),
+        "every finished task released its permit",
+        timeout=10,
+    )
+
+
+# --- a real worker on Redis ------------------------------------------------------------
+
+
+@pytest.fixture
+def park(celery_worker: Any) -> Semaphore:
+    return Semaphore.objects.create(name=tasks.PARK, capacity=1)
+
+
+@pytest.mark.slow
+def test_a_backlog_parks_and_drains_first_in_first_out_without_failing(park, wakes):
+    acquire(tasks.PARK, external_id="held-by-the-test")
+    results = []
+    for n in range(6):
+        results.append(tasks.parked.delay("backlog", 0.1))
+        # Parked one after the other, so their order is known.
+        eventually(lambda n=n: len(parked_ids()) == n + 1, f"task {n} parked")
+    assert parked_ids() == [r.id for r in results]
+    assert {r.state for r in results} == {parking.PARKED}
+    assert not RunLog.objects.filter(label="backlog").exists()
+
+    release("held-by-the-test")
+    settled(results)
+
+    assert [r.state for r in results] == ["SUCCESS"] * 6, [r.traceback for r in results]
+    runs = list(RunLog.objects.filter(label="backlog").order_by("started_at"))
+    assert [run.task_id for run in runs] == [r.id for r in results]  # first in, first out
+    for earlier, later in itertools.pairwise(runs):
+        assert earlier.ended_at <= later.started_at, "two runs held a capacity-1 permit at once"
+    assert parked_ids() == []
+    # Parking is not a retry: the tasks have max_retries=0 and none was spent.
+    assert PermitRequest.objects.filter(external_id__in=[r.id for r in results]).count() == 6
+
+
+@pytest.mark.slow
+def test_a_capacity_raise_wakes_as_many_as_fit(park, wakes):
+    acquire(tasks.PARK, external_id="held-by-the-test")
+    results = [tasks.parked.delay("raised", 1.0) for _ in range(3)]
+    eventually(lambda: len(parked_ids()) == 3, "three tasks parked")
+
+    set_capacity(tasks.PARK, 3)  # room for two: the test still holds one
+    eventually(lambda: RunLog.objects.filter(label="raised").count() == 2, "two started")
+    assert len(parked_ids()) == 1
+    release("held-by-the-test")
+    settled(results)
+
+    assert [r.state for r in results] == ["SUCCESS"] * 3
+
+
+@pytest.mark.slow
+def test_a_release_where_parking_is_off_is_caught_by_the_beat_sweep(park):
+    acquire(tasks.PARK, external_id="held-by-the-test")
+    result = tasks.parked.delay("swept", 0)
+    eventually(lambda: parked_ids() == [result.id], "the task parked")
+
+    release("held-by-the-test")  # this process does not wake parked tasks
+    time.sleep(0.5)
+    assert parked_ids() == [result.id]
+    report = parking.sweep()
+    settled([result])
+
+    assert report.woken == 1
+    assert result.state == "SUCCESS"
+    assert parked_ids() == []
+
+
+@pytest.mark.slow
+def test_a_multi_semaphore_task_parks_and_runs_when_both_have_room(park, wakes):
+    Semaphore.objects.create(name=tasks.PARK_OTHER, capacity=1)
+    acquire(tasks.PARK_OTHER, external_id="held-by-the-test")
+    result = tasks.parked_on_two.delay("two", 0)
+    eventually(lambda: parked_ids() == [result.id], "the task parked")
+
+    release("held-by-the-test")
+    settled([result])
+
+    assert result.state == "SUCCESS"
+    request = PermitRequest.objects.get(external_id=result.id)
+    assert set(request.fencing_tokens) == {tasks.PARK, tasks.PARK_OTHER}
+
+
+@pytest.mark.slow
+def test_a_revoked_parked_task_is_dropped_when_its_turn_comes(park, wakes, celery_worker):
+    acquire(tasks.PARK, external_id="held-by-the-test")
+    revoked = tasks.parked.delay("revoked", 0)
+    kept = tasks.parked.delay("kept", 0)
+    eventually(lambda: len(parked_ids()) == 2, "both parked")
+    revoked.revoke()
+    time.sleep(0.5)  # the broadcast reaches the worker
+
+    release("held-by-the-test")
+    settled([kept])
+
+    assert kept.state == "SUCCESS"
+    eventually(lambda: parked_ids() == [], "the revoked task's row dropped")
+    assert not RunLog.objects.filter(label="revoked").exists()
+    assert AsyncResult(revoked.id).state == "REVOKED"
+
+
+@pytest.mark.slow
+def test_a_parked_task_past_its_expiry_is_dropped_not_run(park, wakes):
+    acquire(tasks.PARK, external_id="held-by-the-test")
+    expiring = tasks.parked.apply_async(args=["expiring", 0], expires=1)
+    eventually(lambda: parked_ids() == [expiring.id], "the task parked")
+    assert ParkedTask.objects.get().expires_at is not None
+    time.sleep(1.5)
+
+    release("held-by-the-test")
+
+    eventually(lambda: parked_ids() == [], "the expired task dropped")
+    time.sleep(0.5)
+    assert not RunLog.objects.filter(label="expiring").exists()
+
+
+@pytest.mark.slow
+def test_a_parked_task_published_twice_runs_once(park, wakes):
+    acquire(tasks.PARK, external_id="held-by-the-test")
+    result = tasks.parked.delay("twice", 0)
+    eventually(lambda: parked_ids() == [result.id], "the task parked")
+    copy = ParkedTask.objects.get()
+
+    release("held-by-the-test")
+    settled([result])
+    # The sweep publishing the same message again (it thought it lost).
+    copy.save(using="default")
+    ParkedTask.objects.filter(pk=copy.pk).update(woken_at=timezone.now())
+    assert parking.publish("default", [copy.pk]) == 1
+    eventually(lambda: parked_ids() == [], "the copy ran into its finished task")
+    time.sleep(1.0)
+
+    assert RunLog.objects.filter(label="twice").count() == 1
+    assert PermitRequest.objects.filter(external_id__startswith=result.id).count() == 1
+
+
+# --- the wake-up's choices, on rows written directly ----------------------------
+
+
+@pytest.fixture
+def published(monkeypatch) -> list[str]:
+    """The task ids a wake-up publishes, instead of publishing them."""
+    sent: list[str] = []
+
+    def publish(alias: str, parked: list[int]) -> int:
+        ids = ParkedTask.objects.using(alias).filter(id__in=parked).order_by("id")
+        sent.extend(ids.values_list("task_id", flat=True))
+        return len(parked)
+
+    monkeypatch.setattr(parking, "publish", publish)
+    return sent
+
+
+def park_row(demand: dict[str, int], task_id: str | None = None, **fields: Any) -> str:
+    row = parking._Row(
+        task_id or unique("task"), "tests.parked", b"{}", "application/json", "utf-8", None
+    )
+    parking._insert(connection, row, demand)
+    if fields:
+        ParkedTask.objects.filter(task_id=row.task_id).update(**fields)
+    return row.task_id
+
+
+def semaphore(capacity: int) -> Semaphore:
+    return Semaphore.objects.create(name=unique(), capacity=capacity)
+
+
+def test_wake_is_first_in_first_out_and_a_big_demand_holds_back_younger_ones(published):
+    s = semaphore(3)
+    first = park_row({s.name: 1})
+    big = park_row({s.name: 3})
+    small = park_row({s.name: 1})
+    acquire(s.name, external_id="a", owner="")
+    acquire(s.name, external_id="b", owner="")
+    acquire(s.name, external_id="c", owner="")
+
+    assert parking.wake("default", [s.pk]) == 0  # no room
+    release("a")
+    assert parking.wake("default", [s.pk]) == 1
+    assert published == [first]
+    # Two free now, but the big one is next and needs three: small waits too.
+    release("b")
+    assert parking.wake("default", [s.pk]) == 0
+    assert published == [first]
+    parking.started(first, {s.name: 1})  # the first one's run took its permit
+    release("c")
+    assert parking.wake("default", [s.pk]) == 1
+    assert published == [first, big]
+    assert small in parked_ids()
+
+
+def test_woken_tasks_keep_their_room_until_they_start(published):
+    s = semaphore(2)
+    one, two, three = (park_row({s.name: 1}) for _ in range(3))
+
+    assert parking.wake("default", [s.pk]) == 2
+    assert parking.wake("default", [s.pk]) == 0  # their room is kept for them
+    parking.started(one, {s.name: 1})
+    assert parking.wake("default", [s.pk]) == 1
+    assert published == [one, two, three]
+
+
+def test_wake_respects_the_other_semaphore_of_a_multi_semaphore_demand(published):
+    a, b = semaphore(1), semaphore(1)
+    older_on_b = park_row({b.name: 1})
+    both = park_row({a.name: 1, b.name: 1})
+    acquire(b.name, external_id="holds-b")
+
+    assert parking.wake("default", [a.pk]) == 0  # b is full
+    release("holds-b")
+    # b's older parked task comes first there; "both" waits behind it.
+    assert parking.wake("default", [a.pk]) == 0
+    assert parking.wake("default", [b.pk]) == 1
+    assert published == [older_on_b]
+    parking.started(older_on_b, {b.name: 1})
+    assert parking.wake("default", [a.pk]) == 1
+    assert published == [older_on_b, both]
+
+
+def test_wake_leaves_room_to_earlier_fair_waiters(published):
+    s = semaphore(1)
+    park_row({s.name: 1})
+    now = timezone.now()
+    Ticket.objects.create(
+        semaphore=s, external_id="fair-waiter", count=1, created_at=now,
+        expires_at=now + timedelta(minutes=1),
+    )  # fmt: skip
+    with behind_the_engine():  # as a fair waiter's attempt writes it
+        Semaphore.objects.filter(pk=s.pk).update(queued_until=now + timedelta(minutes=1))
+
+    assert parking.wake("default", [s.pk]) == 0
+    Ticket.objects.all().delete()
+    assert parking.wake("default", [s.pk]) == 1
+
+
+def test_an_expired_row_is_dropped_by_the_wake_up_not_published(published):
+    s = semaphore(1)
+    gone = park_row({s.name: 1}, expires_at=timezone.now() - timedelta(seconds=1))
+    live = park_row({s.name: 1})
+
+    assert parking.wake("default", [s.pk]) == 1
+    assert published == [live]
+    assert gone not in parked_ids()
+
+
+def test_a_failed_publish_leaves_the_row_and_gives_its_room_back(monkeypatch):
+    from celery import current_app
+
+    s = semaphore(1)
+    task_id = park_row({s.name: 1})
+    ParkedTask.objects.filter(task_id=task_id).update(
+        body=b'{"task": "tests.tasks.parked", "args": [], "kwargs": {}, "options": {}}'
+    )
+
+    def broker_down(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("broker down")
+
+    monkeypatch.setattr(type(current_app.signature({"task": "x"})), "apply_async", broker_down)
+    assert parking.wake("default", [s.pk]) == 1
+    row = ParkedTask.objects.get(task_id=task_id)
+    assert row.woken_at is None  # room given back: the next wake-up tries again
+
+
+def test_the_sweep_publishes_overdue_wakes_again_and_drops_expired(published, settings):
+    settings.DJANGO_SEMAPHORE = {"PARKED_REPUBLISH_AFTER": 60}
+    s = semaphore(5)
+    overdue = park_row({s.name: 1}, woken_at=timezone.now() - timedelta(minutes=2))
+    recent = park_row({s.name: 1}, woken_at=timezone.now())
+    expired = park_row({s.name: 1}, expires_at=timezone.now() - timedelta(seconds=1))
+    waiting = park_row({s.name: 1})
+
+    report = parking.sweep()
+
+    assert (report.republished, report.woken, report.dropped) == (1, 1, 1)
+    assert published == [overdue, waiting]
+    assert set(parked_ids()) == {overdue, recent, waiting}
+    assert expired not in parked_ids()
+
+
+def test_a_task_parked_again_keeps_its_place(published):
+    s = semaphore(1)
+    first = park_row({s.name: 1})
+    second = park_row({s.name: 1})
+    assert parking.wake("default", [s.pk]) == 1
+    park_row({s.name: 1}, task_id=first)  # woken, found no room again
+
+    assert parked_ids() == [first, second]
+    assert ParkedTask.objects.get(task_id=first).woken_at is None
+
+
+def test_parking_on_an_unknown_semaphore_is_refused():
+    with pytest.raises(SemaphoreNotFound):
+        park_row({unique(): 1})
+
+
+def test_cancel_drops_a_parked_task_and_offers_its_room(published):
+    s = semaphore(1)
+    first = park_row({s.name: 1})
+    second = park_row({s.name: 1})
+    assert parking.wake("default", [s.pk]) == 1
+
+    assert parking.cancel([first]) == 1
+    assert parked_ids() == [second]
+    assert published == [first, second]
+
+
+def test_releases_take_the_general_path_only_while_parking_is_enabled(wakes):
+    from django_semaphore import releasing
+
+    # The metrics app listens for released ids in the tests: ask what parking adds.
+    assert releasing.room_wanted()
+    assert releasing.released_ids_wanted()
+    parking.disable()
+    assert not releasing.room_wanted()
+    parking.enable()
+
+
+# --- visible: admin, semaphore_status, metrics ------------------------------------
+
+
+def staff_client(client: Any, *codenames: str) -> Any:
+    from tests.test_admin import staff
+
+    client.force_login(staff("view_semaphore", "view_parkedtask", *codenames))
+    return client
+
+
+def test_the_changelist_and_the_semaphore_page_show_parked_tasks(client):
+    s = semaphore(1)
+    park_row({s.name: 1})
+    park_row({s.name: 1})
+    viewer = staff_client(client)
+
+    response = viewer.get(reverse("admin:django_semaphore_semaphore_changelist"), {"q": s.name})
+    assert response.context["cl"].result_list.get().parked == 2
+    parked_list = reverse("admin:django_semaphore_parkedtask_changelist")
+    link = f"{parked_list}?demands__semaphore__id__exact={s.pk}"
+    assert link in response.content.decode()
+    page = viewer.get(reverse("admin:django_semaphore_semaphore_change", args=[s.pk]))
+    assert link in page.content.decode()
+    listed = viewer.get(link.replace("&amp;", "&"))
+    assert len(listed.context["cl"].result_list) == 2
+    # Viewing is not dropping.
+    assert listed.context["action_form"] is None
+
+
+def test_the_drop_action_needs_the_delete_permission_and_drops(client):
+    s = semaphore(1)
+    dropped = park_row({s.name: 1})
+    kept = park_row({s.name: 1})
+    url = reverse("admin:django_semaphore_parkedtask_changelist")
+    row = ParkedTask.objects.get(task_id=dropped)
+    form = {"action": "drop", "_selected_action": [row.pk]}
+
+    assert staff_client(client).post(url, form).status_code == 403
+    assert parked_ids() == [dropped, kept]
+    response = staff_client(client, "delete_parkedtask").post(url, form, follow=True)
+
+    assert parked_ids() == [kept]
+    assert "1 parked task was dropped." in [str(m) for m in response.context["messages"]]
+
+
+def test_semaphore_status_and_the_metrics_count_parked_tasks(client):
+    from django.core.management import call_command
+
+    s = semaphore(1)
+    for _ in range(3):
+        park_row({s.name: 1})
+    out = StringIO()
+    call_command("semaphore_status", s.name, stdout=out)
+    header, row = out.getvalue().splitlines()[:2]
+    assert header.split()[-1] == "parked"
+    assert row.split()[-1] == "3"
+
+    metrics = client.get("/metrics/").content.decode()
+    assert f'django_semaphore_parked_tasks{{semaphore="{s.name}"}} 3.0' in metrics
