@@ -89,15 +89,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
     from django_semaphore import parking
+    from django_semaphore.guards import engine_writes
     from django_semaphore.models import ParkedTask, PermitRequest, Semaphore
 
     counts = parked_app.counts
     os.environ["BENCH_QUEUE"] = f"bench-parked-{mode}-{uuid.uuid4().hex[:8]}"
     parked_app.app.conf.task_default_queue = os.environ["BENCH_QUEUE"]
     counts.delete(parked_app.PUBLISHED, parked_app.RUNS, parked_app.FAILED)
-    ParkedTask.objects.all().delete()
-    PermitRequest.objects.all().delete()
-    Semaphore.objects.filter(name=parked_app.NAME).delete()
+    with engine_writes():  # a wholesale reset of the benchmark's database
+        ParkedTask.objects.all().delete()
+        PermitRequest.objects.all().delete()
+        Semaphore.objects.filter(name=parked_app.NAME).delete()
     Semaphore.objects.create(name=parked_app.NAME, capacity=args.capacity)
     task = getattr(parked_app, mode)
     log = ROOT / ".runtime" / "benchmarks" / f"parked-{mode}-worker.log"
