@@ -38,8 +38,9 @@ SEMAPHORE = "cleanup-bench"
 AGE_DAYS = 9  # older than the 7-day RELEASED_RETENTION
 
 
-def configure(database_url: str) -> None:
-    """Django settings for a standalone run (the client processes too)."""
+def configure(database_url: str, app_settings: dict[str, Any] | None = None) -> None:
+    """Django settings for a standalone run (the client processes too), with
+    ``app_settings`` as ``DJANGO_SEMAPHORE``."""
     import django
     import environ
     from django.conf import settings
@@ -57,6 +58,7 @@ def configure(database_url: str) -> None:
         USE_TZ=True,
         TIME_ZONE="UTC",
         DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
+        DJANGO_SEMAPHORE=app_settings or {},
     )
     django.setup()
 

@@ -37,6 +37,8 @@ import uuid
 from collections import Counter
 from typing import Any
 
+from benchmarks import cleanup_load
+
 FAMILY = "bench:customer:*"
 DECLARED = "bench-declared"
 HOT_CAPACITY = 10
@@ -44,26 +46,7 @@ HOT_CAPACITY = 10
 
 def configure(database_url: str) -> None:
     """Django settings for a standalone run (each client process too)."""
-    import django
-    import environ
-    from django.conf import settings
-
-    if settings.configured:
-        return
-    database = environ.Env.db_url_config(database_url)
-    if database["ENGINE"].endswith("sqlite3"):
-        database["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 30}
-    elif database["ENGINE"].endswith("mysql"):
-        database["OPTIONS"] = {"charset": "utf8mb4"}
-    settings.configure(
-        DATABASES={"default": database},
-        INSTALLED_APPS=["django.contrib.auth", "django.contrib.contenttypes", "django_semaphore"],
-        USE_TZ=True,
-        TIME_ZONE="UTC",
-        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
-        DJANGO_SEMAPHORE={"SEMAPHORES": {FAMILY: 2}},
-    )
-    django.setup()
+    cleanup_load.configure(database_url, {"SEMAPHORES": {FAMILY: 2}})
 
 
 def member(i: int) -> str:
@@ -219,10 +202,8 @@ def acquire_cost(database_url: str, processes: int, duration: float, repeat: int
                 **_percentiles(latencies),
             }
         mine, declared = results[f"{shape}, member"], results[f"{shape}, declared"]
-        results[f"{shape}: member / declared cycles"] = round(
-            mine["cycles_per_second"] / declared["cycles_per_second"], 2
-        )
-        results[f"{shape}: member / declared p50"] = round(mine["p50_ms"] / declared["p50_ms"], 2)
+        for figure, key in (("cycles", "cycles_per_second"), ("p50", "p50_ms")):
+            results[f"{shape}: member / declared {figure}"] = _ratio(mine[key], declared[key])
     return results
 
 
@@ -256,6 +237,12 @@ def _run(
         if worker.exitcode:
             groups.setdefault("exit", ([], []))[1].append(f"process exit {worker.exitcode}")
     return groups, seconds
+
+
+def _ratio(mine: float, declared: float) -> float | None:
+    """``None`` when a side has nothing to compare (a smoke run too short
+    for two grants on it)."""
+    return round(mine / declared, 2) if declared else None
 
 
 def _percentiles(latencies: list[float]) -> dict[str, float]:

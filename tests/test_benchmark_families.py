@@ -23,7 +23,8 @@ def test_members_created_by_racing_processes_once_without_errors(tmp_path):
     env.pop("DJANGO_SETTINGS_MODULE", None)
     command = [sys.executable, "-m", "benchmarks.families", "--database-url"]
     command += [smoke_database_url(tmp_path), "--members", "120", "--processes", "3"]
-    command += ["--duration", "0.5", "--repeat", "1"]
+    # Long enough for every cell to grant, on SQLite's one writer too.
+    command += ["--duration", "2", "--repeat", "1"]
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
