@@ -159,8 +159,9 @@ def reset(url: str, semaphores: dict[str, int]) -> None:
         cur.execute("SET FOREIGN_KEY_CHECKS = 1")
         cur.executemany(
             "INSERT INTO django_semaphore_semaphore"
-            " (name, capacity, in_use, fencing_counter, fair, created_at, updated_at)"
-            " VALUES (%s, %s, 0, 0, FALSE, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
+            " (name, capacity, in_use, fencing_counter, fair, family, own_capacity,"
+            " created_at, updated_at)"
+            " VALUES (%s, %s, 0, 0, FALSE, '', FALSE, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
             sorted(semaphores.items()),
         )
 
