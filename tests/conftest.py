@@ -8,7 +8,8 @@ from contextlib import AbstractContextManager
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connection, connections
-from django.db.models import Sum
+from django.db.models import OuterRef, Subquery, Sum
+from django.db.models.functions import Coalesce
 
 from django_semaphore.guards import engine_writes
 from django_semaphore.models import Permit, Semaphore, State
@@ -38,19 +39,23 @@ async def sync_thread_connections():
 
 def counter_drift(using: str = "default") -> dict[str, tuple[int, int]]:
     """Semaphore name -> (its in-use counter, the permits it holds), for each
-    semaphore whose counter is not exact."""
-    held = dict(
+    semaphore whose counter is not exact. One statement, so one snapshot: a
+    release committing between two reads (a Celery task's, after its result
+    is stored) cannot look like drift."""
+    held = (
         Permit.objects.using(using)
-        .filter(state=State.ACQUIRED)
-        .values("semaphore_id")
+        .filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)
+        .order_by()
+        .values("semaphore")
         .annotate(total=Sum("count"))
-        .values_list("semaphore_id", "total")
+        .values("total")
     )
-    return {
-        name: (in_use, int(held.get(pk) or 0))
-        for pk, name, in_use in Semaphore.objects.using(using).values_list("pk", "name", "in_use")
-        if in_use != int(held.get(pk) or 0)
-    }
+    rows = (
+        Semaphore.objects.using(using)
+        .annotate(held=Coalesce(Subquery(held), 0))
+        .values_list("name", "in_use", "held")
+    )
+    return {name: (in_use, int(held)) for name, in_use, held in rows if in_use != int(held)}
 
 
 @pytest.fixture(autouse=True)
