@@ -12,6 +12,7 @@ import math
 import os
 import random
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -367,8 +368,6 @@ def _run_task(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    from django_semaphore import task_runs
-
     parks = options.parks
     if parks:
         from django_semaphore import parking
@@ -377,38 +376,68 @@ def _run_task(
         # task's own, when it finishes) wake the parked tasks they make room for.
         parking.enable()
     try:
-        key = task_runs.claim(task, options.demand, options.ttl, rerun_finished=not parks)
+        key = _claim(task, options)
     except TaskAlreadyRan as exc:
         logger.info("Task %s[%s] dropped: %s", task.name, task.request.id, exc)
         _forget_parked(task, options)
         raise _ignore() from None
     except SemaphoreExhausted as exc:
         if parks and not isinstance(exc, LiveDuplicate):
-            _park(task, options, exc)
-        retries = task.request.retries
-        countdown = min(60.0, 2.0**retries) * random.uniform(0.5, 1.5)
-        logger.info(
-            "Task %s[%s] deferred %.1fs (retry %d): %s",
-            task.name,
-            task.request.id,
-            countdown,
-            retries + 1,
-            exc,
-        )
-        # Past max_retries, retry() raises ``exc``: the task fails with it.
-        raise task.retry(exc=exc, countdown=math.ceil(countdown)) from None
+            _park(task, options)
+        raise _retry(task, exc) from None
     setattr(task.request, TASK_KEY_ATTRIBUTE, key)  # settled by task_runs.on_task_postrun
     if parks:
         _forget_parked(task, options)
     heartbeat = _start_heartbeat(key, options.ttl)
+    started = time.monotonic()
     try:
         result = func(*args, **kwargs)
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+        if parks:
+            parking.held(options.demand, time.monotonic() - started)
     if heartbeat is not None and heartbeat.lost:
         raise PermitLost(f"Task {task.request.id} lost its permit while it ran.")
     return result
+
+
+def _retry(task: Any, exc: SemaphoreExhausted) -> Exception:
+    """Retry the task with a jittered countdown (``retry()`` raises; past
+    ``max_retries`` it raises ``exc``: the task fails with it)."""
+    retries = task.request.retries
+    countdown = min(60.0, 2.0**retries) * random.uniform(0.5, 1.5)
+    logger.info(
+        "Task %s[%s] deferred %.1fs (retry %d): %s",
+        task.name,
+        task.request.id,
+        countdown,
+        retries + 1,
+        exc,
+    )
+    return cast(Exception, task.retry(exc=exc, countdown=math.ceil(countdown)))
+
+
+def _claim(task: Any, options: _Options) -> str:
+    """The run's permit key: claimed at once or, when a parking task finds
+    no room, standing by in this worker for a release (``parking.stand_by``).
+    Raises as ``task_runs.claim``."""
+    from django_semaphore import task_runs
+
+    claim = functools.partial(
+        task_runs.claim, task, options.demand, options.ttl, rerun_finished=not options.parks
+    )
+    try:
+        return claim()
+    except SemaphoreExhausted as exc:
+        if not options.parks or isinstance(exc, LiveDuplicate):
+            raise
+        from django_semaphore import parking
+
+        key = parking.stand_by(task.request.id, options.demand, claim)
+        if key is None:
+            raise
+        return key
 
 
 def _ignore() -> Exception:
@@ -417,7 +446,7 @@ def _ignore() -> Exception:
     return cast(Exception, Ignore())
 
 
-def _park(task: Any, options: _Options, refused: SemaphoreExhausted) -> None:
+def _park(task: Any, options: _Options) -> None:
     """Park the task and end this run (``Ignore``); returns only when the
     row could not be written, and the caller then retries as without parking."""
     from django_semaphore import parking
@@ -427,7 +456,7 @@ def _park(task: Any, options: _Options, refused: SemaphoreExhausted) -> None:
     except SemaphoreError:
         logger.exception("Task %s[%s] could not be parked", task.name, task.request.id)
         return
-    logger.info("Task %s[%s] parked: %s", task.name, task.request.id, refused)
+    logger.info("Task %s[%s] parked for want of room", task.name, task.request.id)
     raise _ignore()
 
 

@@ -30,13 +30,18 @@ def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     sql = release_statements(connection)
     # One statement where the database can say it, unless someone listens
     # for the released ids (as Django's delete skips fetching rows nobody's
-    # signal receives).
-    if (
-        sql.releases_by_key()
-        and not released_ids_wanted()
-        and sql.release_by_key(key, ReleaseReason.RELEASED, app_settings.LOCK_WAIT_TIMEOUT)
-    ):
-        return ReleaseOutcome.RELEASED
+    # signal receives). Which semaphores it frees, when parked tasks wait
+    # for room, is read just before: one plain read, where the general path
+    # is a transaction of five statements. A request's permits only ever go
+    # from ACQUIRED to RELEASED, so if the statement released the request,
+    # it freed what the read saw (or less, if a repair freed one between:
+    # a wake-up that finds no room).
+    if sql.releases_by_key() and not released_ids_wanted():
+        freed = sql.held_by_key(key) if room_wanted() else {}
+        if sql.release_by_key(key, ReleaseReason.RELEASED, app_settings.LOCK_WAIT_TIMEOUT):
+            if freed:
+                announce_room(connection.alias, freed)  # autocommit: committed
+            return ReleaseOutcome.RELEASED
     row = sql.find_request(key)
     if row is None:
         return ReleaseOutcome.NOT_FOUND
@@ -116,14 +121,12 @@ def announce_room(alias: str, freed: dict[int, int]) -> None:
 
 
 def released_ids_wanted() -> bool:
-    """Whether a receiver wants to know which requests a release ended, or
-    which semaphores it freed: the one-statement release can say neither."""
+    """Whether a receiver wants to know which requests a release ended: the
+    one-statement release cannot say."""
     from django_semaphore.models import PermitRequest
 
-    return (
-        signals.permit_released.has_listeners(PermitRequest)
-        or signals.hold_ended.has_listeners(PermitRequest)
-        or room_wanted()
+    return signals.permit_released.has_listeners(PermitRequest) or signals.hold_ended.has_listeners(
+        PermitRequest
     )
 
 

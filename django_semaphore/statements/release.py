@@ -54,6 +54,11 @@ class ReleaseStatements(SQL):
             f" THEN {q('in_use')} - %s ELSE 0 END"
         )
         self.by_key_sql = self._by_key_sql()
+        self.held_by_key_sql = (
+            f"SELECT r.{q('external_id')}, p.{q('semaphore_id')}, p.{q('count')}"
+            f" FROM {request} r JOIN {permit} p ON p.{q('request_id')} = r.{q('id')}"
+            f" WHERE r.{q('external_id')} = %s AND r.{q('state')} = %s AND p.{q('state')} = %s"
+        )
 
     def _by_key_sql(self) -> str:
         """Release by key in one statement where the database can update
@@ -116,6 +121,14 @@ class ReleaseStatements(SQL):
             row = cursor.fetchone()
         # Not another key that only the collation calls equal.
         return None if row is None or row[2] != key else (row[0], row[1])
+
+    def held_by_key(self, key: str) -> dict[int, int]:
+        """{semaphore id: count} the key's request holds, by one plain read."""
+        with self.connection.cursor() as cursor:
+            cursor.execute(self.held_by_key_sql, [key, self.acquired, self.acquired])
+            rows = cursor.fetchall()
+        # Not another key that only the collation calls equal.
+        return {int(semaphore): int(count) for stored, semaphore, count in rows if stored == key}
 
     def releases_by_key(self) -> bool:
         """Whether ``release_by_key`` may run now: where the database can say
