@@ -41,8 +41,8 @@ worker ran it, is published again by the beat sweep (``sweep``) once
 back at once. The run's key is its task id: a second copy meeting a live
 first one is deferred as any live duplicate is, and a copy arriving after the
 task finished is dropped (``TaskAlreadyRan``). A revoked or expired task is
-dropped when Celery discards its message (``task_revoked``), and a row past
-its ``expires`` is dropped instead of published.
+dropped when Celery discards its message (``task_revoked``); a row past its
+``expires`` is never published, and the sweep drops it.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from django.db.models import (
     Count,
     Min,
     OuterRef,
+    Q,
     QuerySet,
     Subquery,
     Sum,
@@ -244,26 +245,31 @@ def wake(alias: str, semaphore_ids: Iterable[int]) -> int:
         return 0
 
 
-def _window(alias: str, freed: set[int]) -> dict[int, datetime | None]:
-    """The oldest tasks parked on these semaphores that could fit, with their
-    expiry, by plain reads (no lock, no transaction; the wake-up decides
-    under the lock): on each semaphore, no more tasks than its room, which
-    each takes at least one of. Most releases of a busy semaphore find no
-    room left, or nothing parked, and end the wake-up here. A park or a
-    release committed after these reads runs a wake-up of its own."""
-    from django_semaphore.models import ParkedDemand, Semaphore
+def _window(alias: str, freed: set[int]) -> list[int]:
+    """The oldest tasks parked on these semaphores that could fit, by plain
+    reads (no lock, no transaction; the wake-up decides under the lock): on
+    each semaphore, no more tasks than its room, which each takes at least
+    one of. Most releases of a busy semaphore find no room left, or nothing
+    parked, and end the wake-up here. A park or a release committed after
+    these reads runs a wake-up of its own."""
+    from django_semaphore.models import Semaphore
 
     semaphores = Semaphore.objects.using(alias).filter(id__in=freed)
-    window: dict[int, datetime | None] = {}
+    window: set[int] = set()
     for id, capacity, in_use in semaphores.values_list("id", "capacity", "in_use"):
         if (room := capacity - in_use) > 0:
-            window.update(
-                ParkedDemand.objects.using(alias)
-                .filter(semaphore_id=id, task__woken_at__isnull=True)
-                .order_by("task_id")
-                .values_list("task_id", "task__expires_at")[: min(room, WAKE_WINDOW)]
-            )
-    return window
+            waiting = _waiting(alias).filter(semaphore_id=id).order_by("task_id")
+            window.update(waiting.values_list("task_id", flat=True)[: min(room, WAKE_WINDOW)])
+    return sorted(window)
+
+
+def _waiting(alias: str) -> QuerySet[Any]:
+    """The demands of parked tasks not woken and not past their expiry (the
+    sweep drops those; they are never published)."""
+    from django_semaphore.models import ParkedDemand
+
+    live = Q(task__expires_at__isnull=True) | Q(task__expires_at__gt=timezone.now())
+    return ParkedDemand.objects.using(alias).filter(live, task__woken_at__isnull=True)
 
 
 def _wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> int:
@@ -274,11 +280,10 @@ def _wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> int:
     # Read before the transaction, to hold its lock for as short as can be
     # (grants wait on it); what another wake-up woke meanwhile is left out
     # under it.
-    expiries = _window(alias, freed)
-    if not expiries:
+    window = _window(alias, freed)
+    if not window:
         return 0
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
-        window = sorted(expiries)
         wanted: dict[int, dict[int, int]] = defaultdict(dict)  # task -> semaphore -> count
         for task_id, semaphore_id, count in demands.filter(task_id__in=window).values_list(
             "task_id", "semaphore_id", "count"
@@ -323,20 +328,16 @@ def _wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> int:
         # Older parked tasks on the other semaphores of a multi-semaphore
         # demand, outside the window: they come first there.
         heads = dict(
-            demands.filter(semaphore_id__in=involved - freed, task__woken_at__isnull=True)
+            _waiting(alias)
+            .filter(semaphore_id__in=involved - freed)
             .values("semaphore_id")
             .annotate(head=Min("task_id"))
             .values_list("semaphore_id", "head")
         )
-        now = timezone.now()
-        woken, expired = _choose(window, wanted, room, heads, expiries, now)
-        if expired:
-            ParkedTask.objects.using(alias).filter(id__in=expired).delete()
+        woken = _choose(window, wanted, room, heads)
         if woken:
-            ParkedTask.objects.using(alias).filter(id__in=woken).update(woken_at=now)
+            ParkedTask.objects.using(alias).filter(id__in=woken).update(woken_at=timezone.now())
             transaction.on_commit(lambda: publish(alias, woken), using=alias)
-    if expired:
-        logger.info("Dropped %d parked tasks past their expiry", len(expired))
     return len(woken)
 
 
@@ -345,20 +346,13 @@ def _choose(
     wanted: Mapping[int, Mapping[int, int]],
     room: dict[int, int],
     heads: Mapping[int, int],
-    expiries: Mapping[int, datetime | None],
-    now: datetime,
-) -> tuple[list[int], list[int]]:
-    """(tasks to wake, tasks expired), first in, first out per semaphore:
-    once a task does not fit, no younger task passes it on its semaphores."""
+) -> list[int]:
+    """The tasks to wake, first in, first out per semaphore: once a task
+    does not fit, no younger task passes it on its semaphores."""
     woken: list[int] = []
-    expired: list[int] = []
     blocked: set[int] = set()
     for task_id in window:
         asks = wanted[task_id]
-        expires_at = expiries.get(task_id)
-        if expires_at is not None and expires_at <= now:
-            expired.append(task_id)
-            continue
         behind = any(s in blocked or s not in room or heads.get(s, task_id) < task_id for s in asks)
         if behind or any(room[s] < count for s, count in asks.items()):
             blocked.update(asks)
@@ -366,7 +360,7 @@ def _choose(
         for s, count in asks.items():
             room[s] -= count
         woken.append(task_id)
-    return woken, expired
+    return woken
 
 
 def publish(alias: str, parked_ids: list[int]) -> int:

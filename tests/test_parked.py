@@ -9,6 +9,7 @@ replaced, so every rule can fail on its own.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 from celery.result import AsyncResult
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
@@ -170,10 +172,12 @@ def test_a_parked_task_past_its_expiry_is_dropped_not_run(park, wakes):
     assert ParkedTask.objects.get().expires_at is not None
     time.sleep(1.5)
 
-    release("held-by-the-test")
-
-    eventually(lambda: parked_ids() == [], "the expired task dropped")
+    release("held-by-the-test")  # passes it over: never published
     time.sleep(0.5)
+    assert parked_ids() == [expiring.id]
+    assert parking.sweep().dropped == 1
+
+    assert parked_ids() == []
     assert not RunLog.objects.filter(label="expiring").exists()
 
 
@@ -296,14 +300,26 @@ def test_wake_leaves_room_to_earlier_fair_waiters(published):
     assert parking.wake("default", [s.pk]) == 1
 
 
-def test_an_expired_row_is_dropped_by_the_wake_up_not_published(published):
+def test_an_expired_row_is_passed_over_never_published(published):
     s = semaphore(1)
     gone = park_row({s.name: 1}, expires_at=timezone.now() - timedelta(seconds=1))
     live = park_row({s.name: 1})
 
     assert parking.wake("default", [s.pk]) == 1
     assert published == [live]
-    assert gone not in parked_ids()
+    assert parked_ids() == [gone, live]  # the sweep drops it (below)
+
+
+def test_a_wake_up_reads_no_more_parked_tasks_than_fit(published):
+    s = semaphore(3)
+    rows = [park_row({s.name: 1}) for _ in range(5)]
+    acquire(s.name, external_id=unique("held"))
+
+    with CaptureQueriesContext(connection) as queries:
+        assert parking.wake("default", [s.pk]) == 2
+    assert published == rows[:2]
+    windows = [q["sql"] for q in queries.captured_queries if "LIMIT" in q["sql"]]
+    assert [sql.rstrip()[-7:] for sql in windows] == ["LIMIT 2"], windows
 
 
 def test_a_failed_publish_leaves_the_row_and_gives_its_room_back(monkeypatch):
@@ -367,15 +383,136 @@ def test_cancel_drops_a_parked_task_and_offers_its_room(published):
     assert published == [first, second]
 
 
-def test_releases_take_the_general_path_only_while_parking_is_enabled(wakes):
-    from django_semaphore import releasing
+def test_parking_wants_room_not_released_ids(wakes, monkeypatch):
+    from django_semaphore import releasing, signals
 
-    # The metrics app listens for released ids in the tests: ask what parking adds.
     assert releasing.room_wanted()
-    assert releasing.released_ids_wanted()
     parking.disable()
     assert not releasing.room_wanted()
     parking.enable()
+    # The metrics app listens for released ids in the tests; without it,
+    # parking alone keeps the one-statement release (MariaDB, PostgreSQL).
+    for signal in (signals.permit_released, signals.hold_ended):
+        monkeypatch.setattr(signal, "has_listeners", lambda sender=None: False)
+    assert not releasing.released_ids_wanted()
+
+
+def test_a_release_tells_the_wake_up_what_it_freed_on_every_path(wakes, monkeypatch):
+    from django_semaphore import releasing, signals
+
+    a, b = semaphore(3), semaphore(3)
+    freed: list[dict[int, int]] = []
+    monkeypatch.setattr(parking, "wake", lambda alias, ids: freed.append(dict(ids)) or 0)
+    acquire({a.name: 2, b.name: 1}, external_id="general")
+    acquire({a.name: 1}, external_id="one-statement")
+
+    release("general")  # the metrics app listens: the general path
+    monkeypatch.setattr(releasing, "released_ids_wanted", lambda: False)
+    release("one-statement")  # a read, then one statement where the database can
+    release("one-statement")  # released already: nothing freed, nobody woken
+
+    assert freed == [{a.pk: 2, b.pk: 1}, {a.pk: 1}]
+    assert signals.permits_freed.has_listeners(Semaphore)
+
+
+# --- standing by ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def holds() -> Iterator[dict[str, float]]:
+    """This process's memory of holds, empty for the test."""
+    saved = dict(parking._holds)
+    parking._holds.clear()
+    yield parking._holds
+    parking._holds.clear()
+    parking._holds.update(saved)
+
+
+def claimer(name: str, key: str) -> Callable[[], str]:
+    def claim() -> str:
+        acquire(name, external_id=key)
+        return key
+
+    return claim
+
+
+def release_later(key: str, after: float) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(after), release(key)))
+    thread.start()
+    return thread
+
+
+def test_a_refused_task_stands_by_and_takes_the_next_release(holds):
+    s = semaphore(1)
+    acquire(s.name, external_id="holder")
+    holds[s.name] = 0.05  # a short hold seen: it probes every 5 ms
+    releaser = release_later("holder", 0.3)
+
+    started = time.monotonic()
+    key = parking.stand_by("new", {s.name: 1}, claimer(s.name, "new"))
+    waited = time.monotonic() - started
+    releaser.join()
+
+    assert key == "new"
+    assert 0.3 <= waited < 0.3 + 0.25, waited
+    assert PermitRequest.objects.get(external_id="new").state == State.ACQUIRED
+    assert parked_ids() == []
+
+
+def test_a_refused_parking_task_stands_by_in_its_worker_and_runs(holds, wakes):
+    Semaphore.objects.create(name=tasks.PARK, capacity=1)
+    acquire(tasks.PARK, external_id="held-by-the-test")
+    holds[tasks.PARK] = 0.05
+    releaser = release_later("held-by-the-test", 0.3)
+
+    result = tasks.parked.apply(args=["stood-by", 0.1])  # run here, as a worker would
+    releaser.join()
+
+    assert result.state == "SUCCESS", result.traceback
+    assert RunLog.objects.filter(label="stood-by", task_id=result.id).exists()
+    assert not ParkedTask.objects.exists()  # never parked
+    assert holds[tasks.PARK] >= 0.1  # its own hold, for the next refused ones
+
+
+def test_a_woken_task_stands_by_though_younger_ones_are_parked(holds, published):
+    s = semaphore(1)
+    woken = park_row({s.name: 1}, woken_at=timezone.now())
+    park_row({s.name: 1})
+    acquire(s.name, external_id="holder")
+    releaser = release_later("holder", 0.1)
+
+    assert parking.stand_by(woken, {s.name: 1}, claimer(s.name, woken)) == woken
+    releaser.join()
+
+
+def test_a_new_task_parks_behind_parked_ones_and_a_copy_of_a_parked_one_parks(holds, published):
+    s = semaphore(1)
+    waiting = park_row({s.name: 1})
+    acquire(s.name, external_id="holder")
+    never = claimer(s.name, "never")
+
+    started = time.monotonic()
+    assert parking.stand_by("new", {s.name: 1}, never) is None
+    assert parking.stand_by(waiting, {s.name: 1}, never) is None
+    assert time.monotonic() - started < 0.5
+    assert not PermitRequest.objects.filter(external_id="never").exists()
+
+
+def test_a_long_hold_parks_at_once_and_an_unanswered_standby_learns_it(holds, monkeypatch):
+    s = semaphore(1)
+    acquire(s.name, external_id="holder")
+    never = claimer(s.name, "never")
+    monkeypatch.setattr(parking, "STANDBY_WAIT", 0.2)
+
+    started = time.monotonic()
+    assert parking.stand_by("first", {s.name: 1}, never) is None  # nothing seen: stood by
+    assert time.monotonic() - started >= 0.2
+    assert holds == {s.name: 0.2}  # no release came: as long as its wait, here
+
+    holds[s.name] = parking.SHORT_HOLD
+    started = time.monotonic()
+    assert parking.stand_by("second", {s.name: 1}, never) is None
+    assert time.monotonic() - started < 0.1
 
 
 # --- visible: admin, semaphore_status, metrics ------------------------------------
