@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from celery.result import AsyncResult
-from django.db import connection
+from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
@@ -437,7 +437,14 @@ def claimer(name: str, key: str) -> Callable[[], str]:
 
 
 def release_later(key: str, after: float) -> threading.Thread:
-    thread = threading.Thread(target=lambda: (time.sleep(after), release(key)))
+    def run() -> None:
+        time.sleep(after)
+        try:
+            release(key)
+        finally:
+            connections.close_all()  # this thread's: the test database is dropped at the end
+
+    thread = threading.Thread(target=run)
     thread.start()
     return thread
 
