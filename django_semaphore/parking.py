@@ -434,10 +434,10 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
     parked = ParkedTask.objects.using(alias).filter(task_id=task_id).values_list("woken_at")
     match parked.first():
         case None:  # not parked
-            ahead = ParkedDemand.objects.using(alias).filter(
+            queued = ParkedDemand.objects.using(alias).filter(
                 semaphore_id__in=[id for id, _, _ in wanted], task__woken_at__isnull=True
             )
-            if ahead.exists():
+            if queued.exists():
                 return None
         case (None,):  # parked, not woken: a copy of its message
             return None

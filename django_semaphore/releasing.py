@@ -125,9 +125,8 @@ def released_ids_wanted() -> bool:
     one-statement release cannot say."""
     from django_semaphore.models import PermitRequest
 
-    return signals.permit_released.has_listeners(PermitRequest) or signals.hold_ended.has_listeners(
-        PermitRequest
-    )
+    wanted = signals.permit_released.has_listeners(PermitRequest)
+    return wanted or signals.hold_ended.has_listeners(PermitRequest)
 
 
 def room_wanted() -> bool:
