@@ -29,7 +29,9 @@ holding them. So a refused task first *stands by* in its worker
 (those came first). It probes the counters with one plain read every tenth
 of the hold this process saw (``held``), and claims the permit the moment a
 release frees one, for at most ``STANDBY_WAIT``; then it parks (a woken
-task keeps its place). The standbys are the worker's processes left over:
+task keeps its place). One task a process stands by on a semaphore (a
+thread or gevent pool's others park). The standbys are the worker's
+processes left over:
 while they wait, the broker's backlog stays in the broker, not in rows. A
 first standby that no release reaches marks its semaphores as held long in
 this process, so long holds pay ``STANDBY_WAIT`` once per worker process.
@@ -49,9 +51,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -101,6 +105,10 @@ STANDBY_PROBE = (0.001, 0.02)
 # What this process saw its parked tasks hold each semaphore for, by name
 # (``held``): the last hold, seconds.
 _holds: dict[str, float] = {}
+# The semaphores a task of this process stands by on (thread and gevent
+# pools run many tasks in one process): one each, the others park.
+_standing: Counter[str] = Counter()
+_standing_lock = threading.Lock()
 
 
 # --- park ------------------------------------------------------------------------
@@ -441,25 +449,44 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
                 return None
         case (None,):  # parked, not woken: a copy of its message
             return None
-    low, high = STANDBY_PROBE
-    interval = min(max(min(holds) / 10, low), high) if holds else high
-    deadline = time.monotonic() + STANDBY_WAIT
-    while (left := deadline - time.monotonic()) > 0:
-        time.sleep(min(interval, left))
-        if not _room(connections[alias], wanted):
-            continue
-        try:
-            return claim()
-        except LiveDuplicate:
-            raise
-        except SemaphoreExhausted:
-            # Taken first, or kept for fair waiters: probe less often.
-            interval = min(2 * interval, high)
+    with _one_standby(demand) as standing:
+        if not standing:
+            return None
+        low, high = STANDBY_PROBE
+        interval = min(max(min(holds) / 10, low), high) if holds else high
+        deadline = time.monotonic() + STANDBY_WAIT
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(interval, left))
+            if not _room(connections[alias], wanted):
+                continue
+            try:
+                return claim()
+            except LiveDuplicate:
+                raise
+            except SemaphoreExhausted:
+                # Taken first, or kept for fair waiters: probe less often.
+                interval = min(2 * interval, high)
     if not holds:
         # No release came its way: held long, as far as this process knows
         # until one of its own runs ends (``held``).
         held(demand, STANDBY_WAIT)
     return None
+
+
+@contextmanager
+def _one_standby(demand: Mapping[str, int]) -> Iterator[bool]:
+    """Whether this task may stand by: no other task of this process stands
+    by on one of its semaphores (one poller per process and semaphore)."""
+    with _standing_lock:
+        free = not any(_standing[name] for name in demand)
+        if free:
+            _standing.update(demand.keys())
+    try:
+        yield free
+    finally:
+        if free:
+            with _standing_lock:
+                _standing.subtract(demand.keys())
 
 
 def _room(connection: BaseDatabaseWrapper, wanted: list[tuple[int, int, int]]) -> bool:

@@ -505,6 +505,27 @@ def test_a_new_task_parks_behind_parked_ones_and_a_copy_of_a_parked_one_parks(ho
     assert not PermitRequest.objects.filter(external_id="never").exists()
 
 
+def test_one_task_a_process_stands_by_on_a_semaphore_the_others_park(holds):
+    s = semaphore(1)
+    acquire(s.name, external_id="holder")
+    holds[s.name] = 0.05
+    first: list[str | None] = []
+    standing = threading.Thread(
+        target=lambda: first.append(
+            parking.stand_by("first", {s.name: 1}, claimer(s.name, "first"))
+        )
+    )
+    standing.start()
+    time.sleep(0.1)  # "first" stands by (a thread pool's other task comes now)
+
+    started = time.monotonic()
+    assert parking.stand_by("second", {s.name: 1}, claimer(s.name, "second")) is None
+    assert time.monotonic() - started < 0.1
+    release("holder")
+    standing.join()
+    assert first == ["first"]
+
+
 def test_a_long_hold_parks_at_once_and_an_unanswered_standby_learns_it(holds, monkeypatch):
     s = semaphore(1)
     acquire(s.name, external_id="holder")
