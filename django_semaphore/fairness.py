@@ -54,7 +54,7 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
 from django_semaphore import backends
-from django_semaphore.statements import LockedSemaphore, placeholders, statements
+from django_semaphore.statements import LockedSemaphore, placeholders, room_for
 from django_semaphore.validation import Demand
 
 # Seconds, before a jitter of x0.5-1 (see the module's docstring).
@@ -277,17 +277,10 @@ def _delete_tickets(
 
 
 def _room_for(connection: BaseDatabaseWrapper, place: Place) -> bool:
-    """Whether every semaphore of ``place`` has room for it now, by one plain
-    read of the counters (no lock, no transaction; the attempt decides)."""
-    ids = [id for id, _, _ in place.semaphores]
-    try:
-        with connection.cursor() as cursor:
-            in_use = statements(connection).in_use(cursor, ids)
-    except DatabaseError:
-        return True  # the attempt, with its retries, tells what went wrong
-    return all(
-        in_use.get(id, 0) + place.demand.counts[name] <= capacity
-        for id, name, capacity in place.semaphores
+    """Whether every semaphore of ``place`` has room for it now."""
+    return room_for(
+        connection,
+        [(id, place.demand.counts[name], capacity) for id, name, capacity in place.semaphores],
     )
 
 

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from django.db import DatabaseError, IntegrityError, connections, transaction
+from django.db import IntegrityError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import (
     BigIntegerField,
@@ -80,7 +80,7 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import LiveDuplicate, SemaphoreError, SemaphoreExhausted
 from django_semaphore.retry import run_with_retries
-from django_semaphore.statements import statements
+from django_semaphore.statements import room_for
 
 if TYPE_CHECKING:
     from django_semaphore.models import Semaphore
@@ -457,7 +457,7 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
         deadline = time.monotonic() + STANDBY_WAIT
         while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(interval, left))
-            if not _room(connections[alias], wanted):
+            if not room_for(connections[alias], wanted):
                 continue
             try:
                 return claim()
@@ -487,17 +487,6 @@ def _one_standby(demand: Mapping[str, int]) -> Iterator[bool]:
         if free:
             with _standing_lock:
                 _standing.subtract(demand.keys())
-
-
-def _room(connection: BaseDatabaseWrapper, wanted: list[tuple[int, int, int]]) -> bool:
-    """Whether (semaphore id, count, capacity) all fit now, by one plain read
-    of the counters (no lock, no transaction: the claim decides)."""
-    try:
-        with connection.cursor() as cursor:
-            in_use = statements(connection).in_use(cursor, [id for id, _, _ in wanted])
-    except DatabaseError:
-        return True  # the claim, with its retries, tells what went wrong
-    return all(in_use.get(id, 0) + count <= capacity for id, count, capacity in wanted)
 
 
 def on_task_revoked(request: Any = None, **kwargs: Any) -> None:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from weakref import WeakKeyDictionary
 
 from django.conf import settings
+from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
@@ -306,3 +307,16 @@ def built(kind: type[Built], connection: BaseDatabaseWrapper) -> Built:
 def statements(connection: BaseDatabaseWrapper) -> Statements:
     """This connection's grant statements."""
     return built(Statements, connection)
+
+
+def room_for(connection: BaseDatabaseWrapper, wanted: Sequence[tuple[int, int, int]]) -> bool:
+    """Whether every (semaphore id, count, capacity) fits now, by one plain
+    read of the counters: no lock, no transaction, for waiters deciding
+    when to attempt (the attempt decides; a read that failed answers yes,
+    and the attempt, with its retries, tells what went wrong)."""
+    try:
+        with connection.cursor() as cursor:
+            in_use = statements(connection).in_use(cursor, [id for id, _, _ in wanted])
+    except DatabaseError:
+        return True
+    return all(in_use.get(id, 0) + count <= capacity for id, count, capacity in wanted)
