@@ -195,8 +195,13 @@ class Load:
         else:
             self._stop, self._results = context.Event(), context.Queue()
             start = context.Process
+        # Daemons: one left behind by a failed run never keeps the driver from exiting.
         self._workers = [
-            start(target=acquire_loop, args=(self.database_url, self._stop, self._results, i))
+            start(
+                target=acquire_loop,
+                args=(self.database_url, self._stop, self._results, i),
+                daemon=True,
+            )
             for i in range(self.clients)
         ]
 
@@ -207,10 +212,16 @@ class Load:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        for _ in self._workers:
-            self.samples.extend(self._results.get(timeout=120))
-        for worker in self._workers:
-            worker.join(timeout=30)
+        try:
+            # Drained before the joins: a child cannot exit while its samples fill the pipe.
+            for _ in self._workers:
+                self.samples.extend(self._results.get(timeout=120))
+            for worker in self._workers:
+                worker.join(timeout=30)
+        finally:
+            for worker in self._workers:
+                if isinstance(worker, multiprocessing.process.BaseProcess) and worker.is_alive():
+                    worker.kill()
 
     def between(self, start: float, end: float) -> list[tuple[float, float, float, str]]:
         return [s for s in self.samples if start <= s[0] < end]

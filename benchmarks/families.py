@@ -42,6 +42,9 @@ from benchmarks import cleanup_load
 FAMILY = "bench:customer:*"
 DECLARED = "bench-declared"
 HOT_CAPACITY = 10
+# A worker that has reported nothing in this long has hung (creating the
+# largest family takes minutes).
+WORKER_BOUND = 1800
 
 
 def configure(database_url: str) -> None:
@@ -217,25 +220,34 @@ def _run(
     up; (group -> (latencies, errors), seconds from the start)."""
     context = multiprocessing.get_context("spawn")
     start, results = context.Barrier(len(plans) + 1), context.Queue()
+    # Daemons: one left behind by a failed run never keeps the driver from exiting.
     workers = [
-        context.Process(target=target, args=(database_url, plan, start, *extra, results))
+        context.Process(
+            target=target, args=(database_url, plan, start, *extra, results), daemon=True
+        )
         for plan in plans
     ]
     for worker in workers:
         worker.start()
-    start.wait(timeout=120)
-    began = time.perf_counter()
-    groups: dict[str, tuple[list[float], list[str]]] = {}
-    for _ in workers:
-        group, latencies, errors = results.get(timeout=3600)
-        mine = groups.setdefault(group, ([], []))
-        mine[0].extend(latencies)
-        mine[1].extend(errors)
-    seconds = time.perf_counter() - began
-    for worker in workers:
-        worker.join()
-        if worker.exitcode:
-            groups.setdefault("exit", ([], []))[1].append(f"process exit {worker.exitcode}")
+    try:
+        start.wait(timeout=120)
+        began = time.perf_counter()
+        groups: dict[str, tuple[list[float], list[str]]] = {}
+        # Drained before the joins: a child cannot exit while its results fill the pipe.
+        for _ in workers:
+            group, latencies, errors = results.get(timeout=WORKER_BOUND)
+            mine = groups.setdefault(group, ([], []))
+            mine[0].extend(latencies)
+            mine[1].extend(errors)
+        seconds = time.perf_counter() - began
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.exitcode:
+                groups.setdefault("exit", ([], []))[1].append(f"process exit {worker.exitcode}")
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
     return groups, seconds
 
 

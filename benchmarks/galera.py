@@ -20,10 +20,12 @@ import json
 import multiprocessing
 import os
 import platform
+import queue
 import random
 import sys
 import time
 import uuid
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -223,19 +225,28 @@ def run_mode(
     nodes = [urls[i % 3] for i in range(clients)] if spread else [urls[0]] * clients
     workers = [
         SPAWN.Process(
-            target=client, args=(node_url(url), shared, capacity, hold, duration, retries)
+            target=client,
+            args=(node_url(url), shared, capacity, hold, duration, retries),
+            daemon=True,  # one that hangs never keeps the driver from exiting
         )
         for url in nodes
     ]
     began = time.monotonic()
     for worker in workers:
         worker.start()
-    for worker in workers:
-        worker.join(timeout=duration + 300)
-    seconds = time.monotonic() - began
+    deadline = began + duration + 300
     errors = []
+    # Drained while joining: a child cannot exit while what it put fills the pipe.
+    while any(worker.is_alive() for worker in workers) and time.monotonic() < deadline:
+        with suppress(queue.Empty):
+            errors.append(shared.errors.get(timeout=0.2))
+    seconds = time.monotonic() - began
     while not shared.errors.empty():
         errors.append(shared.errors.get())
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            errors.append("a client process hung")
     if any(worker.exitcode != 0 for worker in workers):
         errors.append("a client process failed")
     return ModeResult(

@@ -206,4 +206,5 @@ class Pool:
         for process in self.processes:
             process.join(timeout=10)
             if process.is_alive():
-                process.terminate()
+                process.kill()
+                process.join(timeout=10)

@@ -6,28 +6,25 @@ Django is set up, so it imports nothing that needs the app registry.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import random
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from django.db import connection, connections
+from django.db import connections
 
 from django_semaphore import acquire, release, releasing
 from django_semaphore.exceptions import SemaphoreExhausted
+from tests.children import SPAWN, Outbox, join, spawn, start_threads
 
 if TYPE_CHECKING:
     from django_semaphore.models import PermitRequest
 
-# Spawned, not forked: forking a process that runs threads (queue feeders,
-# Django's) can deadlock the child. Each child sets Django up on its own.
-SPAWN = multiprocessing.get_context("spawn")
 CLIENTS = 8
+# A client works for seconds; one still running after this has hung.
+CLIENT_BOUND = 120.0
 
 
 @dataclass
@@ -37,8 +34,8 @@ class Oracle:
     guard: Any
     holders: dict[str, Any]  # semaphore name -> holders right now
     peak: dict[str, Any]  # semaphore name -> most holders ever seen at once
-    entries: Any  # queue of (semaphore, entry sequence, fencing token)
-    errors: Any  # queue of unexpected exceptions, as text
+    entries: Outbox  # (semaphore, entry sequence, fencing token) of every grant
+    errors: Outbox  # unexpected exceptions, as text
     sequence: Any
 
     @classmethod
@@ -47,8 +44,8 @@ class Oracle:
             guard=SPAWN.Lock(),
             holders={name: SPAWN.Value("i", 0, lock=False) for name in names},
             peak={name: SPAWN.Value("i", 0, lock=False) for name in names},
-            entries=SPAWN.Queue(),
-            errors=SPAWN.Queue(),
+            entries=Outbox.create(),
+            errors=Outbox.create(),
             sequence=SPAWN.Value("i", 0, lock=False),
         )
 
@@ -64,12 +61,6 @@ class Oracle:
         with self.guard:
             for name in names:
                 self.holders[name].value -= 1
-
-    def drain(self, queue: Any) -> list[Any]:
-        items = []
-        while not queue.empty():
-            items.append(queue.get())
-        return items
 
 
 def nobody_wants_released_ids() -> bool:
@@ -106,35 +97,17 @@ def hammer(
         connections.close_all()
 
 
-def in_child_process(database: dict[str, Any], target: Callable[..., None], *args: Any) -> None:
-    """Entry point of a spawned client: Django on the test database, then work."""
-    import django
-
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
-    django.setup()
-    connections["default"].settings_dict.update(database)
-    target(*args)
-
-
 def run_clients(mode: str, target: Callable[..., None], args: tuple[Any, ...]) -> None:
+    """``CLIENTS`` threads or spawned processes running ``target(*args)``, until
+    all are done (a hung one fails the test)."""
     if mode == "threads":
-        workers: list[Any] = [threading.Thread(target=target, args=args) for _ in range(CLIENTS)]
+        workers = start_threads(target, args, CLIENTS)
     else:
-        database = {"NAME": connection.settings_dict["NAME"]}
-        workers = [
-            SPAWN.Process(target=in_child_process, args=(database, target, *args))
-            for _ in range(CLIENTS)
-        ]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=120)
-        assert not worker.is_alive(), "a client hung"
-        if mode == "processes":
-            assert worker.exitcode == 0
+        workers = [spawn(target, *args, bound=CLIENT_BOUND) for _ in range(CLIENTS)]
+    join(workers, within=CLIENT_BOUND + 10)
 
 
-def race_one_key(name: str, key: str, barrier: Any, results: Any) -> None:
+def race_one_key(name: str, key: str, barrier: Any, results: Outbox) -> None:
     try:
         barrier.wait(timeout=30)
         results.put(acquire(name, external_id=key).pk)

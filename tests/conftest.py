@@ -1,6 +1,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import multiprocessing
+import os
+import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -13,6 +18,55 @@ from django.db.models.functions import Coalesce
 
 from django_semaphore.guards import engine_writes
 from django_semaphore.models import Permit, Semaphore, State
+from tests.children import STACKS_VARIABLE, dump_stacks_on_signal, stop
+
+# scripts/watchdog.py reads which test each pytest process of the run is in.
+PROGRESS_VARIABLE = "SEMAPHORE_PROGRESS_DIR"
+_progress: dict[str, object] = {"pid": os.getpid()}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Stacks on SIGUSR1, for pytest-timeout's failures and the watchdog, in
+    a directory the children inherit."""
+    os.environ.setdefault(STACKS_VARIABLE, tempfile.mkdtemp(prefix="semaphore-stacks-"))
+    dump_stacks_on_signal()
+    _report_progress(started=time.time(), test=None)
+
+
+def pytest_runtest_protocol(item: pytest.Item) -> None:
+    """The test starting, and its pytest-timeout timeout (0: none)."""
+    marker = item.get_closest_marker("timeout")
+    timeout = marker.args[0] if marker else item.config.getoption("timeout")
+    if timeout is None:
+        timeout = item.config.getini("timeout")
+    _report_progress(test=item.nodeid, since=time.time(), timeout=float(timeout))
+
+
+def pytest_sessionfinish() -> None:
+    _report_progress(test=None, finished=time.time())
+
+
+def _report_progress(**state: object) -> None:
+    """Write this process's current test where the watchdog looks
+    (atomically: it may read at any moment)."""
+    _progress.update(state)
+    directory = os.environ.get(PROGRESS_VARIABLE)
+    if directory:
+        path = os.path.join(directory, f"{os.getpid()}.json")
+        with open(f"{path}.new", "w") as file:
+            json.dump(_progress, file)
+        os.replace(f"{path}.new", path)
+
+
+@pytest.fixture(autouse=True)
+def _no_child_left():
+    """A child process a test leaves running (hung, or never joined) fails
+    the test with its stacks, and is killed: pytest would wait for it at exit."""
+    yield
+    left = multiprocessing.active_children()
+    if left:
+        stacks = stop(left)
+        pytest.fail(f"the test left {len(left)} child process(es) running:\n{stacks}")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,14 +14,15 @@ from django.db import connections, transaction
 
 from django_semaphore import acquire, fairness, release
 from django_semaphore.exceptions import SemaphoreExhausted
+from tests.children import Outbox
 
 
-def stream(name: str, stop_at: float, errors: Any) -> None:
-    """One-permit requests back to back until ``stop_at`` (wall clock): fail
+def stream(name: str, stop: Any, errors: Outbox) -> None:
+    """One-permit requests back to back until ``stop`` (an event) is set: fail
     fast and retry at once, hold 10-50 ms. The traffic that starves a big
     request on a semaphore without a queue."""
     try:
-        while time.time() < stop_at:
+        while not stop.is_set():
             key = uuid.uuid4().hex
             try:
                 acquire(name, external_id=key, owner="stream")
@@ -36,7 +37,7 @@ def stream(name: str, stop_at: float, errors: Any) -> None:
         connections.close_all()
 
 
-def record_tickets(history: Any) -> None:
+def record_tickets(history: Outbox) -> None:
     """Make this process record each ticket it takes, once committed:
     (key, semaphore id, ticket id, the semaphore's fencing counter then)."""
     take = fairness._insert_tickets
@@ -59,7 +60,7 @@ def record_tickets(history: Any) -> None:
 
 
 def fair_traffic(
-    demands: list[dict[str, int]], start: Any, duration: float, history: Any, errors: Any
+    demands: list[dict[str, int]], start: Any, duration: float, history: Outbox, errors: Outbox
 ) -> None:
     """Waiting acquires of random demands for ``duration`` seconds from when
     every client is ready (``start``, a barrier); records every ticket and

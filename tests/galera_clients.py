@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from tests.clients import SPAWN, Oracle
+from tests.children import SPAWN
+from tests.clients import Oracle
 
 URLS_VARIABLE = "SEMAPHORE_GALERA_URLS"
 
@@ -51,7 +52,6 @@ class Tally:
 
 
 def hammer_node(
-    database: dict[str, Any],
     oracle: Oracle,
     capacities: dict[str, int],
     duration: float,
@@ -59,23 +59,19 @@ def hammer_node(
     tally: Tally,
     fence_write: bool,
 ) -> None:
-    """A spawned client on one node: acquire, hold briefly, release, until
-    ``duration`` is over or another client saw an over-grant (``stop``).
+    """A spawned client on one node (``tests.children.spawn`` with the node's
+    address): acquire, hold briefly, release, until ``duration`` is over or
+    another client saw an over-grant (``stop``).
 
     ``fence_write=False`` removes the grant's write to the semaphore row, for
     the regression check that proves that write is what keeps Galera safe.
     """
-    import django
-
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
-    django.setup()
     from django.db import connections
 
     from django_semaphore import acquire, backends, release, statements
     from django_semaphore.exceptions import LockContention, SemaphoreExhausted
     from django_semaphore.models import Semaphore
 
-    connections["default"].settings_dict.update(database)
     if not fence_write:
         _remove_semaphore_row_write(statements.Statements)
     counts = {"attempts": 0, "grants": 0, "conflicts": 0, "gave_up": 0}

@@ -5,11 +5,11 @@ the app registry."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 from django.db import connections
 
 from django_semaphore import acquire, release
+from tests.children import Outbox
 
 
 def acquire_and_release(name: str, times: int) -> None:
@@ -24,7 +24,7 @@ def acquire_and_release(name: str, times: int) -> None:
         connections.close_all()
 
 
-def scrape(results: Any) -> None:
+def scrape(results: Outbox) -> None:
     """Put the metrics view's answer, as this process serves it, in ``results``."""
     from django.test import RequestFactory
 

@@ -10,9 +10,9 @@ import pytest
 
 from django_semaphore import releasing
 from django_semaphore.models import Permit, PermitRequest, Semaphore, State
+from tests.children import SPAWN, Outbox
 from tests.clients import (
     CLIENTS,
-    SPAWN,
     Oracle,
     hammer,
     nobody_wants_released_ids,
@@ -37,11 +37,11 @@ def test_never_more_holders_than_capacity(make_semaphore, mode, capacity):
 
     run_clients(mode, hammer, (oracle, [{name: 1}], DURATION))
 
-    assert oracle.drain(oracle.errors) == []
-    entries = oracle.drain(oracle.entries)
+    assert oracle.errors.items() == []
+    entries = oracle.entries.items()
     assert len(entries) > 20, "too few grants to mean anything"
     assert 1 <= oracle.peak[name].value <= capacity
-    # In entry order: a queue fed by several processes may deliver out of order.
+    # In entry order: each client's entries are kept apart.
     tokens = [token for _, _, token in sorted(entries, key=lambda entry: entry[1])]
     assert len(set(tokens)) == len(tokens), "a fencing token was handed out twice"
     if capacity == 1:
@@ -65,10 +65,8 @@ def test_multi_semaphore_requests_in_opposite_orders(make_semaphore, mode, relea
 
     run_clients(mode, hammer, (oracle, demands, DURATION, one_statement))
 
-    assert oracle.drain(oracle.errors) == []  # no deadlock ever surfaced
-    # Emptied even though unused: an unread queue filled by this process's
-    # threads keeps its feeder thread, and so the test process, from exiting.
-    assert oracle.drain(oracle.entries)
+    assert oracle.errors.items() == []  # no deadlock ever surfaced
+    assert oracle.entries.items()
     assert oracle.peak[a].value <= 2
     assert oracle.peak[b].value <= 3
     # All-or-nothing: every request spanning both holds a permit on each.
@@ -86,11 +84,11 @@ def test_racers_on_one_key_are_granted_once(make_semaphore, mode):
     name = make_semaphore(capacity=CLIENTS).name
     for _ in range(3):
         key = uuid.uuid4().hex
-        barrier, results = SPAWN.Barrier(CLIENTS), SPAWN.Queue()
+        barrier, results = SPAWN.Barrier(CLIENTS), Outbox.create()
 
         run_clients(mode, race_one_key, (name, key, barrier, results))
 
-        answers = [results.get(timeout=10) for _ in range(CLIENTS)]
+        answers = results.items()
         request = PermitRequest.objects.get(external_id=key)
         assert answers == [request.pk] * CLIENTS
         assert Permit.objects.filter(request=request).count() == 1

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections import defaultdict
 from datetime import timedelta
 
 import pytest
-from django.db import connection, connections
+from django.db import connections
 
 from django_semaphore import acquire, release
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.models import Semaphore, Ticket
-from tests.clients import SPAWN, in_child_process
+from tests.children import SPAWN, Outbox, join, spawn, start_threads
 from tests.fair_clients import fair_traffic, stream, wait_forever
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -31,28 +30,6 @@ STREAMERS = 8
 # (HEAD_POLL): a few hundred ms; the bound leaves room for a loaded machine.
 FAIR_BOUND = 3.0
 FIFO_CLIENTS = 6
-
-
-def spawn(target, *args):
-    database = {"NAME": connection.settings_dict["NAME"]}
-    process = SPAWN.Process(target=in_child_process, args=(database, target, *args))
-    process.start()
-    return process
-
-
-def drain(queue) -> list:
-    items = []
-    while not queue.empty():
-        items.append(queue.get())
-    return items
-
-
-def join_all(processes, errors) -> None:
-    for process in processes:
-        process.join(timeout=60)
-        assert not process.is_alive(), "a client hung"
-        assert process.exitcode == 0
-    assert drain(errors) == []
 
 
 def timed_big_acquire(name: str, timeout: float, results: dict) -> None:
@@ -70,10 +47,9 @@ def timed_big_acquire(name: str, timeout: float, results: dict) -> None:
 def test_a_big_request_is_granted_in_fair_mode_and_starves_without(make_semaphore):
     fair, plain = make_semaphore(5), make_semaphore(5)
     Semaphore.objects.filter(pk=fair.pk).update(fair=True)
-    stop_at = time.time() + 60
-    errors = SPAWN.Queue()
+    stop, errors = SPAWN.Event(), Outbox.create()
     streams = [
-        spawn(stream, name, stop_at, errors)
+        spawn(stream, name, stop, errors, bound=90)
         for _ in range(STREAMERS)
         for name in (fair.name, plain.name)
     ]
@@ -86,18 +62,13 @@ def test_a_big_request_is_granted_in_fair_mode_and_starves_without(make_semaphor
 
     waited: dict[str, float | None] = {}
     bigs = [
-        threading.Thread(target=timed_big_acquire, args=(fair.name, 10, waited)),
-        threading.Thread(target=timed_big_acquire, args=(plain.name, 6, waited)),
+        *start_threads(timed_big_acquire, (fair.name, 10, waited), 1),
+        *start_threads(timed_big_acquire, (plain.name, 6, waited), 1),
     ]
-    for big in bigs:
-        big.start()
-    for big in bigs:
-        big.join(30)
-    for process in streams:
-        os.kill(process.pid, signal.SIGTERM)
-    for process in streams:
-        process.join(30)
-    assert drain(errors) == []
+    join(bigs, within=30)
+    stop.set()
+    join(streams, within=30)
+    assert errors.items() == []
 
     print(f"\nbig request waited: fair {waited[fair.name]}s, plain {waited[plain.name]}s")
     assert waited[fair.name] is not None
@@ -109,15 +80,17 @@ def test_a_big_request_is_granted_in_fair_mode_and_starves_without(make_semaphor
 def test_grants_follow_ticket_order_per_semaphore(make_semaphore):
     a, b = make_semaphore(2), make_semaphore(3)
     demands = [{a.name: 1}, {a.name: 2}, {b.name: 1}, {b.name: 3}, {a.name: 1, b.name: 1}]
-    history, errors, start = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Barrier(FIFO_CLIENTS + 1)
+    history, errors, start = Outbox.create(), Outbox.create(), SPAWN.Barrier(FIFO_CLIENTS + 1)
     clients = [
-        spawn(fair_traffic, demands, start, 4.0, history, errors) for _ in range(FIFO_CLIENTS)
+        spawn(fair_traffic, demands, start, 4.0, history, errors, bound=90)
+        for _ in range(FIFO_CLIENTS)
     ]
     start.wait(timeout=60)
-    join_all(clients, errors)
+    join(clients, within=90)
+    assert errors.items() == []
 
     tickets, grants = {}, defaultdict(dict)
-    for kind, key, semaphore, number, counter in drain(history):
+    for kind, key, semaphore, number, counter in history.items():
         if kind == "ticket":
             tickets[key, semaphore] = (number, counter)
         else:
@@ -143,7 +116,7 @@ def test_a_killed_waiter_stops_blocking_at_its_deadline(make_semaphore):
     Semaphore.objects.filter(pk=sem.pk).update(fair=True)
     holder = "holder-" + sem.name
     acquire(sem.name, external_id=holder)
-    doomed = spawn(wait_forever, sem.name, 4.0)
+    doomed = spawn(wait_forever, sem.name, 4.0, bound=60)
     deadline = time.monotonic() + 30
     while not Ticket.objects.filter(semaphore=sem).exists():
         assert time.monotonic() < deadline, "the waiter never queued"

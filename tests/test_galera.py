@@ -15,9 +15,6 @@ nodes (``scripts/servers.py start galera`` prints both).
 
 from __future__ import annotations
 
-import contextlib
-import queue
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +24,8 @@ from django.db import connection
 
 from django_semaphore import backends, checks
 from django_semaphore.models import Permit, Semaphore
-from tests.clients import SPAWN, Oracle
+from tests.children import SPAWN, join, spawn
+from tests.clients import Oracle
 from tests.galera_clients import Tally, hammer_node, node_addresses
 
 pytestmark = [pytest.mark.galera, pytest.mark.django_db(transaction=True)]
@@ -71,34 +69,22 @@ def run_spread(
     oracle, tally, stop = Oracle.create(sorted(capacities)), Tally.create(), SPAWN.Event()
     name = connection.settings_dict["NAME"]
     workers = [
-        SPAWN.Process(
-            target=hammer_node,
-            args=(
-                {"NAME": name, "HOST": host, "PORT": port},
-                oracle,
-                capacities,
-                duration,
-                stop,
-                tally,
-                fence_write,
-            ),
+        spawn(
+            hammer_node,
+            oracle,
+            capacities,
+            duration,
+            stop,
+            tally,
+            fence_write,
+            bound=duration + 120,
+            database={"NAME": name, "HOST": host, "PORT": port},
         )
         for host, port in addresses
         for _ in range(CLIENTS_PER_NODE)
     ]
-    for worker in workers:
-        worker.start()
-    # Drained while the clients run: a child cannot exit while what it put on a
-    # queue still fills the pipe, and thousands of grants do.
-    entries: list[Any] = []
-    deadline = time.monotonic() + duration + 120
-    while any(worker.is_alive() for worker in workers):
-        assert time.monotonic() < deadline, "a client hung"
-        with contextlib.suppress(queue.Empty):
-            entries.append(oracle.entries.get(timeout=0.1))
-    entries += oracle.drain(oracle.entries)
-    assert [worker.exitcode for worker in workers] == [0] * len(workers)
-    return Run(oracle, tally, entries, oracle.drain(oracle.errors))
+    join(workers, within=duration + 130)
+    return Run(oracle, tally, oracle.entries.items(), oracle.errors.items())
 
 
 def node_view(address: tuple[str, int], semaphore: str) -> tuple[int, list[int]]:

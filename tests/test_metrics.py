@@ -27,7 +27,7 @@ from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.metrics import checks
 from django_semaphore.metrics.views import metrics
 from django_semaphore.models import Semaphore
-from tests.clients import SPAWN, in_child_process
+from tests.children import Outbox, join, spawn
 from tests.conftest import unique
 from tests.metrics_clients import acquire_and_release, scrape
 from tests.test_backends import kill_own_connection, row_locked_elsewhere
@@ -209,22 +209,11 @@ def test_multiprocess_mode_sums_every_process_and_reads_gauges_once(
     the view, as one gunicorn worker answers a scrape for all of them."""
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     sem = make_semaphore(capacity=2)
-    database = {"NAME": connection.settings_dict["NAME"]}
 
-    workers = [
-        SPAWN.Process(target=in_child_process, args=(database, acquire_and_release, sem.name, 4))
-        for _ in range(3)
-    ]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=120)
-        assert worker.exitcode == 0
-    results = SPAWN.Queue()
-    scraper = SPAWN.Process(target=in_child_process, args=(database, scrape, results))
-    scraper.start()
-    exposition = results.get(timeout=120)
-    scraper.join(timeout=30)
+    join([spawn(acquire_and_release, sem.name, 4, bound=120) for _ in range(3)], within=130)
+    results = Outbox.create()
+    join([spawn(scrape, results, bound=120)], within=130)
+    [exposition] = results.items()
 
     samples = parse(exposition)
     assert at(samples, "django_semaphore_grants_total", semaphore=sem.name) == 12
