@@ -37,7 +37,7 @@ def row_locked_elsewhere(name: str, hold: float = 30.0) -> Iterator[threading.Ev
         finally:
             connections.close_all()
 
-    thread = threading.Thread(target=hold_lock)
+    thread = threading.Thread(daemon=True, target=hold_lock)
     thread.start()
     assert locked.wait(10)
     try:
@@ -137,8 +137,8 @@ def test_real_deadlocks_are_classified_as_contention(make_semaphore):
             connections.close_all()
 
     threads = [
-        threading.Thread(target=lock, args=(a.name, b.name)),
-        threading.Thread(target=lock, args=(b.name, a.name)),
+        threading.Thread(daemon=True, target=lock, args=(a.name, b.name)),
+        threading.Thread(daemon=True, target=lock, args=(b.name, a.name)),
     ]
     if connection.vendor == "sqlite":
         # SQLite has one write lock per file: the second IMMEDIATE transaction
@@ -196,7 +196,7 @@ def test_prelock_keeps_one_process_to_one_waiting_connection(make_semaphore, set
 
     with prelock.prelocked([busy.name]):
         for name in (busy.name, free.name):
-            thread = threading.Thread(target=try_acquire, args=(name,))
+            thread = threading.Thread(daemon=True, target=try_acquire, args=(name,))
             thread.start()
             thread.join()
 

@@ -118,7 +118,7 @@ def test_signals_are_sent_after_commit(make_semaphore):
             finally:
                 connections.close_all()
 
-        thread = threading.Thread(target=check)
+        thread = threading.Thread(daemon=True, target=check)
         thread.start()
         thread.join()
         seen.append(("acquired", request.external_id))

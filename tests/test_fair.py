@@ -36,7 +36,7 @@ class Waiter(threading.Thread):
     """acquire() in a thread; records when it was granted, in order."""
 
     def __init__(self, names, order: list[str], **kwargs) -> None:
-        super().__init__()
+        super().__init__(daemon=True)
         self.names, self.order, self.kwargs = names, order, kwargs
         self.key = key()
         self.error: Exception | None = None
@@ -252,7 +252,7 @@ def test_waiting_threads_of_one_process_share_one_poller(make_semaphore, monkeyp
             connections.close_all()
 
     started = time.monotonic()
-    workers = [threading.Thread(target=waiter) for _ in range(threads)]
+    workers = [threading.Thread(daemon=True, target=waiter) for _ in range(threads)]
     for worker in workers:
         worker.start()
     for worker in workers:

@@ -410,7 +410,7 @@ def run_threads(target: Any, count: int = THREADS) -> list[BaseException]:
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    threads = [threading.Thread(daemon=True, target=run, args=(i,)) for i in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:

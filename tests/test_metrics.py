@@ -143,7 +143,7 @@ def test_a_fair_waiter_shows_in_the_gauges_until_granted(client, make_semaphore)
         finally:
             connections.close_all()
 
-    waiter = threading.Thread(target=wait_fairly)
+    waiter = threading.Thread(daemon=True, target=wait_fairly)
     waiter.start()
     try:
         deadline = time.monotonic() + 10

@@ -205,8 +205,8 @@ def test_stale_save_during_concurrent_grants(make_semaphore):
             saved.set()
             connections.close_all()
 
-    threads = [threading.Thread(target=granter, args=(mine,)) for mine in grants]
-    threads.append(threading.Thread(target=editor))
+    threads = [threading.Thread(daemon=True, target=granter, args=(mine,)) for mine in grants]
+    threads.append(threading.Thread(daemon=True, target=editor))
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -444,7 +444,7 @@ def release_later(key: str, after: float) -> threading.Thread:
         finally:
             connections.close_all()  # this thread's: the test database is dropped at the end
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(daemon=True, target=run)
     thread.start()
     return thread
 
@@ -511,9 +511,10 @@ def test_one_task_a_process_stands_by_on_a_semaphore_the_others_park(holds):
     holds[s.name] = 0.05
     first: list[str | None] = []
     standing = threading.Thread(
+        daemon=True,
         target=lambda: first.append(
             parking.stand_by("first", {s.name: 1}, claimer(s.name, "first"))
-        )
+        ),
     )
     standing.start()
     time.sleep(0.1)  # "first" stands by (a thread pool's other task comes now)

@@ -375,7 +375,7 @@ def run_together(*calls):
             for connection in connections.all():
                 connection.close()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    threads = [threading.Thread(daemon=True, target=run, args=(i,)) for i in range(len(calls))]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -137,7 +137,7 @@ def test_real_server_under_concurrent_load(live_server, semaphore):
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=client) for _ in range(20)]
+    threads = [threading.Thread(daemon=True, target=client) for _ in range(20)]
     for thread in threads:
         thread.start()
     for thread in threads:
