@@ -69,6 +69,7 @@ def main(argv: list[str]) -> int:
             process.wait()
             return 1
         time.sleep(POLL)
+    shutil.rmtree(watch, ignore_errors=True)  # kept only when the watchdog fired
     return process.returncode
 
 

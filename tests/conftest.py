@@ -4,11 +4,13 @@ import asyncio
 import json
 import multiprocessing
 import os
+import shutil
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from functools import partial
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -28,7 +30,9 @@ _progress: dict[str, object] = {"pid": os.getpid()}
 def pytest_configure(config: pytest.Config) -> None:
     """Stacks on SIGUSR1, for pytest-timeout's failures and the watchdog, in
     a directory the children inherit."""
-    os.environ.setdefault(STACKS_VARIABLE, tempfile.mkdtemp(prefix="semaphore-stacks-"))
+    if STACKS_VARIABLE not in os.environ:
+        os.environ[STACKS_VARIABLE] = tempfile.mkdtemp(prefix="semaphore-stacks-")
+        config.add_cleanup(partial(shutil.rmtree, os.environ[STACKS_VARIABLE], True))
     dump_stacks_on_signal()
     _report_progress(started=time.time(), test=None)
 
