@@ -1,5 +1,10 @@
 """Every error the app raises; driver errors are translated into these at the
-boundary and never reach callers."""
+boundary and never reach callers.
+
+An error's ``args`` are its constructor's arguments, and its message comes
+from ``__str__``: pickle and Celery's JSON result backend rebuild an error as
+``cls(*args)``, so one that travels comes back with its message and fields.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +24,10 @@ class SemaphoreNotFound(SemaphoreError, LookupError):
 
     def __init__(self, names: Iterable[str]) -> None:
         self.names = sorted(names)
-        super().__init__(f"No such semaphore: {', '.join(self.names)}")
+        super().__init__(self.names)
+
+    def __str__(self) -> str:
+        return f"No such semaphore: {', '.join(self.names)}"
 
 
 class SemaphoreExhausted(SemaphoreError):
@@ -27,7 +35,14 @@ class SemaphoreExhausted(SemaphoreError):
 
     def __init__(self, names: Iterable[str], message: str = "") -> None:
         self.names = sorted(names)
-        super().__init__(message or f"No capacity left on: {', '.join(self.names)}")
+        self.message = message or f"No capacity left on: {', '.join(self.names)}"
+        super().__init__()
+        # Set, not passed up: OSError, a base of AcquireTimeout, would take two
+        # arguments for errno and strerror.
+        self.args = (self.names, message)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class AcquireTimeout(SemaphoreExhausted, TimeoutError):
@@ -70,7 +85,12 @@ class StaleFencingToken(SemaphoreError):
         self.resource = resource
         self.token = token
         self.highest = highest
-        super().__init__(f"Fencing token {token} for {resource!r} is stale: {highest} was seen.")
+        super().__init__(resource, token, highest)
+
+    def __str__(self) -> str:
+        return (
+            f"Fencing token {self.token} for {self.resource!r} is stale: {self.highest} was seen."
+        )
 
 
 class NestedTransactionError(SemaphoreError, RuntimeError):

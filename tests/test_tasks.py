@@ -13,6 +13,7 @@ import pytest
 from celery.result import AsyncResult
 
 from django_semaphore import acquire
+from django_semaphore.exceptions import SemaphoreExhausted
 from django_semaphore.models import PermitRequest, Semaphore, State
 from django_semaphore.owners import TaskOwner
 from tests import tasks
@@ -75,6 +76,10 @@ def test_exhausted_task_retries_then_fails_without_running(one):
 
     assert result.state == "FAILURE"
     assert "SemaphoreExhausted" in (result.traceback or "")
+    # The error as the result backend (JSON) gives it back: whole.
+    assert type(result.result) is SemaphoreExhausted
+    assert result.result.names == [tasks.ONE]
+    assert str(result.result) == f"No capacity left on: {tasks.ONE}"
     assert not RunLog.objects.filter(label="never-runs").exists()
     assert not PermitRequest.objects.filter(external_id=result.id).exists()
 
