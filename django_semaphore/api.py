@@ -27,6 +27,7 @@ from django_semaphore.capacity import change as capacity_change
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import (
     AcquireTimeout,
+    InvalidRequest,
     NestedTransactionError,
     PermitAlreadyReleased,
     PermitNotFound,
@@ -39,7 +40,9 @@ from django_semaphore.validation import (
     Demand,
     validate_capacity,
     validate_demand,
+    validate_flag,
     validate_key,
+    validate_name,
     validate_owner,
     validate_timeout,
     validate_ttl,
@@ -113,11 +116,12 @@ def acquire(
     owner = validate_owner(owner)
     ttl_seconds = validate_ttl(ttl)
     wait = validate_timeout(timeout)
+    fair = validate_flag(fair, "fair")
     connection = connections[routing.alias_for_names(demand.names)]
     _refuse_outer_transaction(connection)
 
     deadline = time.monotonic() + wait
-    place = fairness.Place(key, owner, demand, fair=bool(fair), deadline=deadline if wait else None)
+    place = fairness.Place(key, owner, demand, fair=fair, deadline=deadline if wait else None)
 
     def attempt() -> PermitRequest:
         lock_wait = app_settings.LOCK_WAIT_TIMEOUT
@@ -298,9 +302,21 @@ def set_capacity(
     (the clean-up keeps it too). Changing a family's pattern changes the
     family default: once committed, the members that follow it are changed
     too, in batches, each recorded in their history.
+
+    Raises:
+        InvalidRequest: a malformed name, capacity or reason, or a
+            ``changed_by`` that is not a saved user; nothing is changed.
+        SemaphoreNotFound: no semaphore has this name.
     """
+    from django.contrib.auth import get_user_model
+
+    name = validate_name(name)
     capacity = validate_capacity(capacity)
     reason = validate_owner(reason, field="reason")
+    if changed_by is not None and not (
+        isinstance(changed_by, get_user_model()) and changed_by.pk is not None
+    ):
+        raise InvalidRequest(f"changed_by must be a saved user or None, not {changed_by!r}.")
     connection = connections[routing.alias_for_name(name)]
     semaphore = run_with_retries(
         connection,

@@ -18,8 +18,11 @@ safe in a settings file.
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any
+
+from django_semaphore.exceptions import InvalidRequest
 
 RELEASE_ORPHANS = "django_semaphore.release_orphans"
 """Task name (and schedule key) of the orphan sweep, ``tasks.release_orphans``."""
@@ -64,7 +67,14 @@ def beat_schedule(
     Returns:
         Entries keyed ``"django_semaphore.<task>"``, ready for
         ``CELERY_BEAT_SCHEDULE`` / ``app.conf.beat_schedule``.
+
+    Raises:
+        InvalidRequest: an interval that is not positive seconds, a
+            ``timedelta`` or a Celery schedule, or a queue that is not a name
+            (refused here, in the settings file, not when beat starts).
     """
+    if queue is not None and (not isinstance(queue, str) or not queue.strip()):
+        raise InvalidRequest(f"queue must be a queue's name or None, not {queue!r}.")
     schedule: dict[str, dict[str, Any]] = {}
     for task, every in (
         (RELEASE_ORPHANS, release_orphans),
@@ -74,8 +84,7 @@ def beat_schedule(
     ):
         if every is None:
             continue
-        if isinstance(every, int | float):
-            every = timedelta(seconds=every)
+        every = _interval(task, every)
         options: dict[str, Any] = {}
         if isinstance(every, timedelta):
             # A run that waited a whole interval in the queue is superseded by
@@ -85,6 +94,22 @@ def beat_schedule(
             options["queue"] = queue
         schedule[task] = {"task": task, "schedule": every, "options": options}
     return schedule
+
+
+def _interval(task: str, every: Any) -> Any:
+    """``every`` as beat takes it: a positive ``timedelta``, or a Celery
+    schedule (``crontab``, ``solar``: anything with ``is_due``)."""
+    interval = every
+    if isinstance(every, int | float) and not isinstance(every, bool):
+        # NaN, infinity and beyond timedelta's range are refused below.
+        with contextlib.suppress(OverflowError, ValueError):
+            interval = timedelta(seconds=every)
+    if (isinstance(interval, timedelta) and interval > timedelta(0)) or hasattr(interval, "is_due"):
+        return interval
+    raise InvalidRequest(
+        f"{task.rpartition('.')[2]} must be positive seconds, a timedelta or a Celery "
+        f"schedule, or None, not {every!r}."
+    )
 
 
 BEAT_SCHEDULE: dict[str, dict[str, Any]] = beat_schedule()

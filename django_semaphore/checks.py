@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from fnmatch import fnmatchcase
 from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections
-from django.utils.module_loading import import_string
 
-from django_semaphore import backends, families, routing
-from django_semaphore.conf import DEFAULTS, DURATION_KEYS, app_settings
-from django_semaphore.validation import MAX_COUNT, MAX_LENGTH
+from django_semaphore import backends, routing
+from django_semaphore.conf import DEFAULTS, DURATION_KEYS, app_settings, setting_problems
+from django_semaphore.validation import is_pattern
 
 DOCS = "See docs/settings.md."
 
@@ -23,91 +22,44 @@ def _error(id: int, msg: str, hint: str = DOCS) -> Error:
     return Error(msg, hint=hint, id=f"django_semaphore.E{id:03d}")
 
 
+# The id each key's problems are reported under (conf.setting_problems words them).
+SETTING_IDS = {
+    "DATABASE": 3,
+    "LOCK_WAIT_TIMEOUT": 4,
+    "PRELOCK_TIMEOUT": 4,
+    "RETRY_ATTEMPTS": 5,
+    "CLEANUP_BATCH_SIZE": 5,
+    **dict.fromkeys(DURATION_KEYS, 6),
+    "LIVENESS_CHECKERS": 7,
+    "VIEW_STATUS_CODE": 8,
+    "SEMAPHORES": 9,
+    "SHARDS": 10,
+    "PARK_TASKS": 20,
+}
+
+
 @register(Tags.compatibility)
 def check_settings(**kwargs: Any) -> list[CheckMessage]:
-    user = getattr(settings, "DJANGO_SEMAPHORE", {})
-    if not isinstance(user, Mapping):
-        return [_error(1, "DJANGO_SEMAPHORE must be a dict.")]
+    """Every key and value of ``DJANGO_SEMAPHORE``, by the rules a read applies."""
+    try:
+        user = app_settings.user_settings
+    except ImproperlyConfigured as exc:
+        return [_error(1, str(exc))]
     errors: list[CheckMessage] = [
         _error(2, f"DJANGO_SEMAPHORE has an unknown key {key!r}.")
         for key in sorted(set(user) - set(DEFAULTS))
     ]
     for key, value in user.items():
         if key in DEFAULTS:
-            errors.extend(_check_value(key, value))
+            errors.extend(
+                _error(SETTING_IDS[key], problem) for problem in setting_problems(key, value)
+            )
+    if "SEMAPHORES" in user and not setting_problems("SEMAPHORES", user["SEMAPHORES"]):
+        errors.extend(_shadowed_families(user["SEMAPHORES"]))
     return errors
 
 
-def _positive_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-
-
-def _check_value(key: str, value: Any) -> list[CheckMessage]:
-    if key == "DATABASE":
-        if value is not None and value not in settings.DATABASES:
-            return [_error(3, f"DJANGO_SEMAPHORE['DATABASE'] is {value!r}, not a DATABASES alias.")]
-    elif key in {"LOCK_WAIT_TIMEOUT", "PRELOCK_TIMEOUT"}:
-        if not _positive_number(value):
-            return [_error(4, f"DJANGO_SEMAPHORE[{key!r}] must be a positive number of seconds.")]
-    elif key in {"RETRY_ATTEMPTS", "CLEANUP_BATCH_SIZE"}:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            return [_error(5, f"DJANGO_SEMAPHORE[{key!r}] must be an int of at least 1.")]
-    elif key in DURATION_KEYS:
-        if not (_positive_number(value) or (isinstance(value, timedelta) and value > timedelta(0))):
-            return [
-                _error(6, f"DJANGO_SEMAPHORE[{key!r}] must be positive seconds or a timedelta.")
-            ]
-    elif key == "LIVENESS_CHECKERS":
-        return _check_checkers(value)
-    elif key == "VIEW_STATUS_CODE":
-        if not isinstance(value, int) or not 400 <= value <= 599:
-            return [_error(8, "DJANGO_SEMAPHORE['VIEW_STATUS_CODE'] must be a 4xx or 5xx status.")]
-    elif key == "SEMAPHORES":
-        return _check_declared(value)
-    elif key == "PARK_TASKS":
-        if not isinstance(value, bool):
-            return [_error(20, "DJANGO_SEMAPHORE['PARK_TASKS'] must be True or False.")]
-    elif key == "SHARDS":
-        return _check_shards(value)
-    return []
-
-
-def _check_shards(value: Any) -> list[CheckMessage]:
-    if not isinstance(value, Mapping):
-        return [_error(10, "DJANGO_SEMAPHORE['SHARDS'] must map name patterns to aliases.")]
-    return [
-        _error(10, f"Shard {pattern!r}: {alias!r} is not a DATABASES alias.")
-        for pattern, alias in value.items()
-        if not isinstance(pattern, str) or alias not in settings.DATABASES
-    ]
-
-
-def _check_checkers(value: Any) -> list[CheckMessage]:
-    if isinstance(value, str) or not isinstance(value, list | tuple):
-        return [_error(7, "DJANGO_SEMAPHORE['LIVENESS_CHECKERS'] must be a list of dotted paths.")]
-    errors: list[CheckMessage] = []
-    for path in value:
-        try:
-            import_string(path)
-        except ImportError as exc:
-            errors.append(_error(7, f"Liveness checker {path!r} cannot be imported: {exc}"))
-    return errors
-
-
-def _check_declared(value: Any) -> list[CheckMessage]:
-    if not isinstance(value, Mapping):
-        return [_error(9, "DJANGO_SEMAPHORE['SEMAPHORES'] must map names to capacities.")]
-    errors: list[CheckMessage] = [
-        _error(9, f"Declared semaphore {name!r}: {capacity!r} is not a valid name and capacity.")
-        for name, capacity in value.items()
-        if not (
-            isinstance(name, str)
-            and 0 < len(name) <= MAX_LENGTH
-            and (_is_capacity(capacity) or (families.is_pattern(name) and _is_family(capacity)))
-        )
-    ]
-    if errors:
-        return errors
+def _shadowed_families(declared: Mapping[str, Any]) -> list[CheckMessage]:
     return [
         Warning(
             f"Family {pattern!r} may never create a member: {earlier!r}, declared "
@@ -115,22 +67,8 @@ def _check_declared(value: Any) -> list[CheckMessage]:
             hint="Declare the narrower pattern first: the first matching pattern wins.",
             id="django_semaphore.W006",
         )
-        for pattern, earlier in _shadowed([name for name in value if families.is_pattern(name)])
+        for pattern, earlier in _shadowed([name for name in declared if is_pattern(name)])
     ]
-
-
-def _is_capacity(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
-
-
-def _is_family(value: Any) -> bool:
-    """``{"capacity": n}`` with an optional ``"max_members"`` of at least 1."""
-    if not isinstance(value, Mapping) or not set(value) <= {"capacity", "max_members"}:
-        return False
-    bound = value.get("max_members")
-    return _is_capacity(value.get("capacity")) and (
-        bound is None or (_is_capacity(bound) and bound >= 1)
-    )
 
 
 def _shadowed(patterns: list[str]) -> list[tuple[str, str]]:
@@ -164,10 +102,10 @@ def check_sqlite_transactions(**kwargs: Any) -> list[CheckMessage]:
 def _app_aliases() -> list[str]:
     """The aliases holding semaphores, if the settings are sound enough to tell
     (check_settings reports what is not)."""
-    user = getattr(settings, "DJANGO_SEMAPHORE", {})
-    if not isinstance(user, Mapping) or not isinstance(user.get("SHARDS", {}), Mapping):
+    try:
+        return [alias for alias in routing.aliases() if alias in settings.DATABASES]
+    except ImproperlyConfigured:
         return []
-    return [alias for alias in routing.aliases() if alias in settings.DATABASES]
 
 
 @register(Tags.compatibility)

@@ -1,17 +1,25 @@
 """A typed, lazy view of the ``DJANGO_SEMAPHORE`` settings dict.
 
 Read on every access (never cached, never written back into ``settings``) so
-``override_settings`` just works; ``checks.py`` validates what is read here.
+``override_settings`` just works. Each value is checked against
+:func:`setting_problems` when read, as the system check (``checks.py``)
+checks it at start-up: a Celery worker or a script never runs the checks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import threading
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
+
+from django_semaphore.validation import MAX_COUNT, MAX_LENGTH, MAX_TTL, is_int, is_pattern
 
 DEFAULTS: dict[str, Any] = {
     # Database alias holding the semaphore tables; all reads go to it. None:
@@ -64,6 +72,10 @@ DURATION_KEYS = frozenset(
     }
 )
 
+# PostgreSQL's lock_timeout is an int of milliseconds; MySQL's is at most
+# 2**30 seconds: one bound for every backend.
+MAX_LOCK_WAIT = (2**31 - 1) // 1000
+
 # Set by ``routing.on_alias``: the alias the app's single-alias code (sweeps,
 # commands, the admin) works on while it visits each shard.
 pinned_alias: ContextVar[str | None] = ContextVar("django_semaphore_alias", default=None)
@@ -74,10 +86,26 @@ class Settings:
 
     @property
     def user_settings(self) -> Mapping[str, Any]:
-        return getattr(settings, "DJANGO_SEMAPHORE", {})
+        """The ``DJANGO_SEMAPHORE`` dict as the project wrote it.
+
+        Raises:
+            ImproperlyConfigured: it is not a dict.
+        """
+        user = getattr(settings, "DJANGO_SEMAPHORE", {})
+        if not isinstance(user, Mapping):
+            raise ImproperlyConfigured(
+                f"DJANGO_SEMAPHORE must be a dict, not {type(user).__name__}."
+            )
+        return user
 
     def _get(self, key: str) -> Any:
-        value = self.user_settings.get(key, DEFAULTS[key])
+        user = self.user_settings
+        if key not in user:
+            return DEFAULTS[key]
+        value = user[key]
+        problems = setting_problems(key, value)
+        if problems:
+            raise ImproperlyConfigured(" ".join(problems))
         if key in DURATION_KEYS and not isinstance(value, timedelta):
             return timedelta(seconds=value)
         return value
@@ -156,3 +184,125 @@ class Settings:
 
 
 app_settings = Settings()
+
+
+def setting_problems(key: str, value: Any) -> list[str]:
+    """What is wrong with ``value`` as ``DJANGO_SEMAPHORE[key]``: one sentence
+    per problem, naming the key and what it expects (empty: nothing is).
+
+    The one set of rules: the system check reports these at start-up, and a
+    read refuses a value that has any, so a process that never runs the
+    checks fails with the same words instead of a bare ``ValueError`` (or a
+    driver's error, for a value out of the database's range).
+    """
+    if key == "SHARDS":
+        return _shard_problems(value)
+    if key == "LIVENESS_CHECKERS":
+        return _checker_problems(value)
+    if key == "SEMAPHORES":
+        return _declared_problems(value)
+    sound, expects = _SCALAR_RULES[key]
+    return [] if sound(value) else [f"DJANGO_SEMAPHORE[{key!r}] must be {expects}, not {value!r}."]
+
+
+def _is_number(value: Any) -> bool:
+    # An int is finite however large; math.isfinite() cannot take a huge one.
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and math.isfinite(value)
+    )
+
+
+def _is_seconds(value: Any, most: float) -> bool:
+    return _is_number(value) and 0 < value <= most
+
+
+def _is_duration(value: Any) -> bool:
+    return _is_seconds(value.total_seconds() if isinstance(value, timedelta) else value, MAX_TTL)
+
+
+def _is_alias(value: Any) -> bool:
+    return isinstance(value, str) and value in settings.DATABASES
+
+
+_SCALAR_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "DATABASE": (lambda value: value is None or _is_alias(value), "None or a DATABASES alias"),
+    "LOCK_WAIT_TIMEOUT": (
+        lambda value: _is_seconds(value, MAX_LOCK_WAIT),
+        f"a positive number of seconds, at most {MAX_LOCK_WAIT}",
+    ),
+    "PRELOCK_TIMEOUT": (
+        # What threading.Lock.acquire(timeout=...) takes.
+        lambda value: _is_seconds(value, threading.TIMEOUT_MAX),
+        f"a positive number of seconds, at most {threading.TIMEOUT_MAX:g}",
+    ),
+    **dict.fromkeys(
+        ("RETRY_ATTEMPTS", "CLEANUP_BATCH_SIZE"),
+        (lambda value: is_int(value, 1, MAX_COUNT), f"an int from 1 to {MAX_COUNT}"),
+    ),
+    # At most what a TTL may be: "now - limit" stays a date every database holds.
+    **dict.fromkeys(
+        DURATION_KEYS,
+        (_is_duration, f"positive seconds or a timedelta, at most {MAX_TTL} seconds"),
+    ),
+    "VIEW_STATUS_CODE": (lambda value: is_int(value, 400, 599), "a 4xx or 5xx status"),
+    "PARK_TASKS": (lambda value: isinstance(value, bool), "True or False"),
+}
+
+
+def _shard_problems(value: Any) -> list[str]:
+    if not isinstance(value, Mapping):
+        return [f"DJANGO_SEMAPHORE['SHARDS'] must map name patterns to aliases, not {value!r}."]
+    return [
+        f"DJANGO_SEMAPHORE['SHARDS'] must map name patterns to DATABASES aliases, "
+        f"not {pattern!r} to {alias!r}."
+        for pattern, alias in value.items()
+        if not isinstance(pattern, str) or not _is_alias(alias)
+    ]
+
+
+def _checker_problems(value: Any) -> list[str]:
+    if (
+        isinstance(value, str)
+        or not isinstance(value, list | tuple)
+        or not all(isinstance(path, str) for path in value)
+    ):
+        return [
+            f"DJANGO_SEMAPHORE['LIVENESS_CHECKERS'] must be a list of dotted paths, not {value!r}."
+        ]
+    problems: list[str] = []
+    for path in value:
+        try:
+            import_string(path)
+        except ImportError as exc:
+            problems.append(
+                f"DJANGO_SEMAPHORE['LIVENESS_CHECKERS']: {path!r} cannot be imported: {exc}"
+            )
+    return problems
+
+
+def _declared_problems(value: Any) -> list[str]:
+    if not isinstance(value, Mapping):
+        return [f"DJANGO_SEMAPHORE['SEMAPHORES'] must map names to capacities, not {value!r}."]
+    return [
+        f"DJANGO_SEMAPHORE['SEMAPHORES'] must map names of 1 to {MAX_LENGTH} characters to "
+        f"capacities from 0 to {MAX_COUNT} (a family's pattern also to "
+        f"{{'capacity': n, 'max_members': m}}), not {name!r} to {capacity!r}."
+        for name, capacity in value.items()
+        if not (
+            isinstance(name, str)
+            and 0 < len(name) <= MAX_LENGTH
+            and (_is_capacity(capacity) or (is_pattern(name) and _is_family(capacity)))
+        )
+    ]
+
+
+def _is_capacity(value: Any) -> bool:
+    return is_int(value, 0, MAX_COUNT)
+
+
+def _is_family(value: Any) -> bool:
+    """``{"capacity": n}`` with an optional ``"max_members"`` of at least 1."""
+    if not isinstance(value, Mapping) or not set(value) <= {"capacity", "max_members"}:
+        return False
+    bound = value.get("max_members")
+    return _is_capacity(value.get("capacity")) and (bound is None or is_int(bound, 1, MAX_COUNT))

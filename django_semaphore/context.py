@@ -17,7 +17,7 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 
 from django_semaphore.exceptions import PermitAlreadyReleased, PermitLost, SemaphoreError
-from django_semaphore.validation import validate_key, validate_ttl
+from django_semaphore.validation import validate_flag, validate_key, validate_ttl
 
 if TYPE_CHECKING:
     from django_semaphore.models import PermitRequest
@@ -136,7 +136,7 @@ class Grant:
         ttl_seconds = validate_ttl(ttl)
         self._heartbeat = (
             Heartbeat(self._acquire_args["external_id"], ttl_seconds)
-            if heartbeat and ttl_seconds is not None
+            if validate_flag(heartbeat, "heartbeat") and ttl_seconds is not None
             else None
         )
         self.request: PermitRequest | None = None

@@ -23,6 +23,7 @@ from django_semaphore import backends, signals
 from django_semaphore.conf import app_settings
 from django_semaphore.retry import run_with_retries
 from django_semaphore.statements import statements
+from django_semaphore.validation import validate_batch_size, validate_keys
 
 logger = logging.getLogger("django_semaphore")
 
@@ -47,16 +48,20 @@ def verify(
 
     ``correct=False`` only reports (the system check, a dry run). Locks at
     most ``batch_size`` semaphore rows at a time, in name order.
+
+    Raises:
+        InvalidRequest: ``names`` given as one str or holding a name no
+            semaphore could have, or a ``batch_size`` below 1.
     """
     from django_semaphore.models import Semaphore
 
+    size = validate_batch_size(batch_size) or app_settings.CLEANUP_BATCH_SIZE
     alias = app_settings.DATABASE
     connection = connections[alias]
     semaphores = Semaphore.objects.using(alias).order_by("name")
     if names is not None:
-        semaphores = semaphores.filter(name__in=list(names))
+        semaphores = semaphores.filter(name__in=validate_keys(names, "semaphore name"))
     ids = list(semaphores.values_list("id", flat=True))
-    size = batch_size or app_settings.CLEANUP_BATCH_SIZE
     drifts: list[Drift] = []
     for start in range(0, len(ids), size):
         batch = functools.partial(_verify_batch, connection, ids[start : start + size], correct)

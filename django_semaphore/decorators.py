@@ -26,13 +26,23 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHt
 from django_semaphore.conf import app_settings
 from django_semaphore.context import Heartbeat, permit
 from django_semaphore.exceptions import (
+    InvalidRequest,
     LiveDuplicate,
     PermitLost,
     SemaphoreError,
     SemaphoreExhausted,
     TaskAlreadyRan,
 )
-from django_semaphore.validation import MAX_LENGTH, validate_demand, validate_ttl
+from django_semaphore.validation import (
+    MAX_COUNT,
+    MAX_LENGTH,
+    MAX_TTL,
+    is_int,
+    validate_demand,
+    validate_flag,
+    validate_timeout,
+    validate_ttl,
+)
 
 logger = logging.getLogger("django_semaphore")
 
@@ -88,14 +98,30 @@ def holds_permit(
         park: Celery tasks only: park a task that finds no room instead of
             retrying it (``None``: ``DJANGO_SEMAPHORE["PARK_TASKS"]``, off
             by default).
+
+    Raises:
+        InvalidRequest: when decorating, for any malformed argument (computed
+            names are checked on each call, as ``acquire`` checks them).
     """
+    # Every argument is checked now, so a typo fails at import rather than
+    # on the first request (where a view would answer it with a 503).
     names_of: Callable[..., Any] | None = None
+    if not is_int(count, 1, MAX_COUNT):
+        raise InvalidRequest(f"count must be an int from 1 to {MAX_COUNT}, not {count!r}.")
     if callable(names) and not isinstance(names, str | Mapping):
         names_of, demand = names, {}
     else:
-        # Validated now, so a typo fails at import rather than on the first request.
         demand = _demand(names, count)
     ttl_seconds = validate_ttl(ttl)
+    validate_timeout(timeout)
+    if not is_int(retry_after, 0, MAX_TTL):
+        # The Retry-After header takes whole seconds.
+        raise InvalidRequest(
+            f"retry_after must be an int of seconds from 0 to {MAX_TTL}, not {retry_after!r}."
+        )
+    validate_flag(fair, "fair")
+    if park is not None:
+        validate_flag(park, "park")
 
     def decorate(func: F) -> F:
         options = _Options(

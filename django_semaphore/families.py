@@ -50,13 +50,13 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import FamilyFull, InvalidRequest, SemaphoreNotFound
 from django_semaphore.guards import engine_writes
+from django_semaphore.validation import is_pattern
 
 if TYPE_CHECKING:
     from django.db.models import QuerySet
 
     from django_semaphore.models import Semaphore
 
-WILDCARDS = frozenset("*?[")
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -67,11 +67,6 @@ class Family:
     pattern: str
     capacity: int  # the template's first capacity; the row's rules once it exists
     max_members: int | None
-
-
-def is_pattern(name: str) -> bool:
-    """Whether a declared name is a family's pattern rather than a semaphore."""
-    return any(char in WILDCARDS for char in name)
 
 
 def declared_capacity(value: Any) -> int:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, connections, transaction
 
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import InvalidRequest, StaleFencingToken
 from django_semaphore.retry import run_with_retries
-from django_semaphore.validation import MAX_LENGTH, validate_storable
+from django_semaphore.validation import MAX_LENGTH, validate_storable, validate_token
 
 
 def advance(resource: str, token: int, *, using: str | None = None) -> None:
@@ -32,10 +33,12 @@ def advance(resource: str, token: int, *, using: str | None = None) -> None:
 
     Raises:
         StaleFencingToken: a higher token was already seen for ``resource``.
-        InvalidRequest: an empty or over-long resource, or a token that is not
-            a non-negative int.
+        InvalidRequest: an empty or over-long resource, a token that is not an
+            int from 0 to ``2**63 - 1`` (what the column holds on every
+            database), or ``using`` that is not a ``DATABASES`` alias; nothing
+            is written.
     """
-    _validate(resource, token)
+    _validate(resource, token, using)
     connection = connections[using or app_settings.DATABASE]
     run_with_retries(connection, lambda: _advance(connection.alias, resource, token))
 
@@ -59,11 +62,12 @@ def _advance(alias: str, resource: str, token: int) -> None:
     raise StaleFencingToken(resource, token, highest)
 
 
-def _validate(resource: Any, token: Any) -> None:
+def _validate(resource: Any, token: Any, using: Any) -> None:
     if not isinstance(resource, str) or not resource:
         raise InvalidRequest("The fencing resource must be a non-empty str.")
     if len(resource) > MAX_LENGTH:
         raise InvalidRequest(f"The fencing resource must be at most {MAX_LENGTH} characters.")
     validate_storable(resource, "fencing resource")
-    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-        raise InvalidRequest(f"A fencing token must be a non-negative int, not {token!r}.")
+    validate_token(token)
+    if using is not None and not (isinstance(using, str) and using in settings.DATABASES):
+        raise InvalidRequest(f"using must be a DATABASES alias, not {using!r}.")

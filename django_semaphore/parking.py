@@ -81,6 +81,7 @@ from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import LiveDuplicate, SemaphoreError, SemaphoreExhausted
 from django_semaphore.retry import run_with_retries
 from django_semaphore.statements import room_for
+from django_semaphore.validation import validate_keys
 
 if TYPE_CHECKING:
     from django_semaphore.models import Semaphore
@@ -504,10 +505,14 @@ def cancel(task_ids: Iterable[str]) -> int:
     """Drop these parked tasks (never published again); returns how many.
 
     The room that woken ones were kept is offered to the next in line.
+
+    Raises:
+        InvalidRequest: ``task_ids`` given as one str, or holding an id no
+            task could have; nothing is dropped.
     """
     from django_semaphore.models import ParkedDemand, ParkedTask
 
-    keys = list(task_ids)
+    keys = validate_keys(task_ids, "task id")
     dropped = 0
     for alias in routing.aliases():
         rows = dict(

@@ -20,14 +20,17 @@ alias in turn by ``release``/``renew``: they must be unique across aliases
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from fnmatch import fnmatchcase
+from typing import TypeVar
 
 from django.db import connections
 
 from django_semaphore.conf import app_settings, pinned_alias
 from django_semaphore.exceptions import CrossShardRequest
+
+T = TypeVar("T")
 
 
 def alias_for_name(name: str) -> str:
@@ -93,8 +96,14 @@ def on_alias(alias: str) -> Iterator[None]:
         pinned_alias.reset(token)
 
 
-def each_alias() -> Iterator[str]:
-    """Visit every alias in turn, pinned (see :func:`on_alias`)."""
+def on_each_alias(work: Callable[[], T]) -> list[T]:
+    """Run ``work`` on every alias in turn, pinned (see :func:`on_alias`).
+
+    Not a generator: one suspended by the caller's error would keep its
+    alias pinned for as long as that error is referenced.
+    """
+    results: list[T] = []
     for alias in aliases():
         with on_alias(alias):
-            yield alias
+            results.append(work())
+    return results

@@ -53,11 +53,16 @@ from django.db.models import (
 from django_semaphore import backends, counter, liveness, routing, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
-from django_semaphore.exceptions import LockContention
+from django_semaphore.exceptions import InvalidRequest, LockContention
 from django_semaphore.guards import engine_writes
 from django_semaphore.outcomes import ReleaseOutcome
 from django_semaphore.releasing import release_permits, release_requests
 from django_semaphore.retry import run_with_retries
+from django_semaphore.validation import (
+    validate_batch_size,
+    validate_keys,
+    validate_time_budget,
+)
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
@@ -159,7 +164,7 @@ def _on_every_alias(sweep: Callable[P, Report]) -> Callable[P, Report]:
 
     @functools.wraps(sweep)
     def on_every_alias(*args: P.args, **kwargs: P.kwargs) -> Report:
-        first, *others = [sweep(*args, **kwargs) for _ in routing.each_alias()]
+        first, *others = routing.on_each_alias(lambda: sweep(*args, **kwargs))
         for other in others:
             for field in fields(first):
                 mine, theirs = getattr(first, field.name), getattr(other, field.name)
@@ -203,11 +208,15 @@ def release_orphans(
 
     Returns:
         The counts released, by reason, and the repairs.
+
+    Raises:
+        InvalidRequest: ``batch_size`` not an int of at least 1, or
+            ``time_budget`` negative or not a number of seconds; nothing is
+            changed.
     """
     from django_semaphore.models import ReleaseReason
 
-    size = batch_size or app_settings.CLEANUP_BATCH_SIZE
-    deadline = _deadline(time_budget)
+    size, deadline = _limits(batch_size, time_budget)
     report = OrphanReport(dry_run=dry_run)
     alias = app_settings.DATABASE
     half_released = _partly_released()
@@ -504,9 +513,13 @@ def clean_released(
         time_budget: seconds after which no new batch starts (``None``: no limit).
         dry_run: count what would be deleted, delete nothing.
         progress: called with the running report after each batch.
+
+    Raises:
+        InvalidRequest: as for :func:`release_orphans`.
     """
     from django_semaphore.models import Permit, PermitRequest, State
 
+    size, deadline = _limits(batch_size, time_budget)
     alias = app_settings.DATABASE
     old = PermitRequest.objects.using(alias).filter(
         state=State.RELEASED, released_at__lte=_ago(app_settings.RELEASED_RETENTION)
@@ -523,8 +536,8 @@ def clean_released(
     return _delete_in_batches(
         old.order_by("released_at"),
         report,
-        batch_size,
-        time_budget,
+        size,
+        deadline,
         progress,
         before=delete_permits,
     )
@@ -542,6 +555,7 @@ def clean_history(
     batches; arguments as for :func:`clean_released`."""
     from django_semaphore.models import CapacityChange
 
+    size, deadline = _limits(batch_size, time_budget)
     alias = app_settings.DATABASE
     old = CapacityChange.objects.using(alias).filter(
         changed_at__lte=_ago(app_settings.HISTORY_RETENTION)
@@ -550,7 +564,7 @@ def clean_history(
     if dry_run:
         report.deleted = old.count()
         return report
-    return _delete_in_batches(old.order_by("changed_at"), report, batch_size, time_budget, progress)
+    return _delete_in_batches(old.order_by("changed_at"), report, size, deadline, progress)
 
 
 @_on_every_alias
@@ -579,6 +593,7 @@ def clean_idle_members(
         Ticket,
     )
 
+    size, deadline = _limits(batch_size, time_budget)
     alias = app_settings.DATABASE
     now = DatabaseNow()
     # The row lock of each batch re-reads these conditions on the latest
@@ -608,8 +623,8 @@ def clean_idle_members(
     return _delete_in_batches(
         idle.order_by("family", "updated_at"),
         report,
-        batch_size,
-        time_budget,
+        size,
+        deadline,
         progress,
         before=delete_dependents,
     )
@@ -627,25 +642,23 @@ def clean_tickets(
     """
     from django_semaphore.models import Ticket
 
+    size, deadline = _limits(batch_size, time_budget)
     dead = Ticket.objects.using(app_settings.DATABASE).filter(expires_at__lte=DatabaseNow())
     report = CleanupReport("dead tickets", dry_run=dry_run)
     if dry_run:
         report.deleted = dead.count()
         return report
-    return _delete_in_batches(dead.order_by("expires_at"), report, batch_size, time_budget, None)
+    return _delete_in_batches(dead.order_by("expires_at"), report, size, deadline, None)
 
 
 def _delete_in_batches(
     old: QuerySet[Model],
     report: CleanupReport,
-    batch_size: int | None,
-    time_budget: float | None,
+    size: int,
+    deadline: float | None,
     progress: Callable[[CleanupReport], None] | None,
     before: Callable[[list[int]], int] | None = None,
 ) -> CleanupReport:
-    size = batch_size or app_settings.CLEANUP_BATCH_SIZE
-    deadline = _deadline(time_budget)
-
     def batch() -> tuple[int, int, int]:
         """(rows found, rows deleted, dependent rows deleted). Counted into
         the report only once committed: a deadlock rolls a batch back and
@@ -694,8 +707,19 @@ def force_release(keys: Iterable[str], reason: str | None = None) -> dict[str, R
 
     Returns:
         key -> ``RELEASED`` (this call ended it), ``ALREADY_RELEASED`` or ``NOT_FOUND``.
+
+    Raises:
+        InvalidRequest: a key that no request could have, ``keys`` given as
+            one str, or a ``reason`` that is not a ``ReleaseReason``; nothing
+            is released.
     """
-    keys = list(dict.fromkeys(keys))
+    from django_semaphore.models import ReleaseReason
+
+    keys = list(dict.fromkeys(validate_keys(keys)))
+    if reason is not None and reason not in ReleaseReason.values:
+        raise InvalidRequest(
+            f"reason must be one of {', '.join(ReleaseReason.values)}, not {reason!r}."
+        )
     outcomes = dict.fromkeys(keys, ReleaseOutcome.NOT_FOUND)
     for alias in routing.aliases():
         # Keys are unique per alias: a key found on one is looked for no further.
@@ -737,8 +761,16 @@ def _ago(delta: timedelta) -> ExpressionWrapper[CombinedExpression]:
     )
 
 
-def _deadline(time_budget: float | None) -> float | None:
-    return None if time_budget is None else time.monotonic() + time_budget
+def _limits(batch_size: int | None, time_budget: float | None) -> tuple[int, float | None]:
+    """A run's rows per batch and the moment it starts no new batch, checked
+    before anything is read or written.
+
+    Raises:
+        InvalidRequest: a batch size or time budget out of range.
+    """
+    size = validate_batch_size(batch_size) or app_settings.CLEANUP_BATCH_SIZE
+    budget = validate_time_budget(time_budget)
+    return size, None if budget is None else time.monotonic() + budget
 
 
 def _past(deadline: float | None) -> bool:

@@ -7,14 +7,23 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeGuard
+
+from django.db.backends.base.operations import BaseDatabaseOperations
 
 from django_semaphore.exceptions import InvalidRequest
 
 MAX_LENGTH = 255
-# Stored in an unsigned 32-bit column on MySQL; ~68 years is plenty.
+# Stored in an unsigned 32-bit column on MySQL; ~68 years is plenty. Also
+# the longest timeout: a deadline further off overflows the clock's types.
 MAX_TTL = 2**31 - 1
 MAX_COUNT = 2**31 - 1
+# Fencing tokens are PositiveBigIntegerFields: this is their range on
+# PostgreSQL and SQLite (MySQL's unsigned column holds more), so one rule
+# holds on every backend.
+MAX_TOKEN = BaseDatabaseOperations.integer_field_ranges["PositiveBigIntegerField"][1]
+# A family's pattern is a declared name with fnmatch wildcards (families.py).
+WILDCARDS = frozenset("*?[")
 
 
 @dataclass(frozen=True)
@@ -32,11 +41,11 @@ class Demand:
 def validate_demand(names: Any) -> Demand:
     """Accept ``"a"``, ``["a", "b"]`` or ``{"a": 2}``."""
     if isinstance(names, str):
-        counts = {_name(names): 1}
+        counts = {validate_name(names): 1}
     elif isinstance(names, Mapping):
-        counts = {_name(name): _count(name, count) for name, count in names.items()}
+        counts = {validate_name(name): _count(name, count) for name, count in names.items()}
     elif isinstance(names, Iterable) and not isinstance(names, bytes | bytearray):
-        listed = [_name(name) for name in names]
+        listed = [validate_name(name) for name in names]
         if len(set(listed)) != len(listed):
             raise InvalidRequest(
                 "A semaphore is listed twice; pass {name: count} to ask for more than one."
@@ -52,7 +61,7 @@ def validate_demand(names: Any) -> Demand:
     return Demand(counts)
 
 
-def _name(name: Any) -> str:
+def validate_name(name: Any) -> str:
     return _text(name, "semaphore name")
 
 
@@ -86,6 +95,11 @@ def validate_storable(value: str, what: str) -> str:
     return value
 
 
+def is_pattern(name: str) -> bool:
+    """Whether a declared name is a family's pattern rather than a semaphore."""
+    return any(char in WILDCARDS for char in name)
+
+
 def validate_key(external_id: Any) -> str:
     return _text(external_id, "external_id")
 
@@ -111,10 +125,57 @@ def validate_ttl(ttl: Any) -> int | None:
 
 
 def validate_timeout(timeout: Any) -> float:
-    seconds = _seconds(timeout, "timeout")
-    if seconds < 0:
-        raise InvalidRequest(f"timeout must not be negative, not {timeout!r}.")
-    return seconds
+    return _seconds_up_to(timeout, "timeout", MAX_TTL)
+
+
+def validate_time_budget(time_budget: Any) -> float | None:
+    """Seconds after which a sweep starts no new batch; ``None``: no limit."""
+    if time_budget is None:
+        return None
+    return _seconds_up_to(time_budget, "time_budget", math.inf)
+
+
+def validate_batch_size(batch_size: Any) -> int | None:
+    """Rows per batch of a sweep; ``None``: the ``CLEANUP_BATCH_SIZE`` setting.
+    Zero or less would be no batch at all (a negative one, a slice that
+    Django refuses)."""
+    if batch_size is None:
+        return None
+    if not is_int(batch_size, 1, MAX_COUNT):
+        raise InvalidRequest(
+            f"batch_size must be an int from 1 to {MAX_COUNT}, not {batch_size!r}."
+        )
+    return batch_size
+
+
+def validate_keys(keys: Any, what: str = "external_id") -> list[str]:
+    """A collection of keys, each checked as ``validate_key`` does; a single
+    str is refused rather than taken as its characters."""
+    if isinstance(keys, str | bytes) or not isinstance(keys, Iterable):
+        raise InvalidRequest(f"Pass a list of {what} values, not {type(keys).__name__}.")
+    return [_text(key, what) for key in keys]
+
+
+def validate_flag(value: Any, what: str) -> bool:
+    """``True`` or ``False`` only: a truthy string such as ``"false"`` read
+    from the environment must not switch a behaviour on."""
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{what} must be True or False, not {value!r}.")
+    return value
+
+
+def validate_token(token: Any) -> int:
+    """A fencing token as its column can hold it, on every database."""
+    if not is_int(token, 0, MAX_TOKEN):
+        raise InvalidRequest(
+            f"A fencing token must be an int from 0 to {MAX_TOKEN}, not {token!r}."
+        )
+    return token
+
+
+def is_int(value: Any, least: int, most: int) -> TypeGuard[int]:
+    """An int (``True`` is not one) from ``least`` to ``most``."""
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= most
 
 
 def validate_capacity(capacity: Any) -> int:
@@ -132,6 +193,18 @@ def _seconds(value: Any, what: str) -> float:
         raise InvalidRequest(
             f"{what} must be seconds (int or float) or a timedelta, not {type(value).__name__}."
         )
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise InvalidRequest(f"{what} must be finite, not {value!r}.")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond every float: as good as forever
+        return math.inf if value > 0 else -math.inf
+
+
+def _seconds_up_to(value: Any, what: str, most: float) -> float:
+    seconds = _seconds(value, what)
+    if seconds < 0:
+        raise InvalidRequest(f"{what} must not be negative, not {value!r}.")
+    if seconds > most:
+        raise InvalidRequest(f"{what} must be at most {most:.0f} seconds, not {value!r}.")
+    return seconds

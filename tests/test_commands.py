@@ -144,6 +144,12 @@ def test_create_then_set_capacity_is_recorded_as_by_command():
         (["semaphore_create", "x", "-1"], "apacity"),
         (["semaphore_capacity", "no-such-semaphore", "3"], "no-such-semaphore"),
         (["semaphore_capacity", "x", "-1"], "apacity"),
+        (["semaphore_capacity", "a\x00b", "3"], "name"),
+        (["semaphore_capacity", "x", "3", "--reason", "r" * 300], "reason"),
+        (["semaphore_status", "a\x00b"], "name"),
+        (["semaphore_status", "--verify", "x" * 256], "name"),
+        (["semaphore_release", ""], "external_id"),
+        (["semaphore_release", "k\x00"], "external_id"),
     ],
 )
 def test_bad_arguments_are_command_errors(args, message):
@@ -165,3 +171,43 @@ def test_release_by_key(make_semaphore):
     assert (held.state, held.release_reason) == (State.RELEASED, ReleaseReason.ADMIN)
     with pytest.raises(CommandError, match="no-such-key"):
         run("semaphore_release", "no-such-key")
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["--cleanup", "--batch-size", "-3"], "--batch-size"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--batch-size", "2.5"], "--batch-size"),
+        (["--batch-size", "many"], "--batch-size"),
+        (["--time-budget", "-1"], "--time-budget"),
+        (["--time-budget", "nan"], "--time-budget"),
+        (["--time-budget", "inf"], "--time-budget"),
+        (["--history", "--time-budget", "soon"], "--time-budget"),
+    ],
+)
+def test_bad_sweep_options_are_refused_naming_the_option_before_any_sweep(leftovers, args, option):
+    expired, old = leftovers
+    with pytest.raises(CommandError, match=option):
+        run("semaphore_sweep", *args)
+
+    expired.refresh_from_db()
+    assert expired.state == State.ACQUIRED
+    assert PermitRequest.objects.filter(pk=old.pk).exists()
+    assert CapacityChange.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "name"), [({"batch_size": -3}, "batch_size"), ({"time_budget": -1}, "time_budget")]
+)
+def test_bad_sweep_options_given_to_call_command_are_refused_too(leftovers, options, name):
+    """call_command(batch_size=...) skips argparse's type=: handle() checks again."""
+    expired, _ = leftovers
+    with pytest.raises(CommandError, match=name):
+        call_command("semaphore_sweep", stdout=StringIO(), **options)
+    expired.refresh_from_db()
+    assert expired.state == State.ACQUIRED
+
+
+def test_a_zero_time_budget_still_means_no_limit(leftovers):
+    assert "deleted 1 and 1 permits" in run("semaphore_sweep", "--cleanup", "--time-budget", "0")

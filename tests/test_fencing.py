@@ -92,3 +92,33 @@ def test_concurrent_first_advances():
 def test_bad_input(resource, token):
     with pytest.raises(InvalidRequest):
         fencing.advance(resource, token)
+
+
+@pytest.mark.parametrize("token", [2**63, 2**64, 2**70])
+def test_a_token_beyond_the_column_is_refused_and_nothing_is_written(token):
+    """The token column holds 0..2**63-1 (PostgreSQL, SQLite; MySQL's unsigned
+    one more): one rule on every database, not a driver's error on some."""
+    resource = unique("res")
+    fencing.advance(resource, 5)
+
+    with pytest.raises(InvalidRequest, match="from 0 to 9223372036854775807"):
+        fencing.advance(resource, token)
+    with pytest.raises(InvalidRequest):
+        fencing.advance(unique("res"), token)
+
+    assert FencingMark.objects.get(resource=resource).token == 5
+    assert FencingMark.objects.count() == 1
+
+
+def test_the_highest_token_the_column_holds_is_accepted():
+    resource = unique("res")
+    fencing.advance(resource, 2**63 - 1)
+
+    assert FencingMark.objects.get(resource=resource).token == 2**63 - 1
+
+
+@pytest.mark.parametrize("using", ["no-such-alias", 5, ""])
+def test_an_unknown_alias_is_refused(using):
+    with pytest.raises(InvalidRequest, match="using"):
+        fencing.advance(unique("res"), 1, using=using)
+    assert not FencingMark.objects.exists()

@@ -8,20 +8,50 @@ the database is never left with a half-written request.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import uuid
 from datetime import timedelta
+from io import StringIO
 from typing import Any
 
 import pytest
+from django.core.checks import ERROR
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db.models import Count, Q, Sum
+from django.test import override_settings
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from django_semaphore import acquire, fencing, permit, release, renew
-from django_semaphore.exceptions import SemaphoreError
-from django_semaphore.models import Permit, PermitRequest, Semaphore, State
+from django_semaphore import (
+    acquire,
+    counter,
+    fencing,
+    holds_permit,
+    parking,
+    permit,
+    release,
+    renew,
+    sweep,
+)
+from django_semaphore.api import set_capacity
+from django_semaphore.beat import beat_schedule
+from django_semaphore.checks import check_settings
+from django_semaphore.conf import DEFAULTS, app_settings
+from django_semaphore.exceptions import InvalidRequest, SemaphoreError
+from django_semaphore.models import (
+    CapacityChange,
+    FencingMark,
+    Permit,
+    PermitRequest,
+    ReleaseReason,
+    Semaphore,
+    State,
+)
 from django_semaphore.outcomes import ReleaseOutcome
+from django_semaphore.validation import MAX_COUNT, MAX_TOKEN
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -145,10 +175,28 @@ def test_release_and_renew_answer_or_raise_an_app_error(semaphores, key, ttl):
     assert_database_consistent()
 
 
+def is_int_from(value: Any, least: int, most: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= most
+
+
+# Around the ends of the token column (0 .. 2**63-1) and far past them.
+tokens = st.one_of(
+    st.integers(),
+    st.integers(min_value=MAX_TOKEN - 3, max_value=2**80),
+    st.integers(min_value=-(2**80), max_value=3),
+    junk,
+)
+
+
 @PROFILE
-@given(resource=st.one_of(texts, junk), token=st.one_of(st.integers(), junk))
+@given(resource=st.one_of(texts, junk), token=tokens)
 def test_fencing_advance_accepts_or_raises_an_app_error(resource, token):
-    call(fencing.advance, resource, token)
+    marks = dict(FencingMark.objects.values_list("resource", "token"))
+    _, error = call(fencing.advance, resource, token)
+    if not is_int_from(token, 0, MAX_TOKEN):
+        assert isinstance(error, InvalidRequest)
+    if isinstance(error, InvalidRequest):
+        assert dict(FencingMark.objects.values_list("resource", "token")) == marks
 
 
 @PROFILE
@@ -247,3 +295,274 @@ def test_a_case_variant_key_neither_joins_nor_releases_another_callers_permit(se
         "release('JOB-7') ended job-7's permit"
     )
     assert release("job-7") is ReleaseOutcome.RELEASED
+
+
+# --- the other entry points: each answers, or refuses with the app's error ------
+
+
+@PROFILE
+@given(
+    name=st.one_of(texts, junk),
+    capacity=counts,
+    reason=st.one_of(texts, junk),
+    changed_by=st.one_of(st.none(), junk),
+)
+def test_set_capacity_changes_or_refuses_without_a_trace(
+    semaphores, name, capacity, reason, changed_by
+):
+    before = dict(Semaphore.objects.values_list("name", "capacity"))
+    history = CapacityChange.objects.count()
+    semaphore, error = call(set_capacity, name, capacity, reason=reason, changed_by=changed_by)
+    if error is None:
+        assert semaphore.capacity == capacity
+    else:
+        assert dict(Semaphore.objects.values_list("name", "capacity")) == before
+        assert CapacityChange.objects.count() == history
+    assert_database_consistent()
+
+
+flags = st.one_of(st.booleans(), st.none(), st.integers(0, 1), st.sampled_from(["no", "yes"]))
+
+
+@PROFILE
+@given(
+    names=st.one_of(names, st.just(lambda *args, **kwargs: "prop-a")),
+    count=counts,
+    ttl=durations,
+    timeout=durations,
+    retry_after=st.one_of(st.integers(), junk),
+    fair=flags,
+    park=flags,
+)
+def test_holds_permit_decorates_or_refuses_at_once(
+    names, count, ttl, timeout, retry_after, fair, park
+):
+    """Pure: refused when decorating (never on the first call), nothing else."""
+    decorate, error = call(
+        holds_permit,
+        names,
+        count=count,
+        ttl=ttl,
+        timeout=timeout,
+        retry_after=retry_after,
+        fair=fair,
+        park=park,
+    )
+    if error is None:
+        assert callable(decorate)
+        assert is_int_from(count, 1, MAX_COUNT)
+        assert is_int_from(retry_after, 0, 2**31 - 1)
+        assert isinstance(fair, bool)
+        assert park is None or isinstance(park, bool)
+    else:
+        assert isinstance(error, InvalidRequest)
+
+
+batch_sizes = st.one_of(st.none(), st.integers(), st.integers(-3, 3), junk)
+time_budgets = st.one_of(
+    st.none(),
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.timedeltas(),
+    junk,
+)
+
+
+def is_time_budget(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value >= 0
+    if isinstance(value, float):
+        return math.isfinite(value) and value >= 0
+    return isinstance(value, timedelta) and value >= timedelta(0)
+
+
+@PROFILE
+@given(
+    sweeper=st.sampled_from(
+        [
+            sweep.release_orphans,
+            sweep.clean_released,
+            sweep.clean_history,
+            sweep.clean_idle_members,
+            sweep.clean_tickets,
+        ]
+    ),
+    batch_size=batch_sizes,
+    time_budget=time_budgets,
+    dry_run=st.booleans(),
+)
+def test_sweeps_run_or_refuse_their_limits(semaphores, sweeper, batch_size, time_budget, dry_run):
+    _, error = call(sweeper, batch_size=batch_size, time_budget=time_budget, dry_run=dry_run)
+    sound = (batch_size is None or is_int_from(batch_size, 1, MAX_COUNT)) and is_time_budget(
+        time_budget
+    )
+    assert (error is None) == sound, error
+    assert error is None or isinstance(error, InvalidRequest)
+    assert_database_consistent()
+
+
+@PROFILE
+@given(
+    keys=st.one_of(texts, st.lists(st.one_of(texts, junk), max_size=3), junk),
+    reason=st.one_of(st.none(), st.sampled_from(ReleaseReason.values), texts, junk),
+)
+def test_force_release_releases_all_it_is_given_or_nothing(semaphores, keys, reason):
+    held = acquire("prop-a", external_id=uuid.uuid4().hex)
+    given_keys = [*keys, held.external_id] if isinstance(keys, list) else keys
+    outcomes, error = call(sweep.force_release, given_keys, reason)
+    held.refresh_from_db()
+    if error is None:
+        assert set(outcomes) == set(given_keys)
+        assert held.state == State.RELEASED
+        assert held.release_reason == (reason or ReleaseReason.ADMIN)
+    else:
+        assert held.state == State.ACQUIRED
+        release(held.external_id)
+    assert_database_consistent()
+
+
+@PROFILE
+@given(
+    names=st.one_of(st.none(), texts, st.lists(st.one_of(texts, junk), max_size=3), junk),
+    batch_size=batch_sizes,
+)
+def test_counter_verify_answers_or_refuses(semaphores, names, batch_size):
+    drifts, error = call(counter.verify, names, batch_size=batch_size)
+    assert error is not None or drifts == []
+
+
+@PROFILE
+@given(task_ids=st.one_of(texts, st.lists(st.one_of(texts, junk), max_size=3), junk))
+def test_cancelling_parked_tasks_answers_or_refuses(task_ids):
+    dropped, error = call(parking.cancel, task_ids)
+    assert error is not None or dropped == 0
+
+
+intervals = st.one_of(
+    st.none(),
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.timedeltas(),
+    junk,
+)
+
+
+@PROFILE
+@given(
+    every=st.fixed_dictionaries(
+        {},
+        optional={
+            "release_orphans": intervals,
+            "clean_released": intervals,
+            "clean_history": intervals,
+            "wake_parked": intervals,
+        },
+    ),
+    queue=st.one_of(st.none(), texts, junk),
+)
+def test_beat_schedule_is_built_or_refused_in_the_settings_file(every, queue):
+    schedule, error = call(beat_schedule, **every, queue=queue)
+    if error is None:
+        for entry in schedule.values():
+            assert entry["schedule"] > timedelta(0)
+            assert entry["options"]["expires"] > 0
+
+
+# --- commands: any text answers with output or a CommandError ------------------------
+
+option_texts = st.one_of(
+    st.text(max_size=8),
+    st.sampled_from(["-3", "0", "1", " 2 ", "2.5", "1e3", "nan", "inf", "-inf", "1e400", "many"]),
+    st.integers().map(str),
+)
+
+
+@PROFILE
+@given(batch_size=option_texts, time_budget=option_texts)
+def test_sweep_command_runs_or_names_the_option_it_refuses(semaphores, batch_size, time_budget):
+    error: CommandError | None = None
+    try:
+        call_command(
+            "semaphore_sweep",
+            "--dry-run",
+            f"--batch-size={batch_size}",
+            f"--time-budget={time_budget}",
+            stdout=StringIO(),
+        )
+    except CommandError as exc:
+        error = exc
+    try:
+        size_ok = 1 <= int(batch_size) <= MAX_COUNT
+    except ValueError:
+        size_ok = False
+    try:
+        budget = float(time_budget)
+        budget_ok = math.isfinite(budget) and budget >= 0
+    except ValueError:
+        budget_ok = False
+    assert (error is None) == (size_ok and budget_ok), error
+    if not size_ok:
+        assert "--batch-size" in str(error)
+    elif not budget_ok:
+        assert "--time-budget" in str(error)
+    assert_database_consistent()
+
+
+@PROFILE
+@given(
+    command=st.sampled_from(
+        ["semaphore_create", "semaphore_capacity", "semaphore_status", "semaphore_release"]
+    ),
+    args=st.lists(st.one_of(texts, option_texts), max_size=3),
+)
+def test_commands_answer_or_raise_a_command_error(semaphores, command, args):
+    # Anything but a CommandError (a driver's error, a ValueError) fails the property.
+    with contextlib.suppress(CommandError):
+        call_command(command, *args, stdout=StringIO(), stderr=StringIO())
+    assert_database_consistent()
+
+
+# --- settings: read if and only if the system check passes them ------------------------
+
+setting_values = st.one_of(
+    junk,
+    texts,
+    st.integers(min_value=-5, max_value=700),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.timedeltas(),
+    st.sampled_from(["default", "semaphores", "no-such-alias", 429, 503, 2**31, 10**7]),
+    st.dictionaries(texts, st.one_of(st.integers(-2, 5), texts, junk), max_size=3),
+    st.dictionaries(
+        st.sampled_from(["a:*", "b"]),
+        st.dictionaries(
+            st.sampled_from(["capacity", "max_members", "typo"]), st.integers(-1, 3), max_size=2
+        ),
+        max_size=2,
+    ),
+)
+# Imported by the check and by the read: never random dotted paths.
+checker_values = st.one_of(
+    junk,
+    st.lists(
+        st.sampled_from(
+            ["django_semaphore.liveness.CeleryTaskChecker", "no.such.Checker", "nodots", 5, None]
+        ),
+        max_size=2,
+    ),
+)
+
+
+@PROFILE
+@given(key=st.sampled_from(sorted(DEFAULTS)), data=st.data())
+def test_a_setting_is_read_if_and_only_if_the_system_check_passes_it(key, data):
+    value = data.draw(checker_values if key == "LIVENESS_CHECKERS" else setting_values)
+    with override_settings(DJANGO_SEMAPHORE={key: value}):
+        errors = [message.msg for message in check_settings() if message.level >= ERROR]
+        if not errors:
+            getattr(app_settings, key)
+            return
+        with pytest.raises(ImproperlyConfigured) as refused:
+            getattr(app_settings, key)
+        assert str(refused.value) == " ".join(errors)

@@ -9,6 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_semaphore import routing
 from django_semaphore.exceptions import SemaphoreError
 from django_semaphore.models import Semaphore
+from django_semaphore.validation import validate_name
 
 BY_COMMAND = "by command"
 
@@ -27,15 +28,14 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         reason = f"{BY_COMMAND}: {options['reason']}" if options["reason"] else BY_COMMAND
         try:
+            name = validate_name(options["name"])  # before the read of its capacity
             previous = (
-                Semaphore.objects.using(routing.alias_for_name(options["name"]))
-                .filter(name=options["name"])
+                Semaphore.objects.using(routing.alias_for_name(name))
+                .filter(name=name)
                 .values_list("capacity", flat=True)
                 .first()
             )
-            semaphore = Semaphore.objects.set_capacity(
-                options["name"], options["capacity"], reason=reason
-            )
+            semaphore = Semaphore.objects.set_capacity(name, options["capacity"], reason=reason)
         except SemaphoreError as exc:
             raise CommandError(str(exc)) from exc
         self.stdout.write(

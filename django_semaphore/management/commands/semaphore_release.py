@@ -7,6 +7,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_semaphore import sweep
+from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.outcomes import ReleaseOutcome
 
 MESSAGES = {
@@ -26,7 +27,10 @@ class Command(BaseCommand):
         parser.add_argument("keys", nargs="+", metavar="key")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        outcomes = sweep.force_release(options["keys"])
+        try:
+            outcomes = sweep.force_release(options["keys"])
+        except InvalidRequest as exc:
+            raise CommandError(str(exc)) from exc
         for key, outcome in outcomes.items():
             self.stdout.write(f"{key}: {MESSAGES[outcome]}")
         missing = [key for key, outcome in outcomes.items() if outcome is ReleaseOutcome.NOT_FOUND]

@@ -9,12 +9,14 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Count, Q, QuerySet
 
 from django_semaphore import counter, parking, routing
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.models import Semaphore, State, Ticket
+from django_semaphore.validation import validate_keys
 
 QUEUE_SHOWN = 20
 
@@ -35,8 +37,12 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            names = validate_keys(options["names"], "semaphore name")
+        except InvalidRequest as exc:
+            raise CommandError(str(exc)) from exc
         if options["verify"]:
-            self._verify(options["names"] or None)
+            self._verify(names or None)
         rows = [
             (
                 "name",
@@ -52,7 +58,7 @@ class Command(BaseCommand):
         queued = []
         # Every alias holding semaphores (sharded by name: see routing.py).
         for s in sorted(
-            (s for alias in routing.aliases() for s in self._semaphores(alias, options["names"])),
+            (s for alias in routing.aliases() for s in self._semaphores(alias, names)),
             key=lambda s: s.name,
         ):
             in_use = s.in_use
@@ -80,7 +86,11 @@ class Command(BaseCommand):
             self._queue(semaphore)
 
     def _verify(self, names: list[str] | None) -> None:
-        drifts = [drift for _ in routing.each_alias() for drift in counter.verify(names)]
+        drifts = [
+            drift
+            for found in routing.on_each_alias(lambda: counter.verify(names))
+            for drift in found
+        ]
         for drift in drifts:
             self.stderr.write(self.style.ERROR(f"Corrected in-use counter drift: {drift}."))
         if not drifts:

@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_semaphore import sweep
+from django_semaphore.exceptions import InvalidRequest
+from django_semaphore.validation import validate_batch_size, validate_time_budget
+
+T = TypeVar("T")
+
+
+def batch_size(text: str) -> int | None:
+    """``--batch-size``: an int of at least 1, as ``sweep`` takes it."""
+    return _checked(validate_batch_size, int(text))
+
+
+def time_budget(text: str) -> float | None:
+    """``--time-budget``: seconds, 0 or more (0: no limit)."""
+    return _checked(validate_time_budget, float(text))
+
+
+def _checked(validate: Callable[[Any], T], value: Any) -> T:
+    """``value`` checked as the sweep functions check it. argparse names the
+    option in its error (from call_command, a CommandError): here with the
+    validator's words, and for text that does not parse as "invalid
+    batch_size value: 'many'"."""
+    try:
+        return validate(value)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class Command(BaseCommand):
@@ -30,23 +57,27 @@ class Command(BaseCommand):
         parser.add_argument("--dry-run", action="store_true", help="Count only; change nothing.")
         parser.add_argument(
             "--batch-size",
-            type=int,
+            type=batch_size,
             default=None,
-            help="Rows per transaction (CLEANUP_BATCH_SIZE).",
+            help="Rows per transaction, at least 1 (CLEANUP_BATCH_SIZE).",
         )
         parser.add_argument(
             "--time-budget",
-            type=float,
+            type=time_budget,
             default=sweep.DEFAULT_TIME_BUDGET,
-            help="Seconds after which a clean-up starts no new batch (0: no limit; "
+            help="Seconds, 0 or more, after which a clean-up starts no new batch (0: no limit; "
             f"default {sweep.DEFAULT_TIME_BUDGET:g}).",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
         self.verbosity = int(options["verbosity"])
         everything = not (options["orphans"] or options["cleanup"] or options["history"])
-        dry_run, size = options["dry_run"], options["batch_size"]
-        budget = options["time_budget"] or None
+        try:  # again: call_command(batch_size=...) does not go through argparse
+            size = validate_batch_size(options["batch_size"])
+            budget = validate_time_budget(options["time_budget"]) or None
+        except InvalidRequest as exc:
+            raise CommandError(str(exc)) from exc
+        dry_run = options["dry_run"]
         if options["orphans"] or everything:
             self.stdout.write(str(sweep.release_orphans(batch_size=size, dry_run=dry_run)))
             tickets = sweep.clean_tickets(batch_size=size, dry_run=dry_run)
