@@ -45,6 +45,9 @@ STACKS_VARIABLE = "SEMAPHORE_STACKS_DIR"
 
 Worker = BaseProcess | threading.Thread
 
+# What children write lives in the checkout's runtime dir, never in /tmp.
+RUNTIME = Path(__file__).resolve().parent.parent / ".runtime"
+
 
 @dataclass
 class Outbox:
@@ -55,7 +58,8 @@ class Outbox:
 
     @classmethod
     def create(cls) -> Outbox:
-        outbox = cls(tempfile.mkdtemp(prefix="semaphore-outbox-"))
+        RUNTIME.mkdir(exist_ok=True)
+        outbox = cls(tempfile.mkdtemp(prefix="outbox-", dir=RUNTIME))
         # Only the creator's copy removes the files; a child's unpickled copy does not.
         weakref.finalize(outbox, rmtree, outbox.directory, ignore_errors=True)
         return outbox
@@ -79,7 +83,7 @@ class Outbox:
 
 
 def stacks_file(pid: int) -> Path:
-    directory = Path(os.environ.get(STACKS_VARIABLE) or tempfile.gettempdir())
+    directory = Path(os.environ.get(STACKS_VARIABLE) or RUNTIME / "stacks")
     directory.mkdir(parents=True, exist_ok=True)
     return directory / f"stacks-{pid}.txt"
 

@@ -20,7 +20,7 @@ from django.db.models.functions import Coalesce
 
 from django_semaphore.guards import engine_writes
 from django_semaphore.models import Permit, Semaphore, State
-from tests.children import STACKS_VARIABLE, dump_stacks_on_signal, stop
+from tests.children import RUNTIME, STACKS_VARIABLE, dump_stacks_on_signal, stop
 
 # scripts/watchdog.py reads which test each pytest process of the run is in.
 PROGRESS_VARIABLE = "SEMAPHORE_PROGRESS_DIR"
@@ -31,7 +31,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """Stacks on SIGUSR1, for pytest-timeout's failures and the watchdog, in
     a directory the children inherit."""
     if STACKS_VARIABLE not in os.environ:
-        os.environ[STACKS_VARIABLE] = tempfile.mkdtemp(prefix="semaphore-stacks-")
+        RUNTIME.mkdir(exist_ok=True)
+        os.environ[STACKS_VARIABLE] = tempfile.mkdtemp(prefix="stacks-", dir=RUNTIME)
         config.add_cleanup(partial(shutil.rmtree, os.environ[STACKS_VARIABLE], True))
     dump_stacks_on_signal()
     _report_progress(started=time.time(), test=None)

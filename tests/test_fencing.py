@@ -75,7 +75,9 @@ def test_concurrent_first_advances():
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(daemon=True, target=advance, args=(token,)) for token in range(1, 9)]
+    threads = [
+        threading.Thread(daemon=True, target=advance, args=(token,)) for token in range(1, 9)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
