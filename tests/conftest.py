@@ -10,16 +10,19 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from datetime import timedelta
 from functools import partial
 
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connection, connections
-from django.db.models import OuterRef, Subquery, Sum
+from django.db.models import DurationField, OuterRef, Subquery, Sum, Value
 from django.db.models.functions import Coalesce
 
+from django_semaphore import acquire, release
+from django_semaphore.backends import DatabaseNow
 from django_semaphore.guards import engine_writes
-from django_semaphore.models import Permit, Semaphore, State
+from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore, State
 from tests.children import RUNTIME, STACKS_VARIABLE, dump_stacks_on_signal, stop
 
 # scripts/watchdog.py reads which test each pytest process of the run is in.
@@ -144,6 +147,26 @@ def behind_the_engine() -> AbstractContextManager[None]:
 
 def unique(prefix: str = "sem") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def ago(**kwargs: float) -> object:
+    """A moment in the past by the database's clock, for rows made old."""
+    return DatabaseNow() - Value(timedelta(**kwargs), DurationField())
+
+
+@pytest.fixture
+def leftovers(make_semaphore) -> tuple[PermitRequest, PermitRequest]:
+    """What the sweeps find: an expired request, one released 8 days ago,
+    and a capacity change 31 days old."""
+    sem = make_semaphore(capacity=5)
+    expired = acquire(sem.name, external_id=unique(), ttl=60)
+    PermitRequest.objects.filter(pk=expired.pk).update(expires_at=ago(seconds=1))
+    old = acquire(sem.name, external_id=unique())
+    release(old.external_id)
+    PermitRequest.objects.filter(pk=old.pk).update(released_at=ago(days=8))
+    Semaphore.objects.set_capacity(sem.name, 6)
+    CapacityChange.objects.update(changed_at=ago(days=31))
+    return expired, old
 
 
 @pytest.fixture

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from io import StringIO
 
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db.models import DurationField, Value
 
 from django_semaphore import acquire, release
-from django_semaphore.backends import DatabaseNow
 from django_semaphore.models import CapacityChange, PermitRequest, ReleaseReason, Semaphore, State
-from tests.conftest import unique
+from tests.conftest import ago, unique
 
 pytestmark = pytest.mark.django_db
 
@@ -22,24 +19,6 @@ def run(*args: str) -> str:
     out = StringIO()
     call_command(*args, stdout=out)
     return out.getvalue()
-
-
-def ago(**kwargs: float) -> object:
-    return DatabaseNow() - Value(timedelta(**kwargs), DurationField())
-
-
-@pytest.fixture
-def leftovers(make_semaphore):
-    """One expired request, one released 8 days ago, one old capacity change."""
-    sem = make_semaphore(capacity=5)
-    expired = acquire(sem.name, external_id=unique(), ttl=60)
-    PermitRequest.objects.filter(pk=expired.pk).update(expires_at=ago(seconds=1))
-    old = acquire(sem.name, external_id=unique())
-    release(old.external_id)
-    PermitRequest.objects.filter(pk=old.pk).update(released_at=ago(days=8))
-    Semaphore.objects.set_capacity(sem.name, 6)
-    CapacityChange.objects.update(changed_at=ago(days=31))
-    return expired, old
 
 
 def test_sweep_runs_all_three_by_default(leftovers):

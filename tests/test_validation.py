@@ -10,11 +10,9 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
-from django.db.models import DurationField, Value
 
 from django_semaphore import acquire, counter, holds_permit, parking, permit, release, renew, sweep
 from django_semaphore.api import set_capacity
-from django_semaphore.backends import DatabaseNow
 from django_semaphore.beat import beat_schedule
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import InvalidRequest, SemaphoreError
@@ -166,22 +164,6 @@ def test_holds_permit_refuses_bad_arguments_when_decorating(kwargs):
 # --- sweeps, force-release, the counter verifier, parked tasks, beat ----------------
 
 
-def ago(**kwargs: float) -> object:
-    return DatabaseNow() - Value(timedelta(**kwargs), DurationField())
-
-
-@pytest.fixture
-def sweepable(make_semaphore):
-    """An expired request and one released 8 days ago: what each sweep changes."""
-    sem = make_semaphore(capacity=5)
-    expired = acquire(sem.name, external_id=unique(), ttl=60)
-    PermitRequest.objects.filter(pk=expired.pk).update(expires_at=ago(seconds=1))
-    old = acquire(sem.name, external_id=unique())
-    release(old.external_id)
-    PermitRequest.objects.filter(pk=old.pk).update(released_at=ago(days=8))
-    return expired, old
-
-
 SWEEPS = [
     sweep.release_orphans,
     sweep.clean_released,
@@ -208,8 +190,8 @@ SWEEPS = [
     ids=repr,
 )
 @pytest.mark.parametrize("dry_run", [False, True])
-def test_sweeps_refuse_a_bad_batch_size_or_time_budget(sweepable, sweeper, kwargs, dry_run):
-    expired, old = sweepable
+def test_sweeps_refuse_a_bad_batch_size_or_time_budget(leftovers, sweeper, kwargs, dry_run):
+    expired, old = leftovers
     with pytest.raises(InvalidRequest, match=next(iter(kwargs))):
         sweeper(dry_run=dry_run, **kwargs)
     expired.refresh_from_db()
@@ -217,8 +199,8 @@ def test_sweeps_refuse_a_bad_batch_size_or_time_budget(sweepable, sweeper, kwarg
     assert PermitRequest.objects.filter(pk=old.pk).exists()
 
 
-def test_force_release_refuses_bad_keys_and_reasons(sweepable):
-    expired, _ = sweepable
+def test_force_release_refuses_bad_keys_and_reasons(leftovers):
+    expired, _ = leftovers
     for keys, reason in (
         (expired.external_id, None),  # one str: not its characters
         ([expired.external_id, ""], None),
