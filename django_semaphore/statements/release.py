@@ -89,12 +89,15 @@ class ReleaseStatements(SQL):
             # filter first sets the statement's lock-wait bound (an InitPlan,
             # run before any row is locked; autocommit makes the statement its
             # transaction, so the setting ends with it). The semaphore rows
-            # are locked in the order of the permits, which the grant inserted
-            # in name order. An update re-reads a row changed since the
-            # statement began (READ COMMITTED): a concurrent release of the
-            # same key makes this one match nothing. Kept to three parts: the
-            # server plans it on every call (0.15 ms; a fourth, locking part
-            # doubled that).
+            # are locked in name order, the grant's, by a locking read ("l":
+            # its ORDER BY is applied before its locks); the counters' update
+            # reaches only rows "l" has locked. An update that joins the
+            # permits itself locks in whatever order its plan scans the
+            # table, where updates keep moving the rows: it deadlocked with
+            # grants, at times through every retry (the stress mode found it).
+            # An update re-reads a row changed since the statement began
+            # (READ COMMITTED): a concurrent release of the same key makes
+            # this one match nothing.
             return (
                 f"WITH r AS (UPDATE {request} SET {q('state')} = %s, {q('released_at')} = {now},"
                 f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
@@ -104,10 +107,13 @@ class ReleaseStatements(SQL):
                 f" p AS (UPDATE {permit} SET {q('state')} = %s"
                 f" WHERE {q('request_id')} IN (SELECT {q('id')} FROM r) AND {q('state')} = %s"
                 f" RETURNING {q('semaphore_id')}, {q('count')}),"
+                f" l AS (SELECT {q('id')} FROM {semaphore}"
+                f" WHERE {q('id')} IN (SELECT {q('semaphore_id')} FROM p)"
+                f" ORDER BY {q('name')} FOR UPDATE),"
                 f" s AS (UPDATE {semaphore} SET {q('in_use')} = CASE"
                 f" WHEN {q('in_use')} > p.{q('count')} THEN {q('in_use')} - p.{q('count')}"
-                " ELSE 0 END FROM p"
-                f" WHERE {semaphore}.{q('id')} = p.{q('semaphore_id')})"
+                f" ELSE 0 END FROM p JOIN l ON l.{q('id')} = p.{q('semaphore_id')}"
+                f" WHERE {semaphore}.{q('id')} = l.{q('id')})"
                 " SELECT COUNT(*) FROM r"
             )
         return ""
