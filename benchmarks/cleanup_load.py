@@ -434,7 +434,8 @@ def explain_batch_select() -> str:
 
     from django_semaphore import sweep
     from django_semaphore.conf import app_settings
-    from django_semaphore.models import PermitRequest, State
+    from django_semaphore.models import PermitRequest
+    from django_semaphore.states import State
 
     old = PermitRequest.objects.filter(
         state=State.RELEASED, released_at__lte=sweep._ago(app_settings.RELEASED_RETENTION)

@@ -169,6 +169,7 @@ def acquire_cost(database_url: str, processes: int, duration: float, repeat: int
     machine, load drifts between runs far more than the difference sought).
     First each process on a semaphore of its own, then each half on one
     semaphore (capacity 10). ``repeat`` rounds, added up."""
+    from django_semaphore import set_capacity
     from django_semaphore.models import Semaphore
 
     half = max(1, processes // 2)
@@ -177,7 +178,7 @@ def acquire_cost(database_url: str, processes: int, duration: float, repeat: int
         + [Semaphore(name=DECLARED, capacity=HOT_CAPACITY)]
     )
     # Created by phase 1; from now on with a capacity of its own.
-    Semaphore.objects.set_capacity(member(0), HOT_CAPACITY)
+    set_capacity(member(0), HOT_CAPACITY)
     shapes = {
         "own": [("member", member(p + 1)) for p in range(half)]
         + [("declared", f"{DECLARED}-{p}") for p in range(half)],

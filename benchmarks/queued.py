@@ -33,7 +33,8 @@ def measure_waiting(
     per second once all of them wait, for about ``seconds``."""
     from django.db import connection, connections
 
-    from django_semaphore import acquire, fairness, grant, release
+    from django_semaphore import acquire, release
+    from django_semaphore.engine import fairness, grant
     from django_semaphore.exceptions import AcquireTimeout
 
     warm_up = WARM_UP + WARM_UP_PER_THREAD * threads

@@ -135,7 +135,7 @@ def _prelock_switched_off(off: bool) -> Any:
     """For the waiting scenario's baseline: the app without its in-process pre-lock."""
     if not off:
         return nullcontext()
-    from django_semaphore import prelock
+    from django_semaphore.engine import prelock
 
     class Switch:
         def __enter__(self) -> None:

@@ -1,15 +1,42 @@
 """django-semaphore: a durable, distributed counting semaphore in your database.
 
-The public API. Import-safe: nothing imported here touches models or settings
-until called, so ``import django_semaphore`` works before Django is set up.
-The same operations are manager methods: ``Semaphore.objects.acquire(...)``.
+The public API: one function per operation. Import-safe: ``import
+django_semaphore`` works before Django is set up (an installed app's package
+is imported while the app registry loads); each name is imported from its
+module on first use, by which time the models can be.
 """
 
 from __future__ import annotations
 
-from django_semaphore.api import acquire, release, renew
-from django_semaphore.context import permit
-from django_semaphore.decorators import holds_permit
-from django_semaphore.outcomes import ReleaseOutcome
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ReleaseOutcome", "acquire", "holds_permit", "permit", "release", "renew"]
+if TYPE_CHECKING:
+    from django_semaphore.api import acquire as acquire
+    from django_semaphore.api import release as release
+    from django_semaphore.api import renew as renew
+    from django_semaphore.api import set_capacity as set_capacity
+    from django_semaphore.context import permit as permit
+    from django_semaphore.decorators import holds_permit as holds_permit
+    from django_semaphore.states import ReleaseOutcome as ReleaseOutcome
+
+# Name -> the module that defines it.
+_HOMES = {
+    "ReleaseOutcome": "django_semaphore.states",
+    "acquire": "django_semaphore.api",
+    "holds_permit": "django_semaphore.decorators",
+    "permit": "django_semaphore.context",
+    "release": "django_semaphore.api",
+    "renew": "django_semaphore.api",
+    "set_capacity": "django_semaphore.api",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # looked up once
+    return value

@@ -55,9 +55,10 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
-from django_semaphore import families, parking, routing
+from django_semaphore import parking, routing, set_capacity
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.conf import app_settings
+from django_semaphore.engine import families
+from django_semaphore.engine.releasing import release_requests
 from django_semaphore.models import (
     MAX_NAME_LENGTH,
     CapacityChange,
@@ -65,12 +66,10 @@ from django_semaphore.models import (
     ParkedTask,
     Permit,
     PermitRequest,
-    ReleaseReason,
     Semaphore,
-    State,
     Ticket,
 )
-from django_semaphore.releasing import release_requests
+from django_semaphore.states import ReleaseReason, State
 from django_semaphore.utilization import describe, load_utilization, render_svg
 from django_semaphore.validation import MAX_COUNT
 
@@ -99,7 +98,7 @@ class OperatorAdmin(admin.ModelAdmin):
     """Reads through the app's alias; refuses forbidden POSTs with 403."""
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        return super().get_queryset(request).using(app_settings.DATABASE)
+        return super().get_queryset(request).using(routing.current_alias())
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
@@ -131,7 +130,7 @@ class OperatorAdmin(admin.ModelAdmin):
 
     def _shown_alias(self, request: HttpRequest) -> str:
         chosen = request.session.get(ALIAS_SESSION_KEY)
-        return chosen if chosen in routing.aliases() else app_settings.DATABASE
+        return chosen if chosen in routing.aliases() else routing.current_alias()
 
     def _switch_alias(self, request: HttpRequest) -> HttpResponse:
         alias = request.GET[ALIAS_PARAMETER]
@@ -149,7 +148,7 @@ class OperatorAdmin(admin.ModelAdmin):
         aliases = routing.aliases()
         if len(aliases) == 1:
             return
-        shown = app_settings.DATABASE
+        shown = routing.current_alias()
         others = format_html(
             ", ".join(['<a href="?{}={}">{}</a>'] * (len(aliases) - 1)),
             *(part for a in aliases if a != shown for part in (ALIAS_PARAMETER, a, a)),
@@ -525,17 +524,17 @@ class SemaphoreAdmin(OperatorAdmin):
         self, request: HttpRequest, obj: Semaphore, form: forms.ModelForm, change: bool
     ) -> None:
         if not change:
-            obj.save(using=app_settings.DATABASE)
+            obj.save(using=routing.current_alias())
             return
         if "fair" in form.changed_data:
             # Read by every grant's locking read: no lock needed to switch it.
-            Semaphore.objects.using(app_settings.DATABASE).filter(pk=obj.pk).update(
+            Semaphore.objects.using(routing.current_alias()).filter(pk=obj.pk).update(
                 fair=obj.fair, updated_at=timezone.now()
             )
         if "capacity" not in form.changed_data:
             return
         # The same path as code: under the row lock, recorded with the user.
-        saved = Semaphore.objects.set_capacity(
+        saved = set_capacity(
             obj.name,
             form.cleaned_data["capacity"],
             changed_by=cast(AbstractBaseUser, request.user),
@@ -553,7 +552,7 @@ class SemaphoreAdmin(OperatorAdmin):
         # Deleting a held semaphore would end its holders' permits silently
         # behind their backs: they are shown as protected, and block it.
         held = (
-            PermitRequest.objects.using(app_settings.DATABASE)
+            PermitRequest.objects.using(routing.current_alias())
             .filter(state=State.ACQUIRED, permits__semaphore__in=list(objs))
             .distinct()
         )
@@ -584,7 +583,7 @@ class SemaphoreAdmin(OperatorAdmin):
     def sections(self, request: HttpRequest, obj: Semaphore) -> dict[str, Any]:
         """Context of the read-only sections below the form: chart, holders,
         queue, history."""
-        using = app_settings.DATABASE
+        using = routing.current_alias()
         utilization = load_utilization(obj)
         now = utilization.end  # the database's clock, as on the chart
         held = Permit.objects.using(using).filter(semaphore=obj, state=State.ACQUIRED)
@@ -703,7 +702,7 @@ class PermitInline(admin.TabularInline):
         return (
             super()
             .get_queryset(request)
-            .using(app_settings.DATABASE)
+            .using(routing.current_alias())
             .select_related("semaphore")
             .order_by("semaphore__name")
         )
@@ -746,7 +745,7 @@ class PermitRequestAdmin(ReadOnlyAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[PermitRequest]:
         # One more query per page for the semaphore names, however many rows.
-        permits = Permit.objects.using(app_settings.DATABASE).select_related("semaphore")
+        permits = Permit.objects.using(routing.current_alias()).select_related("semaphore")
         return (
             super()
             .get_queryset(request)
@@ -784,13 +783,13 @@ class PermitRequestAdmin(ReadOnlyAdmin):
         """
         selected = list(queryset.values_list("pk", "state"))
         held = [pk for pk, state in selected if state == State.ACQUIRED]
-        released = release_requests(app_settings.DATABASE, held, ReleaseReason.ADMIN)
+        released = release_requests(routing.current_alias(), held, ReleaseReason.ADMIN)
         if released:
             # release_requests() reports a count, not which rows: the ones now
             # ended for "admin" among those held a moment ago. Only a second
             # staff member force-releasing the same request at the same instant
             # would be logged twice, which is true of both of them anyway.
-            ended = queryset.model.objects.using(app_settings.DATABASE).filter(
+            ended = queryset.model.objects.using(routing.current_alias()).filter(
                 pk__in=held, state=State.RELEASED, release_reason=ReleaseReason.ADMIN
             )
             LogEntry.objects.log_actions(
@@ -839,7 +838,7 @@ class ParkedTaskAdmin(OperatorAdmin):
     readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ParkedTask]:
-        demands = ParkedDemand.objects.using(app_settings.DATABASE).select_related("semaphore")
+        demands = ParkedDemand.objects.using(routing.current_alias()).select_related("semaphore")
         return (
             super()
             .get_queryset(request)

@@ -21,10 +21,12 @@ from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Q
 
-from django_semaphore import fairness, families, grant, routing, signals
+from django_semaphore import routing, signals
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.capacity import change as capacity_change
 from django_semaphore.conf import app_settings
+from django_semaphore.engine import fairness, families, grant
+from django_semaphore.engine.capacity import change as capacity_change
+from django_semaphore.engine.releasing import release_key
 from django_semaphore.exceptions import (
     AcquireTimeout,
     InvalidRequest,
@@ -33,9 +35,8 @@ from django_semaphore.exceptions import (
     PermitNotFound,
     SemaphoreExhausted,
 )
-from django_semaphore.outcomes import ReleaseOutcome
-from django_semaphore.releasing import release_key
 from django_semaphore.retry import run_with_retries
+from django_semaphore.states import ReleaseOutcome
 from django_semaphore.validation import (
     Demand,
     validate_capacity,
@@ -250,7 +251,8 @@ def renew(external_id: str, ttl: int | float | timedelta | None = None) -> Permi
             lost its permits and must stop. ``PermitNotFound`` (a subclass)
             when no request has this key.
     """
-    from django_semaphore.models import PermitRequest, State
+    from django_semaphore.models import PermitRequest
+    from django_semaphore.states import State
 
     key = validate_key(external_id)
     ttl_seconds = validate_ttl(ttl)

@@ -119,7 +119,7 @@ def check_production_database(**kwargs: Any) -> list[CheckMessage]:
         warnings.append(
             Warning(
                 f"The routers send semaphore writes to {', '.join(sorted(elsewhere))}, not "
-                f"to the app's alias {app_settings.DATABASE!r}: it looks like a replica.",
+                f"to the app's alias {routing.current_alias()!r}: it looks like a replica.",
                 hint="Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See docs/clusters.md.",
                 id="django_semaphore.W003",
             )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Mapping
-from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any
 
@@ -76,10 +75,6 @@ DURATION_KEYS = frozenset(
 # 2**30 seconds: one bound for every backend.
 MAX_LOCK_WAIT = (2**31 - 1) // 1000
 
-# Set by ``routing.on_alias``: the alias the app's single-alias code (sweeps,
-# commands, the admin) works on while it visits each shard.
-pinned_alias: ContextVar[str | None] = ContextVar("django_semaphore_alias", default=None)
-
 
 class Settings:
     """Attribute access to the app's settings with their defaults."""
@@ -111,20 +106,10 @@ class Settings:
         return value
 
     @property
-    def DATABASE(self) -> str:
-        pinned = pinned_alias.get()
-        if pinned is not None:
-            return pinned
+    def DATABASE(self) -> str | None:
+        """The alias configured; ``routing.current_alias()`` says which to use."""
         configured = self._get("DATABASE")
-        if configured is None:
-            # Never db_for_read: a router may send reads to a replica, and a
-            # grant decided on a replica's stale rows could over-grant.
-            from django.db import router
-
-            from django_semaphore.models import Semaphore
-
-            return router.db_for_write(Semaphore)
-        return str(configured)
+        return None if configured is None else str(configured)
 
     @property
     def SHARDS(self) -> dict[str, str]:

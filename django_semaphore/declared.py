@@ -14,7 +14,7 @@ from django.db import router
 
 from django_semaphore import routing
 from django_semaphore.conf import app_settings
-from django_semaphore.families import declared_capacity
+from django_semaphore.engine.families import declared_capacity
 
 
 def create_declared_semaphores(using: str, **kwargs: Any) -> None:

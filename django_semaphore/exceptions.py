@@ -128,3 +128,9 @@ class LiveDuplicate(SemaphoreExhausted):
 class TaskAlreadyRan(SemaphoreError):
     """A copy of a Celery task that already finished for good (a parked task
     published twice): it is dropped, not run again."""
+
+
+class PrelockTimeout(Exception):
+    """This process's pre-lock was not had in time. Never reaches callers:
+    ``retry`` retries it as contention and raises ``LockContention`` at the
+    end, which is why it is not a ``SemaphoreError``."""

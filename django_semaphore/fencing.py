@@ -14,7 +14,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, connections, transaction
 
-from django_semaphore.conf import app_settings
+from django_semaphore import routing
 from django_semaphore.exceptions import InvalidRequest, StaleFencingToken
 from django_semaphore.retry import run_with_retries
 from django_semaphore.validation import MAX_LENGTH, validate_storable, validate_token
@@ -39,7 +39,7 @@ def advance(resource: str, token: int, *, using: str | None = None) -> None:
             is written.
     """
     _validate(resource, token, using)
-    connection = connections[using or app_settings.DATABASE]
+    connection = connections[using or routing.current_alias()]
     run_with_retries(connection, lambda: _advance(connection.alias, resource, token))
 
 

@@ -13,7 +13,7 @@ models by a project (a shell, a data migration, a script) go through here:
 - ``delete()`` of a held semaphore, request or permit raises
   :class:`PermitHeld` (a ``pre_delete`` receiver, so it covers instances,
   querysets, cascades and the admin alike).
-- ``save()`` is guarded in ``models.py`` (``GuardedModel``, ``Semaphore``).
+- ``save()`` is guarded by ``GuardedModel`` (and ``Semaphore.save()``).
 
 What no Python hook sees (raw SQL, ``QuerySet._raw_delete()``, ``TRUNCATE``,
 ``flush``, a restore from backup) is repaired by the orphan sweep and reported
@@ -22,21 +22,21 @@ by ``check --database``; docs/concepts.md lists the calls to use instead.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 from django.db import models
 
 from django_semaphore.exceptions import PermitHeld, UnsafeWrite
+from django_semaphore.states import State
 
 if TYPE_CHECKING:
     from django_semaphore.models import Permit, PermitRequest, Semaphore
 
 M = TypeVar("M", bound=models.Model)
-
-ACQUIRED = "ACQUIRED"  # models.State.ACQUIRED, without importing models here
 
 _engine_writing: ContextVar[bool] = ContextVar("django_semaphore_engine_writing", default=False)
 
@@ -116,6 +116,127 @@ class GuardedQuerySet(models.QuerySet[M]):
         )
 
 
+# --- save() ---------------------------------------------------------------------
+
+# A sentinel: an instance built by hand, whose values nobody loaded.
+_NOT_LOADED = object()
+
+
+class GuardedModel(models.Model):
+    """A model whose rows the engine writes, wholly or in part.
+
+    ``save()`` of an existing row never writes back an engine-owned column
+    the instance did not change (the instance's copy is stale the moment the
+    engine writes the row), and refuses one it did change if ``ORM_REFUSED``
+    names it; ``CREATED_BY``, when set, refuses creating rows outside the
+    engine. Bulk calls are guarded by ``guards.GuardedQuerySet``.
+    """
+
+    # The columns written only by the engine's own statements.
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = ()
+    # Field name -> what to call instead; an ORM write of it is refused.
+    ORM_REFUSED: ClassVar[dict[str, str]] = {}
+    # What creates the rows, when only the engine may.
+    CREATED_BY: ClassVar[str] = ""
+
+    class Meta:
+        abstract = True
+
+    def save(
+        self,
+        *,
+        force_insert: bool | tuple[models.base.ModelBase, ...] = False,
+        force_update: bool = False,
+        using: str | None = None,
+        update_fields: Iterable[str] | None = None,
+    ) -> None:
+        """Create the row (where the ORM may), or write back what may be
+        written of it.
+
+        Raises:
+            UnsafeWrite: a refused column was changed on the instance, or the
+                row may only be created by the engine.
+        """
+        creating = self.pk is None or force_insert or self._state.adding
+        if engine_is_writing() or (creating and not self.CREATED_BY):
+            update = update_fields
+        elif creating:
+            raise UnsafeWrite(f"{type(self).__name__} rows are created only by {self.CREATED_BY}.")
+        else:
+            update = self._writable_fields(update_fields)
+        super().save(
+            force_insert=force_insert, force_update=force_update, using=using, update_fields=update
+        )
+        self._remember_loaded()
+
+    @classmethod
+    def from_db(
+        cls, db: str | None, field_names: Collection[str], values: Collection[Any], **kwargs: Any
+    ) -> Self:
+        instance = super().from_db(db, field_names, values, **kwargs)
+        instance._remember_loaded()
+        return instance
+
+    def refresh_from_db(
+        self,
+        using: str | None = None,
+        fields: Iterable[str] | None = None,
+        from_queryset: models.QuerySet[Any] | None = None,
+    ) -> None:
+        fields = None if fields is None else list(fields)
+        super().refresh_from_db(using=using, fields=fields, from_queryset=from_queryset)
+        self._remember_loaded(fields)
+
+    def _remember_loaded(self, fields: Iterable[str] | None = None) -> None:
+        """Keep the values save() compares with: what the database said."""
+        # Also run when the grant builds its request, under the row locks:
+        # only the few tracked fields are visited.
+        loaded = self.__dict__.setdefault("_loaded", {})
+        values = self.__dict__
+        for name, attname in self._tracked_fields():
+            # refresh_from_db() may name a field by its attname ("request_id").
+            if (fields is None or name in fields or attname in fields) and attname in values:
+                loaded[name] = values[attname]
+
+    @classmethod
+    @functools.cache
+    def _tracked_fields(cls) -> tuple[tuple[str, str], ...]:
+        """(name, attname) of the fields save() compares with their loaded value."""
+        tracked = {*cls.ENGINE_OWNED_FIELDS, *cls.ORM_REFUSED}
+        return tuple((f.name, f.attname) for f in cls._meta.concrete_fields if f.name in tracked)
+
+    def _changed(self, name: str) -> bool:
+        """Whether the instance's value differs from the one loaded (an
+        instance built by hand has none: it counts as changed)."""
+        attname = dict(self._tracked_fields())[name]
+        current = self.__dict__.get(attname, _NOT_LOADED)
+        return bool(self.__dict__.get("_loaded", {}).get(name, _NOT_LOADED) != current)
+
+    def _writable_fields(self, update_fields: Iterable[str] | None) -> set[str]:
+        """The fields save() writes on an existing row: an engine-owned one
+        only if the instance changed it and the ORM may (a refused change is
+        a mistake to report; unchanged ones are dropped, also when named:
+        ``update_or_create()`` names every date field)."""
+        names = (
+            set(update_fields)
+            if update_fields is not None
+            else {
+                field.name
+                for field in self._meta.concrete_fields
+                if not field.primary_key and field.attname not in self.get_deferred_fields()
+            }
+        )
+        loaded = self.__dict__.get("_loaded", {})
+        for name in sorted(names & set(self.ENGINE_OWNED_FIELDS)):
+            if name not in loaded or not self._changed(name):
+                names.discard(name)
+            elif name in self.ORM_REFUSED:
+                raise UnsafeWrite(
+                    f"{type(self).__name__}.save() may not write {name!r}: {self.ORM_REFUSED[name]}"
+                )
+        return names
+
+
 # --- deletes (pre_delete receivers, connected in apps.py) ---------------------------
 
 RELEASE_FIRST = (
@@ -128,17 +249,15 @@ def refuse_deleting_held_semaphore(
     sender: type[Semaphore], instance: Semaphore, using: str, **kwargs: Any
 ) -> None:
     """Deleting a held semaphore would end its holders' permits silently."""
-    from django_semaphore.models import Permit, Semaphore
-
     if engine_is_writing():
         return
     # Under the row lock (the delete's own transaction): a grant committed
     # after Django collected the permits to delete is seen here, and no new
     # one starts until the delete commits.
-    Semaphore.objects.using(using).select_for_update().filter(pk=instance.pk).exists()
+    sender.objects.using(using).filter(pk=instance.pk).locked().exists()
     holders = (
-        Permit.objects.using(using)
-        .filter(semaphore_id=instance.pk, state=ACQUIRED)
+        instance.permits.using(using)
+        .filter(state=State.ACQUIRED)
         .values("request_id")
         .distinct()
         .count()
@@ -156,7 +275,7 @@ def refuse_deleting_held_request(
     # ACQUIRED -> RELEASED is one-way: an instance loaded RELEASED is still
     # released; one loaded ACQUIRED may have been released since (refused
     # all the same: reload it).
-    if instance.state == ACQUIRED and not engine_is_writing():
+    if instance.state == State.ACQUIRED and not engine_is_writing():
         raise PermitHeld(
             f"Permit request {instance.external_id!r} is held and cannot be deleted: "
             f"{RELEASE_FIRST}"
@@ -166,7 +285,7 @@ def refuse_deleting_held_request(
 def refuse_deleting_held_permit(
     sender: type[Permit], instance: Permit, using: str, **kwargs: Any
 ) -> None:
-    if instance.state == ACQUIRED and not engine_is_writing():
+    if instance.state == State.ACQUIRED and not engine_is_writing():
         raise PermitHeld(
             f"Permit {instance} is held and cannot be deleted: release its request first "
             f"(or, if its request is already released, run manage.py semaphore_sweep "

@@ -20,15 +20,13 @@ from typing import Any
 from django.utils.module_loading import import_string
 
 from django_semaphore.conf import app_settings
-from django_semaphore.owners import TaskOwner
+from django_semaphore.owners import NO_PROCESS, TaskOwner
 
 logger = logging.getLogger("django_semaphore")
 
 # The task is finished for good: its ``holds_permit`` run will not come back.
 # (celery.states.READY_STATES, without importing Celery here.)
 CELERY_READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
-# A permit kept between a task's own retries (task_runs.PARKED).
-PARKED_PID = 0
 
 
 class Liveness(enum.Enum):
@@ -199,7 +197,7 @@ class CeleryTaskChecker(LivenessChecker):
             return Liveness.UNKNOWN
         if self._is_ready(task.task_id):
             return Liveness.DEAD
-        if task.pid != PARKED_PID and task.hostname in inspection.answered:
+        if task.pid != NO_PROCESS and task.hostname in inspection.answered:
             return Liveness.DEAD
         return Liveness.UNKNOWN
 

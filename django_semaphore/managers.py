@@ -1,9 +1,10 @@
-"""Managers: the ORM entry points. The operations themselves live in ``api.py``."""
+"""Managers: queries only. The operations are the package's functions
+(``django_semaphore.acquire`` and the rest, in ``api.py``); nothing here
+calls them, so the models sit below everything that does."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from django.db import models
 from django.db.models import (
@@ -16,21 +17,27 @@ from django.db.models import (
 )
 from django.db.models.functions import Coalesce
 
-from django_semaphore import api
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.guards import GuardedQuerySet
-from django_semaphore.outcomes import ReleaseOutcome
+from django_semaphore.states import State
 
 if TYPE_CHECKING:
-    from django.contrib.auth.base_user import AbstractBaseUser
-
     from django_semaphore.models import Permit, PermitRequest, Semaphore  # noqa: F401
-
-ACQUIRED = "ACQUIRED"  # models.State.ACQUIRED, without importing models here
 
 
 class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
-    """``Semaphore.objects``' queries: semaphores with what waits on them."""
+    """``Semaphore.objects``' queries: semaphores locked, and with what waits on them."""
+
+    def locked(self) -> SemaphoreQuerySet:
+        """These rows, locked in name order, for the caller's transaction.
+
+        The one lock order of the app: every path that locks semaphore rows
+        (grant, release, family creation, capacity, the verifier, repairs,
+        parked wake-ups, delete guards) runs this query, so no two of them
+        can deadlock by taking the same rows in different orders. The grant
+        compiles it once per connection (``engine.statements``).
+        """
+        return self.select_for_update().order_by("name")
 
     def with_usage(self) -> SemaphoreQuerySet:
         """Annotate ``waiters``: the number of live tickets (fair waiters
@@ -41,10 +48,10 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
         Correlated subqueries on the ticket table, not joins: that keeps the
         admin's changelist at one query.
         """
-        from django_semaphore.models import Ticket
-
+        # The model by its relation, not by import: models import this module.
+        tickets = self.model._meta.get_field("tickets").related_model._default_manager
         live = (
-            Ticket.objects.filter(semaphore=OuterRef("pk"), expires_at__gt=DatabaseNow())
+            tickets.filter(semaphore=OuterRef("pk"), expires_at__gt=DatabaseNow())
             .order_by()
             .values("semaphore")
         )
@@ -57,50 +64,7 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
         )
 
 
-class SemaphoreManager(models.Manager["Semaphore"]):
-    """``Semaphore.objects``: also the home of acquire, release and renew."""
-
-    def get_queryset(self) -> SemaphoreQuerySet:
-        return SemaphoreQuerySet(self.model, using=self._db)
-
-    def with_usage(self) -> SemaphoreQuerySet:
-        """Every semaphore with its fair waiters annotated (see
-        [SemaphoreQuerySet.with_usage][django_semaphore.managers.SemaphoreQuerySet.with_usage])."""
-        return self.get_queryset().with_usage()
-
-    def acquire(
-        self,
-        names: Any,
-        *,
-        external_id: str,
-        owner: str = "",
-        ttl: int | float | timedelta | None = None,
-        timeout: int | float | timedelta = 0,
-        fair: bool = False,
-    ) -> PermitRequest:
-        """See [acquire][django_semaphore.acquire]."""
-        return api.acquire(
-            names, external_id=external_id, owner=owner, ttl=ttl, timeout=timeout, fair=fair
-        )
-
-    def release(self, external_id: str) -> ReleaseOutcome:
-        """See [release][django_semaphore.release]."""
-        return api.release(external_id)
-
-    def renew(self, external_id: str, ttl: int | float | timedelta | None = None) -> PermitRequest:
-        """See [renew][django_semaphore.renew]."""
-        return api.renew(external_id, ttl)
-
-    def set_capacity(
-        self,
-        name: str,
-        capacity: int,
-        *,
-        changed_by: AbstractBaseUser | None = None,
-        reason: str = "",
-    ) -> Semaphore:
-        """Change capacity under the row lock, writing a ``CapacityChange``."""
-        return api.set_capacity(name, capacity, changed_by=changed_by, reason=reason)
+SemaphoreManager = models.Manager.from_queryset(SemaphoreQuerySet)
 
 
 class PermitRequestQuerySet(GuardedQuerySet["PermitRequest"]):
@@ -109,7 +73,7 @@ class PermitRequestQuerySet(GuardedQuerySet["PermitRequest"]):
     def held(self) -> PermitRequestQuerySet:
         """Requests still ACQUIRED, whether or not their TTL has run out (see
         ``expired``): what the holders think they hold."""
-        return self.filter(state=ACQUIRED)
+        return self.filter(state=State.ACQUIRED)
 
     def expired(self) -> PermitRequestQuerySet:
         """Held past their expiry by the database's clock."""

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Collection, Iterable
-from typing import Any, ClassVar, Self
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, ClassVar
 
 from django.conf import settings
 from django.db import models, router, transaction
@@ -12,16 +11,22 @@ from django.db.models import Q
 from django.utils.functional import cached_property
 from django.utils.translation import gettext_lazy as _
 
-from django_semaphore.exceptions import SemaphoreNotFound, UnsafeWrite
-from django_semaphore.guards import engine_is_writing
+from django_semaphore import signals
+from django_semaphore.exceptions import SemaphoreNotFound
+from django_semaphore.guards import GuardedModel, engine_is_writing, engine_writes
 from django_semaphore.managers import PermitManager, PermitRequestManager, SemaphoreManager
+from django_semaphore.states import ReleaseReason, State
+from django_semaphore.validation import validate_capacity
+
+if TYPE_CHECKING:
+    from django.contrib.auth.base_user import AbstractBaseUser
 
 MAX_NAME_LENGTH = 255
 
 # What an ORM write is told to use instead (see guards.py).
 ENGINE_ONLY = "only the engine writes it, under the semaphore's row lock."
 USE_SET_CAPACITY = (
-    "change capacity with Semaphore.objects.set_capacity(name, capacity), which locks "
+    "change capacity with set_capacity(name, capacity), which locks "
     "the row and records a CapacityChange (or load the row, set capacity and save() it)."
 )
 USE_ACQUIRE = "acquire(), which grants a request and its permits together"
@@ -29,141 +34,6 @@ USE_RELEASE = (
     "end a request with release(key), or force-release it (the admin's action, "
     "manage.py semaphore_release, sweep.force_release): permits and request change together."
 )
-# A sentinel: an instance built by hand, whose values nobody loaded.
-_NOT_LOADED = object()
-
-
-class State(models.TextChoices):
-    """One-way lifecycle of requests and permits: ACQUIRED -> RELEASED, never back."""
-
-    ACQUIRED = "ACQUIRED", _("acquired")
-    RELEASED = "RELEASED", _("released")
-
-
-class ReleaseReason(models.TextChoices):
-    """Why a request ended: ``PermitRequest.release_reason``, and the
-    ``reason`` of ``permit_released``; any but ``released`` is a reclaim."""
-
-    RELEASED = "released", _("released by its holder")
-    EXPIRED = "expired", _("TTL expired")
-    OWNER_DEAD = "owner_dead", _("owner no longer alive")
-    STALE = "stale", _("held past the staleness limit")
-    ADMIN = "admin", _("force-released by staff")
-
-
-class GuardedModel(models.Model):
-    """A model whose rows the engine writes, wholly or in part.
-
-    ``save()`` of an existing row never writes back an engine-owned column
-    the instance did not change (the instance's copy is stale the moment the
-    engine writes the row), and refuses one it did change if ``ORM_REFUSED``
-    names it; ``CREATED_BY``, when set, refuses creating rows outside the
-    engine. Bulk calls are guarded by ``guards.GuardedQuerySet``.
-    """
-
-    # The columns written only by the engine's own statements.
-    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = ()
-    # Field name -> what to call instead; an ORM write of it is refused.
-    ORM_REFUSED: ClassVar[dict[str, str]] = {}
-    # What creates the rows, when only the engine may.
-    CREATED_BY: ClassVar[str] = ""
-
-    class Meta:
-        abstract = True
-
-    def save(
-        self,
-        *,
-        force_insert: bool | tuple[models.base.ModelBase, ...] = False,
-        force_update: bool = False,
-        using: str | None = None,
-        update_fields: Iterable[str] | None = None,
-    ) -> None:
-        """Create the row (where the ORM may), or write back what may be
-        written of it.
-
-        Raises:
-            UnsafeWrite: a refused column was changed on the instance, or the
-                row may only be created by the engine.
-        """
-        creating = self.pk is None or force_insert or self._state.adding
-        if engine_is_writing() or (creating and not self.CREATED_BY):
-            update = update_fields
-        elif creating:
-            raise UnsafeWrite(f"{type(self).__name__} rows are created only by {self.CREATED_BY}.")
-        else:
-            update = self._writable_fields(update_fields)
-        super().save(
-            force_insert=force_insert, force_update=force_update, using=using, update_fields=update
-        )
-        self._remember_loaded()
-
-    @classmethod
-    def from_db(
-        cls, db: str | None, field_names: Collection[str], values: Collection[Any], **kwargs: Any
-    ) -> Self:
-        instance = super().from_db(db, field_names, values, **kwargs)
-        instance._remember_loaded()
-        return instance
-
-    def refresh_from_db(
-        self,
-        using: str | None = None,
-        fields: Iterable[str] | None = None,
-        from_queryset: models.QuerySet[Any] | None = None,
-    ) -> None:
-        fields = None if fields is None else list(fields)
-        super().refresh_from_db(using=using, fields=fields, from_queryset=from_queryset)
-        self._remember_loaded(fields)
-
-    def _remember_loaded(self, fields: Iterable[str] | None = None) -> None:
-        """Keep the values save() compares with: what the database said."""
-        # Also run when the grant builds its request, under the row locks:
-        # only the few tracked fields are visited.
-        loaded = self.__dict__.setdefault("_loaded", {})
-        values = self.__dict__
-        for name, attname in self._tracked_fields():
-            # refresh_from_db() may name a field by its attname ("request_id").
-            if (fields is None or name in fields or attname in fields) and attname in values:
-                loaded[name] = values[attname]
-
-    @classmethod
-    @functools.cache
-    def _tracked_fields(cls) -> tuple[tuple[str, str], ...]:
-        """(name, attname) of the fields save() compares with their loaded value."""
-        tracked = {*cls.ENGINE_OWNED_FIELDS, *cls.ORM_REFUSED}
-        return tuple((f.name, f.attname) for f in cls._meta.concrete_fields if f.name in tracked)
-
-    def _changed(self, name: str) -> bool:
-        """Whether the instance's value differs from the one loaded (an
-        instance built by hand has none: it counts as changed)."""
-        attname = dict(self._tracked_fields())[name]
-        current = self.__dict__.get(attname, _NOT_LOADED)
-        return bool(self.__dict__.get("_loaded", {}).get(name, _NOT_LOADED) != current)
-
-    def _writable_fields(self, update_fields: Iterable[str] | None) -> set[str]:
-        """The fields save() writes on an existing row: an engine-owned one
-        only if the instance changed it and the ORM may (a refused change is
-        a mistake to report; unchanged ones are dropped, also when named:
-        ``update_or_create()`` names every date field)."""
-        names = (
-            set(update_fields)
-            if update_fields is not None
-            else {
-                field.name
-                for field in self._meta.concrete_fields
-                if not field.primary_key and field.attname not in self.get_deferred_fields()
-            }
-        )
-        loaded = self.__dict__.get("_loaded", {})
-        for name in sorted(names & set(self.ENGINE_OWNED_FIELDS)):
-            if name not in loaded or not self._changed(name):
-                names.discard(name)
-            elif name in self.ORM_REFUSED:
-                raise UnsafeWrite(
-                    f"{type(self).__name__}.save() may not write {name!r}: {self.ORM_REFUSED[name]}"
-                )
-        return names
 
 
 class Semaphore(GuardedModel):
@@ -226,7 +96,7 @@ class Semaphore(GuardedModel):
     created_at = models.DateTimeField(_("created at"), auto_now_add=True)
     updated_at = models.DateTimeField(_("updated at"), auto_now=True)
 
-    objects: ClassVar[SemaphoreManager] = SemaphoreManager()
+    objects = SemaphoreManager()
 
     class Meta:
         verbose_name = _("semaphore")
@@ -277,25 +147,64 @@ class Semaphore(GuardedModel):
             )
             self._remember_loaded()
             return
-        from django_semaphore import capacity as capacity_changes
-
         using = using or router.db_for_write(Semaphore, instance=self)
         names = self._writable_fields(update_fields)
         capacity = None
         if "capacity" in names:
             names.discard("capacity")
             if self._changed("capacity"):
-                capacity = self.capacity
+                capacity = validate_capacity(self.capacity)
                 names.add("updated_at")  # and so pre_save/post_save are sent
         with transaction.atomic(using=using):
-            if not capacity_changes.lock_for_save(using, self.pk, capacity):
+            locked = Semaphore.objects.using(using).filter(pk=self.pk).locked().first()
+            if locked is None:
                 if update_fields is not None or force_update:
                     raise SemaphoreNotFound([self.name])
                 # Deleted since it was loaded: saved anew, as Django would.
                 super().save(using=using, force_insert=True)
-            elif names:
-                super().save(using=using, update_fields=names)
+            else:
+                if capacity is not None:
+                    locked.record_capacity_change(capacity, changed_by=None, reason="", using=using)
+                if names:
+                    super().save(using=using, update_fields=names)
         self._remember_loaded()
+
+    def record_capacity_change(
+        self,
+        capacity: int,
+        *,
+        changed_by: AbstractBaseUser | None,
+        reason: str,
+        using: str,
+    ) -> None:
+        """Change the capacity of this row, which the caller's transaction
+        holds locked, and record it in ``CapacityChange``: the one home of a
+        capacity change, for ``set_capacity`` and ``save()`` alike."""
+        if self.capacity == capacity:
+            return
+        CapacityChange.objects.using(using).create(
+            semaphore=self,
+            old_capacity=self.capacity,
+            new_capacity=capacity,
+            changed_by_id=None if changed_by is None else changed_by.pk,
+            reason=reason,
+        )
+        raised = capacity - self.capacity
+        self.capacity = capacity
+        # A family member changed on its own no longer follows its family
+        # default (engine/families.py), and the clean-up keeps it.
+        self.own_capacity = bool(self.family)
+        with engine_writes():
+            self.save(using=using, update_fields=["capacity", "own_capacity", "updated_at"])
+        if raised > 0 and signals.permits_freed.has_listeners(Semaphore):
+            # Room made: parked tasks that fit now are woken once this commits.
+            freed = {self.pk: raised}
+            transaction.on_commit(
+                lambda: signals.permits_freed.send_robust(
+                    sender=Semaphore, freed=freed, using=using
+                ),
+                using=using,
+            )
 
 
 class PermitRequest(GuardedModel):

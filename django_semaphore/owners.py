@@ -17,6 +17,10 @@ TASK_OWNER = re.compile(
     r"^task:(?P<task_id>\S+) (?P<task_name>\S+) on (?P<hostname>\S+) pid (?P<pid>\d+)$"
 )
 
+# The pid of a task owner whose permit no process holds: kept between the
+# task's own retries (task_runs), it is alive as long as the task is.
+NO_PROCESS = 0
+
 
 @dataclass(frozen=True)
 class TaskOwner:

@@ -78,9 +78,9 @@ from django.utils import timezone
 from django_semaphore import backends, routing, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
+from django_semaphore.engine.statements import room_for
 from django_semaphore.exceptions import LiveDuplicate, SemaphoreError, SemaphoreExhausted
 from django_semaphore.retry import run_with_retries
-from django_semaphore.statements import room_for
 from django_semaphore.validation import validate_keys
 
 if TYPE_CHECKING:
@@ -225,7 +225,8 @@ def _raw_delete(queryset: QuerySet[Any]) -> int:
 def finished_before(task_id: str) -> bool:
     """Whether a run of this task id already ended for good (its permit was
     released by its holder): a copy arriving now is a duplicate."""
-    from django_semaphore.models import PermitRequest, ReleaseReason
+    from django_semaphore.models import PermitRequest
+    from django_semaphore.states import ReleaseReason
 
     return (
         PermitRequest.objects.using(routing.alias_for_key(task_id))

@@ -18,8 +18,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_semaphore import backends, signals
 from django_semaphore.backends import Failure
 from django_semaphore.conf import app_settings
-from django_semaphore.exceptions import DatabaseUnavailable, LockContention
-from django_semaphore.prelock import PrelockTimeout
+from django_semaphore.exceptions import DatabaseUnavailable, LockContention, PrelockTimeout
 
 T = TypeVar("T")
 

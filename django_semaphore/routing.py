@@ -22,15 +22,34 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from fnmatch import fnmatchcase
 from typing import TypeVar
 
-from django.db import connections
+from django.db import connections, router
 
-from django_semaphore.conf import app_settings, pinned_alias
+from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import CrossShardRequest
+from django_semaphore.models import PermitRequest, Semaphore
+from django_semaphore.retry import run_with_retries
 
 T = TypeVar("T")
+
+# Set by ``on_alias``: the alias the app's single-alias code (sweeps,
+# commands, the admin) works on while it visits each shard.
+pinned_alias: ContextVar[str | None] = ContextVar("django_semaphore_alias", default=None)
+
+
+def current_alias() -> str:
+    """The alias of every semaphore no shard pattern places, or the one
+    ``on_alias`` pinned: ``DJANGO_SEMAPHORE["DATABASE"]``, else where the
+    routers send the semaphores' writes. Never ``db_for_read``: a router may
+    send reads to a replica, and a grant decided on a replica's stale rows
+    could over-grant."""
+    pinned = pinned_alias.get()
+    if pinned is not None:
+        return pinned
+    return app_settings.DATABASE or router.db_for_write(Semaphore)
 
 
 def alias_for_name(name: str) -> str:
@@ -38,7 +57,7 @@ def alias_for_name(name: str) -> str:
     for pattern, alias in app_settings.SHARDS.items():
         if fnmatchcase(name, pattern):
             return alias
-    return app_settings.DATABASE
+    return current_alias()
 
 
 def alias_for_names(names: Iterable[str]) -> str:
@@ -52,7 +71,7 @@ def alias_for_names(names: Iterable[str]) -> str:
     if len(aliases) == 1:
         return aliases.pop()
     if not aliases:
-        return app_settings.DATABASE
+        return current_alias()
     described = "; ".join(
         f"{alias}: {', '.join(sorted(n for n, a in placed.items() if a == alias))}"
         for alias in sorted(aliases)
@@ -66,7 +85,7 @@ def alias_for_names(names: Iterable[str]) -> str:
 
 def aliases() -> list[str]:
     """Every alias holding semaphores: ``DATABASE`` first, then the shards'."""
-    return list(dict.fromkeys([app_settings.DATABASE, *app_settings.SHARDS.values()]))
+    return list(dict.fromkeys([current_alias(), *app_settings.SHARDS.values()]))
 
 
 def alias_for_key(key: str) -> str:
@@ -75,9 +94,6 @@ def alias_for_key(key: str) -> str:
     candidates = aliases()
     if len(candidates) == 1:
         return candidates[0]
-    from django_semaphore.models import PermitRequest
-    from django_semaphore.retry import run_with_retries
-
     for alias in candidates:
         requests = PermitRequest.objects.using(alias).filter(external_id=key)
         if run_with_retries(connections[alias], requests.exists):
@@ -88,7 +104,7 @@ def alias_for_key(key: str) -> str:
 @contextmanager
 def on_alias(alias: str) -> Iterator[None]:
     """Run the app's single-alias code (sweeps, commands, the admin's reads)
-    against ``alias``: inside, ``app_settings.DATABASE`` is ``alias``."""
+    against ``alias``: inside, ``current_alias()`` is ``alias``."""
     token = pinned_alias.set(alias)
     try:
         yield

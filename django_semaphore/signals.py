@@ -11,7 +11,34 @@ Each signal's keyword arguments are described below it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from django.dispatch import Signal
+
+
+@dataclass(frozen=True)
+class Hold:
+    """One released permit: which request, on which semaphore, how long."""
+
+    request_id: int
+    semaphore: str
+    count: int
+    seconds: float  # grant to release, both read from the database's clock
+
+
+@dataclass(frozen=True)
+class Drift:
+    """A counter that differed from the permits it counts."""
+
+    semaphore: str
+    recorded: int  # what the counter said
+    actual: int  # the sum of the ACQUIRED permits' counts, now the counter's value
+
+    def __str__(self) -> str:
+        return f"{self.semaphore}: in_use was {self.recorded}, permits held {self.actual}"
+
+
+# The signals; the payload types above are what two of them carry.
 
 permit_acquired = Signal()
 """A request was granted, once committed. ``request``: the new ACQUIRED
@@ -38,7 +65,7 @@ signal per release call or sweep batch.
 hold_ended = Signal()
 """After ``permit_released``, only while a receiver is connected (it costs
 one query on the released rows). ``holds``: a list of
-``django_semaphore.holds.Hold`` (``request_id``, ``semaphore``, ``count``,
+``Hold`` (``request_id``, ``semaphore``, ``count``,
 ``seconds`` from grant to release by the database's clock), one per
 released permit; ``reason``: as for ``permit_released``.
 """
@@ -55,7 +82,7 @@ counter_drift = Signal()
 """The verifier found a semaphore's ``in_use`` counter differing from the
 permits it counts (a bug, or rows changed outside the app). Sender:
 ``Semaphore`` (every other signal's is ``PermitRequest``). ``drift``: a
-``django_semaphore.counter.Drift`` (``semaphore``, ``recorded``,
+``Drift`` (``semaphore``, ``recorded``,
 ``actual``); ``corrected``: whether the counter was set to ``actual``.
 """
 

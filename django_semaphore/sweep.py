@@ -50,14 +50,15 @@ from django.db.models import (
     Value,
 )
 
-from django_semaphore import backends, counter, liveness, routing, signals
+from django_semaphore import backends, liveness, routing, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
+from django_semaphore.engine import counter
+from django_semaphore.engine.releasing import release_permits, release_requests
 from django_semaphore.exceptions import InvalidRequest, LockContention
 from django_semaphore.guards import engine_writes
-from django_semaphore.outcomes import ReleaseOutcome
-from django_semaphore.releasing import release_permits, release_requests
 from django_semaphore.retry import run_with_retries
+from django_semaphore.states import ReleaseOutcome
 from django_semaphore.validation import (
     validate_batch_size,
     validate_keys,
@@ -214,11 +215,11 @@ def release_orphans(
             ``time_budget`` negative or not a number of seconds; nothing is
             changed.
     """
-    from django_semaphore.models import ReleaseReason
+    from django_semaphore.states import ReleaseReason
 
     size, deadline = _limits(batch_size, time_budget)
     report = OrphanReport(dry_run=dry_run)
-    alias = app_settings.DATABASE
+    alias = routing.current_alias()
     half_released = _partly_released()
     expired = Q(expires_at__lte=DatabaseNow())
     # The permits are free (or some of them), only the request still says
@@ -269,9 +270,10 @@ def _release_matching(
 ) -> int:
     """Release every ACQUIRED request matching ``condition``, batch by batch;
     ``repair`` names the kind of repair this is, if it is one."""
-    from django_semaphore.models import PermitRequest, State
+    from django_semaphore.models import PermitRequest
+    from django_semaphore.states import State
 
-    alias = app_settings.DATABASE
+    alias = routing.current_alias()
     held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED).filter(condition)
     if dry_run:
         return held.count()
@@ -303,7 +305,8 @@ def _release_matching(
 
 def _partly_released() -> Q:
     """ACQUIRED requests some (or all) of whose permits are not ACQUIRED."""
-    from django_semaphore.models import Permit, State
+    from django_semaphore.models import Permit
+    from django_semaphore.states import State
 
     return Q(Exists(Permit.objects.filter(request=OuterRef("pk"), state=State.RELEASED))) | ~Q(
         Exists(Permit.objects.filter(request=OuterRef("pk"), state=State.ACQUIRED))
@@ -311,14 +314,16 @@ def _partly_released() -> Q:
 
 
 def _stray_permits(alias: str) -> QuerySet[Permit]:
-    from django_semaphore.models import Permit, State
+    from django_semaphore.models import Permit
+    from django_semaphore.states import State
 
     return Permit.objects.using(alias).filter(state=State.ACQUIRED, request__state=State.RELEASED)
 
 
 def _orphan_permits(alias: str) -> QuerySet[Permit]:
     """Possible only with foreign key checks off (raw SQL, a partial restore)."""
-    from django_semaphore.models import Permit, PermitRequest, State
+    from django_semaphore.models import Permit, PermitRequest
+    from django_semaphore.states import State
 
     return Permit.objects.using(alias).filter(
         ~Exists(PermitRequest.objects.using(alias).filter(pk=OuterRef("request_id"))),
@@ -351,7 +356,8 @@ def _lowered_counters(alias: str) -> QuerySet[Semaphore]:
 def inconsistencies(alias: str) -> dict[str, int]:
     """How many rows of each kind in :data:`REPAIRS` the orphan sweep would
     repair on ``alias`` now; changes nothing (``check --database`` runs it)."""
-    from django_semaphore.models import PermitRequest, State
+    from django_semaphore.models import PermitRequest
+    from django_semaphore.states import State
 
     return {
         "partly_released": PermitRequest.objects.using(alias)
@@ -394,7 +400,7 @@ def _raise_fencing_counters(dry_run: bool) -> int:
     highest one, so no token is issued twice."""
     from django_semaphore.models import Permit, Semaphore
 
-    alias = app_settings.DATABASE
+    alias = routing.current_alias()
     lowered = _lowered_counters(alias)
     if dry_run:
         return lowered.count()
@@ -456,11 +462,12 @@ def _announce_repair(alias: str, kind: str, ids: list[int], count: int) -> None:
 def _release_dead_owners(
     checkers: list[liveness.LivenessChecker], size: int, deadline: float | None, dry_run: bool
 ) -> int:
-    from django_semaphore.models import PermitRequest, ReleaseReason, State
+    from django_semaphore.models import PermitRequest
+    from django_semaphore.states import ReleaseReason, State
 
     if not checkers:
         return 0
-    alias = app_settings.DATABASE
+    alias = routing.current_alias()
     held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED).exclude(owner="")
     total, last_pk = 0, 0
     while True:
@@ -517,10 +524,11 @@ def clean_released(
     Raises:
         InvalidRequest: as for :func:`release_orphans`.
     """
-    from django_semaphore.models import Permit, PermitRequest, State
+    from django_semaphore.models import Permit, PermitRequest
+    from django_semaphore.states import State
 
     size, deadline = _limits(batch_size, time_budget)
-    alias = app_settings.DATABASE
+    alias = routing.current_alias()
     old = PermitRequest.objects.using(alias).filter(
         state=State.RELEASED, released_at__lte=_ago(app_settings.RELEASED_RETENTION)
     )
@@ -556,7 +564,7 @@ def clean_history(
     from django_semaphore.models import CapacityChange
 
     size, deadline = _limits(batch_size, time_budget)
-    alias = app_settings.DATABASE
+    alias = routing.current_alias()
     old = CapacityChange.objects.using(alias).filter(
         changed_at__lte=_ago(app_settings.HISTORY_RETENTION)
     )
@@ -584,17 +592,11 @@ def clean_idle_members(
     changed on their own are never deleted. A member acquired again later
     is created again (its fencing tokens still increase, see ``families``).
     """
-    from django_semaphore.models import (
-        CapacityChange,
-        ParkedDemand,
-        Permit,
-        Semaphore,
-        State,
-        Ticket,
-    )
+    from django_semaphore.models import CapacityChange, ParkedDemand, Permit, Semaphore, Ticket
+    from django_semaphore.states import State
 
     size, deadline = _limits(batch_size, time_budget)
-    alias = app_settings.DATABASE
+    alias = routing.current_alias()
     now = DatabaseNow()
     # The row lock of each batch re-reads these conditions on the latest
     # committed row (InnoDB's locking read; PostgreSQL re-checks a row
@@ -643,7 +645,7 @@ def clean_tickets(
     from django_semaphore.models import Ticket
 
     size, deadline = _limits(batch_size, time_budget)
-    dead = Ticket.objects.using(app_settings.DATABASE).filter(expires_at__lte=DatabaseNow())
+    dead = Ticket.objects.using(routing.current_alias()).filter(expires_at__lte=DatabaseNow())
     report = CleanupReport("dead tickets", dry_run=dry_run)
     if dry_run:
         report.deleted = dead.count()
@@ -713,7 +715,7 @@ def force_release(keys: Iterable[str], reason: str | None = None) -> dict[str, R
             one str, or a ``reason`` that is not a ``ReleaseReason``; nothing
             is released.
     """
-    from django_semaphore.models import ReleaseReason
+    from django_semaphore.states import ReleaseReason
 
     keys = list(dict.fromkeys(validate_keys(keys)))
     if reason is not None and reason not in ReleaseReason.values:
@@ -730,7 +732,8 @@ def force_release(keys: Iterable[str], reason: str | None = None) -> dict[str, R
 
 
 def _force_release_on(alias: str, keys: list[str], reason: str | None) -> dict[str, ReleaseOutcome]:
-    from django_semaphore.models import PermitRequest, ReleaseReason, State
+    from django_semaphore.models import PermitRequest
+    from django_semaphore.states import ReleaseReason, State
 
     rows = {
         key: (pk, state)
@@ -787,7 +790,7 @@ def _batches(
     (a sweep and an acquire reclaiming the same expired request at once) are
     retried; if they persist the run stops here and the next run goes on.
     """
-    connection = connections[app_settings.DATABASE]
+    connection = connections[routing.current_alias()]
     while True:
         try:
             yield run_with_retries(connection, lambda: _in_transaction(connection, work))

@@ -138,8 +138,9 @@ def _park(key: str, task: Any) -> None:
 
 def _update_owner(alias: str, select: Callable[[QuerySet[Any]], QuerySet[Any]], owner: str) -> int:
     """Set the owner of a held request, retrying transient database errors."""
-    from django_semaphore.models import PermitRequest, State
+    from django_semaphore.models import PermitRequest
     from django_semaphore.retry import run_with_retries
+    from django_semaphore.states import State
 
     connection = connections[alias]
     held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED)

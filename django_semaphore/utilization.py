@@ -28,8 +28,8 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
+from django_semaphore import routing
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.conf import app_settings
 
 if TYPE_CHECKING:
     from django_semaphore.models import Semaphore
@@ -172,9 +172,10 @@ def load_utilization(semaphore: Semaphore, *, window: timedelta = WINDOW) -> Uti
     permits were released but whose own row was not yet, after a crash, is
     not in use; the sweep completes it).
     """
-    from django_semaphore.models import CapacityChange, Permit, Semaphore, State
+    from django_semaphore.models import CapacityChange, Permit, Semaphore
+    from django_semaphore.states import State
 
-    using = app_settings.DATABASE
+    using = routing.current_alias()
     capacity_now, end = (
         Semaphore.objects.using(using)
         .filter(pk=semaphore.pk)

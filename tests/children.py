@@ -98,11 +98,15 @@ def dump_stacks_on_signal() -> TextIO:
     return file
 
 
-def in_child_process(
-    database: dict[str, Any], bound: float, target: Callable[..., None], *args: Any
-) -> None:
+def in_child_process(database: dict[str, Any], bound: float, target: str, *args: Any) -> None:
     """Entry point of a spawned child: stacks on demand, a deadline it keeps on
-    its own (even if its parent died), Django on the test database, then work."""
+    its own (even if its parent died), Django on the test database, then work.
+
+    ``target`` is ``module:function``, imported once Django is set up: a
+    module that imports the app's models cannot be imported before.
+    """
+    import importlib
+
     import django
 
     faulthandler.dump_traceback_later(bound, exit=True, file=dump_stacks_on_signal())
@@ -111,7 +115,8 @@ def in_child_process(
     from django.db import connections
 
     connections["default"].settings_dict.update(database)
-    target(*args)
+    module, function = target.split(":")
+    getattr(importlib.import_module(module), function)(*args)
 
 
 def spawn(
@@ -123,7 +128,9 @@ def spawn(
 
     database = database or {"NAME": connection.settings_dict["NAME"]}
     process = SPAWN.Process(
-        target=in_child_process, args=(database, bound, target, *args), daemon=True
+        target=in_child_process,
+        args=(database, bound, f"{target.__module__}:{target.__qualname__}", *args),
+        daemon=True,
     )
     process.start()
     return process

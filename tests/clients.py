@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import connections
 
-from django_semaphore import acquire, release, releasing
+from django_semaphore import acquire, release
+from django_semaphore.engine import releasing
 from django_semaphore.exceptions import SemaphoreExhausted
 from tests.children import SPAWN, Outbox, join, spawn, start_threads
 

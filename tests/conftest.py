@@ -19,10 +19,11 @@ from django.db import connection, connections
 from django.db.models import DurationField, OuterRef, Subquery, Sum, Value
 from django.db.models.functions import Coalesce
 
-from django_semaphore import acquire, release
+from django_semaphore import acquire, release, set_capacity
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.guards import engine_writes
-from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore, State
+from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore
+from django_semaphore.states import State
 from tests.children import RUNTIME, STACKS_VARIABLE, dump_stacks_on_signal, stop
 
 # scripts/watchdog.py reads which test each pytest process of the run is in.
@@ -164,7 +165,7 @@ def leftovers(make_semaphore) -> tuple[PermitRequest, PermitRequest]:
     old = acquire(sem.name, external_id=unique())
     release(old.external_id)
     PermitRequest.objects.filter(pk=old.pk).update(released_at=ago(days=8))
-    Semaphore.objects.set_capacity(sem.name, 6)
+    set_capacity(sem.name, 6)
     CapacityChange.objects.update(changed_at=ago(days=31))
     return expired, old
 

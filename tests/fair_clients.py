@@ -12,7 +12,8 @@ from typing import Any
 
 from django.db import connections, transaction
 
-from django_semaphore import acquire, fairness, release
+from django_semaphore import acquire, release
+from django_semaphore.engine import fairness
 from django_semaphore.exceptions import SemaphoreExhausted
 from tests.children import Outbox
 

@@ -68,7 +68,8 @@ def hammer_node(
     """
     from django.db import connections
 
-    from django_semaphore import acquire, backends, release, statements
+    from django_semaphore import acquire, backends, release
+    from django_semaphore.engine import statements
     from django_semaphore.exceptions import LockContention, SemaphoreExhausted
     from django_semaphore.models import Semaphore
 

@@ -6,7 +6,8 @@ from weakref import WeakKeyDictionary
 import pytest
 from django.db import connection, connections, transaction
 
-from django_semaphore import ReleaseOutcome, acquire, release, statements
+from django_semaphore import ReleaseOutcome, acquire, release
+from django_semaphore.engine import statements
 from django_semaphore.exceptions import (
     AcquireTimeout,
     CapacityExceeded,
@@ -17,7 +18,8 @@ from django_semaphore.exceptions import (
     SemaphoreExhausted,
     SemaphoreNotFound,
 )
-from django_semaphore.models import Permit, PermitRequest, ReleaseReason, Semaphore, State
+from django_semaphore.models import Permit, PermitRequest, Semaphore
+from django_semaphore.states import ReleaseReason, State
 from tests.conftest import unique
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -16,16 +16,10 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_semaphore import acquire, release
+from django_semaphore import acquire, release, set_capacity
 from django_semaphore.admin import usage_bar
-from django_semaphore.models import (
-    CapacityChange,
-    Permit,
-    PermitRequest,
-    ReleaseReason,
-    Semaphore,
-    State,
-)
+from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore
+from django_semaphore.states import ReleaseReason, State
 from tests.conftest import unique
 
 pytestmark = pytest.mark.django_db
@@ -98,7 +92,7 @@ def test_changelist_shows_usage_holders_and_last_change(viewer, make_semaphore):
     sem = make_semaphore(capacity=4)
     hold(sem, 2)
     hold(sem, 1)
-    Semaphore.objects.set_capacity(sem.name, 5, reason="more room")
+    set_capacity(sem.name, 5, reason="more room")
 
     response = viewer.get(SEMAPHORES, {"q": sem.name})
 
@@ -119,7 +113,7 @@ def test_changelist_counts_come_from_one_query_for_fifty_semaphores(viewer):
     )
     for sem in semaphores[:10]:
         hold(sem, 2)
-        Semaphore.objects.set_capacity(sem.name, 1)  # over capacity, with history
+        set_capacity(sem.name, 1)  # over capacity, with history
 
     def queries(search: str) -> list[str]:
         with CaptureQueriesContext(connection) as captured:
@@ -141,7 +135,7 @@ def test_changelist_counts_come_from_one_query_for_fifty_semaphores(viewer):
 def test_changelist_flags_over_capacity(viewer, make_semaphore):
     sem = make_semaphore(capacity=2)
     hold(sem, 2)
-    Semaphore.objects.set_capacity(sem.name, 1)
+    set_capacity(sem.name, 1)
 
     html = viewer.get(SEMAPHORES, {"q": sem.name}).content.decode()
 
@@ -181,7 +175,7 @@ def test_usage_filter(viewer, make_semaphore, usage, expected):
     hold(sems["room"])
     hold(sems["full"], 2)
     hold(sems["over"], 2)
-    Semaphore.objects.set_capacity(sems["over"].name, 1)
+    set_capacity(sems["over"].name, 1)
 
     response = viewer.get(SEMAPHORES, {"q": prefix, "usage": usage})
 
@@ -198,7 +192,7 @@ def test_changelist_orders_by_utilization(viewer, make_semaphore):
     hold(half, 2)
     hold(full, 1)
     hold(closed, 1)
-    Semaphore.objects.set_capacity(closed.name, 0)
+    set_capacity(closed.name, 0)
 
     column = viewer.get(SEMAPHORES).context["cl"].list_display.index("utilization")
     response = viewer.get(SEMAPHORES, {"q": prefix, "o": f"-{column}"})
@@ -227,7 +221,7 @@ def test_semaphore_page_shows_holders_chart_and_history(operator, make_semaphore
     done = hold(sem, 1, owner="finished")
     time.sleep(0.005)  # SQLite's clock counts milliseconds: a shorter hold would not show
     release(done.external_id)
-    Semaphore.objects.set_capacity(sem.name, 4, reason="black friday")
+    set_capacity(sem.name, 4, reason="black friday")
 
     response = operator.get(semaphore_url(sem))
 
@@ -284,7 +278,7 @@ def test_capacity_change_goes_through_the_capacity_api_with_user_and_reason(clie
     # history's old value is the one read under the row lock, not the form's.
     form = client.get(semaphore_url(sem)).context["adminform"].form
     assert form.initial["capacity"] == 3
-    Semaphore.objects.set_capacity(sem.name, 6, reason="autoscaler")
+    set_capacity(sem.name, 6, reason="autoscaler")
 
     response = client.post(semaphore_url(sem), capacity_form(sem, 1, "draining the node"))
 
@@ -353,7 +347,7 @@ def test_held_semaphore_cannot_be_deleted(client, make_semaphore):
     held_sem = make_semaphore(capacity=2)
     held = hold(held_sem)
     idle_sem = make_semaphore(capacity=2)
-    Semaphore.objects.set_capacity(idle_sem.name, 3)  # history goes with it
+    set_capacity(idle_sem.name, 3)  # history goes with it
 
     refused = client.post(semaphore_url(held_sem, "delete"), {"post": "yes"})
     deleted = client.post(semaphore_url(idle_sem, "delete"), {"post": "yes"})
@@ -371,7 +365,7 @@ def test_held_semaphore_cannot_be_deleted(client, make_semaphore):
 def test_view_only_staff_sees_everything(viewer, make_semaphore):
     sem = make_semaphore(capacity=2)
     held = hold(sem)
-    Semaphore.objects.set_capacity(sem.name, 3)
+    set_capacity(sem.name, 3)
     change = CapacityChange.objects.get(semaphore=sem)
 
     for url in [
@@ -392,7 +386,7 @@ def test_view_only_staff_sees_everything(viewer, make_semaphore):
 def test_view_only_staff_posts_are_refused(viewer, make_semaphore):
     sem = make_semaphore(capacity=2)
     held = hold(sem)
-    Semaphore.objects.set_capacity(sem.name, 3)
+    set_capacity(sem.name, 3)
     change = CapacityChange.objects.get(semaphore=sem)
 
     posts = {
@@ -551,9 +545,9 @@ def test_force_release_of_one_request_says_so_in_the_singular(client, make_semap
 def test_history_list_filters_by_semaphore_and_user(viewer, make_semaphore):
     sem, other = make_semaphore(capacity=1), make_semaphore(capacity=1)
     alice, bob = staff(), staff()
-    Semaphore.objects.set_capacity(sem.name, 2, changed_by=alice, reason="alice's")
-    Semaphore.objects.set_capacity(sem.name, 3, changed_by=bob)
-    Semaphore.objects.set_capacity(other.name, 2, changed_by=alice)
+    set_capacity(sem.name, 2, changed_by=alice, reason="alice's")
+    set_capacity(sem.name, 3, changed_by=bob)
+    set_capacity(other.name, 2, changed_by=alice)
 
     def listed(**params) -> list[tuple[int, int]]:
         response = viewer.get(HISTORY, params)
@@ -621,7 +615,7 @@ def test_capacity_change_through_the_apps_alias(client, on_apps_alias, make_sema
 def test_lists_show_filter_counts(viewer, make_semaphore, url):
     sem = make_semaphore(capacity=1)
     hold(sem)
-    Semaphore.objects.set_capacity(sem.name, 2, changed_by=staff(), reason="facets")
+    set_capacity(sem.name, 2, changed_by=staff(), reason="facets")
 
     response = viewer.get(url, {"_facets": "True"})
 

@@ -34,8 +34,9 @@ from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.wait import WebDriverWait
 
-from django_semaphore import acquire, release
-from django_semaphore.models import CapacityChange, PermitRequest, ReleaseReason, Semaphore, State
+from django_semaphore import acquire, release, set_capacity
+from django_semaphore.models import CapacityChange, PermitRequest, Semaphore
+from django_semaphore.states import ReleaseReason, State
 from tests.conftest import unique
 
 REPO = Path(__file__).resolve().parent.parent
@@ -281,7 +282,7 @@ def test_changelist_shows_what_a_background_process_holds(browser, server, holde
     holder({exports.name: 2, network.name: 1})
     holder({network.name: 1})
     holder({exports.name: 1})
-    Semaphore.objects.set_capacity(exports.name, 2, reason="maintenance")  # now over capacity
+    set_capacity(exports.name, 2, reason="maintenance")  # now over capacity
     log_in(browser, server)
 
     browser.get(f"{server}/admin/django_semaphore/semaphore/?q={prefix}")

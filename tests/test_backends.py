@@ -11,8 +11,9 @@ from unittest.mock import patch
 import pytest
 from django.db import DatabaseError, connection, connections, transaction
 
-from django_semaphore import ReleaseOutcome, acquire, backends, prelock, release
+from django_semaphore import ReleaseOutcome, acquire, backends, release
 from django_semaphore.backends import Failure
+from django_semaphore.engine import prelock
 from django_semaphore.exceptions import LockContention
 from django_semaphore.models import Semaphore
 from django_semaphore.signals import permit_released

@@ -19,7 +19,8 @@ from django_semaphore import acquire, release
 from django_semaphore import tasks as maintenance_tasks
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.beat import BEAT_SCHEDULE, beat_schedule
-from django_semaphore.models import PermitRequest, ReleaseReason, Semaphore, State
+from django_semaphore.models import PermitRequest, Semaphore
+from django_semaphore.states import ReleaseReason, State
 from tests.celery_app import app
 from tests.celery_worker import celery_process
 from tests.conftest import unique

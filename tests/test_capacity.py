@@ -4,7 +4,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.db import transaction
 
-from django_semaphore import acquire
+from django_semaphore import acquire, set_capacity
 from django_semaphore.exceptions import SemaphoreExhausted, SemaphoreNotFound
 from django_semaphore.models import CapacityChange, Semaphore
 from tests.conftest import unique
@@ -16,7 +16,7 @@ def test_capacity_change_is_recorded_with_who_and_why(make_semaphore):
     sem = make_semaphore(capacity=2)
     staff = get_user_model().objects.create_user("ops")
 
-    Semaphore.objects.set_capacity(sem.name, 5, changed_by=staff, reason="more workers")
+    set_capacity(sem.name, 5, changed_by=staff, reason="more workers")
 
     sem.refresh_from_db()
     assert sem.capacity == 5
@@ -29,7 +29,7 @@ def test_capacity_change_is_recorded_with_who_and_why(make_semaphore):
 
 def test_unchanged_capacity_writes_no_history(make_semaphore):
     sem = make_semaphore(capacity=2)
-    Semaphore.objects.set_capacity(sem.name, 2)
+    set_capacity(sem.name, 2)
     assert not CapacityChange.objects.filter(semaphore=sem).exists()
 
 
@@ -37,7 +37,7 @@ def test_lowering_below_use_keeps_holders_and_blocks_new_grants(make_semaphore):
     sem = make_semaphore(capacity=3)
     held = [acquire(sem.name, external_id=unique()) for _ in range(3)]
 
-    Semaphore.objects.set_capacity(sem.name, 1)
+    set_capacity(sem.name, 1)
 
     assert Semaphore.objects.with_usage().get(pk=sem.pk).in_use == 3
     assert all(r.permits.get().state == "ACQUIRED" for r in held)
@@ -47,7 +47,7 @@ def test_lowering_below_use_keeps_holders_and_blocks_new_grants(make_semaphore):
 
 def test_unknown_semaphore():
     with pytest.raises(SemaphoreNotFound):
-        Semaphore.objects.set_capacity(unique(), 3)
+        set_capacity(unique(), 3)
 
 
 def test_capacity_change_joins_the_callers_transaction(make_semaphore):
@@ -55,7 +55,7 @@ def test_capacity_change_joins_the_callers_transaction(make_semaphore):
 
     def change_then_fail() -> None:
         with transaction.atomic():
-            Semaphore.objects.set_capacity(sem.name, 9)
+            set_capacity(sem.name, 9)
             raise RuntimeError("the admin form failed")
 
     with pytest.raises(RuntimeError):

@@ -8,8 +8,9 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from django_semaphore import acquire, release
-from django_semaphore.models import CapacityChange, PermitRequest, ReleaseReason, Semaphore, State
+from django_semaphore import acquire, release, set_capacity
+from django_semaphore.models import CapacityChange, PermitRequest, Semaphore
+from django_semaphore.states import ReleaseReason, State
 from tests.conftest import ago, unique
 
 pytestmark = pytest.mark.django_db
@@ -79,7 +80,7 @@ def test_status_shows_capacity_use_and_holders(make_semaphore):
     acquire({busy.name: 2}, external_id=unique())
     acquire(busy.name, external_id=unique())
     acquire({over.name: 2}, external_id=unique())
-    Semaphore.objects.set_capacity(over.name, 1)
+    set_capacity(over.name, 1)
 
     lines = run("semaphore_status", busy.name, idle.name, over.name).splitlines()
 

@@ -8,8 +8,9 @@ import uuid
 
 import pytest
 
-from django_semaphore import releasing
-from django_semaphore.models import Permit, PermitRequest, Semaphore, State
+from django_semaphore.engine import releasing
+from django_semaphore.models import Permit, PermitRequest, Semaphore
+from django_semaphore.states import State
 from tests.children import SPAWN, Outbox
 from tests.clients import (
     CLIENTS,

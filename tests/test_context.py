@@ -11,9 +11,10 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 
 from django_semaphore import acquire, permit, signals
+from django_semaphore.engine.releasing import release_requests
 from django_semaphore.exceptions import PermitLost, SemaphoreExhausted
-from django_semaphore.models import PermitRequest, ReleaseReason, Semaphore, State
-from django_semaphore.releasing import release_requests
+from django_semaphore.models import PermitRequest, Semaphore
+from django_semaphore.states import ReleaseReason, State
 from tests.conftest import unique
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -19,10 +19,11 @@ from django.core.management import call_command
 from django.db import connection
 from django.db.migrations.loader import MigrationLoader
 
-from django_semaphore import acquire, counter, release, sweep
+from django_semaphore import acquire, release, signals, sweep
+from django_semaphore.engine import counter
+from django_semaphore.engine.releasing import release_requests
 from django_semaphore.exceptions import SemaphoreExhausted
 from django_semaphore.models import PermitRequest, Semaphore
-from django_semaphore.releasing import release_requests
 from django_semaphore.signals import counter_drift as counter_drift_signal
 from django_semaphore.signals import hold_ended, permit_released
 from tests.conftest import behind_the_engine, counter_drift, unique
@@ -159,8 +160,8 @@ def test_the_verifier_corrects_and_reports_drift(make_semaphore, caplog):
         counter_drift_signal.disconnect(receiver)
 
     assert sorted(drifts, key=lambda d: d.recorded) == [
-        counter.Drift(a.name, 0, 2),
-        counter.Drift(b.name, 3, 0),
+        signals.Drift(a.name, 0, 2),
+        signals.Drift(b.name, 3, 0),
     ]
     assert (in_use(a), in_use(b)) == (2, 0)
     assert sum("In-use counter drift" in r.message for r in caplog.records) == 2

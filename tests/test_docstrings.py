@@ -24,16 +24,15 @@ import django_semaphore.management.commands
 PUBLIC_MODULES = (
     "beat",
     "context",
-    "counter",
+    "engine.counter",
     "exceptions",
     "fencing",
-    "holds",
     "liveness",
     "managers",
     "models",
-    "outcomes",
     "parking",
     "signals",
+    "states",
     "sweep",
     "tasks",
 )
@@ -94,7 +93,7 @@ def test_the_check_sees_the_public_names():
     seen = {obj.path for obj in public_objects()}
     assert {
         "django_semaphore.acquire",
-        "django_semaphore.managers.SemaphoreManager.set_capacity",
+        "django_semaphore.managers.SemaphoreQuerySet.locked",
         "django_semaphore.exceptions.SemaphoreExhausted",
         "django_semaphore.signals.permit_released",
         "django_semaphore.beat.BEAT_SCHEDULE",

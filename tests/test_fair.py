@@ -227,7 +227,7 @@ def test_permit_and_holds_permit_pass_fair_through(make_semaphore, monkeypatch):
 
 @pytest.mark.parametrize("fair", [False, True])
 def test_waiting_threads_of_one_process_share_one_poller(make_semaphore, monkeypatch, fair):
-    from django_semaphore import grant
+    from django_semaphore.engine import grant
 
     semaphore = make_semaphore(1)
     acquire(semaphore.name, external_id=key())

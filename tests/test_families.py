@@ -20,7 +20,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import path
 from django.utils import timezone
 
-from django_semaphore import acquire, holds_permit, permit, release, sweep
+from django_semaphore import acquire, holds_permit, permit, release, set_capacity, sweep
 from django_semaphore.declared import create_declared_semaphores
 from django_semaphore.exceptions import (
     FamilyFull,
@@ -29,7 +29,8 @@ from django_semaphore.exceptions import (
     SemaphoreNotFound,
 )
 from django_semaphore.guards import engine_writes
-from django_semaphore.models import CapacityChange, Permit, Semaphore, State
+from django_semaphore.models import CapacityChange, Permit, Semaphore
+from django_semaphore.states import State
 from tests.conftest import unique
 
 pytestmark = pytest.mark.django_db
@@ -192,10 +193,10 @@ def test_changing_the_default_changes_the_members_that_follow_it(
     follower, own = f"{family}:follows", f"{family}:own"
     for name in (follower, own):
         release(acquire(name, external_id=key()).external_id)
-    Semaphore.objects.set_capacity(own, 7, reason="big customer")
+    set_capacity(own, 7, reason="big customer")
 
     with django_capture_on_commit_callbacks(execute=True):  # followers: after the commit
-        Semaphore.objects.set_capacity(f"{family}:*", 4, changed_by=admin_user, reason="raised")
+        set_capacity(f"{family}:*", 4, changed_by=admin_user, reason="raised")
 
     assert Semaphore.objects.get(name=follower).capacity == 4
     assert Semaphore.objects.get(name=own).capacity == 7
@@ -215,7 +216,7 @@ def test_a_member_changed_on_its_own_keeps_its_capacity(family):
     name = f"{family}:m"
     release(acquire(name, external_id=key()).external_id)
 
-    Semaphore.objects.set_capacity(name, 5)
+    set_capacity(name, 5)
 
     assert Semaphore.objects.get(name=name).own_capacity is True
 
@@ -228,9 +229,9 @@ def test_idle_members_are_deleted_with_their_history(family, django_capture_on_c
     for name in (idle, recent, own):
         release(acquire(name, external_id=key()).external_id)
     holder = acquire(held, external_id=key())
-    Semaphore.objects.set_capacity(own, 3)
+    set_capacity(own, 3)
     with django_capture_on_commit_callbacks(execute=True):
-        Semaphore.objects.set_capacity(f"{family}:*", 3)  # history on the followers
+        set_capacity(f"{family}:*", 3)  # history on the followers
     make_idle(idle, held, own, f"{family}:*", f"{family}-declared")
 
     report = sweep.clean_idle_members()

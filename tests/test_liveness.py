@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from celery.result import AsyncResult
 
-from django_semaphore import sweep, task_runs
+from django_semaphore import set_capacity, sweep, task_runs
 from django_semaphore.liveness import (
     CeleryTaskChecker,
     Liveness,
@@ -19,8 +19,9 @@ from django_semaphore.liveness import (
     is_dead,
     load_checkers,
 )
-from django_semaphore.models import PermitRequest, ReleaseReason, Semaphore, State
+from django_semaphore.models import PermitRequest, Semaphore
 from django_semaphore.owners import TaskOwner
+from django_semaphore.states import ReleaseReason, State
 from tests import tasks
 from tests.celery_app import app
 from tests.testapp.models import RunLog
@@ -217,7 +218,7 @@ def test_parked_permit_between_retries_is_kept_until_the_task_is_ready(one, cele
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_sweep_with_the_celery_checker_releases_only_the_dead(one, celery_worker):
-    Semaphore.objects.set_capacity(one.name, 5)
+    set_capacity(one.name, 5)
     result = tasks.slow.delay("sweep-liveness", 4)
     wait_until(lambda: RunLog.objects.filter(label="sweep-liveness").exists(), celery_worker)
     vanished = TaskOwner(str(uuid.uuid4()), "x", celery_worker.nodename, 4242)

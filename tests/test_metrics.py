@@ -22,11 +22,10 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 
 import django_semaphore.metrics
-from django_semaphore import acquire, release, sweep
+from django_semaphore import acquire, release, set_capacity, sweep
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.metrics import checks
 from django_semaphore.metrics.views import metrics
-from django_semaphore.models import Semaphore
 from tests.children import Outbox, join, spawn
 from tests.conftest import unique
 from tests.metrics_clients import acquire_and_release, scrape
@@ -115,7 +114,7 @@ def test_the_view_serves_gauges_from_the_database_and_counters(client, make_sema
     acquire({sem.name: 2}, external_id=unique())
     over = make_semaphore(capacity=2)
     acquire({over.name: 2}, external_id=unique())
-    Semaphore.objects.set_capacity(over.name, 1)
+    set_capacity(over.name, 1)
 
     response = client.get("/metrics/")
 

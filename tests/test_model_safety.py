@@ -14,7 +14,7 @@ from django.db import connections
 from django.urls import reverse
 from django.utils import timezone
 
-from django_semaphore import acquire, release
+from django_semaphore import acquire, release, set_capacity
 from django_semaphore.exceptions import (
     InvalidRequest,
     PermitHeld,
@@ -22,13 +22,8 @@ from django_semaphore.exceptions import (
     SemaphoreNotFound,
     UnsafeWrite,
 )
-from django_semaphore.models import (
-    CapacityChange,
-    Permit,
-    PermitRequest,
-    Semaphore,
-    State,
-)
+from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore
+from django_semaphore.states import State
 from tests.conftest import behind_the_engine, unique
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -68,7 +63,7 @@ def test_a_stale_save_writes_back_no_engine_owned_column(make_semaphore):
 def test_a_capacity_changed_by_save_is_recorded_like_set_capacity(make_semaphore):
     sem = make_semaphore(capacity=3)
     stale = Semaphore.objects.get(pk=sem.pk)
-    Semaphore.objects.set_capacity(sem.name, 5, reason="autoscaler")
+    set_capacity(sem.name, 5, reason="autoscaler")
 
     stale.capacity = 1
     stale.save()
@@ -85,7 +80,7 @@ def test_a_capacity_changed_by_save_is_recorded_like_set_capacity(make_semaphore
 def test_a_stale_save_never_undoes_someone_elses_capacity_change(make_semaphore):
     sem = make_semaphore(capacity=3)
     stale = Semaphore.objects.get(pk=sem.pk)
-    Semaphore.objects.set_capacity(sem.name, 7)
+    set_capacity(sem.name, 7)
 
     stale.fair = True
     stale.save()

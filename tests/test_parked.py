@@ -26,7 +26,8 @@ from django.utils import timezone
 from django_semaphore import acquire, parking, release
 from django_semaphore.api import set_capacity
 from django_semaphore.exceptions import SemaphoreNotFound
-from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, State, Ticket
+from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
+from django_semaphore.states import State
 from tests import tasks
 from tests.conftest import behind_the_engine, unique
 from tests.testapp.models import RunLog
@@ -384,7 +385,8 @@ def test_cancel_drops_a_parked_task_and_offers_its_room(published):
 
 
 def test_parking_wants_room_not_released_ids(wakes, monkeypatch):
-    from django_semaphore import releasing, signals
+    from django_semaphore import signals
+    from django_semaphore.engine import releasing
 
     assert releasing.room_wanted()
     parking.disable()
@@ -398,7 +400,8 @@ def test_parking_wants_room_not_released_ids(wakes, monkeypatch):
 
 
 def test_a_release_tells_the_wake_up_what_it_freed_on_every_path(wakes, monkeypatch):
-    from django_semaphore import releasing, signals
+    from django_semaphore import signals
+    from django_semaphore.engine import releasing
 
     a, b = semaphore(3), semaphore(3)
     freed: list[dict[int, int]] = []

@@ -29,7 +29,7 @@ def test_system_checks_are_clean():
 
 def test_package_imports_without_configured_settings():
     code = (
-        "import django_semaphore, django_semaphore.exceptions, django_semaphore.outcomes;"
+        "import django_semaphore, django_semaphore.exceptions, django_semaphore.states;"
         "print(sorted(django_semaphore.__all__))"
     )
     result = subprocess.run(

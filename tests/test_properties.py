@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 
 from django_semaphore import (
     acquire,
-    counter,
     fencing,
     holds_permit,
     parking,
@@ -40,17 +39,10 @@ from django_semaphore.api import set_capacity
 from django_semaphore.beat import beat_schedule
 from django_semaphore.checks import check_settings
 from django_semaphore.conf import DEFAULTS, app_settings
+from django_semaphore.engine import counter
 from django_semaphore.exceptions import InvalidRequest, SemaphoreError
-from django_semaphore.models import (
-    CapacityChange,
-    FencingMark,
-    Permit,
-    PermitRequest,
-    ReleaseReason,
-    Semaphore,
-    State,
-)
-from django_semaphore.outcomes import ReleaseOutcome
+from django_semaphore.models import CapacityChange, FencingMark, Permit, PermitRequest, Semaphore
+from django_semaphore.states import ReleaseOutcome, ReleaseReason, State
 from django_semaphore.validation import MAX_COUNT, MAX_TOKEN
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -7,10 +7,11 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from django_semaphore import ReleaseOutcome, acquire, release, renew
+from django_semaphore.engine.releasing import release_requests
 from django_semaphore.exceptions import PermitAlreadyReleased, PermitNotFound
-from django_semaphore.models import Permit, PermitRequest, ReleaseReason, Semaphore, State
-from django_semaphore.releasing import release_requests
+from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.signals import hold_ended, permit_released
+from django_semaphore.states import ReleaseReason, State
 from tests.conftest import behind_the_engine, unique
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -15,8 +15,9 @@ from django.db import DatabaseError, IntegrityError, connection
 from django_semaphore import acquire, backends, release, sweep
 from django_semaphore.checks import check_data_consistency
 from django_semaphore.exceptions import InconsistentData, SchemaOutOfDate, SemaphoreError
-from django_semaphore.models import Permit, PermitRequest, Semaphore, State
+from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.signals import data_repaired
+from django_semaphore.states import State
 from tests.conftest import behind_the_engine, unique
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -11,12 +11,11 @@ from django.core.checks import run_checks
 from django.core.management import call_command
 from django.db import OperationalError, connection, connections
 
-from django_semaphore import acquire, backends, checks, release, renew, routing, sweep
-from django_semaphore.conf import app_settings
+from django_semaphore import acquire, backends, checks, release, renew, routing, set_capacity, sweep
 from django_semaphore.declared import create_declared_semaphores
 from django_semaphore.exceptions import CrossShardRequest, InvalidRequest, PermitNotFound
 from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore
-from django_semaphore.outcomes import ReleaseOutcome
+from django_semaphore.states import ReleaseOutcome
 from tests.conftest import unique
 
 SHARDED = {"SHARDS": {"b-*": "shard"}}
@@ -74,7 +73,7 @@ def test_acquire_release_renew_work_on_the_names_alias(sharded):
 def test_capacity_changes_land_on_the_names_alias(sharded):
     b = make("b", capacity=1)
 
-    Semaphore.objects.set_capacity(b.name, 5, reason="more")
+    set_capacity(b.name, 5, reason="more")
 
     assert Semaphore.objects.using("shard").get(name=b.name).capacity == 5
     assert CapacityChange.objects.using("shard").filter(semaphore__name=b.name).count() == 1
@@ -136,9 +135,9 @@ class ElsewhereRouter:
 
 def test_without_a_database_setting_the_app_follows_the_routers_writes(settings):
     settings.DATABASE_ROUTERS = [f"{__name__}.ElsewhereRouter"]
-    assert app_settings.DATABASE == "semaphores"  # never db_for_read's "replica"
+    assert routing.current_alias() == "semaphores"  # never db_for_read's "replica"
     settings.DJANGO_SEMAPHORE = {"DATABASE": "default"}
-    assert app_settings.DATABASE == "default"
+    assert routing.current_alias() == "default"
 
 
 def test_a_router_writing_elsewhere_than_the_alias_is_warned(settings):

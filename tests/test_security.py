@@ -20,7 +20,8 @@ from django.urls import reverse
 
 import django_semaphore
 from django_semaphore import acquire, release
-from django_semaphore.models import CapacityChange, PermitRequest, ReleaseReason, Semaphore, State
+from django_semaphore.models import CapacityChange, PermitRequest, Semaphore
+from django_semaphore.states import ReleaseReason, State
 from tests import views
 from tests.conftest import unique
 

@@ -15,11 +15,12 @@ from django.dispatch import Signal
 from django.test.utils import CaptureQueriesContext
 
 from django_semaphore import ReleaseOutcome, acquire, release, signals, sweep
+from django_semaphore.engine.releasing import release_requests
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted, SemaphoreNotFound
-from django_semaphore.holds import Hold
 from django_semaphore.metrics import events
-from django_semaphore.models import PermitRequest, ReleaseReason
-from django_semaphore.releasing import release_requests
+from django_semaphore.models import PermitRequest
+from django_semaphore.signals import Hold
+from django_semaphore.states import ReleaseReason
 from tests.conftest import unique
 from tests.test_backends import row_locked_elsewhere
 from tests.test_sweep import shift

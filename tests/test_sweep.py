@@ -11,18 +11,12 @@ from django.db import connections
 from django.db.models import DurationField, Value
 from django.utils import timezone
 
-from django_semaphore import ReleaseOutcome, acquire, release, sweep
+from django_semaphore import ReleaseOutcome, acquire, release, set_capacity, sweep
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.liveness import Liveness, LivenessChecker
-from django_semaphore.models import (
-    CapacityChange,
-    Permit,
-    PermitRequest,
-    ReleaseReason,
-    Semaphore,
-    State,
-)
+from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore
 from django_semaphore.signals import permit_released
+from django_semaphore.states import ReleaseReason, State
 from tests.conftest import behind_the_engine, unique
 
 
@@ -324,7 +318,7 @@ def test_clean_released_dry_run(make_semaphore):
 def test_clean_history_deletes_old_capacity_changes(make_semaphore):
     sem = make_semaphore(capacity=1)
     for capacity in (2, 3, 4):
-        Semaphore.objects.set_capacity(sem.name, capacity)
+        set_capacity(sem.name, capacity)
     oldest, middle, newest = CapacityChange.objects.filter(semaphore=sem).order_by("id")
     CapacityChange.objects.filter(pk__in=[oldest.pk, middle.pk]).update(
         changed_at=DatabaseNow() - Value(timedelta(days=31), DurationField())

@@ -13,7 +13,8 @@ from django.db import connection
 
 from benchmarks import cleanup_load
 from django_semaphore.conf import app_settings
-from django_semaphore.models import Permit, PermitRequest, State
+from django_semaphore.models import Permit, PermitRequest
+from django_semaphore.states import State
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

@@ -14,8 +14,9 @@ from celery.result import AsyncResult
 
 from django_semaphore import acquire
 from django_semaphore.exceptions import SemaphoreExhausted
-from django_semaphore.models import PermitRequest, Semaphore, State
+from django_semaphore.models import PermitRequest, Semaphore
 from django_semaphore.owners import TaskOwner
+from django_semaphore.states import State
 from tests import tasks
 from tests.testapp.models import RunLog
 

@@ -9,8 +9,8 @@ from xml.etree import ElementTree
 import pytest
 from django.contrib.auth import get_user_model
 
-from django_semaphore import acquire, release
-from django_semaphore.models import PermitRequest, Semaphore
+from django_semaphore import acquire, release, set_capacity
+from django_semaphore.models import PermitRequest
 from django_semaphore.utilization import (
     CapacityMark,
     Grant,
@@ -200,7 +200,7 @@ def test_load_replays_requests_and_capacity_changes(make_semaphore):
         PermitRequest.objects.filter(pk=request.pk).update(
             created_at=created_at, released_at=released_at
         )
-    Semaphore.objects.set_capacity(sem.name, 5, changed_by=user, reason="more")
+    set_capacity(sem.name, 5, changed_by=user, reason="more")
 
     utilization = load_utilization(sem)
 

@@ -11,12 +11,14 @@ from django.contrib.auth import get_user_model
 from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
 
-from django_semaphore import acquire, counter, holds_permit, parking, permit, release, renew, sweep
+from django_semaphore import acquire, holds_permit, parking, permit, release, renew, sweep
 from django_semaphore.api import set_capacity
 from django_semaphore.beat import beat_schedule
 from django_semaphore.conf import app_settings
+from django_semaphore.engine import counter
 from django_semaphore.exceptions import InvalidRequest, SemaphoreError
-from django_semaphore.models import CapacityChange, PermitRequest, Semaphore, State
+from django_semaphore.models import CapacityChange, PermitRequest
+from django_semaphore.states import State
 from tests.conftest import unique
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -104,7 +106,7 @@ def test_release_and_renew_validate_the_key(key):
 def test_set_capacity_validates(make_semaphore, capacity):
     sem = make_semaphore(capacity=2)
     with pytest.raises(InvalidRequest):
-        Semaphore.objects.set_capacity(sem.name, capacity)
+        set_capacity(sem.name, capacity)
     sem.refresh_from_db()
     assert sem.capacity == 2
 
@@ -336,7 +338,7 @@ def test_sound_settings_are_read_as_given(settings):
 def test_a_refused_sweep_leaves_no_alias_pinned():
     """While its error is alive (logged, stored, chained) later reads of the
     app's alias must not still see the alias the sweep was visiting."""
-    from django_semaphore.conf import pinned_alias
+    from django_semaphore.routing import pinned_alias
 
     with pytest.raises(InvalidRequest) as excinfo:
         sweep.clean_history(batch_size=-3)

@@ -12,7 +12,7 @@ from asgiref.sync import sync_to_async
 from django.contrib.auth import get_user_model
 from django.db import connections
 
-from django_semaphore import acquire, release
+from django_semaphore import acquire, release, set_capacity
 from django_semaphore.models import PermitRequest, Semaphore
 from tests import views
 from tests.test_backends import row_locked_elsewhere
@@ -122,7 +122,7 @@ def test_owner_names_the_view_and_the_user(client, semaphore):
 
 def test_real_server_under_concurrent_load(live_server, semaphore):
     """20 clients at once against a capacity-2 view on a real threaded server."""
-    Semaphore.objects.set_capacity(views.VIEWS, 2)
+    set_capacity(views.VIEWS, 2)
     views.inside.peak = 0
     answers: list[tuple[int, str | None]] = []
     barrier = threading.Barrier(20)

@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from django_semaphore.conf import app_settings
+from django_semaphore import routing
 from django_semaphore.models import Semaphore
 from django_semaphore.parking import with_parked
 
@@ -36,7 +36,7 @@ class SemaphoreCollector(Collector):
         try:
             semaphores = list(
                 with_parked(
-                    Semaphore.objects.db_manager(app_settings.DATABASE)
+                    Semaphore.objects.db_manager(routing.current_alias())
                     .with_usage()
                     .only("name", "capacity")
                     .order_by("name")

@@ -13,8 +13,6 @@ from typing import Any
 from prometheus_client import Counter, Histogram
 
 from django_semaphore import signals
-from django_semaphore.counter import Drift
-from django_semaphore.holds import Hold
 from django_semaphore.models import PermitRequest, Semaphore
 
 # Waits run from a fail-fast refusal (milliseconds) to a caller's timeout
@@ -83,7 +81,7 @@ def on_acquire_finished(
         EXHAUSTIONS.labels(name).inc()
 
 
-def on_hold_ended(sender: Any, holds: Sequence[Hold], reason: str, **kwargs: Any) -> None:
+def on_hold_ended(sender: Any, holds: Sequence[signals.Hold], reason: str, **kwargs: Any) -> None:
     for hold in holds:
         RELEASES.labels(hold.semaphore, reason).inc()
         HOLD.labels(hold.semaphore, reason).observe(hold.seconds)
@@ -93,7 +91,7 @@ def on_database_retry(sender: Any, kind: str, **kwargs: Any) -> None:
     RETRIES.labels(kind).inc()
 
 
-def on_counter_drift(sender: Any, drift: Drift, **kwargs: Any) -> None:
+def on_counter_drift(sender: Any, drift: signals.Drift, **kwargs: Any) -> None:
     COUNTER_DRIFT.labels(drift.semaphore).inc()
 
 

@@ -32,7 +32,7 @@ def seed() -> None:
     from django.contrib.auth import get_user_model
     from django.utils import timezone
 
-    from django_semaphore import acquire, release
+    from django_semaphore import acquire, release, set_capacity
     from django_semaphore.models import CapacityChange, PermitRequest, Semaphore, Ticket
 
     random.seed(7)
@@ -67,7 +67,7 @@ def seed() -> None:
             moment += timedelta(minutes=random.randint(3, 12))
 
     def change(sem: Semaphore, new: int, by: Any, reason: str, ago: timedelta) -> None:
-        Semaphore.objects.set_capacity(sem.name, new, changed_by=by, reason=reason)
+        set_capacity(sem.name, new, changed_by=by, reason=reason)
         latest = CapacityChange.objects.filter(semaphore=sem).latest("id")
         CapacityChange.objects.filter(pk=latest.pk).update(changed_at=now - ago)
 

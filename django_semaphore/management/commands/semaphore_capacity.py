@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_semaphore import routing
+from django_semaphore import routing, set_capacity
 from django_semaphore.exceptions import SemaphoreError
 from django_semaphore.models import Semaphore
 from django_semaphore.validation import validate_name
@@ -35,7 +35,7 @@ class Command(BaseCommand):
                 .values_list("capacity", flat=True)
                 .first()
             )
-            semaphore = Semaphore.objects.set_capacity(name, options["capacity"], reason=reason)
+            semaphore = set_capacity(name, options["capacity"], reason=reason)
         except SemaphoreError as exc:
             raise CommandError(str(exc)) from exc
         self.stdout.write(

@@ -8,7 +8,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_semaphore import sweep
 from django_semaphore.exceptions import InvalidRequest
-from django_semaphore.outcomes import ReleaseOutcome
+from django_semaphore.states import ReleaseOutcome
 
 MESSAGES = {
     ReleaseOutcome.RELEASED: "released",

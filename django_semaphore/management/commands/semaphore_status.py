@@ -12,10 +12,12 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Count, Q, QuerySet
 
-from django_semaphore import counter, parking, routing
+from django_semaphore import parking, routing
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.engine import counter
 from django_semaphore.exceptions import InvalidRequest
-from django_semaphore.models import Semaphore, State, Ticket
+from django_semaphore.models import Semaphore, Ticket
+from django_semaphore.states import State
 from django_semaphore.validation import validate_keys
 
 QUEUE_SHOWN = 20

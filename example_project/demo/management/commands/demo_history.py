@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 from django.utils import timezone
 
-from django_semaphore import acquire, release
+from django_semaphore import acquire, release, set_capacity
 from django_semaphore.models import CapacityChange, PermitRequest, Semaphore
 
 HOUR = timedelta(hours=1)
@@ -49,7 +49,7 @@ class Command(BaseCommand):
             (5, "Quarter-end exports", raised[0]),
             (exports.capacity, "Database load too high", raised[1]),
         ):
-            Semaphore.objects.set_capacity("exports", new, changed_by=user, reason=reason)
+            set_capacity("exports", new, changed_by=user, reason=reason)
             change = CapacityChange.objects.filter(semaphore=exports).latest("id")
             CapacityChange.objects.filter(pk=change.pk).update(changed_at=when)
         self.stdout.write(f"exports: {jobs} past jobs and 2 capacity changes over the last day")

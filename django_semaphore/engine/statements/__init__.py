@@ -73,7 +73,8 @@ class SQL:
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
         from django.db.models.sql import Query
 
-        from django_semaphore.models import Permit, PermitRequest, Semaphore, State
+        from django_semaphore.models import Permit, PermitRequest, Semaphore
+        from django_semaphore.states import State
 
         self.connection = connection
         self.use_tz = settings.USE_TZ

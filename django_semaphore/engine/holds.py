@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from django.db import DatabaseError, connections
@@ -21,16 +20,6 @@ from django_semaphore import signals
 from django_semaphore.backends import datetime_from_db
 
 logger = logging.getLogger("django_semaphore")
-
-
-@dataclass(frozen=True)
-class Hold:
-    """One released permit: which request, on which semaphore, how long."""
-
-    request_id: int
-    semaphore: str
-    count: int
-    seconds: float  # grant to release, both read from the database's clock
 
 
 def send_hold_ended(sender: Any, request_ids: Sequence[int], reason: str, using: str) -> None:
@@ -48,7 +37,7 @@ def send_hold_ended(sender: Any, request_ids: Sequence[int], reason: str, using:
         signals.hold_ended.send_robust(sender=sender, holds=holds, reason=reason, using=using)
 
 
-def released_holds(request_ids: Sequence[int], reason: str, using: str) -> list[Hold]:
+def released_holds(request_ids: Sequence[int], reason: str, using: str) -> list[signals.Hold]:
     """The permits of these requests that ended with ``reason``.
 
     Filtering on the reason leaves out a request in a sweep's batch that its
@@ -74,7 +63,7 @@ def released_holds(request_ids: Sequence[int], reason: str, using: str) -> list[
         cursor.execute(sql, [*request_ids, reason])
         rows = cursor.fetchall()
     return [
-        Hold(request_id, name, count, _seconds_between(connection, created_at, released_at))
+        signals.Hold(request_id, name, count, _seconds_between(connection, created_at, released_at))
         for request_id, name, count, created_at, released_at in rows
     ]
 

@@ -54,7 +54,7 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
 from django_semaphore import backends
-from django_semaphore.statements import LockedSemaphore, placeholders, room_for
+from django_semaphore.engine.statements import LockedSemaphore, placeholders, room_for
 from django_semaphore.validation import Demand
 
 # Seconds, before a jitter of x0.5-1 (see the module's docstring).

@@ -17,15 +17,16 @@ from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
-from django_semaphore import backends, holds, signals
+from django_semaphore import backends, signals
 from django_semaphore.conf import app_settings
-from django_semaphore.outcomes import ReleaseOutcome
-from django_semaphore.statements.release import ReleaseStatements, release_statements
+from django_semaphore.engine import holds
+from django_semaphore.engine.statements.release import ReleaseStatements, release_statements
+from django_semaphore.states import ReleaseOutcome
 
 
 def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     """End the request with this key (one attempt; the caller retries)."""
-    from django_semaphore.models import ReleaseReason, State
+    from django_semaphore.states import ReleaseReason, State
 
     sql = release_statements(connection)
     # One statement where the database can say it, unless someone listens

@@ -13,11 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from django_semaphore.conf import app_settings
-
-
-class PrelockTimeout(Exception):
-    """This process's pre-lock was not had in time; retried as contention."""
-
+from django_semaphore.exceptions import PrelockTimeout
 
 _prelocks: dict[str, threading.Lock] = {}
 _prelocks_guard = threading.Lock()

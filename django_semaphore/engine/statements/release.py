@@ -8,7 +8,7 @@ from typing import Any
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
-from django_semaphore.statements import SQL, built, placeholders
+from django_semaphore.engine.statements import SQL, built, placeholders
 
 
 class ReleaseStatements(SQL):

@@ -14,35 +14,22 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_semaphore import backends, signals
+from django_semaphore import backends, routing, signals
 from django_semaphore.conf import app_settings
+from django_semaphore.engine.statements import statements
 from django_semaphore.retry import run_with_retries
-from django_semaphore.statements import statements
 from django_semaphore.validation import validate_batch_size, validate_keys
 
 logger = logging.getLogger("django_semaphore")
 
 
-@dataclass(frozen=True)
-class Drift:
-    """A counter that differed from the permits it counts."""
-
-    semaphore: str
-    recorded: int  # what the counter said
-    actual: int  # the sum of the ACQUIRED permits' counts, now the counter's value
-
-    def __str__(self) -> str:
-        return f"{self.semaphore}: in_use was {self.recorded}, permits held {self.actual}"
-
-
 def verify(
     names: Iterable[str] | None = None, *, correct: bool = True, batch_size: int | None = None
-) -> list[Drift]:
+) -> list[signals.Drift]:
     """Compare every counter (or those of ``names``) on the app's alias with
     the permits it counts; correct and report each difference.
 
@@ -56,13 +43,13 @@ def verify(
     from django_semaphore.models import Semaphore
 
     size = validate_batch_size(batch_size) or app_settings.CLEANUP_BATCH_SIZE
-    alias = app_settings.DATABASE
+    alias = routing.current_alias()
     connection = connections[alias]
     semaphores = Semaphore.objects.using(alias).order_by("name")
     if names is not None:
         semaphores = semaphores.filter(name__in=validate_keys(names, "semaphore name"))
     ids = list(semaphores.values_list("id", flat=True))
-    drifts: list[Drift] = []
+    drifts: list[signals.Drift] = []
     for start in range(0, len(ids), size):
         batch = functools.partial(_verify_batch, connection, ids[start : start + size], correct)
         drifts += run_with_retries(connection, batch)
@@ -73,10 +60,11 @@ def verify(
 
 def _verify_batch(
     connection: BaseDatabaseWrapper, semaphore_ids: Sequence[int], correct: bool
-) -> list[Drift]:
+) -> list[signals.Drift]:
     from django.db.models import Sum
 
-    from django_semaphore.models import Permit, Semaphore, State
+    from django_semaphore.models import Permit, Semaphore
+    from django_semaphore.states import State
 
     alias = connection.alias
     wait = app_settings.LOCK_WAIT_TIMEOUT
@@ -98,7 +86,7 @@ def _verify_batch(
             .values_list("semaphore_id", "total")
         )
         drifts = {
-            id: Drift(name, in_use, int(held.get(id) or 0))
+            id: signals.Drift(name, in_use, int(held.get(id) or 0))
             for id, name, in_use in recorded
             if in_use != int(held.get(id) or 0)
         }
@@ -110,7 +98,7 @@ def _verify_batch(
     return list(drifts.values())
 
 
-def _report(alias: str, drift: Drift, *, corrected: bool) -> None:
+def _report(alias: str, drift: signals.Drift, *, corrected: bool) -> None:
     from django_semaphore.models import Semaphore
 
     logger.error(

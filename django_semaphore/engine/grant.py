@@ -26,8 +26,11 @@ from django.db import IntegrityError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
-from django_semaphore import backends, fairness, families, prelock, signals
+from django_semaphore import backends, signals
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.engine import fairness, families, prelock
+from django_semaphore.engine.releasing import release_requests
+from django_semaphore.engine.statements import LockedSemaphore, Statements, statements
 from django_semaphore.exceptions import (
     CapacityExceeded,
     IdempotencyConflict,
@@ -37,8 +40,6 @@ from django_semaphore.exceptions import (
     SemaphoreNotFound,
 )
 from django_semaphore.guards import engine_writes
-from django_semaphore.releasing import release_requests
-from django_semaphore.statements import LockedSemaphore, Statements, statements
 from django_semaphore.validation import Demand
 
 if TYPE_CHECKING:
@@ -142,7 +143,8 @@ def grant(
     place: fairness.Place,
 ) -> PermitRequest | SemaphoreError | KeyTaken:
     """Inside the transaction: lock, check room, maybe reclaim, insert."""
-    from django_semaphore.models import PermitRequest, State
+    from django_semaphore.models import PermitRequest
+    from django_semaphore.states import State
 
     alias = connection.alias
     sql = statements(connection)
@@ -236,7 +238,8 @@ def _reclaim_expired(
     should that meet another transaction in a circle, the database reports
     a deadlock and the attempt is retried whole.
     """
-    from django_semaphore.models import PermitRequest, ReleaseReason, State
+    from django_semaphore.models import PermitRequest
+    from django_semaphore.states import ReleaseReason, State
 
     # Release's updates of request and permit rows carry no per-statement
     # bound (a sweep may hold those rows): on MariaDB the session's lock wait
@@ -318,7 +321,7 @@ def _describe(held: dict[str, tuple[int, int]]) -> str:
 def raise_if_not_held(alias: str, request: PermitRequest) -> None:
     """``PermitAlreadyReleased`` unless ``request`` (read by ``find_request``)
     is held; an expired one is released on the way."""
-    from django_semaphore.models import ReleaseReason, State
+    from django_semaphore.states import ReleaseReason, State
 
     if request.state != State.ACQUIRED:
         raise PermitAlreadyReleased(

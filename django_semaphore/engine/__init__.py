@@ -1,0 +1,5 @@
+"""The engine: the only code that locks semaphore rows.
+
+It runs one transaction at a time and returns; it never sleeps and knows
+none of its callers (``api``, ``waiting``, the sweeps and the admin call it).
+"""
