@@ -1,0 +1,78 @@
+"""The operator's console: who holds what, how full it is, who changed it and when.
+
+- Semaphores: usage and waiters from one annotated query, a utilization bar,
+  a 24-hour chart, current holders, the queue of fair waiters and capacity
+  history; capacity is edited through the same capacity API as code (row
+  lock + ``CapacityChange`` with the user), and fair mode switched on or off.
+- Permit requests: read-only, with a force-release action guarded by its own
+  permission and recorded in the admin's history (``LogEntry``) with the user.
+- Capacity history: read-only.
+
+Nothing here adds or deletes permits by hand, and every read goes to the
+app's database alias (``DJANGO_SEMAPHORE["DATABASE"]``). With semaphores
+sharded over several aliases (``SHARDS``) the admin shows one alias at a time:
+``?_alias=<alias>`` on any list switches, and the choice is kept in the session.
+
+One module a job: ``base`` (alias pinning, 403s, the read-only base),
+``display`` (the usage bar, durations), ``usage`` (the semaphore list's
+annotated query and its filter), ``semaphores``, ``requests``, ``parked`` and
+``history`` (one ModelAdmin each, registered when imported here). This module
+only imports them, so that Django's admin autodiscovery registers them, and
+keeps the names importable from ``django_semaphore.admin``.
+"""
+
+from __future__ import annotations
+
+from django_semaphore.admin.base import (
+    ALIAS_PARAMETER,
+    ALIAS_SESSION_KEY,
+    OperatorAdmin,
+    ReadOnlyAdmin,
+)
+from django_semaphore.admin.display import BAR_FULL, BAR_IN_USE, BAR_OVER, duration, usage_bar
+from django_semaphore.admin.history import CapacityChangeAdmin
+from django_semaphore.admin.parked import ParkedTaskAdmin
+from django_semaphore.admin.requests import ExpiredFilter, PermitInline, PermitRequestAdmin
+from django_semaphore.admin.semaphores import (
+    HISTORY_SHOWN,
+    HOLDERS_SHOWN,
+    FamilyFilter,
+    SemaphoreAdmin,
+    SemaphoreForm,
+)
+from django_semaphore.admin.usage import (
+    INFINITE_UTILIZATION,
+    UsageFilter,
+    annotated,
+    held_permits,
+    live_tickets,
+    with_usage,
+)
+
+__all__ = [
+    "ALIAS_PARAMETER",
+    "ALIAS_SESSION_KEY",
+    "BAR_FULL",
+    "BAR_IN_USE",
+    "BAR_OVER",
+    "HISTORY_SHOWN",
+    "HOLDERS_SHOWN",
+    "INFINITE_UTILIZATION",
+    "CapacityChangeAdmin",
+    "ExpiredFilter",
+    "FamilyFilter",
+    "OperatorAdmin",
+    "ParkedTaskAdmin",
+    "PermitInline",
+    "PermitRequestAdmin",
+    "ReadOnlyAdmin",
+    "SemaphoreAdmin",
+    "SemaphoreForm",
+    "UsageFilter",
+    "annotated",
+    "duration",
+    "held_permits",
+    "live_tickets",
+    "usage_bar",
+    "with_usage",
+]

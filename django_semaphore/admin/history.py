@@ -1,0 +1,30 @@
+"""Capacity history: read-only, written by every capacity change with its user
+and reason."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from django.utils.translation import gettext_lazy as _
+
+from django_semaphore.admin.base import ReadOnlyAdmin
+from django_semaphore.models import CapacityChange
+
+
+@admin.register(CapacityChange)
+class CapacityChangeAdmin(ReadOnlyAdmin):
+    list_display = ["changed_at", "semaphore", "change", "changed_by", "reason"]
+    list_filter = ["semaphore", ("changed_by", admin.RelatedOnlyFieldListFilter)]
+    list_select_related = ["semaphore", "changed_by"]
+    search_fields = ["semaphore__name", "reason"]
+    ordering = ["-changed_at", "-id"]
+    fields = ["semaphore", "old_capacity", "new_capacity", "changed_by", "changed_at", "reason"]
+
+    @admin.display(description=_("change"))
+    def change(self, obj: CapacityChange) -> SafeString:
+        return format_html(
+            "{} → {}",
+            obj.old_capacity,
+            obj.new_capacity,
+        )

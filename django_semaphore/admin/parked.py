@@ -1,0 +1,78 @@
+"""Parked Celery tasks: listed in the order they are woken, dropped through
+``parking.cancel`` so the room a woken task was keeping goes to the next."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import Prefetch, QuerySet
+from django.http import HttpRequest
+from django.utils.translation import gettext_lazy as _
+from django.utils.translation import ngettext
+
+from django_semaphore import parking, routing
+from django_semaphore.admin.base import OperatorAdmin
+from django_semaphore.models import ParkedDemand, ParkedTask
+
+
+@admin.register(ParkedTask)
+class ParkedTaskAdmin(OperatorAdmin):
+    """Parked Celery tasks, oldest first: the order they are woken in."""
+
+    list_display = ["task_name", "task_id", "semaphores", "parked_at", "woken_at", "expires_at"]
+    list_filter = ["demands__semaphore", "task_name"]
+    search_fields = ["task_id", "task_name"]
+    ordering = ["id"]
+    actions = ["drop"]
+    fields = ("task_name", "task_id", "semaphores", "parked_at", "woken_at", "expires_at")
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ParkedTask]:
+        demands = ParkedDemand.objects.using(routing.current_alias()).select_related("semaphore")
+        return (
+            super()
+            .get_queryset(request)
+            .prefetch_related(Prefetch("demands", queryset=demands.order_by("semaphore__name")))
+        )
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        # Django's bulk delete would skip parking.cancel, which offers the
+        # room a woken task was keeping to the next in line.
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def delete_model(self, request: HttpRequest, obj: ParkedTask) -> None:
+        parking.cancel([obj.task_id])
+
+    @admin.display(description=_("semaphores"))
+    def semaphores(self, obj: ParkedTask) -> str:
+        return ", ".join(
+            demand.semaphore.name
+            if demand.count == 1
+            else f"{demand.semaphore.name} ({demand.count})"
+            for demand in obj.demands.all()
+        )
+
+    @admin.action(permissions=["delete"], description=_("Drop selected parked tasks"))
+    def drop(self, request: HttpRequest, queryset: QuerySet[ParkedTask]) -> None:
+        """Drop the selected tasks: never published again, their room offered
+        to the next in line. Their Celery state stays ``PARKED``."""
+        dropped = parking.cancel(queryset.values_list("task_id", flat=True))
+        self.message_user(
+            request,
+            ngettext(
+                "%(count)d parked task was dropped.",
+                "%(count)d parked tasks were dropped.",
+                dropped,
+            )
+            % {"count": dropped},
+            messages.SUCCESS,
+        )

@@ -1,0 +1,385 @@
+"""Semaphores: the list with usage and waiters, and the change page, where
+capacity is edited through the same capacity API as code (row lock +
+``CapacityChange`` with the user) and fair mode switched on or off; below the
+form, the 24-hour chart, current holders, the queue of fair waiters and
+capacity history."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, cast
+
+from django import forms
+from django.contrib import admin
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.db.models import Q, QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from django.utils.text import capfirst
+from django.utils.translation import gettext
+from django.utils.translation import gettext_lazy as _
+
+from django_semaphore import parking, routing, set_capacity
+from django_semaphore.admin.base import OperatorAdmin
+from django_semaphore.admin.display import duration, expiry, usage_bar
+from django_semaphore.admin.usage import UsageFilter, annotated, with_usage
+from django_semaphore.engine import families
+from django_semaphore.models import (
+    MAX_NAME_LENGTH,
+    CapacityChange,
+    ParkedTask,
+    Permit,
+    PermitRequest,
+    Semaphore,
+    Ticket,
+)
+from django_semaphore.states import State
+from django_semaphore.utilization import describe, load_utilization, render_svg
+from django_semaphore.validation import MAX_COUNT
+
+# The semaphore page lists at most this many holders and capacity changes;
+# links lead to the full, filtered lists.
+HOLDERS_SHOWN = 100
+HISTORY_SHOWN = 20
+
+
+class FamilyFilter(admin.SimpleListFilter):
+    """A family's default row and its members; shown only where families are
+    declared (the choices are read per request, never at import)."""
+
+    title = _("family")
+    parameter_name = "family"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [(family.pattern, family.pattern) for family in families.families()]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() is None:
+            return queryset
+        return queryset.filter(Q(family=self.value()) | Q(name=self.value()))
+
+
+class SemaphoreForm(forms.ModelForm):
+    capacity = forms.IntegerField(
+        label=_("Capacity"),
+        min_value=0,
+        max_value=MAX_COUNT,
+        help_text=_(
+            "Lowering it below what is in use is allowed: holders keep their permits "
+            "and nothing new is granted until usage falls below it."
+        ),
+    )
+    reason = forms.CharField(
+        label=_("Reason for the change"),
+        max_length=MAX_NAME_LENGTH,
+        required=False,
+        help_text=_("Optional; kept in the capacity history with your name."),
+    )
+
+    class Meta:
+        model = Semaphore
+        fields = ["name", "capacity", "fair"]
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        if cleaned.get("reason") and "capacity" not in self.changed_data:
+            self.add_error(
+                "reason",
+                _("A reason is recorded with a capacity change, but the capacity is unchanged."),
+            )
+        return cleaned
+
+
+@admin.register(Semaphore)
+class SemaphoreAdmin(OperatorAdmin):
+    form = SemaphoreForm
+    list_display = [
+        "name",
+        "capacity",
+        "in_use",
+        "available",
+        "utilization",
+        "holders",
+        "waiters",
+        "longest_wait",
+        "last_capacity_change",
+        "parked",
+    ]
+    list_filter = [UsageFilter, "fair", FamilyFilter]
+    search_fields = ["name"]
+    ordering = ["name"]
+    readonly_fields = [
+        "in_use",
+        "available",
+        "utilization",
+        "holders",
+        "waiters",
+        "longest_wait",
+        "parked",
+        "fencing_counter",
+        "family_role",
+        "created_at",
+        "updated_at",
+    ]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Semaphore]:
+        return parking.with_parked(with_usage(super().get_queryset(request)))
+
+    def get_fieldsets(self, request: HttpRequest, obj: Semaphore | None = None) -> Any:
+        if obj is None:
+            return [(None, {"fields": ["name", "capacity", "fair"]})]
+        settings = ["name", "capacity", "fair"]
+        if self.has_change_permission(request, obj):
+            settings.append("reason")
+        if obj.family or families.is_family_default(obj.name):
+            settings.append("family_role")
+        return [
+            (None, {"fields": settings}),
+            (
+                _("Usage now"),
+                {
+                    "fields": [
+                        "in_use",
+                        "available",
+                        "utilization",
+                        "holders",
+                        "waiters",
+                        "longest_wait",
+                        "parked",
+                    ]
+                },
+            ),
+            (
+                _("Bookkeeping"),
+                {
+                    "fields": ["fencing_counter", "created_at", "updated_at"],
+                    "classes": ["collapse"],
+                },
+            ),
+        ]
+
+    def get_readonly_fields(
+        self, request: HttpRequest, obj: Semaphore | None = None
+    ) -> list[str] | tuple[str, ...]:
+        # Renaming would strand every caller that acquires by the old name.
+        return [*self.readonly_fields, "name"] if obj else self.readonly_fields
+
+    @admin.display(description=_("family"))
+    def family_role(self, obj: Semaphore) -> SafeString | str:
+        """What a capacity change here does: to a family's default, or to one member."""
+        if families.is_family_default(obj.name):
+            return format_html(
+                '{} <a href="{}">{}</a>',
+                gettext(
+                    "The default of this family: a change is made to every member that "
+                    "follows it, and to members created from then on."
+                ),
+                self.admin_url(Semaphore, "changelist", family=obj.name),
+                gettext("Its members"),
+            )
+        if not obj.family:
+            return self.get_empty_value_display()
+        if obj.own_capacity:
+            return gettext(
+                "Member of %(family)s, with a capacity of its own (kept by the clean-up)."
+            ) % {"family": obj.family}
+        return gettext(
+            "Member of %(family)s, following its default; deleted by the clean-up when idle."
+        ) % {"family": obj.family}
+
+    @admin.display(description=_("in use"), ordering="in_use")
+    def in_use(self, obj: Semaphore) -> int:
+        return annotated(obj, "in_use")
+
+    @admin.display(description=_("available"), ordering="available")
+    def available(self, obj: Semaphore) -> int:
+        # Over capacity nothing is available; the bar shows by how much it is over.
+        return max(obj.capacity - annotated(obj, "in_use"), 0)
+
+    @admin.display(description=_("utilization"), ordering="utilization")
+    def utilization(self, obj: Semaphore) -> SafeString:
+        return usage_bar(annotated(obj, "in_use"), obj.capacity)
+
+    @admin.display(description=_("holders"), ordering="holders")
+    def holders(self, obj: Semaphore) -> SafeString | int:
+        count = annotated(obj, "holders")
+        if not count:
+            return 0
+        return format_html(
+            '<a href="{}">{}</a>',
+            self.admin_url(
+                PermitRequest,
+                "changelist",
+                permits__semaphore__id__exact=obj.pk,
+                state__exact=State.ACQUIRED,
+            ),
+            count,
+        )
+
+    @admin.display(description=_("waiters"), ordering="waiters")
+    def waiters(self, obj: Semaphore) -> int:
+        return annotated(obj, "waiters")
+
+    @admin.display(description=_("longest wait"), ordering="waiting_since")
+    def longest_wait(self, obj: Semaphore) -> str:
+        since: datetime | None = getattr(obj, "waiting_since", None)
+        if since is None:
+            return self.get_empty_value_display()
+        return duration(since, timezone.now())
+
+    @admin.display(description=_("parked tasks"), ordering="parked")
+    def parked(self, obj: Semaphore) -> SafeString | int:
+        count = annotated(obj, "parked")
+        if not count:
+            return 0
+        return format_html(
+            '<a href="{}">{}</a>',
+            self.admin_url(ParkedTask, "changelist", demands__semaphore__id__exact=obj.pk),
+            count,
+        )
+
+    @admin.display(description=_("last capacity change"), ordering="last_capacity_change")
+    def last_capacity_change(self, obj: Semaphore) -> SafeString | str:
+        changed_at: datetime | None = getattr(obj, "last_capacity_change", None)
+        if changed_at is None:
+            return self.get_empty_value_display()
+        return format_html(
+            '<a href="{}" title="{}">{}</a>',
+            self.admin_url(CapacityChange, "changelist", semaphore__id__exact=obj.pk),
+            changed_at.isoformat(timespec="seconds"),
+            gettext("%(time)s ago") % {"time": duration(changed_at, timezone.now())},
+        )
+
+    def save_model(
+        self, request: HttpRequest, obj: Semaphore, form: forms.ModelForm, change: bool
+    ) -> None:
+        if not change:
+            obj.save(using=routing.current_alias())
+            return
+        if "fair" in form.changed_data:
+            # Read by every grant's locking read: no lock needed to switch it.
+            Semaphore.objects.using(routing.current_alias()).filter(pk=obj.pk).update(
+                fair=obj.fair, updated_at=timezone.now()
+            )
+        if "capacity" not in form.changed_data:
+            return
+        # The same path as code: under the row lock, recorded with the user.
+        saved = set_capacity(
+            obj.name,
+            form.cleaned_data["capacity"],
+            changed_by=cast(AbstractBaseUser, request.user),
+            reason=form.cleaned_data.get("reason", ""),
+        )
+        obj.capacity, obj.updated_at = saved.capacity, saved.updated_at
+
+    def get_deleted_objects(
+        self, objs: Sequence[Any] | QuerySet[Any], request: HttpRequest
+    ) -> tuple[list[Any], dict[Any, Any], set[Any], list[Any]]:
+        to_delete, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        # A semaphore's capacity history goes with it; it has no delete
+        # permission of its own, being read-only everywhere else.
+        perms_needed.discard(CapacityChange._meta.verbose_name)
+        # Deleting a held semaphore would end its holders' permits silently
+        # behind their backs: they are shown as protected, and block it.
+        held = (
+            PermitRequest.objects.using(routing.current_alias())
+            .filter(state=State.ACQUIRED, permits__semaphore__in=list(objs))
+            .distinct()
+        )
+        protected.extend(
+            format_html(
+                '{}: <a href="{}">{}</a>',
+                capfirst(PermitRequest._meta.verbose_name),
+                self.admin_url(PermitRequest, "change", request_.pk),
+                request_,
+            )
+            for request_ in held
+        )
+        return to_delete, counts, perms_needed, protected
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: Semaphore | None = None,
+    ) -> HttpResponse:
+        if obj is not None and obj.pk is not None:
+            context.update(self.sections(request, obj))
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    def sections(self, request: HttpRequest, obj: Semaphore) -> dict[str, Any]:
+        """Context of the read-only sections below the form: chart, holders,
+        queue, history."""
+        using = routing.current_alias()
+        utilization = load_utilization(obj)
+        now = utilization.end  # the database's clock, as on the chart
+        held = Permit.objects.using(using).filter(semaphore=obj, state=State.ACQUIRED)
+        holders = list(
+            held.select_related("request").order_by("request__created_at", "pk")[:HOLDERS_SHOWN]
+        )
+        history = CapacityChange.objects.using(using).filter(semaphore=obj)
+        queue = Ticket.objects.using(using).filter(semaphore=obj, expires_at__gt=now)
+        waiting = list(queue.order_by("id")[:HOLDERS_SHOWN])
+        can_view_requests = self.can_view(request, PermitRequest)
+        return {
+            "utilization_summary": describe(utilization),
+            "utilization_chart": render_svg(
+                utilization,
+                title=gettext("Utilization of %(name)s, last 24 hours") % {"name": obj.name},
+            ),
+            "holders": [
+                {
+                    "owner": permit.request.owner,
+                    "key": permit.request.external_id,
+                    "url": (
+                        self.admin_url(PermitRequest, "change", permit.request_id)
+                        if can_view_requests
+                        else ""
+                    ),
+                    "count": permit.count,
+                    "age": duration(permit.request.created_at, now),
+                    "expires": expiry(permit.request.expires_at, now),
+                    "expired": (
+                        permit.request.expires_at is not None and permit.request.expires_at <= now
+                    ),
+                    "fencing_token": permit.fencing_token,
+                }
+                for permit in holders
+            ],
+            "holders_total": held.count() if len(holders) == HOLDERS_SHOWN else len(holders),
+            "holders_url": (
+                self.admin_url(
+                    PermitRequest,
+                    "changelist",
+                    permits__semaphore__id__exact=obj.pk,
+                    state__exact=State.ACQUIRED,
+                )
+                if can_view_requests
+                else ""
+            ),
+            "queue": [
+                {
+                    "owner": ticket.owner,
+                    "key": ticket.external_id,
+                    "count": ticket.count,
+                    "waiting": duration(ticket.created_at, now),
+                    "since": ticket.created_at,
+                    "gives_up": expiry(ticket.expires_at, now),
+                }
+                for ticket in waiting
+            ],
+            "queue_total": queue.count() if len(waiting) == HOLDERS_SHOWN else len(waiting),
+            "history": list(history.select_related("changed_by")[:HISTORY_SHOWN]),
+            "history_total": history.count(),
+            "history_url": (
+                self.admin_url(CapacityChange, "changelist", semaphore__id__exact=obj.pk)
+                if self.can_view(request, CapacityChange)
+                else ""
+            ),
+        }
