@@ -1,4 +1,4 @@
-"""How a Celery task run holds permits.
+"""How a Celery task run holds permits (``@holds_permit`` on a task).
 
 The key is the task id, so a redelivered message or a ``self.retry()`` finds
 the permit its task already holds instead of taking a second one. The owner
@@ -6,39 +6,151 @@ column says which process holds it (``TaskOwner``): a second run of the same
 task id that is *alive at the same time* (a broker's visibility timeout
 redelivering a long task) must not share the permit, so a run only takes
 over a permit whose previous holder is parked (between retries) or dead.
+
+A run that finds no room retries later (jittered countdown) or, with
+``park``, is parked in the database until a release makes room for it
+(``parking``); the permit is kept across the task's own retries and
+released when the task finishes for good (``on_task_postrun``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import os
+import random
 import socket
+import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.db.models import QuerySet
 
-from django_semaphore import routing
+from django_semaphore import api, liveness, parking, routing
 from django_semaphore.exceptions import (
     LiveDuplicate,
     PermitAlreadyReleased,
+    PermitLost,
     SemaphoreError,
+    SemaphoreExhausted,
     TaskAlreadyRan,
 )
-from django_semaphore.owners import TaskOwner
-
-if TYPE_CHECKING:
-    from django_semaphore.models import PermitRequest
+from django_semaphore.models import PermitRequest
+from django_semaphore.owners import NO_PROCESS, TaskOwner
+from django_semaphore.retry import run_with_retries
+from django_semaphore.runs import Options, start_heartbeat
+from django_semaphore.states import State
 
 logger = logging.getLogger("django_semaphore")
 
-# Owner pid of a permit kept between a task's retries: no process holds it,
-# the next run of the task adopts it.
-PARKED = 0
 # A task whose permit was reclaimed (TTL, sweep) while it was parked or after
 # its worker died takes a new one under the next key: <task id>~2, ~3, ...
 MAX_GENERATIONS = 50
+# Attribute of the Celery task request that carries the key a run holds, for
+# the task_postrun receiver (tasks.py can't see the decorator's locals).
+TASK_KEY_ATTRIBUTE = "django_semaphore_key"
+
+
+def run_task(
+    func: Callable[..., Any],
+    options: Options,
+    task: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    parks = options.parks
+    if parks:
+        # From this process's first parking task on, its releases (this
+        # task's own, when it finishes) wake the parked tasks they make room for.
+        parking.enable()
+    try:
+        key = _claim_or_stand_by(task, options)
+    except TaskAlreadyRan as exc:
+        logger.info("Task %s[%s] dropped: %s", task.name, task.request.id, exc)
+        _forget_parked(task, options)
+        raise _ignore() from None
+    except SemaphoreExhausted as exc:
+        if parks and not isinstance(exc, LiveDuplicate):
+            _park_task(task, options)
+        raise _retry(task, exc) from None
+    setattr(task.request, TASK_KEY_ATTRIBUTE, key)  # settled by on_task_postrun
+    if parks:
+        _forget_parked(task, options)
+    heartbeat = start_heartbeat(key, options.ttl)
+    started = time.monotonic()
+    try:
+        result = func(*args, **kwargs)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        if parks:
+            parking.held(options.demand, time.monotonic() - started)
+    if heartbeat is not None and heartbeat.lost:
+        raise PermitLost(f"Task {task.request.id} lost its permit while it ran.")
+    return result
+
+
+def _retry(task: Any, exc: SemaphoreExhausted) -> Exception:
+    """Retry the task with a jittered countdown (``retry()`` raises; past
+    ``max_retries`` it raises ``exc``: the task fails with it)."""
+    retries = task.request.retries
+    countdown = min(60.0, 2.0**retries) * random.uniform(0.5, 1.5)
+    logger.info(
+        "Task %s[%s] deferred %.1fs (retry %d): %s",
+        task.name,
+        task.request.id,
+        countdown,
+        retries + 1,
+        exc,
+    )
+    return cast(Exception, task.retry(exc=exc, countdown=math.ceil(countdown)))
+
+
+def _claim_or_stand_by(task: Any, options: Options) -> str:
+    """The run's permit key: claimed at once or, when a parking task finds
+    no room, standing by in this worker for a release (``parking.stand_by``).
+    Raises as ``claim``."""
+    claim_now = functools.partial(
+        claim, task, options.demand, options.ttl, rerun_finished=not options.parks
+    )
+    try:
+        return claim_now()
+    except SemaphoreExhausted as exc:
+        if not options.parks or isinstance(exc, LiveDuplicate):
+            raise
+        key = parking.stand_by(task.request.id, options.demand, claim_now)
+        if key is None:
+            raise
+        return key
+
+
+def _ignore() -> Exception:
+    from celery.exceptions import Ignore
+
+    return cast(Exception, Ignore())
+
+
+def _park_task(task: Any, options: Options) -> None:
+    """Park the task and end this run (``Ignore``); returns only when the
+    row could not be written, and the caller then retries as without parking."""
+    try:
+        parking.park(task, options.demand)
+    except SemaphoreError:
+        logger.exception("Task %s[%s] could not be parked", task.name, task.request.id)
+        return
+    logger.info("Task %s[%s] parked for want of room", task.name, task.request.id)
+    raise _ignore()
+
+
+def _forget_parked(task: Any, options: Options) -> None:
+    try:
+        parking.started(task.request.id, options.demand)
+    except DatabaseError:
+        # The row stays; the sweep may publish it again, and that copy is
+        # dropped (TaskAlreadyRan) or deferred as a live duplicate.
+        logger.exception("Could not delete the parked row of task %s", task.request.id)
 
 
 def claim(task: Any, demand: Any, ttl: int | None, *, rerun_finished: bool = True) -> str:
@@ -53,18 +165,13 @@ def claim(task: Any, demand: Any, ttl: int | None, *, rerun_finished: bool = Tru
             holds the permit.
         TaskAlreadyRan: ``rerun_finished`` is false and the task finished.
     """
-    from django_semaphore.api import acquire
-
     me = current_owner(task)
     for key in _keys(task.request.id):
         try:
-            request = acquire(demand, external_id=key, owner=str(me), ttl=ttl)
+            request = api.acquire(demand, external_id=key, owner=str(me), ttl=ttl)
         except PermitAlreadyReleased:
-            if not rerun_finished and key == task.request.id:
-                from django_semaphore import parking
-
-                if parking.finished_before(key):
-                    raise TaskAlreadyRan(f"Task {key} already ran; this copy is dropped.") from None
+            if not rerun_finished and key == task.request.id and parking.finished_before(key):
+                raise TaskAlreadyRan(f"Task {key} already ran; this copy is dropped.") from None
             continue
         if request.owner == str(me) or _take_over(request, me):
             return key
@@ -97,7 +204,7 @@ def _take_over(request: PermitRequest, me: TaskOwner) -> bool:
     holder = TaskOwner.parse(previous)
     if holder is None or holder.task_id != me.task_id:
         return False
-    if holder.pid != PARKED and not _is_dead(holder):
+    if holder.pid != NO_PROCESS and not _is_dead(holder):
         return False
     # Conditional on the owner we judged: of two runs adopting at once, one wins.
     return bool(
@@ -112,8 +219,6 @@ def _take_over(request: PermitRequest, me: TaskOwner) -> bool:
 def _is_dead(holder: TaskOwner) -> bool:
     """Gone from this machine's process table, or reported dead by the
     configured liveness checkers (an unknown answer is not dead)."""
-    from django_semaphore import liveness
-
     return _gone_from_this_machine(holder) or liveness.is_dead(str(holder))
 
 
@@ -130,17 +235,14 @@ def _gone_from_this_machine(holder: TaskOwner) -> bool:
     return False
 
 
-def _park(key: str, task: Any) -> None:
+def _park_permit(key: str, task: Any) -> None:
     """Mark the permit as held by no process: the task's next attempt adopts it."""
-    parked = str(current_owner(task, pid=PARKED))
+    parked = str(current_owner(task, pid=NO_PROCESS))
     _update_owner(routing.alias_for_key(key), lambda held: held.filter(external_id=key), parked)
 
 
 def _update_owner(alias: str, select: Callable[[QuerySet[Any]], QuerySet[Any]], owner: str) -> int:
     """Set the owner of a held request, retrying transient database errors."""
-    from django_semaphore.models import PermitRequest
-    from django_semaphore.retry import run_with_retries
-    from django_semaphore.states import State
 
     connection = connections[alias]
     held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED)
@@ -154,14 +256,12 @@ def on_before_task_publish(headers: dict[str, Any] | None = None, **kwargs: Any)
     rather than mistaken for a live duplicate's."""
     from celery import current_task
 
-    from django_semaphore.decorators import TASK_KEY_ATTRIBUTE
-
     request: Any = getattr(current_task, "request", None)
     key = getattr(request, TASK_KEY_ATTRIBUTE, None)
     if key is None or (headers or {}).get("id") != request.id:
         return
     try:
-        _park(key, current_task)
+        _park_permit(key, current_task)
     except SemaphoreError:
         # The next attempt then defers until postrun parks the permit.
         logger.exception("Could not park the permit %s of task %s", key, request.id)
@@ -170,17 +270,14 @@ def on_before_task_publish(headers: dict[str, Any] | None = None, **kwargs: Any)
 def on_task_postrun(sender: Any = None, task: Any = None, state: str = "", **kwargs: Any) -> None:
     """``task_postrun`` receiver: keep the permit across ``retry()``, release
     it once the task has finished for good (success, failure, revoked)."""
-    from django_semaphore.api import release
-    from django_semaphore.decorators import TASK_KEY_ATTRIBUTE
-
     key = getattr(getattr(task, "request", None), TASK_KEY_ATTRIBUTE, None)
     if key is None:
         return
     try:
         if state == "RETRY":
-            _park(key, task)
+            _park_permit(key, task)
         else:
-            release(key)
+            api.release(key)
     except SemaphoreError:
         # The sweep releases what could not be released here; never fail the worker.
         logger.exception("Could not settle the permit %s of task %s", key, task.request.id)
