@@ -35,8 +35,9 @@ from django_semaphore.exceptions import (
     PermitNotFound,
     SemaphoreExhausted,
 )
+from django_semaphore.models import PermitRequest
 from django_semaphore.retry import run_with_retries
-from django_semaphore.states import ReleaseOutcome
+from django_semaphore.states import ReleaseOutcome, State
 from django_semaphore.validation import (
     Demand,
     validate_capacity,
@@ -190,8 +191,6 @@ def _finish_signalled(connection: BaseDatabaseWrapper, demand: Demand) -> Iterat
     """Send ``acquire_finished`` when the call is answered: granted, or refused
     for want of room (other errors send nothing). Robust: a failing receiver
     is logged by Django, never raised into a caller who may hold the permit."""
-    from django_semaphore.models import PermitRequest
-
     started = time.monotonic()
 
     def send(granted: bool, lacking: list[str]) -> None:
@@ -251,9 +250,6 @@ def renew(external_id: str, ttl: int | float | timedelta | None = None) -> Permi
             lost its permits and must stop. ``PermitNotFound`` (a subclass)
             when no request has this key.
     """
-    from django_semaphore.models import PermitRequest
-    from django_semaphore.states import State
-
     key = validate_key(external_id)
     ttl_seconds = validate_ttl(ttl)
     connection = connections[routing.alias_for_key(key)]

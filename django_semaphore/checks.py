@@ -11,8 +11,9 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections
 
-from django_semaphore import backends, routing
+from django_semaphore import backends, routing, sweep
 from django_semaphore.conf import DEFAULTS, DURATION_KEYS, app_settings, setting_problems
+from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.validation import is_pattern
 
 DOCS = "See docs/settings.md."
@@ -154,8 +155,6 @@ def _routed_writes() -> set[str]:
     """
     from django.db import router
 
-    from django_semaphore.models import Permit, PermitRequest, Semaphore
-
     chosen: set[str] = set()
     for model in (Semaphore, PermitRequest, Permit):
         for candidate in router.routers:
@@ -255,8 +254,6 @@ def check_data_consistency(databases: Any = None, **kwargs: Any) -> list[CheckMe
     """States the engine never writes (a manual edit, a restore, a crash, raw
     SQL): reported, not changed; the orphan sweep repairs them. Runs with
     ``check --database``."""
-    from django_semaphore import sweep
-
     if databases is None:
         return []
     messages: list[CheckMessage] = []

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from asgiref.sync import sync_to_async
 from django.db import connections
 
+from django_semaphore import api
 from django_semaphore.exceptions import PermitAlreadyReleased, PermitLost, SemaphoreError
 from django_semaphore.validation import validate_flag, validate_key, validate_ttl
 
@@ -46,10 +47,8 @@ class Heartbeat:
 
     def beat(self) -> bool:
         """One renewal; returns whether to keep going."""
-        from django_semaphore.api import renew
-
         try:
-            renew(self.external_id, self.ttl)
+            api.renew(self.external_id, self.ttl)
         except PermitAlreadyReleased:
             self._mark_lost("it was released or expired")
             return False
@@ -156,14 +155,10 @@ class Grant:
         return self.request.token(name)
 
     def _acquire(self) -> None:
-        from django_semaphore.api import acquire
-
-        self.request = acquire(**self._acquire_args)
+        self.request = api.acquire(**self._acquire_args)
 
     def _release(self) -> None:
-        from django_semaphore.api import release
-
-        release(self.external_id)
+        api.release(self.external_id)
 
     def _raise_if_lost(self) -> None:
         if self.lost:

@@ -15,12 +15,11 @@ from django.db import router
 from django_semaphore import routing
 from django_semaphore.conf import app_settings
 from django_semaphore.engine.families import declared_capacity
+from django_semaphore.models import Semaphore
 
 
 def create_declared_semaphores(using: str, **kwargs: Any) -> None:
     """Each declared semaphore is created on the alias its name is placed on."""
-    from django_semaphore.models import Semaphore
-
     if not router.allow_migrate_model(using, Semaphore):
         return
     # A family's pattern is created too: its row holds the family default.

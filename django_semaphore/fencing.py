@@ -16,6 +16,7 @@ from django.db import IntegrityError, connections, transaction
 
 from django_semaphore import routing
 from django_semaphore.exceptions import InvalidRequest, StaleFencingToken
+from django_semaphore.models import FencingMark
 from django_semaphore.retry import run_with_retries
 from django_semaphore.validation import MAX_LENGTH, validate_storable, validate_token
 
@@ -44,8 +45,6 @@ def advance(resource: str, token: int, *, using: str | None = None) -> None:
 
 
 def _advance(alias: str, resource: str, token: int) -> None:
-    from django_semaphore.models import FencingMark
-
     marks = FencingMark.objects.using(alias)
     if marks.filter(resource=resource, token__lte=token).update(token=token):
         return

@@ -19,6 +19,7 @@ from django_semaphore import backends, signals
 from django_semaphore.backends import Failure
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import DatabaseUnavailable, LockContention, PrelockTimeout
+from django_semaphore.models import PermitRequest
 
 T = TypeVar("T")
 
@@ -64,8 +65,6 @@ def run_with_retries(
 def _send_database_retry(
     connection: BaseDatabaseWrapper, failure: Failure, attempt: int, error: Exception
 ) -> None:
-    from django_semaphore.models import PermitRequest
-
     signals.database_retry.send_robust(
         sender=PermitRequest,
         kind=failure.value,

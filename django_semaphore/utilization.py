@@ -30,6 +30,8 @@ from django.utils.translation import ngettext
 
 from django_semaphore import routing
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.models import CapacityChange, Permit, Semaphore
+from django_semaphore.states import State
 
 if TYPE_CHECKING:
     from django_semaphore.models import Semaphore
@@ -172,9 +174,6 @@ def load_utilization(semaphore: Semaphore, *, window: timedelta = WINDOW) -> Uti
     permits were released but whose own row was not yet, after a crash, is
     not in use; the sweep completes it).
     """
-    from django_semaphore.models import CapacityChange, Permit, Semaphore
-    from django_semaphore.states import State
-
     using = routing.current_alias()
     capacity_now, end = (
         Semaphore.objects.using(using)

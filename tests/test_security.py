@@ -205,6 +205,7 @@ SAFE_NAMES = {
     # identifiers and compiled fragments named in the statement builders
     "semaphore", "request", "permit", "now", "ids", "rows", "table", "column",
     "db_table", "sql", "where", "columns", "returning", "bound", "hint", "stamp",
+    "locking",  # the manager's locking read, compiled by the ORM
 }  # fmt: skip
 
 

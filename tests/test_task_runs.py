@@ -11,8 +11,8 @@ import pytest
 
 from django_semaphore import acquire
 from django_semaphore.models import PermitRequest
-from django_semaphore.owners import TaskOwner
-from django_semaphore.task_runs import PARKED, _take_over
+from django_semaphore.owners import NO_PROCESS, TaskOwner
+from django_semaphore.task_runs import _take_over
 from tests.conftest import unique
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -29,11 +29,11 @@ def dead_pid() -> int:
 @pytest.mark.parametrize(
     ("holder", "taken_over"),
     [
-        ({"pid": PARKED}, True),  # between the task's own retries
+        ({"pid": NO_PROCESS}, True),  # between the task's own retries
         ({"pid": "dead"}, True),  # its process is gone from this machine
         ({"pid": os.getpid()}, False),  # alive: a duplicate delivery keeps out
         ({"pid": 4242, "hostname": "celery@elsewhere"}, False),  # unknowable from here
-        ({"pid": PARKED, "task_id": "another-task"}, False),
+        ({"pid": NO_PROCESS, "task_id": "another-task"}, False),
     ],
 )
 def test_take_over_rules(make_semaphore, holder, taken_over):
@@ -57,7 +57,7 @@ def test_take_over_rules(make_semaphore, holder, taken_over):
 def test_two_runs_taking_over_at_once_one_wins(make_semaphore):
     sem = make_semaphore()
     task_id = unique("task")
-    parked = str(TaskOwner(task_id, "app.tasks.job", HERE, PARKED))
+    parked = str(TaskOwner(task_id, "app.tasks.job", HERE, NO_PROCESS))
     request = acquire(sem.name, external_id=task_id, owner=parked)
     first = TaskOwner(task_id, "app.tasks.job", HERE, 1001)
     second = TaskOwner(task_id, "app.tasks.job", HERE, 1002)

@@ -21,7 +21,9 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_semaphore import backends, routing, signals
 from django_semaphore.conf import app_settings
 from django_semaphore.engine.statements import statements
+from django_semaphore.models import Permit, Semaphore
 from django_semaphore.retry import run_with_retries
+from django_semaphore.states import State
 from django_semaphore.validation import validate_batch_size, validate_keys
 
 logger = logging.getLogger("django_semaphore")
@@ -40,8 +42,6 @@ def verify(
         InvalidRequest: ``names`` given as one str or holding a name no
             semaphore could have, or a ``batch_size`` below 1.
     """
-    from django_semaphore.models import Semaphore
-
     size = validate_batch_size(batch_size) or app_settings.CLEANUP_BATCH_SIZE
     alias = routing.current_alias()
     connection = connections[alias]
@@ -63,17 +63,13 @@ def _verify_batch(
 ) -> list[signals.Drift]:
     from django.db.models import Sum
 
-    from django_semaphore.models import Permit, Semaphore
-    from django_semaphore.states import State
-
     alias = connection.alias
     wait = app_settings.LOCK_WAIT_TIMEOUT
     with backends.bounded_transaction(connection, wait):
         recorded = list(
             Semaphore.objects.using(alias)
-            .select_for_update()
             .filter(id__in=semaphore_ids)
-            .order_by("name")
+            .locked()
             .values_list("id", "name", "in_use")
         )
         # Under the locks: no grant or release of these semaphores runs now.
@@ -99,8 +95,6 @@ def _verify_batch(
 
 
 def _report(alias: str, drift: signals.Drift, *, corrected: bool) -> None:
-    from django_semaphore.models import Semaphore
-
     logger.error(
         "In-use counter drift on %r (%s): %s%s. This is a bug, or the permit rows "
         "were changed outside django-semaphore; please report it.",

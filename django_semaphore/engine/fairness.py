@@ -55,6 +55,7 @@ from django.db.models import Q
 
 from django_semaphore import backends
 from django_semaphore.engine.statements import LockedSemaphore, placeholders, room_for
+from django_semaphore.models import Semaphore, Ticket
 from django_semaphore.validation import Demand
 
 # Seconds, before a jitter of x0.5-1 (see the module's docstring).
@@ -164,7 +165,6 @@ class Place:
         expire at its deadline anyway)."""
         if not self.ticketed:
             return
-        from django_semaphore.models import Ticket
 
         with suppress(DatabaseError):
             Ticket.objects.using(alias).filter(
@@ -187,8 +187,6 @@ def _older_tickets(
     """Semaphore id -> (tickets, permits they ask for): the live tickets of
     other keys older than this key's own ticket there (all of them when it
     has none). Semaphores without any are left out."""
-    from django_semaphore.models import Ticket
-
     q = connection.ops.quote_name
     table = q(Ticket._meta.db_table)
     ids = [s.id for s in semaphores]
@@ -219,8 +217,6 @@ def _insert_tickets(
     """Once per waiter: through the ORM, whose statements carry no per-statement
     bound, so MariaDB's session is bounded around them (elsewhere the whole
     grant transaction already is)."""
-    from django_semaphore.models import Semaphore, Ticket
-
     alias = connection.alias
     ids = [s.id for s in locked]
     bound = (
@@ -261,8 +257,6 @@ def _delete_tickets(
     key: str,
     lock_wait: float,
 ) -> None:
-    from django_semaphore.models import Ticket
-
     q = connection.ops.quote_name
     table = q(Ticket._meta.db_table)
     cursor.execute(

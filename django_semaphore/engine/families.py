@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.db import transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -50,12 +50,9 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import FamilyFull, InvalidRequest, SemaphoreNotFound
 from django_semaphore.guards import engine_writes
+from django_semaphore.managers import SemaphoreQuerySet
+from django_semaphore.models import CapacityChange, Semaphore
 from django_semaphore.validation import is_pattern
-
-if TYPE_CHECKING:
-    from django.db.models import QuerySet
-
-    from django_semaphore.models import Semaphore
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -147,14 +144,11 @@ class _Template:
 def _lock_templates(alias: str, wanted: list[Family]) -> dict[str, _Template]:
     """Lock the families' template rows in name order (as grants lock rows),
     creating those that ``migrate`` has not created yet."""
-    from django_semaphore.models import Semaphore
-
     patterns = [family.pattern for family in wanted]
     locking = (
         Semaphore.objects.using(alias)
-        .select_for_update()
         .filter(name__in=patterns)
-        .order_by("name")
+        .locked()
         .annotate(db_now=DatabaseNow())
         .values_list("name", "capacity", "fair", "db_now")
     )
@@ -173,8 +167,6 @@ def _lock_templates(alias: str, wanted: list[Family]) -> dict[str, _Template]:
 
 
 def _create(alias: str, family: Family, template: _Template, names: list[str]) -> None:
-    from django_semaphore.models import Semaphore
-
     members = Semaphore.objects.using(alias)
     # Under the template's lock no other creation of this family runs: what
     # exists now is exact. (A case-insensitive collation also calls equal a
@@ -234,13 +226,11 @@ def follow_default(alias: str, pattern: str, changed_by_id: Any, reason: str) ->
 
 
 def _follow_batch(alias: str, pattern: str, changed_by_id: Any, reason: str) -> int:
-    from django_semaphore.models import CapacityChange, Semaphore
-
     with transaction.atomic(using=alias):
         capacity = (
             Semaphore.objects.using(alias)
-            .select_for_update()
             .filter(name=pattern)
+            .locked()
             .values_list("capacity", flat=True)
             .first()
         )
@@ -249,8 +239,7 @@ def _follow_batch(alias: str, pattern: str, changed_by_id: Any, reason: str) -> 
         batch = list(
             followers(alias, pattern)
             .exclude(capacity=capacity)
-            .select_for_update()
-            .order_by("name")
+            .locked()
             .values_list("pk", "capacity")[: app_settings.CLEANUP_BATCH_SIZE]
         )
         if not batch:
@@ -272,8 +261,6 @@ def _follow_batch(alias: str, pattern: str, changed_by_id: Any, reason: str) -> 
         return len(batch)
 
 
-def followers(alias: str, pattern: str) -> QuerySet[Semaphore]:
+def followers(alias: str, pattern: str) -> SemaphoreQuerySet:
     """The members of ``pattern`` whose capacity is the family default's."""
-    from django_semaphore.models import Semaphore
-
     return Semaphore.objects.using(alias).filter(family=pattern, own_capacity=False)

@@ -40,6 +40,8 @@ from django_semaphore.exceptions import (
     SemaphoreNotFound,
 )
 from django_semaphore.guards import engine_writes
+from django_semaphore.models import PermitRequest
+from django_semaphore.states import ReleaseReason, State
 from django_semaphore.validation import Demand
 
 if TYPE_CHECKING:
@@ -143,9 +145,6 @@ def grant(
     place: fairness.Place,
 ) -> PermitRequest | SemaphoreError | KeyTaken:
     """Inside the transaction: lock, check room, maybe reclaim, insert."""
-    from django_semaphore.models import PermitRequest
-    from django_semaphore.states import State
-
     alias = connection.alias
     sql = statements(connection)
     with connection.cursor() as cursor:
@@ -238,9 +237,6 @@ def _reclaim_expired(
     should that meet another transaction in a circle, the database reports
     a deadlock and the attempt is retried whole.
     """
-    from django_semaphore.models import PermitRequest
-    from django_semaphore.states import ReleaseReason, State
-
     # Release's updates of request and permit rows carry no per-statement
     # bound (a sweep may hold those rows): on MariaDB the session's lock wait
     # is bounded around the reclaim instead (elsewhere it already is, for
@@ -270,8 +266,6 @@ def _reclaim_expired(
 
 def find_request(alias: str, key: str) -> PermitRequest | None:
     """The request with exactly this key, annotated with the database's clock."""
-    from django_semaphore.models import PermitRequest
-
     request = (
         PermitRequest.objects.using(alias)
         .annotate(db_now=DatabaseNow())
@@ -321,8 +315,6 @@ def _describe(held: dict[str, tuple[int, int]]) -> str:
 def raise_if_not_held(alias: str, request: PermitRequest) -> None:
     """``PermitAlreadyReleased`` unless ``request`` (read by ``find_request``)
     is held; an expired one is released on the way."""
-    from django_semaphore.states import ReleaseReason, State
-
     if request.state != State.ACQUIRED:
         raise PermitAlreadyReleased(
             f"Request {request.external_id!r} was released "

@@ -21,13 +21,12 @@ from django_semaphore import backends, signals
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import holds
 from django_semaphore.engine.statements.release import ReleaseStatements, release_statements
-from django_semaphore.states import ReleaseOutcome
+from django_semaphore.models import PermitRequest, Semaphore
+from django_semaphore.states import ReleaseOutcome, ReleaseReason, State
 
 
 def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     """End the request with this key (one attempt; the caller retries)."""
-    from django_semaphore.states import ReleaseReason, State
-
     sql = release_statements(connection)
     # One statement where the database can say it, unless someone listens
     # for the released ids (as Django's delete skips fetching rows nobody's
@@ -106,8 +105,6 @@ def _transaction(alias: str) -> Iterator[tuple[CursorWrapper, ReleaseStatements,
 
 def announce(alias: str, request_ids: list[int], reason: str) -> None:
     """Tell receivers which requests ended, once that is committed."""
-    from django_semaphore.models import PermitRequest
-
     signals.permit_released.send_robust(
         sender=PermitRequest, request_ids=request_ids, reason=reason, using=alias
     )
@@ -116,22 +113,16 @@ def announce(alias: str, request_ids: list[int], reason: str) -> None:
 
 def announce_room(alias: str, freed: dict[int, int]) -> None:
     """Tell receivers (parked tasks) which semaphores have room again."""
-    from django_semaphore.models import Semaphore
-
     signals.permits_freed.send_robust(sender=Semaphore, freed=freed, using=alias)
 
 
 def released_ids_wanted() -> bool:
     """Whether a receiver wants to know which requests a release ended: the
     one-statement release cannot say."""
-    from django_semaphore.models import PermitRequest
-
     wanted = signals.permit_released.has_listeners(PermitRequest)
     return wanted or signals.hold_ended.has_listeners(PermitRequest)
 
 
 def room_wanted() -> bool:
     """Whether a receiver waits for room on semaphores (parked tasks)."""
-    from django_semaphore.models import Semaphore
-
     return signals.permits_freed.has_listeners(Semaphore)

@@ -25,10 +25,21 @@ from django.conf import settings
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
-from django.db.models import Q
+from django.db.models import (
+    BooleanField,
+    DateTimeField,
+    DurationField,
+    ExpressionWrapper,
+    Q,
+    Value,
+)
+from django.db.models.expressions import CombinedExpression
+from django.db.models.sql import Query
 
 from django_semaphore import backends
 from django_semaphore.backends import DatabaseNow, StatementNow
+from django_semaphore.models import Permit, PermitRequest, Semaphore
+from django_semaphore.states import State
 
 
 @dataclass
@@ -71,11 +82,6 @@ class SQL:
     the tables and the database's clock, compiled once."""
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
-        from django.db.models.sql import Query
-
-        from django_semaphore.models import Permit, PermitRequest, Semaphore
-        from django_semaphore.states import State
-
         self.connection = connection
         self.use_tz = settings.USE_TZ
         self.acquired, self.released = State.ACQUIRED.value, State.RELEASED.value
@@ -94,14 +100,25 @@ class SQL:
     def bounded(self, sql: str, lock_wait: float) -> str:
         return backends.bound_statement(self.connection, sql, lock_wait)
 
+    def locking_read(self, rows: Q, *columns: str, **annotations: Any) -> tuple[str, list[Any]]:
+        """The manager's row lock (``SemaphoreQuerySet.locked``) of the rows
+        ``rows`` selects, as SQL text and its parameters: the statements that
+        run it raw (compiled once, reused) keep the app's one lock order."""
+        queryset = (
+            Semaphore.objects.using(self.connection.alias)
+            .filter(rows)
+            .locked()
+            .annotate(**annotations)
+            .values_list(*columns)
+        )
+        sql, params = queryset.query.get_compiler(connection=self.connection).as_sql()
+        return str(sql), list(params)
+
 
 class Statements(SQL):
     """The grant's statements (and the verifier's), for one connection."""
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
-        from django.db.models import DateTimeField, DurationField, Value
-        from django.db.models.expressions import CombinedExpression
-
         super().__init__(connection)
         q, compiler, now = self.q, self.compiler, self.now
         semaphore, request, permit = self.semaphore, self.request, self.permit
@@ -185,30 +202,20 @@ class Statements(SQL):
         return [LockedSemaphore(*row) for row in cursor.fetchall()]
 
     def _compile_lock(self, count: int) -> str:
-        from django.db.models import BooleanField, ExpressionWrapper
-
-        from django_semaphore.models import Semaphore
-
         names = [f"name-{i}" for i in range(count)]
-        queryset = (
-            Semaphore.objects.using(self.connection.alias)
-            .select_for_update()
-            .filter(name__in=names)
-            .order_by("name")
+        sql, params = self.locking_read(
+            Q(name__in=names),
+            *LOCKED_COLUMNS,
             # The clock may be read before the wait for the lock: a queue
             # then looks live a little longer, never shorter.
-            .annotate(
-                queue_live=ExpressionWrapper(
-                    Q(queued_until__gt=DatabaseNow()), output_field=BooleanField()
-                )
-            )
-            .values_list(*LOCKED_COLUMNS)
+            queue_live=ExpressionWrapper(
+                Q(queued_until__gt=DatabaseNow()), output_field=BooleanField()
+            ),
         )
-        sql, params = queryset.query.get_compiler(connection=self.connection).as_sql()
         # Reused with other names: the names must be its only parameters.
-        if list(params) != names:  # pragma: no cover - a Django change would show here
+        if params != names:  # pragma: no cover - a Django change would show here
             raise AssertionError(f"Unexpected parameters in the locking read: {params!r}")
-        return str(sql)
+        return sql
 
     def usage(self, cursor: CursorWrapper, key: str, semaphore_ids: list[int]) -> Usage:
         """The clock, whether ``key`` is taken, and whether expired permits

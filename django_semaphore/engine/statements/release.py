@@ -7,6 +7,7 @@ from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
+from django.db.models import Q
 
 from django_semaphore.engine.statements import SQL, built, placeholders
 
@@ -25,10 +26,7 @@ class ReleaseStatements(SQL):
             f"SELECT DISTINCT {q('semaphore_id')} FROM {permit}"
             f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
         )
-        self.lock_by_id_sql = (
-            f"SELECT {q('id')} FROM {semaphore} WHERE {q('id')} IN ({{ids}})"
-            f" ORDER BY {q('name')} FOR UPDATE"
-        )
+        self.locks_by_id: dict[int, str] = {}
         self.held_counts_sql = (
             f"SELECT {q('semaphore_id')}, SUM({q('count')}) FROM {permit}"
             f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
@@ -89,7 +87,7 @@ class ReleaseStatements(SQL):
             # filter first sets the statement's lock-wait bound (an InitPlan,
             # run before any row is locked; autocommit makes the statement its
             # transaction, so the setting ends with it). The semaphore rows
-            # are locked in name order, the grant's, by a locking read ("l":
+            # are locked in name order, the grant's, by the manager's locking read ("l":
             # its ORDER BY is applied before its locks); the counters' update
             # reaches only rows "l" has locked. An update that joins the
             # permits itself locks in whatever order its plan scans the
@@ -98,6 +96,7 @@ class ReleaseStatements(SQL):
             # An update re-reads a row changed since the statement began
             # (READ COMMITTED): a concurrent release of the same key makes
             # this one match nothing.
+            locking = self._lock_released_on_sql()
             return (
                 f"WITH r AS (UPDATE {request} SET {q('state')} = %s, {q('released_at')} = {now},"
                 f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
@@ -107,9 +106,7 @@ class ReleaseStatements(SQL):
                 f" p AS (UPDATE {permit} SET {q('state')} = %s"
                 f" WHERE {q('request_id')} IN (SELECT {q('id')} FROM r) AND {q('state')} = %s"
                 f" RETURNING {q('semaphore_id')}, {q('count')}),"
-                f" l AS (SELECT {q('id')} FROM {semaphore}"
-                f" WHERE {q('id')} IN (SELECT {q('semaphore_id')} FROM p)"
-                f" ORDER BY {q('name')} FOR UPDATE),"
+                f" l AS ({locking}),"
                 f" s AS (UPDATE {semaphore} SET {q('in_use')} = CASE"
                 f" WHEN {q('in_use')} > p.{q('count')} THEN {q('in_use')} - p.{q('count')}"
                 f" ELSE 0 END FROM p JOIN l ON l.{q('id')} = p.{q('semaphore_id')}"
@@ -200,10 +197,7 @@ class ReleaseStatements(SQL):
             if not semaphore_ids:
                 return 0, {}
             cursor.execute(
-                self.bounded(
-                    self.lock_by_id_sql.format(ids=placeholders(len(semaphore_ids))), lock_wait
-                ),
-                semaphore_ids,
+                self.bounded(self._lock_by_id(len(semaphore_ids)), lock_wait), semaphore_ids
             )
         # Under the locks (SQLite: the file's write lock): no other release
         # can free these permits now.
@@ -220,6 +214,27 @@ class ReleaseStatements(SQL):
         released = int(cursor.rowcount)
         self._lower(cursor, freed)
         return released, freed
+
+    def _lock_by_id(self, count: int) -> str:
+        """The locking read of ``count`` semaphores by id, compiled once."""
+        sql = self.locks_by_id.get(count)
+        if sql is None:
+            ids = list(range(count))
+            sql, params = self.locking_read(Q(id__in=ids), "id")
+            if params != ids:  # pragma: no cover - a Django change would show here
+                raise AssertionError(f"Unexpected parameters in the locking read: {params!r}")
+            self.locks_by_id[count] = sql
+        return sql
+
+    def _lock_released_on_sql(self) -> str:
+        """The locking read of the semaphores of the permits the statement
+        released (its "p"): the manager's, its one id placeholder made a
+        read of "p" (with neither RawSQL nor values in the text)."""
+        sql, params = self.locking_read(Q(id__in=[0]), "id")
+        one_id = f"IN ({placeholders(1)})"
+        if params != [0] or sql.count(one_id) != 1:  # pragma: no cover - a Django change
+            raise AssertionError(f"Unexpected locking read: {sql!r} {params!r}")
+        return sql.replace(one_id, f"IN (SELECT {self.q('semaphore_id')} FROM p)")
 
     def _lower(self, cursor: CursorWrapper, freed: dict[int, int]) -> None:
         """Lower ``in_use`` by ``freed`` (semaphore id -> count) on rows this
