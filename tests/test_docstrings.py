@@ -35,6 +35,12 @@ PUBLIC_MODULES = (
     "parking",
     "signals",
     "sweep",
+    "sweep.batches",
+    "sweep.cleanups",
+    "sweep.force",
+    "sweep.orphans",
+    "sweep.repairs",
+    "sweep.reports",
     "tasks",
 )
 # Module attributes that are API (the others are constants and loggers).
@@ -99,6 +105,7 @@ def test_the_check_sees_the_public_names():
         "django_semaphore.signals.permit_released",
         "django_semaphore.beat.BEAT_SCHEDULE",
         "django_semaphore.tasks.release_orphans",
+        "django_semaphore.sweep.orphans.release_orphans",
         "django_semaphore.fencing.advance",
         "django_semaphore.context.Grant.token",
     } <= seen
