@@ -12,6 +12,7 @@ command and the admin run.
   :func:`clean_history` deletes ``CapacityChange`` rows older than
   ``HISTORY_RETENTION``;
   :func:`clean_tickets` deletes fair-mode tickets past their deadline.
+- :func:`sweep_parked` is the backstop of parked tasks' wake-ups.
 
 Every decision about time uses the database's clock (``DatabaseNow``), never
 this machine's. Work goes in batches of ``CLEANUP_BATCH_SIZE`` rows, each its
@@ -25,9 +26,9 @@ With semaphores sharded over several aliases (``SHARDS``), each sweep visits
 every alias in turn, its time budget applying to each; the reports add up.
 
 The modules: ``orphans`` (the orphan sweep), ``repairs`` (what the engine did
-not write), ``cleanups``, ``force`` (force release by key), ``batches`` (how
-every sweep works through rows) and ``reports`` (what they return). Import
-the names from here.
+not write), ``cleanups``, ``force`` (force release by key), ``parked`` (parked
+tasks), ``batches`` (how every sweep works through rows) and ``reports``
+(what they return). Import the names from here.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from django_semaphore.sweep.cleanups import (
 )
 from django_semaphore.sweep.force import force_release
 from django_semaphore.sweep.orphans import release_orphans
+from django_semaphore.sweep.parked import ParkedReport, sweep_parked
 from django_semaphore.sweep.repairs import REPAIRS, inconsistencies
 from django_semaphore.sweep.reports import CleanupReport, OrphanReport
 
@@ -49,6 +51,7 @@ __all__ = [
     "REPAIRS",
     "CleanupReport",
     "OrphanReport",
+    "ParkedReport",
     "clean_history",
     "clean_idle_members",
     "clean_released",
@@ -56,4 +59,5 @@ __all__ = [
     "force_release",
     "inconsistencies",
     "release_orphans",
+    "sweep_parked",
 ]
