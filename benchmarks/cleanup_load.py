@@ -432,13 +432,13 @@ def explain_batch_select() -> str:
     """The plan of one batch's SELECT (MySQL/MariaDB, PostgreSQL)."""
     from django.db import connection, transaction
 
-    from django_semaphore import sweep
     from django_semaphore.conf import app_settings
     from django_semaphore.models import PermitRequest
     from django_semaphore.states import State
+    from django_semaphore.sweep import batches
 
     old = PermitRequest.objects.filter(
-        state=State.RELEASED, released_at__lte=sweep._ago(app_settings.RELEASED_RETENTION)
+        state=State.RELEASED, released_at__lte=batches._ago(app_settings.RELEASED_RETENTION)
     ).order_by("released_at")
     if connection.vendor == "sqlite":
         return ""

@@ -19,7 +19,7 @@ does at that concurrency, the practical ideal), and reports for each:
   release, so this includes the release itself).
 
 The driver also plays beat, only when nothing has run for ``STALLED``
-seconds: it then runs ``parking.sweep()`` and reports what it woke (a
+seconds: it then runs ``sweep.sweep_parked()`` and reports what it woke (a
 wake-up the releases missed; it should stay 0). ``--smoke`` is small enough for the test suite.
 """
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
-    from django_semaphore import parking
+    from django_semaphore import sweep
     from django_semaphore.guards import engine_writes
     from django_semaphore.models import ParkedTask, PermitRequest, Semaphore
 
@@ -124,7 +124,7 @@ def run(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
             elif mode == "parked" and time.monotonic() - last_progress > STALLED:
                 # Nothing ran for a while: a wake-up was missed. Beat's sweep
                 # would catch it; count it, as it should never happen.
-                swept += parking.sweep().woken
+                swept += sweep.sweep_parked().woken
                 last_progress = time.monotonic()
             time.sleep(0.05)
         time.sleep(1.0)  # what comes after the drain is a task run twice, or a leftover

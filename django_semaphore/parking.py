@@ -11,8 +11,8 @@ between its refusal and its row would otherwise have woken nobody.
 
 **Wake.** Every path that frees permits -- ``release()``, a task finishing, the
 sweeps, a force release, the grant's reclaim of expired permits, a capacity
-raise -- sends ``signals.permits_freed`` once committed; its receiver here
-(connected only while parking is in use, see ``enable``) runs one short
+raise -- sends ``signals.permits_freed`` once committed; its receiver in
+``wake`` (connected only while parking is in use, see ``enable``) runs one short
 transaction that locks the semaphore rows in name order (as the grant does),
 reads the room left -- capacity, minus ``in_use``, minus what tasks woken
 earlier and not started yet will take, minus what live fair-mode tickets wait
@@ -38,7 +38,7 @@ semaphores as held long in this process, so long holds pay
 
 **Nothing lost, nothing run twice.** A woken row stays until its run holds its
 permit (``started``), so a publish that failed, or a message lost before a
-worker ran it, is published again by the beat sweep (``sweep``) once
+worker ran it, is published again by the beat sweep (``sweep.sweep_parked``) once
 ``PARKED_REPUBLISH_AFTER`` has passed; a publish that raised gives its room
 back at once. The run's key is its task id: a second copy meeting a live
 first one is deferred as any live duplicate is, and a copy arriving after the
@@ -53,7 +53,7 @@ import functools
 import logging
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,25 +62,17 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import (
-    BigIntegerField,
-    Count,
-    Min,
-    OuterRef,
-    Q,
-    QuerySet,
-    Subquery,
-    Sum,
-)
+from django.db.models import BigIntegerField, Count, OuterRef, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from django_semaphore import backends, routing, signals
-from django_semaphore.backends import DatabaseNow
+from django_semaphore import backends, routing, signals, wake
 from django_semaphore.conf import app_settings
 from django_semaphore.engine.statements import room_for
-from django_semaphore.exceptions import LiveDuplicate, SemaphoreError, SemaphoreExhausted
+from django_semaphore.exceptions import LiveDuplicate, SemaphoreExhausted, SemaphoreNotFound
+from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Semaphore
 from django_semaphore.retry import run_with_retries
+from django_semaphore.states import ReleaseReason
 from django_semaphore.validation import validate_keys
 
 if TYPE_CHECKING:
@@ -91,10 +83,6 @@ logger = logging.getLogger("django_semaphore")
 PARKED = "PARKED"
 """The Celery state of a parked task (a custom state, as ``PROGRESS`` would be):
 not failed, not pending on the broker; ``info`` says what it waits for."""
-
-# Parked tasks read per semaphore by one wake: more than any capacity frees
-# at once in practice; the rest wait for the next release.
-WAKE_WINDOW = 200
 
 # Seconds; see "Stand by first" above. A standby waits at most STANDBY_WAIT,
 # probing every tenth of the hold, within STANDBY_PROBE, or every
@@ -139,7 +127,7 @@ def park(task: Any, demand: Mapping[str, int]) -> None:
         connection, functools.partial(_insert, connection, row, dict(demand))
     )
     _set_state(task, demand)
-    wake(alias, semaphore_ids)
+    wake.wake(alias, semaphore_ids)
 
 
 @dataclass(frozen=True)
@@ -164,9 +152,6 @@ def _expiry(request: Any) -> datetime | None:
 
 def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) -> list[int]:
     """The row and its demands in one transaction; the semaphores' ids."""
-    from django_semaphore.exceptions import SemaphoreNotFound
-    from django_semaphore.models import ParkedDemand, ParkedTask, Semaphore
-
     alias = connection.alias
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
         ids = dict(Semaphore.objects.using(alias).filter(name__in=demand).values_list("name", "id"))
@@ -207,8 +192,6 @@ def _set_state(task: Any, demand: Mapping[str, int]) -> None:
 
 def started(task_id: str, demand: Mapping[str, int]) -> None:
     """The task holds its permit now: its parked row, if any, has done its job."""
-    from django_semaphore.models import ParkedDemand, ParkedTask
-
     alias = routing.alias_for_names(list(demand))
     # By id and without Django's collector (which reads the rows first): a
     # run that was not parked pays one indexed read.
@@ -225,187 +208,11 @@ def _raw_delete(queryset: QuerySet[Any]) -> int:
 def finished_before(task_id: str) -> bool:
     """Whether a run of this task id already ended for good (its permit was
     released by its holder): a copy arriving now is a duplicate."""
-    from django_semaphore.models import PermitRequest
-    from django_semaphore.states import ReleaseReason
-
     return (
         PermitRequest.objects.using(routing.alias_for_key(task_id))
         .filter(external_id=task_id, release_reason=ReleaseReason.RELEASED)
         .exists()
     )
-
-
-# --- wake ------------------------------------------------------------------------
-
-
-def wake(alias: str, semaphore_ids: Iterable[int]) -> int:
-    """Mark the oldest parked tasks that fit in the room on these semaphores,
-    and publish them once that is committed; returns how many were woken.
-
-    Never raises for the database: what it could not do, the beat sweep does.
-    """
-    ids = set(semaphore_ids)
-    if not ids:
-        return 0
-    connection = connections[alias]
-    try:
-        return run_with_retries(connection, functools.partial(_wake_once, connection, ids))
-    except SemaphoreError:
-        logger.exception("Could not wake parked tasks of semaphores %s", sorted(ids))
-        return 0
-
-
-def _window(alias: str, freed: set[int]) -> list[int]:
-    """The oldest tasks parked on these semaphores that could fit, by plain
-    reads (no lock, no transaction; the wake-up decides under the lock): on
-    each semaphore, no more tasks than its room, which each takes at least
-    one of. Most releases of a busy semaphore find no room left, or nothing
-    parked, and end the wake-up here. A park or a release committed after
-    these reads runs a wake-up of its own."""
-    from django_semaphore.models import Semaphore
-
-    semaphores = Semaphore.objects.using(alias).filter(id__in=freed)
-    window: set[int] = set()
-    for id, capacity, in_use in semaphores.values_list("id", "capacity", "in_use"):
-        if (room := capacity - in_use) > 0:
-            waiting = _waiting(alias).filter(semaphore_id=id).order_by("task_id")
-            window.update(waiting.values_list("task_id", flat=True)[: min(room, WAKE_WINDOW)])
-    return sorted(window)
-
-
-def _waiting(alias: str) -> QuerySet[Any]:
-    """The demands of parked tasks not woken and not past their expiry (the
-    sweep drops those; they are never published)."""
-    from django_semaphore.models import ParkedDemand
-
-    live = Q(task__expires_at__isnull=True) | Q(task__expires_at__gt=timezone.now())
-    return ParkedDemand.objects.using(alias).filter(live, task__woken_at__isnull=True)
-
-
-def _wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> int:
-    from django_semaphore.models import ParkedDemand, ParkedTask, Semaphore, Ticket
-
-    alias = connection.alias
-    demands = ParkedDemand.objects.using(alias)
-    # Read before the transaction, to hold its lock for as short as can be
-    # (grants wait on it); what another wake-up woke meanwhile is left out
-    # under it.
-    window = _window(alias, freed)
-    if not window:
-        return 0
-    with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
-        wanted: dict[int, dict[int, int]] = defaultdict(dict)  # task -> semaphore -> count
-        for task_id, semaphore_id, count in demands.filter(task_id__in=window).values_list(
-            "task_id", "semaphore_id", "count"
-        ):
-            wanted[task_id][semaphore_id] = count
-        involved = freed | {s for asks in wanted.values() for s in asks}
-        # Locked as the grant locks them (name order): the room read here
-        # stays true until this commits, and two wake-ups never spend it twice.
-        locked = list(
-            Semaphore.objects.using(alias)
-            .select_for_update()
-            .filter(id__in=involved)
-            .order_by("name")
-            .values_list("id", "capacity", "in_use", "queued_until")
-        )
-        taken = set(
-            ParkedTask.objects.using(alias)
-            .filter(id__in=window, woken_at__isnull=False)
-            .values_list("id", flat=True)
-        )
-        window = [task_id for task_id in window if task_id not in taken]
-        room = {id: capacity - in_use for id, capacity, in_use, _ in locked}
-        reserved = (
-            demands.filter(semaphore_id__in=involved, task__woken_at__isnull=False)
-            .values("semaphore_id")
-            .annotate(total=Sum("count"))
-            .values_list("semaphore_id", "total")
-        )
-        for semaphore_id, total in reserved:
-            room[semaphore_id] -= int(total)
-        if any(queued_until is not None for *_, queued_until in locked):
-            # Fair-mode waiters came first: a woken task would only be refused.
-            tickets = (
-                Ticket.objects.using(alias)
-                .filter(semaphore_id__in=involved, expires_at__gt=DatabaseNow())
-                .values("semaphore_id")
-                .annotate(total=Sum("count"))
-                .values_list("semaphore_id", "total")
-            )
-            for semaphore_id, total in tickets:
-                room[semaphore_id] -= int(total)
-        # Older parked tasks on the other semaphores of a multi-semaphore
-        # demand, outside the window: they come first there.
-        heads = dict(
-            _waiting(alias)
-            .filter(semaphore_id__in=involved - freed)
-            .values("semaphore_id")
-            .annotate(head=Min("task_id"))
-            .values_list("semaphore_id", "head")
-        )
-        woken = _choose(window, wanted, room, heads)
-        if woken:
-            ParkedTask.objects.using(alias).filter(id__in=woken).update(woken_at=timezone.now())
-            transaction.on_commit(lambda: publish(alias, woken), using=alias)
-    return len(woken)
-
-
-def _choose(
-    window: list[int],
-    wanted: Mapping[int, Mapping[int, int]],
-    room: dict[int, int],
-    heads: Mapping[int, int],
-) -> list[int]:
-    """The tasks to wake, first in, first out per semaphore: once a task
-    does not fit, no younger task passes it on its semaphores."""
-    woken: list[int] = []
-    blocked: set[int] = set()
-    for task_id in window:
-        asks = wanted[task_id]
-        behind = any(s in blocked or s not in room or heads.get(s, task_id) < task_id for s in asks)
-        if behind or any(room[s] < count for s, count in asks.items()):
-            blocked.update(asks)
-            continue
-        for s, count in asks.items():
-            room[s] -= count
-        woken.append(task_id)
-    return woken
-
-
-def publish(alias: str, parked_ids: list[int]) -> int:
-    """Publish the messages of these woken rows; returns how many went out.
-
-    A publish that fails gives the row's room back (``woken_at`` cleared), so
-    the next release or the beat sweep tries again; the row is never lost.
-    """
-    from celery import current_app
-    from kombu import serialization
-
-    from django_semaphore.models import ParkedTask
-
-    rows = ParkedTask.objects.using(alias).filter(id__in=parked_ids).order_by("id")
-    sent = 0
-    for parked in rows:
-        try:
-            message = serialization.loads(  # type: ignore[no-untyped-call]
-                bytes(parked.body),
-                parked.content_type,
-                parked.content_encoding,
-                accept={parked.content_type},
-            )
-            current_app.signature(message).apply_async()
-        except Exception:  # the broker's errors are as varied as brokers
-            logger.exception("Could not publish the parked task %s", parked)
-            ParkedTask.objects.using(alias).filter(pk=parked.pk).update(woken_at=None)
-            continue
-        sent += 1
-    return sent
-
-
-def on_permits_freed(sender: Any, freed: Mapping[int, int], using: str, **kwargs: Any) -> None:
-    """``permits_freed`` receiver: wake the parked tasks that fit now."""
-    wake(using, freed)
 
 
 # --- stand by ----------------------------------------------------------------------
@@ -429,8 +236,6 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
     Raises what ``claim`` raises for anything but a want of room
     (``LiveDuplicate`` included).
     """
-    from django_semaphore.models import ParkedDemand, ParkedTask, Semaphore
-
     holds = [_holds[name] for name in demand if name in _holds]
     if holds and max(holds) >= SHORT_HOLD:
         return None
@@ -511,8 +316,6 @@ def cancel(task_ids: Iterable[str]) -> int:
         InvalidRequest: ``task_ids`` given as one str, or holding an id no
             task could have; nothing is dropped.
     """
-    from django_semaphore.models import ParkedDemand, ParkedTask
-
     keys = validate_keys(task_ids, "task id")
     dropped = 0
     for alias in routing.aliases():
@@ -528,58 +331,8 @@ def cancel(task_ids: Iterable[str]) -> int:
         )
         _raw_delete(demands)
         dropped += _raw_delete(ParkedTask.objects.using(alias).filter(id__in=list(rows)))
-        wake(alias, semaphore_ids)
+        wake.wake(alias, semaphore_ids)
     return dropped
-
-
-# --- the beat sweep ----------------------------------------------------------------
-
-
-@dataclass
-class ParkedReport:
-    """What one parked-task sweep did."""
-
-    republished: int = 0  # woken rows whose run never started
-    woken: int = 0
-    dropped: int = 0  # past their expiry
-
-    def __str__(self) -> str:
-        return (
-            f"Parked tasks: woken {self.woken}, republished {self.republished}, "
-            f"dropped {self.dropped} expired."
-        )
-
-
-def sweep() -> ParkedReport:
-    """The backstop of the wake-ups: drop expired rows, publish again woken
-    rows whose run has not started within ``PARKED_REPUBLISH_AFTER``, and
-    wake what fits on every semaphore with parked tasks (releases made by a
-    process that does not park tasks send no wake-up)."""
-    from django_semaphore.models import ParkedDemand, ParkedTask
-
-    report = ParkedReport()
-    for alias in routing.aliases():
-        tasks = ParkedTask.objects.using(alias)
-        dropped = tasks.filter(expires_at__lte=timezone.now())
-        ParkedDemand.objects.using(alias).filter(task__in=dropped).delete()
-        report.dropped += dropped.delete()[0]
-        overdue_since = timezone.now() - app_settings.PARKED_REPUBLISH_AFTER
-        overdue = list(
-            tasks.filter(woken_at__lte=overdue_since).order_by("id").values_list("id", flat=True)
-        )
-        if overdue:
-            tasks.filter(id__in=overdue).update(woken_at=timezone.now())
-            report.republished += publish(alias, overdue)
-        semaphore_ids = set(
-            ParkedDemand.objects.using(alias)
-            .filter(task__woken_at__isnull=True)
-            .values_list("semaphore_id", flat=True)
-            .distinct()
-        )
-        report.woken += wake(alias, semaphore_ids)
-    if report.republished or report.woken or report.dropped:
-        logger.info("%s", report)
-    return report
 
 
 # --- switched on -------------------------------------------------------------------
@@ -603,7 +356,7 @@ def enable() -> None:
         return
     # No sender: has_listeners(Semaphore) counts receivers of any sender, and
     # this may run before the models are loaded.
-    signals.permits_freed.connect(on_permits_freed, dispatch_uid=_UID)
+    signals.permits_freed.connect(wake.on_permits_freed, dispatch_uid=_UID)
     _enabled = True
 
 
@@ -621,8 +374,6 @@ def with_parked(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
     """Annotate ``parked``: the Celery tasks parked on each semaphore (woken
     ones included), by a correlated subquery on the (semaphore, task) index,
     in the same query (the admin, ``semaphore_status``, the metrics)."""
-    from django_semaphore.models import ParkedDemand
-
     parked = ParkedDemand.objects.filter(semaphore=OuterRef("pk")).order_by().values("semaphore")
     return queryset.annotate(
         parked=Coalesce(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from django_semaphore import parking, sweep
+from django_semaphore import sweep
 
 
 @shared_task(name="django_semaphore.release_orphans", ignore_result=True)  # type: ignore[untyped-decorator]
@@ -38,4 +38,4 @@ def clean_history(time_budget: float | None = sweep.DEFAULT_TIME_BUDGET) -> None
 def wake_parked() -> None:
     """The backstop of parked tasks' wake-ups: drop expired ones, publish
     again those whose woken run never started, wake what fits."""
-    parking.sweep()
+    sweep.sweep_parked()

@@ -34,7 +34,15 @@ PUBLIC_MODULES = (
     "signals",
     "states",
     "sweep",
+    "sweep.batches",
+    "sweep.cleanups",
+    "sweep.force",
+    "sweep.orphans",
+    "sweep.parked",
+    "sweep.repairs",
+    "sweep.reports",
     "tasks",
+    "wake",
 )
 # Module attributes that are API (the others are constants and loggers).
 PUBLIC_ATTRIBUTE_MODULES = ("beat", "signals")
@@ -98,6 +106,8 @@ def test_the_check_sees_the_public_names():
         "django_semaphore.signals.permit_released",
         "django_semaphore.beat.BEAT_SCHEDULE",
         "django_semaphore.tasks.release_orphans",
+        "django_semaphore.sweep.orphans.release_orphans",
+        "django_semaphore.wake.wake",
         "django_semaphore.fencing.advance",
         "django_semaphore.context.Grant.token",
     } <= seen

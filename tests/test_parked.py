@@ -23,7 +23,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_semaphore import acquire, parking, release
+from django_semaphore import acquire, parking, release, sweep, wake
 from django_semaphore.api import set_capacity
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
@@ -124,7 +124,7 @@ def test_a_release_where_parking_is_off_is_caught_by_the_beat_sweep(park):
     release("held-by-the-test")  # this process does not wake parked tasks
     time.sleep(0.5)
     assert parked_ids() == [result.id]
-    report = parking.sweep()
+    report = sweep.sweep_parked()
     settled([result])
 
     assert report.woken == 1
@@ -176,7 +176,7 @@ def test_a_parked_task_past_its_expiry_is_dropped_not_run(park, wakes):
     release("held-by-the-test")  # passes it over: never published
     time.sleep(0.5)
     assert parked_ids() == [expiring.id]
-    assert parking.sweep().dropped == 1
+    assert sweep.sweep_parked().dropped == 1
 
     assert parked_ids() == []
     assert not RunLog.objects.filter(label="expiring").exists()
@@ -194,7 +194,7 @@ def test_a_parked_task_published_twice_runs_once(park, wakes):
     # The sweep publishing the same message again (it thought it lost).
     copy.save(using="default")
     ParkedTask.objects.filter(pk=copy.pk).update(woken_at=timezone.now())
-    assert parking.publish("default", [copy.pk]) == 1
+    assert wake.publish("default", [copy.pk]) == 1
     eventually(lambda: parked_ids() == [], "the copy ran into its finished task")
     time.sleep(1.0)
 
@@ -215,7 +215,7 @@ def published(monkeypatch) -> list[str]:
         sent.extend(ids.values_list("task_id", flat=True))
         return len(parked)
 
-    monkeypatch.setattr(parking, "publish", publish)
+    monkeypatch.setattr(wake, "publish", publish)
     return sent
 
 
@@ -242,17 +242,17 @@ def test_wake_is_first_in_first_out_and_a_big_demand_holds_back_younger_ones(pub
     acquire(s.name, external_id="b", owner="")
     acquire(s.name, external_id="c", owner="")
 
-    assert parking.wake("default", [s.pk]) == 0  # no room
+    assert wake.wake("default", [s.pk]) == 0  # no room
     release("a")
-    assert parking.wake("default", [s.pk]) == 1
+    assert wake.wake("default", [s.pk]) == 1
     assert published == [first]
     # Two free now, but the big one is next and needs three: small waits too.
     release("b")
-    assert parking.wake("default", [s.pk]) == 0
+    assert wake.wake("default", [s.pk]) == 0
     assert published == [first]
     parking.started(first, {s.name: 1})  # the first one's run took its permit
     release("c")
-    assert parking.wake("default", [s.pk]) == 1
+    assert wake.wake("default", [s.pk]) == 1
     assert published == [first, big]
     assert small in parked_ids()
 
@@ -261,10 +261,10 @@ def test_woken_tasks_keep_their_room_until_they_start(published):
     s = semaphore(2)
     one, two, three = (park_row({s.name: 1}) for _ in range(3))
 
-    assert parking.wake("default", [s.pk]) == 2
-    assert parking.wake("default", [s.pk]) == 0  # their room is kept for them
+    assert wake.wake("default", [s.pk]) == 2
+    assert wake.wake("default", [s.pk]) == 0  # their room is kept for them
     parking.started(one, {s.name: 1})
-    assert parking.wake("default", [s.pk]) == 1
+    assert wake.wake("default", [s.pk]) == 1
     assert published == [one, two, three]
 
 
@@ -274,14 +274,14 @@ def test_wake_respects_the_other_semaphore_of_a_multi_semaphore_demand(published
     both = park_row({a.name: 1, b.name: 1})
     acquire(b.name, external_id="holds-b")
 
-    assert parking.wake("default", [a.pk]) == 0  # b is full
+    assert wake.wake("default", [a.pk]) == 0  # b is full
     release("holds-b")
     # b's older parked task comes first there; "both" waits behind it.
-    assert parking.wake("default", [a.pk]) == 0
-    assert parking.wake("default", [b.pk]) == 1
+    assert wake.wake("default", [a.pk]) == 0
+    assert wake.wake("default", [b.pk]) == 1
     assert published == [older_on_b]
     parking.started(older_on_b, {b.name: 1})
-    assert parking.wake("default", [a.pk]) == 1
+    assert wake.wake("default", [a.pk]) == 1
     assert published == [older_on_b, both]
 
 
@@ -296,9 +296,9 @@ def test_wake_leaves_room_to_earlier_fair_waiters(published):
     with behind_the_engine():  # as a fair waiter's attempt writes it
         Semaphore.objects.filter(pk=s.pk).update(queued_until=now + timedelta(minutes=1))
 
-    assert parking.wake("default", [s.pk]) == 0
+    assert wake.wake("default", [s.pk]) == 0
     Ticket.objects.all().delete()
-    assert parking.wake("default", [s.pk]) == 1
+    assert wake.wake("default", [s.pk]) == 1
 
 
 def test_an_expired_row_is_passed_over_never_published(published):
@@ -306,7 +306,7 @@ def test_an_expired_row_is_passed_over_never_published(published):
     gone = park_row({s.name: 1}, expires_at=timezone.now() - timedelta(seconds=1))
     live = park_row({s.name: 1})
 
-    assert parking.wake("default", [s.pk]) == 1
+    assert wake.wake("default", [s.pk]) == 1
     assert published == [live]
     assert parked_ids() == [gone, live]  # the sweep drops it (below)
 
@@ -317,7 +317,7 @@ def test_a_wake_up_reads_no_more_parked_tasks_than_fit(published):
     acquire(s.name, external_id=unique("held"))
 
     with CaptureQueriesContext(connection) as queries:
-        assert parking.wake("default", [s.pk]) == 2
+        assert wake.wake("default", [s.pk]) == 2
     assert published == rows[:2]
     windows = [q["sql"] for q in queries.captured_queries if "LIMIT" in q["sql"]]
     assert [sql.rstrip()[-7:] for sql in windows] == ["LIMIT 2"], windows
@@ -336,7 +336,7 @@ def test_a_failed_publish_leaves_the_row_and_gives_its_room_back(monkeypatch):
         raise ConnectionError("broker down")
 
     monkeypatch.setattr(type(current_app.signature({"task": "x"})), "apply_async", broker_down)
-    assert parking.wake("default", [s.pk]) == 1
+    assert wake.wake("default", [s.pk]) == 1
     row = ParkedTask.objects.get(task_id=task_id)
     assert row.woken_at is None  # room given back: the next wake-up tries again
 
@@ -349,7 +349,7 @@ def test_the_sweep_publishes_overdue_wakes_again_and_drops_expired(published, se
     expired = park_row({s.name: 1}, expires_at=timezone.now() - timedelta(seconds=1))
     waiting = park_row({s.name: 1})
 
-    report = parking.sweep()
+    report = sweep.sweep_parked()
 
     assert (report.republished, report.woken, report.dropped) == (1, 1, 1)
     assert published == [overdue, waiting]
@@ -361,7 +361,7 @@ def test_a_task_parked_again_keeps_its_place(published):
     s = semaphore(1)
     first = park_row({s.name: 1})
     second = park_row({s.name: 1})
-    assert parking.wake("default", [s.pk]) == 1
+    assert wake.wake("default", [s.pk]) == 1
     park_row({s.name: 1}, task_id=first)  # woken, found no room again
 
     assert parked_ids() == [first, second]
@@ -377,7 +377,7 @@ def test_cancel_drops_a_parked_task_and_offers_its_room(published):
     s = semaphore(1)
     first = park_row({s.name: 1})
     second = park_row({s.name: 1})
-    assert parking.wake("default", [s.pk]) == 1
+    assert wake.wake("default", [s.pk]) == 1
 
     assert parking.cancel([first]) == 1
     assert parked_ids() == [second]
@@ -405,7 +405,7 @@ def test_a_release_tells_the_wake_up_what_it_freed_on_every_path(wakes, monkeypa
 
     a, b = semaphore(3), semaphore(3)
     freed: list[dict[int, int]] = []
-    monkeypatch.setattr(parking, "wake", lambda alias, ids: freed.append(dict(ids)) or 0)
+    monkeypatch.setattr(wake, "wake", lambda alias, ids: freed.append(dict(ids)) or 0)
     acquire({a.name: 2, b.name: 1}, external_id="general")
     acquire({a.name: 1}, external_id="one-statement")
 

@@ -1,0 +1,183 @@
+"""The orphan sweep: release the requests whose holders will not release
+them (TTL expired, owner reported dead, held past ``STALENESS_LIMIT``), after
+the repairs of what the engine did not write, then have ``counter.verify``
+check every in-use counter."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+
+from django.db.models import Q
+
+from django_semaphore import liveness, routing
+from django_semaphore.backends import DatabaseNow
+from django_semaphore.conf import app_settings
+from django_semaphore.engine import counter
+from django_semaphore.engine.releasing import release_requests
+from django_semaphore.models import PermitRequest
+from django_semaphore.states import ReleaseReason, State
+from django_semaphore.sweep.batches import _ago, _batches, _limits, _on_every_alias, _past
+from django_semaphore.sweep.repairs import (
+    _announce_repair,
+    _orphan_permits,
+    _partly_released,
+    _raise_fencing_counters,
+    _release_permits_matching,
+    _stray_permits,
+)
+from django_semaphore.sweep.reports import OrphanReport
+
+logger = logging.getLogger("django_semaphore")
+
+
+@_on_every_alias
+def release_orphans(
+    *,
+    batch_size: int | None = None,
+    time_budget: float | None = None,
+    dry_run: bool = False,
+    checkers: Collection[liveness.LivenessChecker] | None = None,
+) -> OrphanReport:
+    """Release the requests whose holders are gone, and repair what the
+    engine did not write.
+
+    In order: held requests with released permits are completed
+    (``repaired``); held permits of released requests, and held permits
+    whose request row is gone, are released; fencing counters below a token
+    already issued are raised (each repair logged at WARNING and sent as
+    ``data_repaired``); then TTL-expired requests are released
+    (``expired``), then those held past ``STALENESS_LIMIT`` (``stale``),
+    then those whose owner the liveness checkers report dead
+    (``owner_dead``; only a DEAD answer with no ALIVE one releases).
+
+    Args:
+        batch_size: rows per transaction (default ``CLEANUP_BATCH_SIZE``).
+        time_budget: seconds after which no new batch starts (default: none).
+        dry_run: count what would be released, change nothing.
+        checkers: liveness checkers to ask (default: ``LIVENESS_CHECKERS``).
+
+    Returns:
+        The counts released, by reason, and the repairs.
+
+    Raises:
+        InvalidRequest: ``batch_size`` not an int of at least 1, or
+            ``time_budget`` negative or not a number of seconds; nothing is
+            changed.
+    """
+    size, deadline = _limits(batch_size, time_budget)
+    report = OrphanReport(dry_run=dry_run)
+    alias = routing.current_alias()
+    half_released = _partly_released()
+    expired = Q(expires_at__lte=DatabaseNow())
+    # The permits are free (or some of them), only the request still says
+    # ACQUIRED: every release is one transaction, so only rows changed from
+    # outside (a manual edit, a restore, a crash of a version before 0.1)
+    # look like this. Its reason is lost; the TTL tells whether it was
+    # expiring, otherwise it was its holder's own release. Either way the
+    # holder no longer has all it was granted, and a request is held all or
+    # nothing.
+    report.repaired = _release_matching(
+        half_released & expired, ReleaseReason.EXPIRED, size, deadline, dry_run, "partly_released"
+    ) + _release_matching(
+        half_released & ~expired, ReleaseReason.RELEASED, size, deadline, dry_run, "partly_released"
+    )
+    # Permits still counted against capacity though nobody holds them.
+    report.stray_permits = _release_permits_matching(
+        _stray_permits(alias), "stray_permits", size, deadline, dry_run
+    )
+    report.orphan_permits = _release_permits_matching(
+        _orphan_permits(alias), "orphan_permits", size, deadline, dry_run
+    )
+    report.fencing_counters = _raise_fencing_counters(dry_run)
+    report.expired = _release_matching(expired, ReleaseReason.EXPIRED, size, deadline, dry_run)
+    report.stale = _release_matching(
+        Q(created_at__lte=_ago(app_settings.STALENESS_LIMIT)),
+        ReleaseReason.STALE,
+        size,
+        deadline,
+        dry_run,
+    )
+    report.owner_dead = _release_dead_owners(
+        liveness.load_checkers() if checkers is None else list(checkers), size, deadline, dry_run
+    )
+    # Last: the repairs above changed permits, and kept the counters exact.
+    report.counter_drift = len(counter.verify(correct=not dry_run, batch_size=size))
+    if report.total or report.repairs or report.counter_drift:
+        logger.info("%s", report)
+    return report
+
+
+def _release_matching(
+    condition: Q,
+    reason: str,
+    size: int,
+    deadline: float | None,
+    dry_run: bool,
+    repair: str | None = None,
+) -> int:
+    """Release every ACQUIRED request matching ``condition``, batch by batch;
+    ``repair`` names the kind of repair this is, if it is one."""
+    alias = routing.current_alias()
+    held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED).filter(condition)
+    if dry_run:
+        return held.count()
+
+    def batch() -> tuple[int, int]:
+        # SKIP LOCKED: rows another sweeper is releasing right now are its job.
+        ids = list(
+            held.select_for_update(skip_locked=True)
+            .order_by("pk")
+            .values_list("pk", flat=True)[:size]
+        )
+        released = release_requests(alias, ids, reason)
+        if repair is not None:
+            _announce_repair(alias, repair, ids, released)
+        return len(ids), released
+
+    total = 0
+    for found, released in _batches(batch, deadline, f"releasing {reason} requests"):
+        total += released
+        # Not "found < size": SKIP LOCKED makes a batch short while another
+        # sweeper holds rows, and more may wait behind them.
+        if not found:
+            break
+    return total
+
+
+def _release_dead_owners(
+    checkers: list[liveness.LivenessChecker], size: int, deadline: float | None, dry_run: bool
+) -> int:
+    if not checkers:
+        return 0
+    alias = routing.current_alias()
+    held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED).exclude(owner="")
+    total, last_pk = 0, 0
+    while True:
+        page = list(held.filter(pk__gt=last_pk).order_by("pk").values_list("pk", "owner")[:size])
+        if not page:
+            return total
+        last_pk = page[-1][0]
+        # Asked with no transaction open and no row locked: a checker may wait
+        # on the network (the Celery checker waits for worker replies).
+        dead = liveness.dead_owners({owner for _, owner in page}, checkers)
+        judged = {pk: owner for pk, owner in page if owner in dead}
+        if judged and dry_run:
+            total += len(judged)
+        elif judged:
+
+            def batch(judged: dict[int, str] = judged) -> int:
+                # Re-read under the row lock, after the checkers answered: a
+                # run that adopted the permit meanwhile (a task's retry or
+                # redelivery rewrites the owner) was not the one judged dead.
+                rows = (
+                    held.select_for_update(skip_locked=True)
+                    .filter(pk__in=judged)
+                    .values_list("pk", "owner")
+                )
+                unchanged = [pk for pk, owner in rows if judged[pk] == owner]
+                return release_requests(alias, unchanged, ReleaseReason.OWNER_DEAD)
+
+            total += sum(_batches(batch, None, "releasing requests of dead owners", once=True))
+        if len(page) < size or _past(deadline):
+            return total
