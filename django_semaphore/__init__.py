@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from django_semaphore.api import acquire as acquire
+    from django_semaphore.api import force_release as force_release
     from django_semaphore.api import release as release
     from django_semaphore.api import renew as renew
     from django_semaphore.api import set_capacity as set_capacity
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "ReleaseOutcome": "django_semaphore.states",
     "acquire": "django_semaphore.api",
+    "force_release": "django_semaphore.api",
     "holds_permit": "django_semaphore.decorators",
     "permit": "django_semaphore.context",
     "release": "django_semaphore.api",

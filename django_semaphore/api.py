@@ -12,7 +12,7 @@ import functools
 import itertools
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -26,7 +26,7 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import fairness, families, grant
 from django_semaphore.engine.capacity import change as capacity_change
-from django_semaphore.engine.releasing import release_key
+from django_semaphore.engine.releasing import release_key, release_requests
 from django_semaphore.exceptions import (
     AcquireTimeout,
     InvalidRequest,
@@ -37,13 +37,14 @@ from django_semaphore.exceptions import (
 )
 from django_semaphore.models import PermitRequest
 from django_semaphore.retry import run_with_retries
-from django_semaphore.states import ReleaseOutcome, State
+from django_semaphore.states import ReleaseOutcome, ReleaseReason, State
 from django_semaphore.validation import (
     Demand,
     validate_capacity,
     validate_demand,
     validate_flag,
     validate_key,
+    validate_keys,
     validate_name,
     validate_owner,
     validate_timeout,
@@ -334,3 +335,60 @@ def set_capacity(
         # at once, or when the caller's transaction (the admin's) commits.
         transaction.on_commit(follow, using=connection.alias)
     return semaphore
+
+
+def force_release(keys: Iterable[str], reason: str | None = None) -> dict[str, ReleaseOutcome]:
+    """End the requests with these keys on an operator's behalf, whatever
+    their holders do: the admin's action and ``manage.py semaphore_release``
+    call it. Their holders find out at their next renew or release.
+
+    Args:
+        keys: ``external_id`` values, looked for on every alias.
+        reason: a ``ReleaseReason`` value (default ``admin``).
+
+    Returns:
+        key -> ``RELEASED`` (this call ended it), ``ALREADY_RELEASED`` or ``NOT_FOUND``.
+
+    Raises:
+        InvalidRequest: a key that no request could have, ``keys`` given as
+            one str, or a ``reason`` that is not a ``ReleaseReason``; nothing
+            is released.
+    """
+    keys = list(dict.fromkeys(validate_keys(keys)))
+    if reason is not None and reason not in ReleaseReason.values:
+        raise InvalidRequest(
+            f"reason must be one of {', '.join(ReleaseReason.values)}, not {reason!r}."
+        )
+    outcomes = dict.fromkeys(keys, ReleaseOutcome.NOT_FOUND)
+    for alias in routing.aliases():
+        # Keys are unique per alias: a key found on one is looked for no further.
+        missing = [key for key in keys if outcomes[key] is ReleaseOutcome.NOT_FOUND]
+        if missing:
+            outcomes |= _force_release_on(alias, missing, reason or ReleaseReason.ADMIN)
+    return outcomes
+
+
+def _force_release_on(alias: str, keys: list[str], reason: str) -> dict[str, ReleaseOutcome]:
+    """One alias's part: each request released in a transaction of its own,
+    retried as ``release`` is (a request ends once, so a retry is safe)."""
+    connection = connections[alias]
+    requests = PermitRequest.objects.using(alias).filter(external_id__in=keys)
+    rows = {
+        key: (pk, state)
+        for key, pk, state in run_with_retries(
+            connection, lambda: list(requests.values_list("external_id", "pk", "state"))
+        )
+    }
+    outcomes: dict[str, ReleaseOutcome] = {}
+    for key in keys:
+        if key not in rows:
+            outcomes[key] = ReleaseOutcome.NOT_FOUND
+            continue
+        pk, state = rows[key]
+        released = state == State.ACQUIRED and run_with_retries(
+            connection,
+            functools.partial(release_requests, alias, [pk], reason),
+            persistence=RELEASE_PERSISTENCE,
+        )
+        outcomes[key] = ReleaseOutcome.RELEASED if released else ReleaseOutcome.ALREADY_RELEASED
+    return outcomes

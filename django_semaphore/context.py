@@ -109,7 +109,7 @@ class Heartbeat:
                 await self._task
 
 
-class Grant:
+class HeldPermit:
     """What ``with permit(...) as grant`` yields: the request, its fencing
     tokens, and whether the permit was lost while the block ran."""
 
@@ -167,7 +167,7 @@ class Grant:
                 "work done under it may have overlapped another holder's."
             )
 
-    def __enter__(self) -> Grant:
+    def __enter__(self) -> HeldPermit:
         self._acquire()
         if self._heartbeat is not None:
             self._heartbeat.start()
@@ -186,7 +186,7 @@ class Grant:
             self._release()
         self._raise_if_lost()
 
-    async def __aenter__(self) -> Grant:
+    async def __aenter__(self) -> HeldPermit:
         await sync_to_async(self._acquire)()
         if self._heartbeat is not None:
             self._heartbeat.start_async()
@@ -215,7 +215,7 @@ def permit(
     timeout: int | float | timedelta = 0,
     heartbeat: bool = True,
     fair: bool = False,
-) -> Grant:
+) -> HeldPermit:
     """Hold permits for a ``with`` (or ``async with``) block.
 
     Acquires on entry and releases on exit, also when the block raises. With a
@@ -237,12 +237,12 @@ def permit(
         fair: wait in line, first come first served.
 
     Returns:
-        A [`Grant`][django_semaphore.context.Grant], entered by ``with``.
+        A [`HeldPermit`][django_semaphore.context.HeldPermit], entered by ``with``.
 
     Raises:
         PermitLost: on exit, when the permit was lost while the block ran.
     """
-    return Grant(
+    return HeldPermit(
         names,
         external_id=external_id,
         owner=owner,

@@ -241,7 +241,7 @@ class GuardedModel(models.Model):
 
 RELEASE_FIRST = (
     "release it first: release(key) by its holder, or force-release it "
-    "(the admin's action, manage.py semaphore_release KEY, sweep.force_release)."
+    "(the admin's action, manage.py semaphore_release KEY, force_release(keys))."
 )
 
 

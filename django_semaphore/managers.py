@@ -4,13 +4,15 @@ calls them, so the models sit below everything that does."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from django.db import models
 from django.db.models import (
+    BigIntegerField,
     Count,
     DurationField,
     ExpressionWrapper,
+    F,
     Min,
     OuterRef,
     Subquery,
@@ -40,28 +42,53 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
         return self.select_for_update().order_by("name")
 
     def with_usage(self) -> SemaphoreQuerySet:
-        """Annotate ``waiters``: the number of live tickets (fair waiters
-        queued); ``longest_wait``: how long the oldest of them has waited (a
-        ``timedelta``, ``None`` when nobody waits). What is held is the
-        ``in_use`` column itself.
+        """Annotate what holds and waits on each semaphore (what is held is
+        the ``in_use`` column itself): ``holders``, the requests holding
+        permits; ``waiters``, the live tickets (fair waiters queued);
+        ``waiting_since``, when the oldest of them queued, and
+        ``longest_wait``, how long ago that was (a ``timedelta``; both
+        ``None`` when nobody waits).
 
-        Correlated subqueries on the ticket table, not joins: that keeps the
-        admin's changelist at one query.
+        Correlated subqueries, not joins, so that a list of semaphores stays
+        one query: the holders' reads ``state = 'ACQUIRED'`` in its WHERE
+        clause, so the (semaphore, state, count) index of held permits only,
+        where a join would read every released permit kept for retention.
         """
-        # The model by its relation, not by import: models import this module.
-        tickets = self.model._meta.get_field("tickets").related_model._default_manager
+        held = (
+            self._related("permits")
+            .filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)
+            .order_by()
+            .values("semaphore")
+        )
         live = (
-            tickets.filter(semaphore=OuterRef("pk"), expires_at__gt=DatabaseNow())
+            self._related("tickets")
+            .filter(semaphore=OuterRef("pk"), expires_at__gt=DatabaseNow())
             .order_by()
             .values("semaphore")
         )
         return self.annotate(
-            waiters=Coalesce(Subquery(live.annotate(n=Count("pk")).values("n")), 0),
+            holders=Coalesce(
+                Subquery(held.annotate(n=Count("request_id", distinct=True)).values("n")),
+                0,
+                output_field=BigIntegerField(),
+            ),
+            waiters=Coalesce(
+                Subquery(live.annotate(n=Count("pk")).values("n")),
+                0,
+                output_field=BigIntegerField(),
+            ),
+            waiting_since=Subquery(live.annotate(since=Min("created_at")).values("since")),
+        ).annotate(
             longest_wait=ExpressionWrapper(
-                DatabaseNow() - Subquery(live.annotate(since=Min("created_at")).values("since")),
-                output_field=DurationField(),
+                DatabaseNow() - F("waiting_since"), output_field=DurationField()
             ),
         )
+
+    def _related(self, name: str) -> models.QuerySet[Any]:
+        """The rows of a model related by ``name``: by the relation, not by
+        import, as the models import this module."""
+        model = cast(type[models.Model], self.model._meta.get_field(name).related_model)
+        return model._default_manager.all()
 
 
 SemaphoreManager = models.Manager.from_queryset(SemaphoreQuerySet)

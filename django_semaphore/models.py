@@ -32,7 +32,7 @@ USE_SET_CAPACITY = (
 USE_ACQUIRE = "acquire(), which grants a request and its permits together"
 USE_RELEASE = (
     "end a request with release(key), or force-release it (the admin's action, "
-    "manage.py semaphore_release, sweep.force_release): permits and request change together."
+    "manage.py semaphore_release, force_release(keys)): permits and request change together."
 )
 
 

@@ -40,7 +40,7 @@ WINDOW = timedelta(hours=24)
 
 
 @dataclass(frozen=True)
-class Grant:
+class Span:
     """A permit's life on the semaphore: ``count`` held from ``start`` to ``end``."""
 
     count: int
@@ -102,7 +102,7 @@ class Utilization:
 
 
 def build_utilization(
-    grants: Iterable[Grant],
+    grants: Iterable[Span],
     capacity_now: int,
     changes: Sequence[CapacityMark],
     start: datetime,
@@ -196,7 +196,7 @@ def load_utilization(semaphore: Semaphore, *, window: timedelta = WINDOW) -> Uti
         request__created_at__lt=end,
     ).values_list(*fields)
     grants = [
-        Grant(count, created_at, released_at)
+        Span(count, created_at, released_at)
         for count, created_at, released_at in [*held, *released]
     ]
     changes = [

@@ -19,7 +19,7 @@ from django.core.management import call_command
 from django.db import connection
 from django.db.migrations.loader import MigrationLoader
 
-from django_semaphore import acquire, release, signals, sweep
+from django_semaphore import acquire, force_release, release, signals, sweep
 from django_semaphore.engine import counter
 from django_semaphore.engine.releasing import release_requests
 from django_semaphore.exceptions import SemaphoreExhausted
@@ -107,7 +107,7 @@ def _swept_as_stale(request: PermitRequest) -> None:
 
 
 def _force_released(request: PermitRequest) -> None:
-    assert sweep.force_release([request.external_id])[request.external_id].value == "released"
+    assert force_release([request.external_id])[request.external_id].value == "released"
 
 
 def _released_by_the_command(request: PermitRequest) -> None:

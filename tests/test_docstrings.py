@@ -36,7 +36,6 @@ PUBLIC_MODULES = (
     "sweep",
     "sweep.batches",
     "sweep.cleanups",
-    "sweep.force",
     "sweep.orphans",
     "sweep.parked",
     "sweep.repairs",
@@ -101,6 +100,8 @@ def test_the_check_sees_the_public_names():
     seen = {obj.path for obj in public_objects()}
     assert {
         "django_semaphore.acquire",
+        "django_semaphore.force_release",
+        "django_semaphore.set_capacity",
         "django_semaphore.managers.SemaphoreQuerySet.locked",
         "django_semaphore.exceptions.SemaphoreExhausted",
         "django_semaphore.signals.permit_released",
@@ -109,7 +110,7 @@ def test_the_check_sees_the_public_names():
         "django_semaphore.sweep.orphans.release_orphans",
         "django_semaphore.wake.wake",
         "django_semaphore.fencing.advance",
-        "django_semaphore.context.Grant.token",
+        "django_semaphore.context.HeldPermit.token",
     } <= seen
 
 

@@ -22,7 +22,7 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 
 import django_semaphore.metrics
-from django_semaphore import acquire, release, set_capacity, sweep
+from django_semaphore import acquire, force_release, release, set_capacity, sweep
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.metrics import checks
 from django_semaphore.metrics.views import metrics
@@ -88,7 +88,7 @@ def test_reclaims_are_counted_by_release_reason(make_semaphore):
     acquire(sem.name, external_id=revoked)
 
     sweep.release_orphans()
-    sweep.force_release([revoked])
+    force_release([revoked])
 
     for reason in ("expired", "admin"):
         assert sample("django_semaphore_releases_total", semaphore=sem.name, reason=reason) == 1

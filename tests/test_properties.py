@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from django_semaphore import (
     acquire,
     fencing,
+    force_release,
     holds_permit,
     parking,
     permit,
@@ -403,7 +404,7 @@ def test_sweeps_run_or_refuse_their_limits(semaphores, sweeper, batch_size, time
 def test_force_release_releases_all_it_is_given_or_nothing(semaphores, keys, reason):
     held = acquire("prop-a", external_id=uuid.uuid4().hex)
     given_keys = [*keys, held.external_id] if isinstance(keys, list) else keys
-    outcomes, error = call(sweep.force_release, given_keys, reason)
+    outcomes, error = call(force_release, given_keys, reason)
     held.refresh_from_db()
     if error is None:
         assert set(outcomes) == set(given_keys)

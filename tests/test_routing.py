@@ -11,7 +11,17 @@ from django.core.checks import run_checks
 from django.core.management import call_command
 from django.db import OperationalError, connection, connections
 
-from django_semaphore import acquire, backends, checks, release, renew, routing, set_capacity, sweep
+from django_semaphore import (
+    acquire,
+    backends,
+    checks,
+    force_release,
+    release,
+    renew,
+    routing,
+    set_capacity,
+    sweep,
+)
 from django_semaphore.declared import create_declared_semaphores
 from django_semaphore.exceptions import CrossShardRequest, InvalidRequest, PermitNotFound
 from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore
@@ -89,7 +99,7 @@ def test_sweeps_and_force_release_visit_every_alias(sharded):
         )
 
     assert sweep.release_orphans().expired == 2
-    assert sweep.force_release([*keys, "nope"]) == {
+    assert force_release([*keys, "nope"]) == {
         keys[0]: ReleaseOutcome.ALREADY_RELEASED,
         keys[1]: ReleaseOutcome.ALREADY_RELEASED,
         "nope": ReleaseOutcome.NOT_FOUND,

@@ -11,7 +11,7 @@ from django.db import connections
 from django.db.models import DurationField, Value
 from django.utils import timezone
 
-from django_semaphore import ReleaseOutcome, acquire, release, set_capacity, sweep
+from django_semaphore import ReleaseOutcome, acquire, force_release, release, set_capacity, sweep
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.liveness import Liveness, LivenessChecker
 from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore
@@ -340,7 +340,7 @@ def test_force_release_by_key(make_semaphore):
     request, done = held(sem), held(sem)
     release(done.external_id)
 
-    outcomes = sweep.force_release([request.external_id, done.external_id, "no-such-key"])
+    outcomes = force_release([request.external_id, done.external_id, "no-such-key"])
 
     assert outcomes == {
         request.external_id: ReleaseOutcome.RELEASED,

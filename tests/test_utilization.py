@@ -13,8 +13,8 @@ from django_semaphore import acquire, release, set_capacity
 from django_semaphore.models import PermitRequest
 from django_semaphore.utilization import (
     CapacityMark,
-    Grant,
     Segment,
+    Span,
     Utilization,
     axis_ticks,
     build_utilization,
@@ -48,7 +48,7 @@ def test_nothing_happened():
 
 
 def test_grants_add_up_and_release():
-    grants = [Grant(1, at(1), at(5)), Grant(2, at(2), at(3)), Grant(1, at(4), None)]
+    grants = [Span(1, at(1), at(5)), Span(2, at(2), at(3)), Span(1, at(4), None)]
     assert steps(build_utilization(grants, 3, [], START, END)) == [
         (0, 1, 0, 3),
         (1, 2, 1, 3),
@@ -61,11 +61,11 @@ def test_grants_add_up_and_release():
 
 def test_grants_overlapping_the_window_edges_are_clipped():
     grants = [
-        Grant(2, at(-5), at(3)),  # held when the window opens
-        Grant(1, at(-5), None),  # held all along
-        Grant(4, at(-9), at(-1)),  # over before the window: ignored
-        Grant(4, at(25), None),  # after the window: ignored
-        Grant(1, at(23), at(30)),  # still held when the window closes
+        Span(2, at(-5), at(3)),  # held when the window opens
+        Span(1, at(-5), None),  # held all along
+        Span(4, at(-9), at(-1)),  # over before the window: ignored
+        Span(4, at(25), None),  # after the window: ignored
+        Span(1, at(23), at(30)),  # still held when the window closes
     ]
     assert steps(build_utilization(grants, 5, [], START, END)) == [
         (0, 3, 3, 5),
@@ -75,7 +75,7 @@ def test_grants_overlapping_the_window_edges_are_clipped():
 
 
 def test_simultaneous_events_make_no_empty_segment():
-    grants = [Grant(1, at(1), at(2)), Grant(1, at(2), at(3))]  # hand-over at 2h
+    grants = [Span(1, at(1), at(2)), Span(1, at(2), at(3))]  # hand-over at 2h
     assert steps(build_utilization(grants, 1, [], START, END)) == [
         (0, 1, 0, 1),
         (1, 3, 1, 1),
@@ -85,7 +85,7 @@ def test_simultaneous_events_make_no_empty_segment():
 
 def test_capacity_is_replayed_backwards_from_now():
     changes = [mark(6, 2, 5), mark(12, 5, 1)]
-    grants = [Grant(3, at(10), None)]
+    grants = [Span(3, at(10), None)]
     utilization = build_utilization(grants, 1, changes, START, END)
     assert steps(utilization) == [
         (0, 6, 0, 2),
@@ -104,7 +104,7 @@ def test_changes_outside_the_window_are_ignored():
 
 
 def test_peak_current_and_highest():
-    grants = [Grant(4, at(2), at(3)), Grant(1, at(5), None)]
+    grants = [Span(4, at(2), at(3)), Span(1, at(5), None)]
     utilization = build_utilization(grants, 3, [mark(1, 6, 3)], START, END)
     assert utilization.peak == Segment(at(2), at(3), 4, 3)
     assert utilization.current == Segment(at(5), END, 1, 3)
@@ -136,7 +136,7 @@ def test_description():
     idle = build_utilization([], 3, [], START, END)
     assert describe(idle) == "Nothing was in use; capacity is 3."
     busy = build_utilization(
-        [Grant(4, at(2), at(3)), Grant(1, at(5), None)], 3, [mark(1, 6, 3)], START, END
+        [Span(4, at(2), at(3)), Span(1, at(5), None)], 3, [mark(1, 6, 3)], START, END
     )
     assert describe(busy) == (
         "Peak 4 in use (capacity 3) at 02:00; now 1 of 3. "
@@ -146,7 +146,7 @@ def test_description():
 
 def test_svg_is_well_formed_and_shows_every_part():
     changes = [mark(12, 5, 1, by="alice", reason="<script>alert(1)</script>")]
-    grants = [Grant(3, at(10), None)]
+    grants = [Span(3, at(10), None)]
     svg = render_svg(build_utilization(grants, 1, changes, START, END), title="exports & co")
 
     root = ElementTree.fromstring(svg)  # well-formed XML, so every value was escaped
@@ -166,7 +166,7 @@ def test_svg_is_well_formed_and_shows_every_part():
 
 
 def test_svg_paths_follow_the_steps():
-    utilization = build_utilization([Grant(2, at(12), None)], 2, [], START, END)
+    utilization = build_utilization([Span(2, at(12), None)], 2, [], START, END)
     svg = render_svg(utilization, title="t")
     area = re.search(r'class="in-use" d="([^"]+)"', svg).group(1)
     # Baseline, then flat at 0 until noon, up to 2 until the end, back down.

@@ -11,7 +11,16 @@ from django.contrib.auth import get_user_model
 from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
 
-from django_semaphore import acquire, holds_permit, parking, permit, release, renew, sweep
+from django_semaphore import (
+    acquire,
+    force_release,
+    holds_permit,
+    parking,
+    permit,
+    release,
+    renew,
+    sweep,
+)
 from django_semaphore.api import set_capacity
 from django_semaphore.beat import beat_schedule
 from django_semaphore.conf import app_settings
@@ -210,7 +219,7 @@ def test_force_release_refuses_bad_keys_and_reasons(leftovers):
         ([expired.external_id], "bogus"),
     ):
         with pytest.raises(InvalidRequest):
-            sweep.force_release(keys, reason)
+            force_release(keys, reason)
     expired.refresh_from_db()
     assert expired.state == State.ACQUIRED
 

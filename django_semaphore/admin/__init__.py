@@ -45,8 +45,7 @@ from django_semaphore.admin.usage import (
     UsageFilter,
     annotated,
     held_permits,
-    live_tickets,
-    with_usage,
+    with_changelist_columns,
 )
 
 __all__ = [
@@ -72,7 +71,6 @@ __all__ = [
     "annotated",
     "duration",
     "held_permits",
-    "live_tickets",
     "usage_bar",
-    "with_usage",
+    "with_changelist_columns",
 ]

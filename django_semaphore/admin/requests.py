@@ -15,13 +15,12 @@ from django.utils import timezone
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
-from django_semaphore import routing
+from django_semaphore import api, routing
 from django_semaphore.admin.base import ReadOnlyAdmin
 from django_semaphore.admin.display import expiry
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.engine.releasing import release_requests
 from django_semaphore.models import Permit, PermitRequest
-from django_semaphore.states import ReleaseReason, State
+from django_semaphore.states import ReleaseOutcome, State
 
 
 class ExpiredFilter(admin.SimpleListFilter):
@@ -134,20 +133,17 @@ class PermitRequestAdmin(ReadOnlyAdmin):
         Their holders find out at their next renew or release. Each request
         this ends gets a ``LogEntry`` naming the user, shown in its history.
         """
-        selected = list(queryset.values_list("pk", "state"))
-        held = [pk for pk, state in selected if state == State.ACQUIRED]
-        released = release_requests(routing.current_alias(), held, ReleaseReason.ADMIN)
-        if released:
-            # release_requests() reports a count, not which rows: the ones now
-            # ended for "admin" among those held a moment ago. Only a second
-            # staff member force-releasing the same request at the same instant
-            # would be logged twice, which is true of both of them anyway.
-            ended = queryset.model.objects.using(routing.current_alias()).filter(
-                pk__in=held, state=State.RELEASED, release_reason=ReleaseReason.ADMIN
-            )
+        selected = list(queryset.values_list("external_id", "state"))
+        held = [key for key, state in selected if state == State.ACQUIRED]
+        outcomes = api.force_release(held) if held else {}
+        ended = [key for key, outcome in outcomes.items() if outcome is ReleaseOutcome.RELEASED]
+        released = len(ended)
+        if ended:
             LogEntry.objects.log_actions(
                 user_id=cast(AbstractBaseUser, request.user).pk,
-                queryset=ended,
+                queryset=queryset.model.objects.using(routing.current_alias()).filter(
+                    external_id__in=ended
+                ),
                 action_flag=CHANGE,
                 change_message=gettext("Force-released (release reason: admin)."),
             )

@@ -22,11 +22,13 @@ from django.utils.text import capfirst
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
-from django_semaphore import parking, routing, set_capacity
+from django_semaphore import parking, routing
 from django_semaphore.admin.base import OperatorAdmin
 from django_semaphore.admin.display import duration, expiry, usage_bar
-from django_semaphore.admin.usage import UsageFilter, annotated, with_usage
+from django_semaphore.admin.usage import UsageFilter, annotated, with_changelist_columns
+from django_semaphore.api import set_capacity
 from django_semaphore.engine import families
+from django_semaphore.managers import SemaphoreQuerySet
 from django_semaphore.models import (
     MAX_NAME_LENGTH,
     CapacityChange,
@@ -126,7 +128,8 @@ class SemaphoreAdmin(OperatorAdmin):
     ]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Semaphore]:
-        return parking.with_parked(with_usage(super().get_queryset(request)))
+        queryset = cast(SemaphoreQuerySet, super().get_queryset(request))
+        return parking.with_parked(with_changelist_columns(queryset))
 
     def get_fieldsets(self, request: HttpRequest, obj: Semaphore | None = None) -> Any:
         if obj is None:

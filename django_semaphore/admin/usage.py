@@ -9,10 +9,8 @@ from django.contrib import admin
 from django.db.models import (
     BigIntegerField,
     Case,
-    Count,
     Exists,
     FloatField,
-    Min,
     Model,
     OuterRef,
     QuerySet,
@@ -20,12 +18,12 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.functions import Cast, Coalesce
+from django.db.models.functions import Cast
 from django.http import HttpRequest
 from django.utils.translation import gettext_lazy as _
 
-from django_semaphore.backends import DatabaseNow
-from django_semaphore.models import CapacityChange, Permit, Semaphore, Ticket
+from django_semaphore.managers import SemaphoreQuerySet
+from django_semaphore.models import CapacityChange, Permit
 from django_semaphore.states import State
 
 # Sorts a closed semaphore (capacity 0) that still has holders above any ratio.
@@ -42,49 +40,27 @@ def held_permits() -> QuerySet[Permit]:
     return Permit.objects.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED).order_by()
 
 
-def live_tickets() -> QuerySet[Ticket]:
-    """The live tickets (fair waiters) of the semaphore in the enclosing query."""
-    return Ticket.objects.filter(semaphore=OuterRef("pk"), expires_at__gt=DatabaseNow()).order_by()
-
-
-def with_usage(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
-    """Annotate the changelist's columns, all in the one query that lists rows.
-
-    What is held is the ``in_use`` column. The holders are counted by a
-    correlated subquery with ``state = 'ACQUIRED'`` in its WHERE clause,
-    which reads the (semaphore, state, count) index of held permits only; a
-    join would also read every released permit kept for the retention
-    period. ``available`` and ``utilization`` are aliases, computed only to
-    sort by them.
-    """
-    held = held_permits().values("semaphore")
+def with_changelist_columns(queryset: SemaphoreQuerySet) -> SemaphoreQuerySet:
+    """The changelist's columns, all in the one query that lists rows: the
+    manager's ``with_usage()``, the last capacity change, and two aliases
+    computed only to sort by them (``available``, ``utilization``)."""
     last_change = CapacityChange.objects.filter(semaphore=OuterRef("pk")).order_by(
         "-changed_at", "-id"
     )
-    queued = live_tickets().values("semaphore")
-    return queryset.annotate(
-        holders=Coalesce(
-            Subquery(held.annotate(number=Count("request_id", distinct=True)).values("number")),
-            0,
-            output_field=BigIntegerField(),
-        ),
-        last_capacity_change=Subquery(last_change.values("changed_at")[:1]),
-        waiters=Coalesce(
-            Subquery(queued.annotate(number=Count("pk")).values("number")),
-            0,
-            output_field=BigIntegerField(),
-        ),
-        waiting_since=Subquery(queued.annotate(since=Min("created_at")).values("since")),
-    ).alias(
-        # Signed: both are UNSIGNED on MySQL, where a negative difference
-        # (over capacity) would be an error rather than a number.
-        available=Cast("capacity", BigIntegerField()) - Cast("in_use", BigIntegerField()),
-        utilization=Case(
-            When(capacity=0, in_use=0, then=Value(0.0)),
-            When(capacity=0, then=Value(INFINITE_UTILIZATION)),
-            default=Cast("in_use", FloatField()) / Cast("capacity", FloatField()),
-            output_field=FloatField(),
-        ),
+    return (
+        queryset.with_usage()
+        .annotate(last_capacity_change=Subquery(last_change.values("changed_at")[:1]))
+        .alias(
+            # Signed: both are UNSIGNED on MySQL, where a negative difference
+            # (over capacity) would be an error rather than a number.
+            available=Cast("capacity", BigIntegerField()) - Cast("in_use", BigIntegerField()),
+            utilization=Case(
+                When(capacity=0, in_use=0, then=Value(0.0)),
+                When(capacity=0, then=Value(INFINITE_UTILIZATION)),
+                default=Cast("in_use", FloatField()) / Cast("capacity", FloatField()),
+                output_field=FloatField(),
+            ),
+        )
     )
 
 

@@ -26,7 +26,7 @@ With semaphores sharded over several aliases (``SHARDS``), each sweep visits
 every alias in turn, its time budget applying to each; the reports add up.
 
 The modules: ``orphans`` (the orphan sweep), ``repairs`` (what the engine did
-not write), ``cleanups``, ``force`` (force release by key), ``parked`` (parked
+not write), ``cleanups``, ``parked`` (parked
 tasks), ``batches`` (how every sweep works through rows) and ``reports``
 (what they return). Import the names from here.
 """
@@ -40,7 +40,6 @@ from django_semaphore.sweep.cleanups import (
     clean_released,
     clean_tickets,
 )
-from django_semaphore.sweep.force import force_release
 from django_semaphore.sweep.orphans import release_orphans
 from django_semaphore.sweep.parked import ParkedReport, sweep_parked
 from django_semaphore.sweep.repairs import REPAIRS, inconsistencies
@@ -56,7 +55,6 @@ __all__ = [
     "clean_idle_members",
     "clean_released",
     "clean_tickets",
-    "force_release",
     "inconsistencies",
     "release_orphans",
     "sweep_parked",

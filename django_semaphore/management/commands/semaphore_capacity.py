@@ -6,7 +6,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_semaphore import routing, set_capacity
+from django_semaphore import routing
+from django_semaphore.api import set_capacity
 from django_semaphore.exceptions import SemaphoreError
 from django_semaphore.models import Semaphore
 from django_semaphore.validation import validate_name

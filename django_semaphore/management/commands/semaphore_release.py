@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_semaphore import sweep
+from django_semaphore.api import force_release
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.states import ReleaseOutcome
 
@@ -28,7 +28,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
-            outcomes = sweep.force_release(options["keys"])
+            outcomes = force_release(options["keys"])
         except InvalidRequest as exc:
             raise CommandError(str(exc)) from exc
         for key, outcome in outcomes.items():

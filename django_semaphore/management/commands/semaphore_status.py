@@ -10,14 +10,13 @@ from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db.models import Count, Q, QuerySet
+from django.db.models import QuerySet
 
 from django_semaphore import parking, routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.engine import counter
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.models import Semaphore, Ticket
-from django_semaphore.states import State
 from django_semaphore.validation import validate_keys
 
 QUEUE_SHOWN = 20
@@ -128,15 +127,7 @@ class Command(BaseCommand):
             self.stdout.write("  ".join(cells).rstrip())
 
     def _semaphores(self, alias: str, names: list[str]) -> QuerySet[Semaphore]:
-        semaphores = (
-            Semaphore.objects.db_manager(alias)
-            .with_usage()
-            .annotate(
-                holders=Count(
-                    "permits__request", filter=Q(permits__state=State.ACQUIRED), distinct=True
-                )
-            )
-        )
+        semaphores = Semaphore.objects.db_manager(alias).with_usage()
         parked = parking.with_parked(semaphores)
         return parked.filter(name__in=names) if names else parked
 
