@@ -17,10 +17,12 @@ from collections.abc import Iterable, Sequence
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import Max
 
 from django_semaphore import backends, routing, signals
 from django_semaphore.conf import app_settings
 from django_semaphore.engine.statements import statements
+from django_semaphore.guards import engine_writes
 from django_semaphore.models import Permit, Semaphore
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import State
@@ -106,3 +108,31 @@ def _report(alias: str, drift: signals.Drift, *, corrected: bool) -> None:
     signals.counter_drift.send_robust(
         sender=Semaphore, drift=drift, corrected=corrected, using=alias
     )
+
+
+def raise_fencing_counters(alias: str, semaphore_ids: list[int]) -> list[int]:
+    """In the caller's transaction: raise each of these fencing counters
+    that is below a token already issued to the highest one, so no token is
+    issued twice (a repair: only rows written behind the engine's back can
+    be so); returns the ids of those raised."""
+    # Locked in the one lock order; the highest token is read again once no
+    # grant can add one.
+    locked = list(
+        Semaphore.objects.using(alias)
+        .filter(pk__in=semaphore_ids)
+        .locked()
+        .values_list("pk", "fencing_counter")
+    )
+    highest = dict(
+        Permit.objects.using(alias)
+        .filter(semaphore_id__in=semaphore_ids)
+        .order_by()
+        .values("semaphore_id")
+        .annotate(highest=Max("fencing_token"))
+        .values_list("semaphore_id", "highest")
+    )
+    raised = [pk for pk, counter in locked if counter < highest.get(pk, 0)]
+    with engine_writes():
+        for pk in raised:
+            Semaphore.objects.using(alias).filter(pk=pk).update(fencing_counter=highest[pk])
+    return raised

@@ -13,8 +13,8 @@ from django.db import transaction
 from django.db.models import Exists, F, Max, OuterRef, Q, QuerySet, Subquery
 
 from django_semaphore import routing, signals
+from django_semaphore.engine import counter
 from django_semaphore.engine.releasing import release_permits
-from django_semaphore.guards import engine_writes
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.states import State
 from django_semaphore.sweep.batches import _batches, _past
@@ -123,26 +123,7 @@ def _raise_fencing_counters(dry_run: bool) -> int:
         return 0
 
     def batch() -> int:
-        # Locked in name order, as acquire locks them; the highest token is
-        # read again once no grant can add one.
-        locked = list(
-            Semaphore.objects.using(alias)
-            .filter(pk__in=ids)
-            .locked()
-            .values_list("pk", "fencing_counter")
-        )
-        highest = dict(
-            Permit.objects.using(alias)
-            .filter(semaphore_id__in=ids)
-            .order_by()
-            .values("semaphore_id")
-            .annotate(highest=Max("fencing_token"))
-            .values_list("semaphore_id", "highest")
-        )
-        raised = [pk for pk, counter in locked if counter < highest.get(pk, 0)]
-        with engine_writes():
-            for pk in raised:
-                Semaphore.objects.using(alias).filter(pk=pk).update(fencing_counter=highest[pk])
+        raised = counter.raise_fencing_counters(alias, ids)
         _announce_repair(alias, "fencing_counters", raised, len(raised))
         return len(raised)
 
