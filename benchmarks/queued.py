@@ -33,8 +33,8 @@ def measure_waiting(
     per second once all of them wait, for about ``seconds``."""
     from django.db import connection, connections
 
-    from django_semaphore import acquire, release
-    from django_semaphore.engine import fairness, grant
+    from django_semaphore import acquire, release, waiting
+    from django_semaphore.engine import grant
     from django_semaphore.exceptions import AcquireTimeout
 
     warm_up = WARM_UP + WARM_UP_PER_THREAD * threads
@@ -75,7 +75,7 @@ def measure_waiting(
                 local.queued = True
                 queued.append(time.monotonic())
 
-    with _patched(grant, "acquire_once", counted_attempt), _lines(fairness, lines):
+    with _patched(grant, "acquire_once", counted_attempt), _lines(waiting, lines):
         workers = [threading.Thread(target=waiter) for _ in range(threads)]
         for worker in workers:
             worker.start()
@@ -109,7 +109,7 @@ def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
 
 
 @contextmanager
-def _lines(fairness: Any, shared: bool) -> Iterator[None]:
+def _lines(waiting: Any, shared: bool) -> Iterator[None]:
     """With ``shared=False`` every waiter polls as if alone in its line."""
     if shared:
         yield
@@ -119,7 +119,7 @@ def _lines(fairness: Any, shared: bool) -> Iterator[None]:
     def alone(place: Any) -> Iterator[_AlwaysFirst]:
         yield _AlwaysFirst()
 
-    with _patched(fairness, "waiting_line", alone):
+    with _patched(waiting, "waiting_line", alone):
         yield
 
 

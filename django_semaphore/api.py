@@ -9,10 +9,8 @@ themselves are ``grant.py`` and ``releasing.py``.
 from __future__ import annotations
 
 import functools
-import itertools
-import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -21,14 +19,13 @@ from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Q
 
-from django_semaphore import routing, signals
+from django_semaphore import routing, signals, waiting
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import fairness, families, grant
 from django_semaphore.engine.capacity import change as capacity_change
 from django_semaphore.engine.releasing import release_key, release_requests
 from django_semaphore.exceptions import (
-    AcquireTimeout,
     InvalidRequest,
     NestedTransactionError,
     PermitAlreadyReleased,
@@ -56,10 +53,6 @@ if TYPE_CHECKING:
 
     from django_semaphore.models import PermitRequest, Semaphore
 
-# Waiting for room: capped exponential backoff with full jitter, so waiters
-# spread out instead of stampeding the row the moment a permit is released.
-BACKOFF_BASE = 0.05
-BACKOFF_CAP = 2.0
 # A release locks the semaphore rows, so it meets contention too (on Galera,
 # certification conflicts with grants on other nodes). One that gives up
 # leaves its permits held until their TTL, and repeating it is always safe:
@@ -153,37 +146,10 @@ def acquire(
                 raise
             refused = exc
         try:
-            return _wait_for_room(connection, attempt, place, wait, deadline, refused)
+            return waiting.wait_for_room(connection, attempt, place, wait, deadline, refused)
         except BaseException:
             place.leave(connection.alias)
             raise
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _wait_for_room(
-    connection: BaseDatabaseWrapper,
-    attempt: Callable[[], PermitRequest],
-    place: fairness.Place,
-    wait: float,
-    deadline: float,
-    refused: SemaphoreExhausted,
-) -> PermitRequest:
-    """Retry ``attempt`` until granted or ``deadline``. Only the first waiter
-    of this process's line polls (see ``fairness``); every sleep is taken
-    with no transaction open and no row locked."""
-    with fairness.waiting_line(place) as turn:
-        for polls in itertools.count(1):
-            queued_behind = not turn.is_first()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not turn.wait(remaining):
-                raise AcquireTimeout(refused.names, f"{refused} (waited {wait:g}s)")
-            if not queued_behind:
-                # The last attempt may come at the deadline, never after it.
-                place.pause(connection, _backoff(polls), deadline)
-            try:
-                return attempt()
-            except SemaphoreExhausted as exc:
-                refused = exc
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -210,10 +176,6 @@ def _finish_signalled(connection: BaseDatabaseWrapper, demand: Demand) -> Iterat
         send(False, exc.names)
         raise
     send(True, [])
-
-
-def _backoff(attempt: int) -> float:
-    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2**attempt))
 
 
 def _refuse_outer_transaction(connection: BaseDatabaseWrapper) -> None:

@@ -24,12 +24,12 @@ its semaphores. Their messages are published after that commits.
 (release, wake-up, publish, delivery, grant), longer than a short task: a
 capacity of 20 ms tasks would spend more time handing permits over than
 holding them. So a refused task first *stands by* in its worker
-(``stand_by``) -- unless this process saw its semaphores held for
+(``waiting.stand_by``) -- unless this process saw its semaphores held for
 ``SHORT_HOLD`` or longer, or, for a task not woken, tasks are parked on them
 (those came first). It probes the counters with one plain read every tenth
-of the hold this process saw (``held``), and claims the permit the moment a
-release frees one, for at most ``STANDBY_WAIT``; then it parks (a woken
-task keeps its place). One task a process stands by on a semaphore (a
+of the hold this process saw (``waiting.held``), and claims the permit the
+moment a release frees one, for at most ``STANDBY_WAIT``; then it parks (a
+woken task keeps its place). One task a process stands by on a semaphore (a
 thread or gevent pool's others park). The standbys are the worker's
 processes left over: while they wait, the broker's backlog stays in the
 broker, not in rows. A first standby that no release reaches marks its
@@ -51,11 +51,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
-import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -68,8 +64,7 @@ from django.utils import timezone
 
 from django_semaphore import backends, routing, signals, wake
 from django_semaphore.conf import app_settings
-from django_semaphore.engine.statements import room_for
-from django_semaphore.exceptions import LiveDuplicate, SemaphoreExhausted, SemaphoreNotFound
+from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Semaphore
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import ReleaseReason
@@ -83,22 +78,6 @@ logger = logging.getLogger("django_semaphore")
 PARKED = "PARKED"
 """The Celery state of a parked task (a custom state, as ``PROGRESS`` would be):
 not failed, not pending on the broker; ``info`` says what it waits for."""
-
-# Seconds; see "Stand by first" above. A standby waits at most STANDBY_WAIT,
-# probing every tenth of the hold, within STANDBY_PROBE, or every
-# STANDBY_PROBE[1] while this process has seen no hold.
-SHORT_HOLD = 1.0
-STANDBY_WAIT = 2 * SHORT_HOLD
-STANDBY_PROBE = (0.001, 0.02)
-
-# What this process saw its parked tasks hold each semaphore for, by name
-# (``held``): the last hold, seconds.
-_holds: dict[str, float] = {}
-# The semaphores a task of this process stands by on (thread and gevent
-# pools run many tasks in one process): one each, the others park.
-_standing: Counter[str] = Counter()
-_standing_lock = threading.Lock()
-
 
 # --- park ------------------------------------------------------------------------
 
@@ -213,87 +192,6 @@ def finished_before(task_id: str) -> bool:
         .filter(external_id=task_id, release_reason=ReleaseReason.RELEASED)
         .exists()
     )
-
-
-# --- stand by ----------------------------------------------------------------------
-
-
-def held(demand: Mapping[str, int], seconds: float) -> None:
-    """Note how long a parking task's run in this process held its permits:
-    whether, and how often, the next refused ones probe (``stand_by``)."""
-    for name in demand:
-        _holds[name] = seconds
-
-
-def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) -> str | None:
-    """A task that found no room: wait in this worker for a release to make
-    some, and return the key ``claim`` then took. None when it is to park
-    (at once, or after ``STANDBY_WAIT``; a woken task keeps its place).
-
-    It stands by unless this process knows its semaphores to be held long,
-    or, for a task not woken, tasks are parked on them: those came first.
-
-    Raises what ``claim`` raises for anything but a want of room
-    (``LiveDuplicate`` included).
-    """
-    holds = [_holds[name] for name in demand if name in _holds]
-    if holds and max(holds) >= SHORT_HOLD:
-        return None
-    alias = routing.alias_for_names(list(demand))
-    wanted = [
-        (id, demand[name], capacity)
-        for id, name, capacity in Semaphore.objects.using(alias)
-        .filter(name__in=list(demand))
-        .values_list("id", "name", "capacity")
-    ]
-    parked = ParkedTask.objects.using(alias).filter(task_id=task_id).values_list("woken_at")
-    match parked.first():
-        case None:  # not parked
-            queued = ParkedDemand.objects.using(alias).filter(
-                semaphore_id__in=[id for id, _, _ in wanted], task__woken_at__isnull=True
-            )
-            if queued.exists():
-                return None
-        case (None,):  # parked, not woken: a copy of its message
-            return None
-    with _one_standby(demand) as standing:
-        if not standing:
-            return None
-        low, high = STANDBY_PROBE
-        interval = min(max(min(holds) / 10, low), high) if holds else high
-        deadline = time.monotonic() + STANDBY_WAIT
-        while (left := deadline - time.monotonic()) > 0:
-            time.sleep(min(interval, left))
-            if not room_for(connections[alias], wanted):
-                continue
-            try:
-                return claim()
-            except LiveDuplicate:
-                raise
-            except SemaphoreExhausted:
-                # Taken first, or kept for fair waiters: probe less often.
-                interval = min(2 * interval, high)
-    if not holds:
-        # No release came its way: held long, as far as this process knows
-        # until one of its own runs ends (``held``).
-        held(demand, STANDBY_WAIT)
-    return None
-
-
-@contextmanager
-def _one_standby(demand: Mapping[str, int]) -> Iterator[bool]:
-    """Whether this task may stand by: no other task of this process stands
-    by on one of its semaphores (one poller per process and semaphore)."""
-    with _standing_lock:
-        free = not any(_standing[name] for name in demand)
-        if free:
-            _standing.update(demand.keys())
-    try:
-        yield free
-    finally:
-        if free:
-            with _standing_lock:
-                _standing.subtract(demand.keys())
 
 
 def on_task_revoked(request: Any = None, **kwargs: Any) -> None:

@@ -28,7 +28,7 @@ from typing import Any, cast
 from django.db import DatabaseError, connections
 from django.db.models import QuerySet
 
-from django_semaphore import api, liveness, parking, routing
+from django_semaphore import api, liveness, parking, routing, waiting
 from django_semaphore.exceptions import (
     LiveDuplicate,
     PermitAlreadyReleased,
@@ -86,7 +86,7 @@ def run_task(
         if heartbeat is not None:
             heartbeat.stop()
         if parks:
-            parking.held(options.demand, time.monotonic() - started)
+            waiting.held(options.demand, time.monotonic() - started)
     if heartbeat is not None and heartbeat.lost:
         raise PermitLost(f"Task {task.request.id} lost its permit while it ran.")
     return result
@@ -110,7 +110,7 @@ def _retry(task: Any, exc: SemaphoreExhausted) -> Exception:
 
 def _claim_or_stand_by(task: Any, options: Options) -> str:
     """The run's permit key: claimed at once or, when a parking task finds
-    no room, standing by in this worker for a release (``parking.stand_by``).
+    no room, standing by in this worker for a release (``waiting.stand_by``).
     Raises as ``claim``."""
     claim_now = functools.partial(
         claim, task, options.demand, options.ttl, rerun_finished=not options.parks
@@ -120,7 +120,7 @@ def _claim_or_stand_by(task: Any, options: Options) -> str:
     except SemaphoreExhausted as exc:
         if not options.parks or isinstance(exc, LiveDuplicate):
             raise
-        key = parking.stand_by(task.request.id, options.demand, claim_now)
+        key = waiting.stand_by(task.request.id, options.demand, claim_now)
         if key is None:
             raise
         return key

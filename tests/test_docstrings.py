@@ -42,6 +42,7 @@ PUBLIC_MODULES = (
     "sweep.reports",
     "tasks",
     "wake",
+    "waiting",
 )
 # Module attributes that are API (the others are constants and loggers).
 PUBLIC_ATTRIBUTE_MODULES = ("beat", "signals")

@@ -23,7 +23,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_semaphore import acquire, parking, release, sweep, wake
+from django_semaphore import acquire, parking, release, sweep, waiting, wake
 from django_semaphore.api import set_capacity
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
@@ -424,11 +424,11 @@ def test_a_release_tells_the_wake_up_what_it_freed_on_every_path(wakes, monkeypa
 @pytest.fixture
 def holds() -> Iterator[dict[str, float]]:
     """This process's memory of holds, empty for the test."""
-    saved = dict(parking._holds)
-    parking._holds.clear()
-    yield parking._holds
-    parking._holds.clear()
-    parking._holds.update(saved)
+    saved = dict(waiting._holds)
+    waiting._holds.clear()
+    yield waiting._holds
+    waiting._holds.clear()
+    waiting._holds.update(saved)
 
 
 def claimer(name: str, key: str) -> Callable[[], str]:
@@ -459,7 +459,7 @@ def test_a_refused_task_stands_by_and_takes_the_next_release(holds):
     releaser = release_later("holder", 0.3)
 
     started = time.monotonic()
-    key = parking.stand_by("new", {s.name: 1}, claimer(s.name, "new"))
+    key = waiting.stand_by("new", {s.name: 1}, claimer(s.name, "new"))
     waited = time.monotonic() - started
     releaser.join()
 
@@ -491,19 +491,19 @@ def test_a_woken_task_stands_by_though_younger_ones_are_parked(holds, published)
     acquire(s.name, external_id="holder")
     releaser = release_later("holder", 0.1)
 
-    assert parking.stand_by(woken, {s.name: 1}, claimer(s.name, woken)) == woken
+    assert waiting.stand_by(woken, {s.name: 1}, claimer(s.name, woken)) == woken
     releaser.join()
 
 
 def test_a_new_task_parks_behind_parked_ones_and_a_copy_of_a_parked_one_parks(holds, published):
     s = semaphore(1)
-    waiting = park_row({s.name: 1})
+    parked = park_row({s.name: 1})
     acquire(s.name, external_id="holder")
     never = claimer(s.name, "never")
 
     started = time.monotonic()
-    assert parking.stand_by("new", {s.name: 1}, never) is None
-    assert parking.stand_by(waiting, {s.name: 1}, never) is None
+    assert waiting.stand_by("new", {s.name: 1}, never) is None
+    assert waiting.stand_by(parked, {s.name: 1}, never) is None
     assert time.monotonic() - started < 0.5
     assert not PermitRequest.objects.filter(external_id="never").exists()
 
@@ -516,14 +516,14 @@ def test_one_task_a_process_stands_by_on_a_semaphore_the_others_park(holds):
     standing = threading.Thread(
         daemon=True,
         target=lambda: first.append(
-            parking.stand_by("first", {s.name: 1}, claimer(s.name, "first"))
+            waiting.stand_by("first", {s.name: 1}, claimer(s.name, "first"))
         ),
     )
     standing.start()
     time.sleep(0.1)  # "first" stands by (a thread pool's other task comes now)
 
     started = time.monotonic()
-    assert parking.stand_by("second", {s.name: 1}, claimer(s.name, "second")) is None
+    assert waiting.stand_by("second", {s.name: 1}, claimer(s.name, "second")) is None
     assert time.monotonic() - started < 0.1
     release("holder")
     standing.join()
@@ -534,16 +534,16 @@ def test_a_long_hold_parks_at_once_and_an_unanswered_standby_learns_it(holds, mo
     s = semaphore(1)
     acquire(s.name, external_id="holder")
     never = claimer(s.name, "never")
-    monkeypatch.setattr(parking, "STANDBY_WAIT", 0.2)
+    monkeypatch.setattr(waiting, "STANDBY_WAIT", 0.2)
 
     started = time.monotonic()
-    assert parking.stand_by("first", {s.name: 1}, never) is None  # nothing seen: stood by
+    assert waiting.stand_by("first", {s.name: 1}, never) is None  # nothing seen: stood by
     assert time.monotonic() - started >= 0.2
     assert holds == {s.name: 0.2}  # no release came: as long as its wait, here
 
-    holds[s.name] = parking.SHORT_HOLD
+    holds[s.name] = waiting.SHORT_HOLD
     started = time.monotonic()
-    assert parking.stand_by("second", {s.name: 1}, never) is None
+    assert waiting.stand_by("second", {s.name: 1}, never) is None
     assert time.monotonic() - started < 0.1
 
 

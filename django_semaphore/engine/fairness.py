@@ -1,5 +1,4 @@
-"""Fair mode: a durable first-come, first-served queue, and one poller per
-semaphore in each process.
+"""Fair mode: a durable first-come, first-served queue.
 
 **Tickets.** An acquire that must wait on a fair semaphore (``Semaphore.fair``,
 or ``acquire(..., fair=True)``) leaves a ``Ticket`` per semaphore in the same
@@ -22,28 +21,17 @@ is in the future every acquire on that semaphore, fair or not, respects the
 queue: a caller that did not ask for fairness may not barge past those who
 did.
 
-**One poller per line.** Waiters of one process on the same demand form a
-line (``_Line``): only its first waiter polls the database, the others sleep
-on a condition until it is their turn. So a process issues one attempt per
-poll interval per demand, however many threads wait. The interval adapts to
-the waiter's place. Next in line (the permits asked for by the tickets ahead
-of it, plus its own, fit in the capacity: the next releases are for it), it
-probes every ``PROBE_EVERY`` with one cheap read of what is in use (no lock,
-no transaction) and attempts as soon as there is room for it, or after
-``NEXT_IN_LINE_ATTEMPT`` at the latest (a reclaim of expired permits needs an
-attempt). Further back, it attempts again after ``PROBE_EVERY`` more per
-capacity's worth of tickets ahead of it (each takes at least one round of
-holds), at most ``POLL_CAP``.
+**Waiting.** This module only says, under the row locks, whether a call is
+granted and where it stands; the waits between its attempts (one poller
+per line in each process, its polling interval) are in ``waiting``.
 """
 
 from __future__ import annotations
 
 import itertools
-import random
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext, suppress
+from collections.abc import Sequence
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -54,14 +42,10 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
 from django_semaphore import backends
-from django_semaphore.engine.statements import LockedSemaphore, placeholders, room_for
+from django_semaphore.engine.statements import LockedSemaphore, placeholders
 from django_semaphore.models import Semaphore, Ticket
 from django_semaphore.validation import Demand
 
-# Seconds, before a jitter of x0.5-1 (see the module's docstring).
-PROBE_EVERY = 0.02
-NEXT_IN_LINE_ATTEMPT = 1.0
-POLL_CAP = 2.0
 # A ticket never outlives this, whatever the timeout (datetime arithmetic).
 MAX_TICKET_LIFE = timedelta(days=365)
 
@@ -140,25 +124,6 @@ class Place:
     def _ticket_committed(self) -> None:
         self.ticketed = True
         self.seq = next(_sequence)
-
-    def pause(self, connection: BaseDatabaseWrapper, backoff: float, deadline: float) -> None:
-        """Wait between two attempts of this line's first waiter; see the
-        module's docstring. ``backoff``: the interval of a waiter without
-        a ticket."""
-        now = time.monotonic()
-        if not self.ticketed:
-            time.sleep(max(min(backoff, deadline - now), 0))
-            return
-        if self.ahead:
-            # Each capacity's worth ahead takes at least one round of holds.
-            interval = min(PROBE_EVERY * (1 + self.ahead), POLL_CAP) * random.uniform(0.5, 1.0)
-            time.sleep(max(min(interval, deadline - now), 0))
-            return
-        until = min(deadline, now + NEXT_IN_LINE_ATTEMPT * random.uniform(0.5, 1.0))
-        while (now := time.monotonic()) < until:
-            time.sleep(min(PROBE_EVERY * random.uniform(0.5, 1.0), until - now))
-            if _room_for(connection, self):
-                return
 
     def leave(self, alias: str) -> None:
         """Delete this call's tickets after it gave up; best effort (they
@@ -270,76 +235,6 @@ def _delete_tickets(
     )
 
 
-def _room_for(connection: BaseDatabaseWrapper, place: Place) -> bool:
-    """Whether every semaphore of ``place`` has room for it now."""
-    return room_for(
-        connection,
-        [(id, place.demand.counts[name], capacity) for id, name, capacity in place.semaphores],
-    )
-
-
 def _after(connection: BaseDatabaseWrapper, queued_until: Any, now: datetime) -> bool:
     """Whether ``queued_until``, as a raw cursor read it, is past ``now``."""
     return queued_until is not None and backends.datetime_from_db(connection, queued_until) > now
-
-
-# --- this process's waiters: one poller per line ------------------------------------
-
-
-class _Line:
-    """This process's waiters on one demand; the one with the lowest ``seq``
-    polls, the others wait for their turn."""
-
-    def __init__(self) -> None:
-        self.condition = threading.Condition()
-        self.places: list[Place] = []
-
-    def head(self) -> Place:
-        return min(self.places, key=lambda place: place.seq)
-
-
-_lines: dict[tuple[Any, ...], _Line] = {}
-_lines_guard = threading.Lock()
-
-
-class Turn:
-    """A waiter's membership of its line."""
-
-    def __init__(self, line: _Line, place: Place) -> None:
-        self._line = line
-        self._place = place
-
-    def is_first(self) -> bool:
-        with self._line.condition:
-            return self._line.head() is self._place
-
-    def wait(self, timeout: float) -> bool:
-        """Block until this waiter is first in its line; ``False`` if
-        ``timeout`` ran out first."""
-        with self._line.condition:
-            return self._line.condition.wait_for(
-                lambda: self._line.head() is self._place, timeout=max(timeout, 0)
-            )
-
-
-@contextmanager
-def waiting_line(place: Place) -> Iterator[Turn]:
-    """Join this process's line for ``place.demand`` while waiting for room.
-
-    Ticketed and unticketed waiters never share a line: an unticketed first
-    waiter would poll behind its line's tickets while they wait their turn.
-    """
-    key = (place.ticketed, *sorted(place.demand.counts.items()))
-    with _lines_guard:
-        line = _lines.setdefault(key, _Line())
-        with line.condition:
-            line.places.append(place)
-    try:
-        yield Turn(line, place)
-    finally:
-        with _lines_guard, line.condition:
-            line.places.remove(place)
-            if not line.places:
-                del _lines[key]
-            # The next waiter polls at once: room may be left after this one.
-            line.condition.notify_all()
