@@ -32,7 +32,7 @@ from django_semaphore.exceptions import (
     PermitNotFound,
     SemaphoreExhausted,
 )
-from django_semaphore.models import PermitRequest
+from django_semaphore.models import PermitRequest, Semaphore
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import ReleaseOutcome, ReleaseReason, State
 from django_semaphore.validation import (
@@ -50,8 +50,6 @@ from django_semaphore.validation import (
 
 if TYPE_CHECKING:
     from django.contrib.auth.base_user import AbstractBaseUser
-
-    from django_semaphore.models import PermitRequest, Semaphore
 
 # A release locks the semaphore rows, so it meets contention too (on Galera,
 # certification conflicts with grants on other nodes). One that gives up

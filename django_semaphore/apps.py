@@ -12,10 +12,15 @@ class DjangoSemaphoreConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        # Imported here, as Django asks: this module is imported while the app
+        # registry loads, before any model can be.
         from django_semaphore import (
             checks,  # noqa: F401  (registers the checks)
             guards,
+            parking,
+            task_runs,
         )
+        from django_semaphore.conf import app_settings
         from django_semaphore.declared import create_declared_semaphores
         from django_semaphore.models import Permit, PermitRequest, Semaphore
 
@@ -33,15 +38,10 @@ class DjangoSemaphoreConfig(AppConfig):
             from celery.signals import before_task_publish, task_postrun, task_revoked
         except ImportError:  # Celery is optional
             return
-        from django_semaphore import task_runs
-
         task_postrun.connect(task_runs.on_task_postrun, dispatch_uid="django_semaphore.postrun")
         before_task_publish.connect(
             task_runs.on_before_task_publish, dispatch_uid="django_semaphore.publish"
         )
-        from django_semaphore import parking
-        from django_semaphore.conf import app_settings
-
         task_revoked.connect(parking.on_task_revoked, dispatch_uid="django_semaphore.revoked")
         if app_settings.PARK_TASKS:
             parking.enable()

@@ -54,7 +54,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.db import IntegrityError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -69,9 +69,6 @@ from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Sem
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import ReleaseReason
 from django_semaphore.validation import validate_keys
-
-if TYPE_CHECKING:
-    from django_semaphore.models import Semaphore
 
 logger = logging.getLogger("django_semaphore")
 

@@ -20,7 +20,6 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
 
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
@@ -32,9 +31,6 @@ from django_semaphore import routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.models import CapacityChange, Permit, Semaphore
 from django_semaphore.states import State
-
-if TYPE_CHECKING:
-    from django_semaphore.models import Semaphore
 
 WINDOW = timedelta(hours=24)
 

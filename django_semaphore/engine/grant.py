@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 from django.db import IntegrityError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -43,9 +42,6 @@ from django_semaphore.guards import engine_writes
 from django_semaphore.models import PermitRequest
 from django_semaphore.states import ReleaseReason, State
 from django_semaphore.validation import Demand
-
-if TYPE_CHECKING:
-    from django_semaphore.models import PermitRequest
 
 # The columns of a request, in the order grant() has their values.
 REQUEST_COLUMNS = [

@@ -13,6 +13,8 @@ class MetricsConfig(AppConfig):
     verbose_name = _("Semaphore metrics")
 
     def ready(self) -> None:
+        # Imported here, as Django asks: models can be imported only now, and
+        # the collector only with prometheus_client installed.
         from django_semaphore.metrics import checks
 
         if not checks.prometheus_client_installed():

@@ -7,7 +7,6 @@ issued. The orphan sweep runs them; ``check --database`` counts them
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from django.db import transaction
 from django.db.models import Exists, F, Max, OuterRef, Q, QuerySet, Subquery
@@ -18,9 +17,6 @@ from django_semaphore.engine.releasing import release_permits
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.states import State
 from django_semaphore.sweep.batches import _batches, _past
-
-if TYPE_CHECKING:
-    from django_semaphore.models import Permit, Semaphore
 
 logger = logging.getLogger("django_semaphore")
 
