@@ -10,17 +10,15 @@ import pytest
 from django.contrib.auth import get_user_model
 
 from django_semaphore import acquire, release, set_capacity
+from django_semaphore.admin.chart import axis_ticks, describe, render_svg
 from django_semaphore.models import PermitRequest
 from django_semaphore.utilization import (
     CapacityMark,
     Segment,
     Span,
     Utilization,
-    axis_ticks,
     build_utilization,
-    describe,
     load_utilization,
-    render_svg,
 )
 from tests.conftest import unique
 

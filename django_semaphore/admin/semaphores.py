@@ -24,6 +24,7 @@ from django.utils.translation import gettext_lazy as _
 
 from django_semaphore import parking, routing
 from django_semaphore.admin.base import OperatorAdmin
+from django_semaphore.admin.chart import describe, render_svg
 from django_semaphore.admin.display import duration, expiry, usage_bar
 from django_semaphore.admin.usage import UsageFilter, annotated, with_changelist_columns
 from django_semaphore.api import set_capacity
@@ -39,7 +40,7 @@ from django_semaphore.models import (
     Ticket,
 )
 from django_semaphore.states import State
-from django_semaphore.utilization import describe, load_utilization, render_svg
+from django_semaphore.utilization import load_utilization
 from django_semaphore.validation import MAX_COUNT
 
 # The semaphore page lists at most this many holders and capacity changes;
