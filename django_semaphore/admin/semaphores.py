@@ -31,7 +31,6 @@ from django_semaphore.api import set_capacity
 from django_semaphore.engine import families
 from django_semaphore.managers import SemaphoreQuerySet
 from django_semaphore.models import (
-    MAX_NAME_LENGTH,
     CapacityChange,
     ParkedTask,
     Permit,
@@ -41,7 +40,7 @@ from django_semaphore.models import (
 )
 from django_semaphore.states import State
 from django_semaphore.utilization import load_utilization
-from django_semaphore.validation import MAX_COUNT
+from django_semaphore.validation import MAX_COUNT, MAX_LENGTH
 
 # The semaphore page lists at most this many holders and capacity changes;
 # links lead to the full, filtered lists.
@@ -77,7 +76,7 @@ class SemaphoreForm(forms.ModelForm):
     )
     reason = forms.CharField(
         label=_("Reason for the change"),
-        max_length=MAX_NAME_LENGTH,
+        max_length=MAX_LENGTH,
         required=False,
         help_text=_("Optional; kept in the capacity history with your name."),
     )

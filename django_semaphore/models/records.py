@@ -1,0 +1,90 @@
+"""What is kept beside the semaphores: fair waiters' tickets, the capacity
+history, and the fencing marks of downstream resources."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.utils.translation import gettext_lazy as _
+
+from django_semaphore.validation import MAX_LENGTH
+
+
+class Ticket(models.Model):
+    """A fair waiter's place in the queue of one semaphore.
+
+    Taken under the semaphore's row lock by the attempt that found no room, so
+    on each semaphore ticket ids follow the order of its grant transactions
+    (see ``fairness.py``). It stops blocking others at ``expires_at``, the
+    waiter's deadline, whether the waiter is granted, gives up or crashed.
+    """
+
+    semaphore = models.ForeignKey(
+        "django_semaphore.Semaphore", on_delete=models.CASCADE, related_name="tickets"
+    )
+    external_id = models.CharField(_("key"), max_length=MAX_LENGTH)
+    owner = models.CharField(_("owner"), max_length=MAX_LENGTH, blank=True)
+    count = models.PositiveIntegerField(_("count"), default=1)
+    created_at = models.DateTimeField(_("waiting since"))
+    expires_at = models.DateTimeField(_("expires at"))
+
+    class Meta:
+        verbose_name = _("ticket")
+        verbose_name_plural = _("tickets")
+        ordering = ["id"]
+        constraints = [
+            # One place per key and semaphore: a retried acquire keeps its place.
+            models.UniqueConstraint(
+                fields=["semaphore", "external_id"], name="semaphore_ticket_unique_key"
+            ),
+        ]
+        indexes = [
+            # The sweep deletes dead tickets by expiry.
+            models.Index(fields=["expires_at"], name="semaphore_ticket_expiry"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.external_id}@{self.semaphore_id}#{self.id}"
+
+
+class CapacityChange(models.Model):
+    """Audit trail: every capacity change, from the admin or from code."""
+
+    semaphore = models.ForeignKey(
+        "django_semaphore.Semaphore", on_delete=models.CASCADE, related_name="capacity_changes"
+    )
+    old_capacity = models.PositiveIntegerField(_("old capacity"))
+    new_capacity = models.PositiveIntegerField(_("new capacity"))
+    changed_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="+",
+        verbose_name=_("changed by"),
+    )
+    changed_at = models.DateTimeField(_("changed at"), auto_now_add=True, db_index=True)
+    reason = models.CharField(_("reason"), max_length=MAX_LENGTH, blank=True)
+
+    class Meta:
+        verbose_name = _("capacity change")
+        verbose_name_plural = _("capacity changes")
+        ordering = ["-changed_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.semaphore_id}: {self.old_capacity} -> {self.new_capacity}"
+
+
+class FencingMark(models.Model):
+    """The highest fencing token a downstream resource has accepted."""
+
+    resource = models.CharField(_("resource"), max_length=MAX_LENGTH, unique=True)
+    token = models.PositiveBigIntegerField(_("highest token"))
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
+
+    class Meta:
+        verbose_name = _("fencing mark")
+        verbose_name_plural = _("fencing marks")
+
+    def __str__(self) -> str:
+        return f"{self.resource}@{self.token}"

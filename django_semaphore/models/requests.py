@@ -1,0 +1,132 @@
+"""What acquire writes: the request, and its permit on each semaphore."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from django.db import models
+from django.db.models import Q
+from django.utils.functional import cached_property
+from django.utils.translation import gettext_lazy as _
+
+from django_semaphore.guards import GuardedModel
+from django_semaphore.managers import PermitManager, PermitRequestManager
+from django_semaphore.models.semaphore import USE_ACQUIRE, USE_RELEASE, Semaphore
+from django_semaphore.states import ReleaseReason, State
+from django_semaphore.validation import MAX_LENGTH
+
+
+class PermitRequest(GuardedModel):
+    """One acquire call: all the permits it was granted, over 1..n semaphores.
+
+    Its ``state`` is written only by the engine (bulk writes of it are
+    refused); a held request cannot be deleted (``PermitHeld``).
+    """
+
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = ("state", "released_at", "release_reason")
+    ORM_REFUSED: ClassVar[dict[str, str]] = {"state": USE_RELEASE}
+    CREATED_BY: ClassVar[str] = USE_ACQUIRE
+
+    external_id = models.CharField(
+        _("key"),
+        max_length=MAX_LENGTH,
+        unique=True,
+        help_text=_("Idempotency key chosen by the caller: job id, task id, UUID."),
+    )
+    owner = models.CharField(_("owner"), max_length=MAX_LENGTH, blank=True)
+    state = models.CharField(
+        _("state"), max_length=8, choices=State.choices, default=State.ACQUIRED
+    )
+    ttl = models.PositiveIntegerField(
+        _("TTL (seconds)"), null=True, blank=True, help_text=_("Empty: no TTL.")
+    )
+    expires_at = models.DateTimeField(_("expires at"), null=True, blank=True)
+    created_at = models.DateTimeField(_("created at"))
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
+    released_at = models.DateTimeField(_("released at"), null=True, blank=True)
+    release_reason = models.CharField(
+        _("release reason"), max_length=16, choices=ReleaseReason.choices, blank=True
+    )
+
+    objects = PermitRequestManager()
+
+    class Meta:
+        verbose_name = _("permit request")
+        verbose_name_plural = _("permit requests")
+        # Ending someone else's permit is a separate power from viewing them;
+        # the admin's force-release action is guarded by it.
+        permissions = [("force_release_permitrequest", _("Can force-release permit requests"))]
+        indexes = [
+            # The TTL sweep and inline reclaim look up ACQUIRED rows by expiry.
+            models.Index(fields=["state", "expires_at"], name="semaphore_req_expiry"),
+            # The staleness sweep finds long-held requests by age.
+            models.Index(fields=["state", "created_at"], name="semaphore_req_age"),
+            # The retention clean-up finds long-released requests.
+            models.Index(fields=["state", "released_at"], name="semaphore_req_released"),
+        ]
+
+    def __str__(self) -> str:
+        return self.external_id
+
+    @property
+    def is_held(self) -> bool:
+        return self.state == State.ACQUIRED
+
+    @cached_property
+    def fencing_tokens(self) -> dict[str, int]:
+        """Semaphore name -> the fencing token of this request's permit on it."""
+        return dict(self.permits.values_list("semaphore__name", "fencing_token"))
+
+    def token(self, name: str) -> int:
+        """The fencing token to hand to downstream writes guarded by ``name``."""
+        try:
+            return self.fencing_tokens[name]
+        except KeyError:
+            raise KeyError(f"Request {self.external_id!r} holds no permit on {name!r}.") from None
+
+
+class Permit(GuardedModel):
+    """The share of one request on one semaphore; written only by the engine.
+
+    Bulk writes of its columns are refused; a held permit cannot be deleted.
+    """
+
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = (
+        "semaphore",
+        "request",
+        "count",
+        "state",
+        "fencing_token",
+    )
+    ORM_REFUSED: ClassVar[dict[str, str]] = dict.fromkeys(
+        ENGINE_OWNED_FIELDS, "permits are written only by acquire and release; " + USE_RELEASE
+    )
+    CREATED_BY: ClassVar[str] = USE_ACQUIRE
+
+    semaphore = models.ForeignKey(Semaphore, on_delete=models.CASCADE, related_name="permits")
+    request = models.ForeignKey(PermitRequest, on_delete=models.CASCADE, related_name="permits")
+    count = models.PositiveIntegerField(_("count"), default=1)
+    state = models.CharField(
+        _("state"), max_length=8, choices=State.choices, default=State.ACQUIRED
+    )
+    fencing_token = models.PositiveBigIntegerField(_("fencing token"))
+
+    objects = PermitManager()
+
+    class Meta:
+        verbose_name = _("permit")
+        verbose_name_plural = _("permits")
+        indexes = [
+            # Covers the in-use sum (semaphore, state) -> SUM(count) so it reads
+            # the index alone and never the history of released permits.
+            models.Index(fields=["semaphore", "state", "count"], name="semaphore_permit_in_use"),
+        ]
+        constraints = [
+            models.CheckConstraint(condition=Q(count__gte=1), name="semaphore_permit_count_gte_1"),
+            models.UniqueConstraint(
+                fields=["semaphore", "fencing_token"], name="semaphore_permit_unique_token"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.request_id}:{self.semaphore_id}x{self.count}"

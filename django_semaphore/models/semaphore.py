@@ -1,0 +1,203 @@
+"""The semaphore: its capacity, and the counters only the engine writes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, ClassVar
+
+from django.db import models, router, transaction
+from django.db.models import Q
+from django.utils.translation import gettext_lazy as _
+
+from django_semaphore import signals
+from django_semaphore.exceptions import SemaphoreNotFound
+from django_semaphore.guards import GuardedModel, engine_is_writing, engine_writes
+from django_semaphore.managers import SemaphoreManager
+from django_semaphore.models.records import CapacityChange
+from django_semaphore.validation import MAX_LENGTH, validate_capacity
+
+if TYPE_CHECKING:
+    from django.contrib.auth.base_user import AbstractBaseUser
+
+# What an ORM write is told to use instead (see guards.py).
+ENGINE_ONLY = "only the engine writes it, under the semaphore's row lock."
+USE_SET_CAPACITY = (
+    "change capacity with set_capacity(name, capacity), which locks "
+    "the row and records a CapacityChange (or load the row, set capacity and save() it)."
+)
+USE_ACQUIRE = "acquire(), which grants a request and its permits together"
+USE_RELEASE = (
+    "end a request with release(key), or force-release it (the admin's action, "
+    "manage.py semaphore_release, force_release(keys)): permits and request change together."
+)
+
+
+class Semaphore(GuardedModel):
+    """One counting semaphore; acquire locks this row to serialize its grants.
+
+    Safe to use with the ORM: ``objects.create()`` (or ``save()`` of a new
+    instance) creates one; ``save()`` of a loaded one writes back ``name``,
+    ``fair`` and a changed ``capacity`` (recorded as ``set_capacity`` does),
+    never the engine-owned columns. Bulk writes of those columns or of
+    ``capacity`` are refused (``UnsafeWrite``), and so is deleting a held
+    semaphore (``PermitHeld``). See docs/concepts.md, "Using the models".
+    """
+
+    # The columns written only by the engine's own statements, under the row
+    # lock. save() never writes them back; bulk writes of them are refused.
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = ("in_use", "fencing_counter", "queued_until")
+    ORM_REFUSED: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(ENGINE_OWNED_FIELDS, ENGINE_ONLY),
+        "capacity": USE_SET_CAPACITY,
+        # Set when a family creates the member: only members are ever deleted
+        # by the clean-up, so marking a declared semaphore one would lose it.
+        "family": "only a family's first use sets it (see families.py).",
+    }
+
+    name = models.CharField(_("name"), max_length=MAX_LENGTH, unique=True)
+    capacity = models.PositiveIntegerField(_("capacity"))
+    # Bumped under the row lock by every grant: the fencing token source, and
+    # the write that makes concurrent grants conflict on Galera (see DESIGN).
+    fencing_counter = models.PositiveBigIntegerField(
+        _("last fencing token"), default=0, editable=False
+    )
+    # The permits held: the sum of the ACQUIRED permits' counts, changed in
+    # the same transaction as every permit state change, so the grant's room
+    # check reads one locked row whatever is held (see ``grant.py``).
+    in_use = models.PositiveIntegerField(_("in use"), default=0, editable=False)
+    fair = models.BooleanField(
+        _("fair (first come, first served)"),
+        default=False,
+        help_text=_(
+            "Waiters queue and are granted in arrival order, so a request for "
+            "many permits is never starved by a stream of small ones."
+        ),
+    )
+    # The latest deadline of a ticket queued on this semaphore, written under
+    # the row lock when a ticket is taken. The grant's locking read returns it:
+    # while it is in the past no ticket can be live, so an acquire skips the
+    # queue check and pays nothing for fairness.
+    queued_until = models.DateTimeField(_("queued until"), null=True, blank=True, editable=False)
+    # The pattern of the family this semaphore was created from on first use
+    # (``SEMAPHORES = {"export:customer:*": 2}``, see ``families.py``); empty
+    # for every other semaphore. Only members are ever deleted by the
+    # clean-up, and only while idle.
+    family = models.CharField(
+        _("family"), max_length=MAX_LENGTH, blank=True, default="", editable=False
+    )
+    # A member whose capacity was changed on its own (admin, set_capacity):
+    # it keeps that capacity when the family default changes, and the
+    # clean-up keeps it.
+    own_capacity = models.BooleanField(_("own capacity"), default=False, editable=False)
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True)
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
+
+    objects = SemaphoreManager()
+
+    class Meta:
+        verbose_name = _("semaphore")
+        verbose_name_plural = _("semaphores")
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(condition=Q(capacity__gte=0), name="semaphore_capacity_gte_0"),
+        ]
+        indexes = [
+            # A family's members: the live-member count, the admin's filter,
+            # and the clean-up's look-up of idle members (by last grant).
+            models.Index(fields=["family", "updated_at"], name="semaphore_family_idle"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def save(
+        self,
+        *,
+        force_insert: bool | tuple[models.base.ModelBase, ...] = False,
+        force_update: bool = False,
+        using: str | None = None,
+        update_fields: Iterable[str] | None = None,
+    ) -> None:
+        """Create the semaphore, or write back what may be written of it.
+
+        On an existing row the engine-owned columns are never written (the
+        instance's copy of them is stale the moment a grant commits), and a
+        capacity changed since the instance was loaded is changed as
+        ``set_capacity`` does it: under the row lock, with a
+        ``CapacityChange`` (no user, no reason). A capacity the instance did
+        not change is not written back, so a stale instance never undoes
+        someone else's change.
+
+        Raises:
+            UnsafeWrite: an engine-owned column was changed on the instance.
+            InvalidRequest: the new capacity is out of range.
+            SemaphoreNotFound: ``update_fields`` or ``force_update`` was given
+                and the row is gone (Django would raise ``DatabaseError``).
+        """
+        if self.pk is None or force_insert or engine_is_writing():
+            super().save(
+                force_insert=force_insert,
+                force_update=force_update,
+                using=using,
+                update_fields=update_fields,
+            )
+            self._remember_loaded()
+            return
+        using = using or router.db_for_write(Semaphore, instance=self)
+        names = self._writable_fields(update_fields)
+        capacity = None
+        if "capacity" in names:
+            names.discard("capacity")
+            if self._changed("capacity"):
+                capacity = validate_capacity(self.capacity)
+                names.add("updated_at")  # and so pre_save/post_save are sent
+        with transaction.atomic(using=using):
+            locked = Semaphore.objects.using(using).filter(pk=self.pk).locked().first()
+            if locked is None:
+                if update_fields is not None or force_update:
+                    raise SemaphoreNotFound([self.name])
+                # Deleted since it was loaded: saved anew, as Django would.
+                super().save(using=using, force_insert=True)
+            else:
+                if capacity is not None:
+                    locked.record_capacity_change(capacity, changed_by=None, reason="", using=using)
+                if names:
+                    super().save(using=using, update_fields=names)
+        self._remember_loaded()
+
+    def record_capacity_change(
+        self,
+        capacity: int,
+        *,
+        changed_by: AbstractBaseUser | None,
+        reason: str,
+        using: str,
+    ) -> None:
+        """Change the capacity of this row, which the caller's transaction
+        holds locked, and record it in ``CapacityChange``: the one home of a
+        capacity change, for ``set_capacity`` and ``save()`` alike."""
+        if self.capacity == capacity:
+            return
+        CapacityChange.objects.using(using).create(
+            semaphore=self,
+            old_capacity=self.capacity,
+            new_capacity=capacity,
+            changed_by_id=None if changed_by is None else changed_by.pk,
+            reason=reason,
+        )
+        raised = capacity - self.capacity
+        self.capacity = capacity
+        # A family member changed on its own no longer follows its family
+        # default (engine/families.py), and the clean-up keeps it.
+        self.own_capacity = bool(self.family)
+        with engine_writes():
+            self.save(using=using, update_fields=["capacity", "own_capacity", "updated_at"])
+        if raised > 0 and signals.permits_freed.has_listeners(Semaphore):
+            # Room made: parked tasks that fit now are woken once this commits.
+            freed = {self.pk: raised}
+            transaction.on_commit(
+                lambda: signals.permits_freed.send_robust(
+                    sender=Semaphore, freed=freed, using=using
+                ),
+                using=using,
+            )
