@@ -1,9 +1,11 @@
-"""The public operations: acquire, release, renew and set_capacity.
+"""The public operations, one function each: acquire, release, renew,
+set_capacity and force_release (the admin and the commands call them too).
 
 A thin layer over the engine: it validates the arguments (nothing is written
 for a malformed call), picks the database alias, waits for room when asked
-to, retries what is safe to retry and sends the signals. The transactions
-themselves are ``grant.py`` and ``releasing.py``.
+to (``waiting``), retries what is safe to retry and sends the signals. The
+transactions themselves are the engine's (``engine/grant.py``,
+``engine/releasing.py``).
 """
 
 from __future__ import annotations

@@ -50,9 +50,10 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
         ``None`` when nobody waits).
 
         Correlated subqueries, not joins, so that a list of semaphores stays
-        one query: the holders' reads ``state = 'ACQUIRED'`` in its WHERE
-        clause, so the (semaphore, state, count) index of held permits only,
-        where a join would read every released permit kept for retention.
+        one query: the holders' subquery has ``state = 'ACQUIRED'`` in its
+        WHERE clause, so it reads the (semaphore, state, count) index of held
+        permits only, where a join would read every released permit kept for
+        retention.
         """
         held = (
             self._related("permits")
