@@ -60,6 +60,8 @@ def run_task(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
+    """Run the task holding its permits, claimed by its task id: when they
+    are refused, stand by, park, retry or fail, as ``options`` say."""
     parks = options.parks
     if parks:
         # From this process's first parking task on, its releases (this

@@ -33,6 +33,8 @@ def run_view(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
+    """Call the view holding a permit taken for this request, or answer
+    429/503 without calling it; the permit ends once the response is sent."""
     key = uuid.uuid4().hex
     refusal = _acquire_for_view(options, request, key)
     if refusal is not None:
@@ -53,6 +55,7 @@ async def run_async_view(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
+    """``run_view`` for an async view: the database calls run in a thread."""
     key = uuid.uuid4().hex
     refusal = await sync_to_async(_acquire_for_view)(options, request, key)
     if refusal is not None:
