@@ -98,15 +98,22 @@ def dump_stacks_on_signal() -> TextIO:
     return file
 
 
-def in_child_process(database: dict[str, Any], bound: float, target: str, *args: Any) -> None:
-    """Entry point of a spawned child: stacks on demand, a deadline it keeps on
-    its own (even if its parent died), Django on the test database, then work.
+@dataclass(frozen=True)
+class ChildStart:
+    """What a spawned child does before anything else: unpickled first of its
+    arguments, it arms the child's deadline and stack dumps and sets Django
+    up on the test's database, so the arguments after it (the target, and
+    objects of modules that import the app's models) unpickle with Django
+    ready."""
 
-    ``target`` is ``module:function``, imported once Django is set up: a
-    module that imports the app's models cannot be imported before.
-    """
-    import importlib
+    database: dict[str, Any]
+    bound: float
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_start_child, (self.database, self.bound))
+
+
+def _start_child(database: dict[str, Any], bound: float) -> None:
     import django
 
     faulthandler.dump_traceback_later(bound, exit=True, file=dump_stacks_on_signal())
@@ -115,8 +122,12 @@ def in_child_process(database: dict[str, Any], bound: float, target: str, *args:
     from django.db import connections
 
     connections["default"].settings_dict.update(database)
-    module, function = target.split(":")
-    getattr(importlib.import_module(module), function)(*args)
+
+
+def in_child_process(started: None, target: Callable[..., None], *args: Any) -> None:
+    """Entry point of a spawned child: its start (``ChildStart``) is done by
+    the time its arguments are unpickled, so it only works."""
+    target(*args)
 
 
 def spawn(
@@ -129,7 +140,7 @@ def spawn(
     database = database or {"NAME": connection.settings_dict["NAME"]}
     process = SPAWN.Process(
         target=in_child_process,
-        args=(database, bound, f"{target.__module__}:{target.__qualname__}", *args),
+        args=(ChildStart(database, bound), target, *args),
         daemon=True,
     )
     process.start()

@@ -1,7 +1,7 @@
 """Client processes and threads for the concurrency tests, and their oracle.
 
-Spawned children unpickle their target by importing this module before
-Django is set up, so it imports nothing that needs the app registry.
+Spawned children import this module once Django is set up
+(``tests.children.ChildStart``).
 """
 
 from __future__ import annotations

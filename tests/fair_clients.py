@@ -1,7 +1,4 @@
-"""Spawned clients of the fair-mode tests, and what they record.
-
-Like ``tests/clients.py``, importable before Django is set up.
-"""
+"""Spawned clients of the fair-mode tests, and what they record."""
 
 from __future__ import annotations
 
