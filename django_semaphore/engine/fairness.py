@@ -42,7 +42,8 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
 from django_semaphore import backends
-from django_semaphore.engine.statements import LockedSemaphore, placeholders
+from django_semaphore.engine.statements import LockedSemaphore
+from django_semaphore.engine.statements.tickets import ticket_statements
 from django_semaphore.models import Semaphore, Ticket
 from django_semaphore.validation import Demand
 
@@ -152,23 +153,8 @@ def _older_tickets(
     """Semaphore id -> (tickets, permits they ask for): the live tickets of
     other keys older than this key's own ticket there (all of them when it
     has none). Semaphores without any are left out."""
-    q = connection.ops.quote_name
-    table = q(Ticket._meta.db_table)
     ids = [s.id for s in semaphores]
-    sql = (
-        f"SELECT t.{q('semaphore_id')}, COUNT(*), SUM(t.{q('count')}) FROM {table} t"
-        f" WHERE t.{q('semaphore_id')} IN ({placeholders(len(ids))})"
-        f" AND t.{q('expires_at')} > %s AND t.{q('external_id')} <> %s"
-        f" AND NOT EXISTS (SELECT 1 FROM {table} m"
-        f" WHERE m.{q('semaphore_id')} = t.{q('semaphore_id')}"
-        f" AND m.{q('external_id')} = %s AND m.{q('id')} < t.{q('id')})"
-        f" GROUP BY t.{q('semaphore_id')}"
-    )
-    cursor.execute(
-        backends.bound_statement(connection, sql, lock_wait),
-        [*ids, connection.ops.adapt_datetimefield_value(now), key, key],
-    )
-    return {int(id): (int(n), int(units)) for id, n, units in cursor.fetchall()}
+    return ticket_statements(connection).older(cursor, ids, key, now, lock_wait)
 
 
 def _insert_tickets(
@@ -222,17 +208,7 @@ def _delete_tickets(
     key: str,
     lock_wait: float,
 ) -> None:
-    q = connection.ops.quote_name
-    table = q(Ticket._meta.db_table)
-    cursor.execute(
-        backends.bound_statement(
-            connection,
-            f"DELETE FROM {table} WHERE {q('external_id')} = %s"
-            f" AND {q('semaphore_id')} IN ({placeholders(len(semaphore_ids))})",
-            lock_wait,
-        ),
-        [key, *semaphore_ids],
-    )
+    ticket_statements(connection).delete(cursor, semaphore_ids, key, lock_wait)
 
 
 def _after(connection: BaseDatabaseWrapper, queued_until: Any, now: datetime) -> bool:

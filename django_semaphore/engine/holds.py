@@ -18,7 +18,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import signals
 from django_semaphore.backends import datetime_from_db
-from django_semaphore.models import Permit, PermitRequest, Semaphore
+from django_semaphore.engine.statements.release import release_statements
 
 logger = logging.getLogger("django_semaphore")
 
@@ -42,25 +42,13 @@ def released_holds(request_ids: Sequence[int], reason: str, using: str) -> list[
     """The permits of these requests that ended with ``reason``.
 
     Filtering on the reason leaves out a request in a sweep's batch that its
-    holder released a moment before (its own release reports it). Plain SQL,
-    not a queryset: it follows every release, and building and compiling a
-    queryset costs more than the query (measured on MariaDB: 0.7 ms a release).
+    holder released a moment before (its own release reports it). Plain SQL
+    (``engine/statements/release.py``), not a queryset: it follows every
+    release, and building and compiling a queryset costs more than the query
+    (measured on MariaDB: 0.7 ms a release).
     """
     connection = connections[using]
-    q = connection.ops.quote_name
-    permit, request, semaphore = (q(m._meta.db_table) for m in (Permit, PermitRequest, Semaphore))
-    sql = (
-        f"SELECT p.{q('request_id')}, s.{q('name')}, p.{q('count')},"
-        f" r.{q('created_at')}, r.{q('released_at')}"
-        f" FROM {permit} p"
-        f" JOIN {request} r ON r.{q('id')} = p.{q('request_id')}"
-        f" JOIN {semaphore} s ON s.{q('id')} = p.{q('semaphore_id')}"
-        f" WHERE p.{q('request_id')} IN ({', '.join(['%s'] * len(request_ids))})"
-        f" AND r.{q('release_reason')} = %s AND r.{q('released_at')} IS NOT NULL"
-    )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [*request_ids, reason])
-        rows = cursor.fetchall()
+    rows = release_statements(connection).holds(request_ids, reason)
     return [
         signals.Hold(request_id, name, count, _seconds_between(connection, created_at, released_at))
         for request_id, name, count, created_at, released_at in rows

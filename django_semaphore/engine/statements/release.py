@@ -3,6 +3,7 @@ their semaphores, changed together."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -52,6 +53,17 @@ class ReleaseStatements(SQL):
             f" THEN {q('in_use')} - %s ELSE 0 END"
         )
         self.by_key_sql = self._by_key_sql()
+        # What the requests released with a reason held, and for how long:
+        # read only while something listens to hold_ended (engine/holds.py).
+        self.holds_sql = (
+            f"SELECT p.{q('request_id')}, s.{q('name')}, p.{q('count')},"
+            f" r.{q('created_at')}, r.{q('released_at')}"
+            f" FROM {permit} p"
+            f" JOIN {request} r ON r.{q('id')} = p.{q('request_id')}"
+            f" JOIN {semaphore} s ON s.{q('id')} = p.{q('semaphore_id')}"
+            f" WHERE p.{q('request_id')} IN ({{ids}})"
+            f" AND r.{q('release_reason')} = %s AND r.{q('released_at')} IS NOT NULL"
+        )
         self.held_by_key_sql = (
             f"SELECT r.{q('external_id')}, p.{q('semaphore_id')}, p.{q('count')}"
             f" FROM {request} r JOIN {permit} p ON p.{q('request_id')} = r.{q('id')}"
@@ -116,6 +128,16 @@ class ReleaseStatements(SQL):
         return ""
 
     # Outside any transaction.
+
+    def holds(self, request_ids: Sequence[int], reason: str) -> list[tuple[Any, ...]]:
+        """(request id, semaphore name, count, granted at, released at) of
+        the permits of these requests that ended with ``reason``."""
+        with self.connection.cursor() as cursor:
+            cursor.execute(
+                self.holds_sql.format(ids=placeholders(len(request_ids))),
+                [*request_ids, reason],
+            )
+            return list(cursor.fetchall())
 
     def find_request(self, key: str) -> tuple[int, str] | None:
         """(id, state) of the request with exactly this key."""
