@@ -1,7 +1,7 @@
 """The per-database differences: bounding lock waits, reading the clock, and
 telling transient errors (retry) from real ones (surface).
 
-Everything vendor-specific lives here so ``grant.py`` reads as the algorithm.
+Everything vendor-specific lives here so ``engine/grant.py`` reads as the algorithm.
 """
 
 from __future__ import annotations

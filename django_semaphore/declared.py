@@ -3,7 +3,7 @@
 Only missing ones are created: from then on capacity belongs to the admin and
 the capacity API, where every change is recorded, so settings never overwrite it.
 The same holds for a family's default capacity, kept in the row named by its
-pattern (see ``families.py``).
+pattern (see ``engine/families.py``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What Django's ORM may write to the app's rows, and what it is refused.
 
-The engine (``grant.py``, ``releasing.py``, ``fairness.py``, the sweeps) writes permits, request
-states and the semaphore's engine-owned columns with its own statements, in
-the transactions that keep them consistent. Ordinary ORM calls made on the
+The engine (``engine/``: grants, releases, fair mode, repairs) writes
+permits, request states and the semaphore's engine-owned columns with its
+own statements, in the transactions that keep them consistent. Ordinary ORM calls made on the
 models by a project (a shell, a data migration, a script) go through here:
 
 - ``QuerySet.update()``, ``bulk_update()`` and ``bulk_create(update_conflicts=True)``

@@ -15,7 +15,7 @@ class Ticket(models.Model):
 
     Taken under the semaphore's row lock by the attempt that found no room, so
     on each semaphore ticket ids follow the order of its grant transactions
-    (see ``fairness.py``). It stops blocking others at ``expires_at``, the
+    (see ``engine/fairness.py``). It stops blocking others at ``expires_at``, the
     waiter's deadline, whether the waiter is granted, gives up or crashed.
     """
 

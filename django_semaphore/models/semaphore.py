@@ -63,7 +63,7 @@ class Semaphore(GuardedModel):
     )
     # The permits held: the sum of the ACQUIRED permits' counts, changed in
     # the same transaction as every permit state change, so the grant's room
-    # check reads one locked row whatever is held (see ``grant.py``).
+    # check reads one locked row whatever is held (see ``engine/grant.py``).
     in_use = models.PositiveIntegerField(_("in use"), default=0, editable=False)
     fair = models.BooleanField(
         _("fair (first come, first served)"),
@@ -79,7 +79,7 @@ class Semaphore(GuardedModel):
     # queue check and pays nothing for fairness.
     queued_until = models.DateTimeField(_("queued until"), null=True, blank=True, editable=False)
     # The pattern of the family this semaphore was created from on first use
-    # (``SEMAPHORES = {"export:customer:*": 2}``, see ``families.py``); empty
+    # (``SEMAPHORES = {"export:customer:*": 2}``, see ``engine/families.py``); empty
     # for every other semaphore. Only members are ever deleted by the
     # clean-up, and only while idle.
     family = models.CharField(

@@ -1,15 +1,15 @@
-"""The SQL text of grant and release, built once per connection.
+"""The engine's SQL text (grant, release, tickets), built once per connection.
 
 Building and compiling a queryset costs far more CPU than the database
 spends on these statements (measured on MariaDB: ~0.5 ms against ~0.04 ms a
 statement), and the grant runs them while it holds the semaphore rows'
 locks, so every waiter pays for that time too. The locking read is still the
-ORM's ``select_for_update()``, compiled once per number of names; the others
+manager's ``locked()`` query, compiled once per number of names; the others
 are short, fixed SQL on the models' own table and column names.
 
 Nothing here decides anything: ``grant.py`` and ``releasing.py`` say which
 statement runs when. This module has the grant's (and the verifier's);
-``release.py`` has release's.
+``release.py`` has release's, ``tickets.py`` fair mode's.
 """
 
 from __future__ import annotations
