@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from weakref import WeakKeyDictionary
 
 from django.conf import settings
-from django.db import DatabaseError
+from django.db import DatabaseError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import (
@@ -111,7 +111,11 @@ class SQL:
             .annotate(**annotations)
             .values_list(*columns)
         )
-        sql, params = queryset.query.get_compiler(connection=self.connection).as_sql()
+        # Django compiles a locking read only inside a transaction; a statement
+        # built for autocommit (PostgreSQL's one-statement release) is not in
+        # one. Nothing runs in it: it only lets the compiler through.
+        with transaction.atomic(using=self.connection.alias, savepoint=False):
+            sql, params = queryset.query.get_compiler(connection=self.connection).as_sql()
         return str(sql), list(params)
 
 
