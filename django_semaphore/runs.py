@@ -7,8 +7,6 @@ doors need not import each other.
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,6 +14,7 @@ from typing import Any
 
 from django_semaphore.conf import app_settings
 from django_semaphore.context import Heartbeat
+from django_semaphore.owners import this_process
 
 
 @dataclass(frozen=True)
@@ -37,8 +36,8 @@ class Options:
 
 
 def process_owner(label: str) -> str:
-    where = f"{socket.gethostname()} pid {os.getpid()}"
-    return f"{label} on {where}" if label else where
+    """``label on host pid N``: the owner of a permit this process holds."""
+    return f"{label} on {this_process()}" if label else this_process()
 
 
 def start_heartbeat(key: str, ttl: int | None) -> Heartbeat | None:
