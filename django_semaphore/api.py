@@ -35,6 +35,7 @@ from django_semaphore.exceptions import (
     SemaphoreExhausted,
 )
 from django_semaphore.models import PermitRequest, Semaphore
+from django_semaphore.owners import caller_owner
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import ReleaseOutcome, ReleaseReason, State
 from django_semaphore.validation import (
@@ -78,9 +79,12 @@ def acquire(
         names: ``"exports"``, ``["exports", "network"]`` or ``{"exports": 2}``.
         external_id: the caller's idempotency key (job id, task id, UUID). A
             repeated call with the same key and demand returns the same request.
-        owner: who holds the permits, for operators and liveness checkers.
+        owner: who holds the permits, for operators and liveness checkers;
+            empty: ``module.qualname on host pid N`` of the caller.
         ttl: seconds (or a ``timedelta``) after which the permits may be
-            reclaimed unless renewed; ``None`` never expires.
+            reclaimed unless renewed; ``None`` never expires. Nothing renews
+            it: hand the request to ``leases.hold`` to have this process's
+            heartbeat do so, or use ``permit()``, which holds a lease itself.
         timeout: seconds to keep trying while there is no room; 0 fails fast.
         fair: wait in first-come, first-served order (as on a semaphore whose
             ``fair`` is set): a waiter takes a ticket, and nobody is granted
@@ -109,7 +113,7 @@ def acquire(
     demand = validate_demand(names)
     families.refuse_patterns(demand.names)
     key = validate_key(external_id)
-    owner = validate_owner(owner)
+    owner = validate_owner(owner) or caller_owner()
     ttl_seconds = validate_ttl(ttl)
     wait = validate_timeout(timeout)
     fair = validate_flag(fair, "fair")

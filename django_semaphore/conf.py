@@ -59,6 +59,10 @@ DEFAULTS: dict[str, Any] = {
     # published again by the beat sweep (its message was lost, or the
     # publish failed without an error).
     "PARKED_REPUBLISH_AFTER": timedelta(minutes=5),
+    # The TTL of every holder the library manages (permit(), @holds_permit)
+    # unless it says otherwise: renewed by the process's heartbeat, it runs
+    # out this long after the holder dies.
+    "LEASE": timedelta(seconds=60),
 }
 
 DURATION_KEYS = frozenset(
@@ -68,6 +72,7 @@ DURATION_KEYS = frozenset(
         "HISTORY_RETENTION",
         "MEMBER_IDLE_LIMIT",
         "PARKED_REPUBLISH_AFTER",
+        "LEASE",
     }
 )
 
@@ -166,6 +171,10 @@ class Settings:
     @property
     def PARKED_REPUBLISH_AFTER(self) -> timedelta:
         return self._get("PARKED_REPUBLISH_AFTER")  # type: ignore[no-any-return]
+
+    @property
+    def LEASE(self) -> timedelta:
+        return self._get("LEASE")  # type: ignore[no-any-return]
 
 
 app_settings = Settings()

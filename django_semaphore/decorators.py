@@ -19,7 +19,9 @@ from django.http import HttpRequest
 
 from django_semaphore.context import permit
 from django_semaphore.exceptions import InvalidRequest
-from django_semaphore.runs import Options, process_owner
+from django_semaphore.leases import LEASE, DefaultLease
+from django_semaphore.owners import process_owner
+from django_semaphore.runs import Options
 from django_semaphore.task_runs import run_task
 from django_semaphore.validation import (
     MAX_COUNT,
@@ -39,7 +41,7 @@ def holds_permit(
     names: Any,
     *,
     count: int = 1,
-    ttl: int | float | timedelta | None = None,
+    ttl: int | float | timedelta | DefaultLease | None = LEASE,
     timeout: int | float | timedelta = 0,
     retry_after: int = 1,
     fair: bool = False,
@@ -72,7 +74,10 @@ def holds_permit(
             a function's its arguments. With a family declared in settings
             the computed semaphore is created on first use.
         count: permits per name when ``names`` is not a mapping.
-        ttl: lease renewed in the background while the body runs.
+        ttl: the lease, renewed by the process's heartbeat while the body
+            runs (a task's permit kept across its own retry is kept for the
+            countdown plus one lease): ``LEASE`` (the setting, 60 s by
+            default), seconds or a ``timedelta``; ``None`` never expires.
         timeout: seconds to wait for room before giving up (views, functions).
         retry_after: seconds a refused client is told to wait.
         fair: wait in first-come, first-served order (see ``acquire``); a
@@ -94,7 +99,8 @@ def holds_permit(
         names_of, demand = names, {}
     else:
         demand = _demand(names, count)
-    ttl_seconds = validate_ttl(ttl)
+    # The LEASE setting is read at each call (override_settings works).
+    lease = ttl if ttl is LEASE else validate_ttl(ttl)
     validate_timeout(timeout)
     if not is_int(retry_after, 0, MAX_TTL):
         # The Retry-After header takes whole seconds.
@@ -107,7 +113,7 @@ def holds_permit(
 
     def decorate(func: F) -> F:
         options = Options(
-            demand, ttl_seconds, timeout, retry_after, _label(func), fair, park, count, names_of
+            demand, lease, timeout, retry_after, _label(func), fair, park, count, names_of
         )
         if inspect.iscoroutinefunction(func):
             return cast(F, _async_wrapper(func, options))
@@ -179,7 +185,7 @@ def _sync_wrapper(func: F, options: Options) -> Callable[..., Any]:
         with permit(
             call.demand,
             owner=process_owner(call.label),
-            ttl=call.ttl,
+            ttl=call.lease,
             timeout=call.timeout,
             fair=call.fair,
         ):
@@ -197,7 +203,7 @@ def _async_wrapper(func: F, options: Options) -> Callable[..., Any]:
             async with permit(
                 call.demand,
                 owner=process_owner(call.label),
-                ttl=call.ttl,
+                ttl=call.lease,
                 timeout=call.timeout,
                 fair=call.fair,
             ):

@@ -1,5 +1,4 @@
-"""What the doors of ``@holds_permit`` share: a decorator's options, the
-owner of a process's permits, the heartbeat of a held permit.
+"""What the doors of ``@holds_permit`` share: a decorator's options.
 
 It sits below ``decorators``, ``view_runs`` and ``task_runs``, so that the two
 doors need not import each other.
@@ -13,14 +12,13 @@ from datetime import timedelta
 from typing import Any
 
 from django_semaphore.conf import app_settings
-from django_semaphore.context import Heartbeat
-from django_semaphore.owners import this_process
+from django_semaphore.leases import DefaultLease, lease_seconds
 
 
 @dataclass(frozen=True)
 class Options:
     demand: dict[str, int]
-    ttl: int | None
+    ttl: int | DefaultLease | None  # LEASE: the setting, read at each call
     timeout: int | float | timedelta
     retry_after: int
     label: str  # module.qualname of the decorated function, for owners and logs
@@ -28,21 +26,13 @@ class Options:
     park: bool | None  # None: the PARK_TASKS setting decides, when the task runs
 
     @property
+    def lease(self) -> int | None:
+        """The ttl of a permit taken now, in seconds; ``None``: no expiry."""
+        return lease_seconds(self.ttl)
+
+    @property
     def parks(self) -> bool:
         return app_settings.PARK_TASKS if self.park is None else self.park
 
     count: int
     names_of: Callable[..., Any] | None  # names computed from each call's arguments
-
-
-def process_owner(label: str) -> str:
-    """``label on host pid N``: the owner of a permit this process holds."""
-    return f"{label} on {this_process()}" if label else this_process()
-
-
-def start_heartbeat(key: str, ttl: int | None) -> Heartbeat | None:
-    if ttl is None:
-        return None
-    heartbeat = Heartbeat(key, ttl)
-    heartbeat.start()
-    return heartbeat

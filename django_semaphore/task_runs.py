@@ -23,12 +23,15 @@ import random
 import socket
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from django.db import DatabaseError, connections
-from django.db.models import QuerySet
+from django.db.models import F, QuerySet
+from django.db.models.functions import Greatest
 
 from django_semaphore import api, liveness, parking, routing, waiting
+from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import (
     LiveDuplicate,
     PermitAlreadyReleased,
@@ -37,10 +40,11 @@ from django_semaphore.exceptions import (
     SemaphoreExhausted,
     TaskAlreadyRan,
 )
+from django_semaphore.leases import HEARTBEAT, Lease
 from django_semaphore.models import PermitRequest
 from django_semaphore.owners import NO_PROCESS, TaskOwner
 from django_semaphore.retry import run_with_retries
-from django_semaphore.runs import Options, start_heartbeat
+from django_semaphore.runs import Options
 from django_semaphore.states import State
 
 logger = logging.getLogger("django_semaphore")
@@ -51,6 +55,9 @@ MAX_GENERATIONS = 50
 # Attribute of the Celery task request that carries the key a run holds, for
 # the task_postrun receiver (tasks.py can't see the decorator's locals).
 TASK_KEY_ATTRIBUTE = "django_semaphore_key"
+# ... and the lease the run holds on it (None: a ttl=None permit), which a
+# retry stops renewing when it parks the permit.
+TASK_LEASE_ATTRIBUTE = "django_semaphore_lease"
 
 
 def run_task(
@@ -80,18 +87,27 @@ def run_task(
     setattr(task.request, TASK_KEY_ATTRIBUTE, key)  # settled by on_task_postrun
     if parks:
         _forget_parked(task, options)
-    heartbeat = start_heartbeat(key, options.ttl)
+    lease = _hold_lease(key, options)
+    setattr(task.request, TASK_LEASE_ATTRIBUTE, lease)
     started = time.monotonic()
     try:
         result = func(*args, **kwargs)
     finally:
-        if heartbeat is not None:
-            heartbeat.stop()
+        if lease is not None:
+            lease.drop()
         if parks:
             waiting.held(options.demand, time.monotonic() - started)
-    if heartbeat is not None and heartbeat.lost:
+    if lease is not None and lease.lost:
         raise PermitLost(f"Task {task.request.id} lost its permit while it ran.")
     return result
+
+
+def _hold_lease(key: str, options: Options) -> Lease | None:
+    """Have the process heartbeat renew the run's permit while it runs."""
+    ttl = options.lease
+    if ttl is None:
+        return None
+    return HEARTBEAT.hold(key, ttl, routing.alias_for_names(options.demand))
 
 
 def _retry(task: Any, exc: SemaphoreExhausted) -> Exception:
@@ -115,7 +131,7 @@ def _claim_or_stand_by(task: Any, options: Options) -> str:
     no room, standing by in this worker for a release (``waiting.stand_by``).
     Raises as ``claim``."""
     claim_now = functools.partial(
-        claim, task, options.demand, options.ttl, rerun_finished=not options.parks
+        claim, task, options.demand, options.lease, rerun_finished=not options.parks
     )
     try:
         return claim_now()
@@ -210,10 +226,10 @@ def _take_over(request: PermitRequest, me: TaskOwner) -> bool:
         return False
     # Conditional on the owner we judged: of two runs adopting at once, one wins.
     return bool(
-        _update_owner(
+        _update_held(
             str(request._state.db),
             lambda held: held.filter(pk=request.pk, owner=previous),
-            str(me),
+            owner=str(me),
         )
     )
 
@@ -237,18 +253,48 @@ def _gone_from_this_machine(holder: TaskOwner) -> bool:
     return False
 
 
-def _park_permit(key: str, task: Any) -> None:
-    """Mark the permit as held by no process: the task's next attempt adopts it."""
+def _park_permit(key: str, task: Any, delay: float) -> None:
+    """Mark the permit as held by no process: the task's next attempt, due
+    in ``delay`` seconds, adopts it. No heartbeat renews it meanwhile, so its
+    lease is pushed past the delay plus one lease (never shortened, never
+    revived once lapsed: the next attempt then takes a new one)."""
     parked = str(current_owner(task, pid=NO_PROCESS))
-    _update_owner(routing.alias_for_key(key), lambda held: held.filter(external_id=key), parked)
+    alias = routing.alias_for_key(key)
+    lease: Lease | None = getattr(task.request, TASK_LEASE_ATTRIBUTE, None)
+    if lease is None:
+        _update_held(alias, lambda held: held.filter(external_id=key), owner=parked)
+        return
+    lease.drop()
+    kept_until = DatabaseNow() + timedelta(seconds=math.ceil(delay) + lease.ttl)
+    _update_held(
+        alias,
+        lambda held: held.filter(external_id=key, expires_at__gt=DatabaseNow()),
+        owner=parked,
+        expires_at=Greatest(F("expires_at"), kept_until),
+    )
 
 
-def _update_owner(alias: str, select: Callable[[QuerySet[Any]], QuerySet[Any]], owner: str) -> int:
-    """Set the owner of a held request, retrying transient database errors."""
+def _seconds_until(when: Any) -> float:
+    """Seconds until a retry runs: its countdown, or its eta (a datetime,
+    or ISO text in a message's headers; naive is UTC, as Celery sends it)."""
+    if isinstance(when, str):
+        when = datetime.fromisoformat(when)
+    if isinstance(when, datetime):
+        moment = when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+        return max(0.0, (moment - datetime.now(UTC)).total_seconds())
+    if isinstance(when, int | float) and not isinstance(when, bool):
+        return max(0.0, float(when))
+    return 0.0
+
+
+def _update_held(
+    alias: str, select: Callable[[QuerySet[Any]], QuerySet[Any]], **values: Any
+) -> int:
+    """Update a held request, retrying transient database errors."""
 
     connection = connections[alias]
     held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED)
-    return run_with_retries(connection, lambda: select(held).update(owner=owner))
+    return run_with_retries(connection, lambda: select(held).update(**values))
 
 
 def on_before_task_publish(headers: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -263,13 +309,15 @@ def on_before_task_publish(headers: dict[str, Any] | None = None, **kwargs: Any)
     if key is None or (headers or {}).get("id") != request.id:
         return
     try:
-        _park_permit(key, current_task)
+        _park_permit(key, current_task, _seconds_until((headers or {}).get("eta")))
     except SemaphoreError:
         # The next attempt then defers until postrun parks the permit.
         logger.exception("Could not park the permit %s of task %s", key, request.id)
 
 
-def on_task_postrun(sender: Any = None, task: Any = None, state: str = "", **kwargs: Any) -> None:
+def on_task_postrun(
+    sender: Any = None, task: Any = None, state: str = "", retval: Any = None, **kwargs: Any
+) -> None:
     """``task_postrun`` receiver: keep the permit across ``retry()``, release
     it once the task has finished for good (success, failure, revoked)."""
     key = getattr(getattr(task, "request", None), TASK_KEY_ATTRIBUTE, None)
@@ -277,7 +325,8 @@ def on_task_postrun(sender: Any = None, task: Any = None, state: str = "", **kwa
         return
     try:
         if state == "RETRY":
-            _park_permit(key, task)
+            # retval is the Retry raised: its ``when`` is the countdown or eta.
+            _park_permit(key, task, _seconds_until(getattr(retval, "when", None)))
         else:
             api.release(key)
     except SemaphoreError:

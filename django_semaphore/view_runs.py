@@ -18,9 +18,11 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHt
 
 from django_semaphore import api
 from django_semaphore.conf import app_settings
-from django_semaphore.context import Heartbeat
 from django_semaphore.exceptions import SemaphoreError, SemaphoreExhausted
-from django_semaphore.runs import Options, process_owner, start_heartbeat
+from django_semaphore.leases import Lease, hold
+from django_semaphore.models import PermitRequest
+from django_semaphore.owners import process_owner
+from django_semaphore.runs import Options
 from django_semaphore.validation import MAX_LENGTH
 
 logger = logging.getLogger("django_semaphore")
@@ -35,17 +37,16 @@ def run_view(
 ) -> Any:
     """Call the view holding a permit taken for this request, or answer
     429/503 without calling it; the permit ends once the response is sent."""
-    key = uuid.uuid4().hex
-    refusal = _acquire_for_view(options, request, key)
-    if refusal is not None:
-        return refusal
-    heartbeat = start_heartbeat(key, options.ttl)
+    held = _acquire_for_view(options, request)
+    if isinstance(held, HttpResponse):
+        return held
+    lease = _hold_lease(held)
     try:
         response = func(*args, **kwargs)
     except BaseException:
-        _finish(key, heartbeat)
+        _finish(held.external_id, lease)
         raise
-    return _release_when_sent(response, key, heartbeat)
+    return _release_when_sent(response, held.external_id, lease)
 
 
 async def run_async_view(
@@ -56,17 +57,23 @@ async def run_async_view(
     kwargs: dict[str, Any],
 ) -> Any:
     """``run_view`` for an async view: the database calls run in a thread."""
-    key = uuid.uuid4().hex
-    refusal = await sync_to_async(_acquire_for_view)(options, request, key)
-    if refusal is not None:
-        return refusal
-    heartbeat = start_heartbeat(key, options.ttl)
+    held = await sync_to_async(_acquire_for_view)(options, request)
+    if isinstance(held, HttpResponse):
+        return held
+    lease = _hold_lease(held)
     try:
         response = await func(*args, **kwargs)
     except BaseException:
-        await sync_to_async(_finish)(key, heartbeat)
+        await sync_to_async(_finish)(held.external_id, lease)
         raise
-    return _release_when_sent(response, key, heartbeat)
+    return _release_when_sent(response, held.external_id, lease)
+
+
+def _hold_lease(held: PermitRequest) -> Lease | None:
+    """The process heartbeat renews the permit until the response is sent."""
+    if held.ttl is None:
+        return None
+    return hold(held)
 
 
 def _view_owner(options: Options, request: HttpRequest) -> str:
@@ -78,14 +85,15 @@ def _view_owner(options: Options, request: HttpRequest) -> str:
     ].strip()
 
 
-def _acquire_for_view(options: Options, request: HttpRequest, key: str) -> HttpResponse | None:
-    """Acquire for a view; returns the refusal to send instead, if any."""
+def _acquire_for_view(options: Options, request: HttpRequest) -> PermitRequest | HttpResponse:
+    """Acquire for a view, under a fresh key: the request held, or the
+    refusal to send instead."""
     try:
-        api.acquire(
+        return api.acquire(
             options.demand,
-            external_id=key,
+            external_id=uuid.uuid4().hex,
             owner=_view_owner(options, request),
-            ttl=options.ttl,
+            ttl=options.lease,
             timeout=options.timeout,
             fair=options.fair,
         )
@@ -95,7 +103,6 @@ def _acquire_for_view(options: Options, request: HttpRequest, key: str) -> HttpR
     except SemaphoreError as exc:
         logger.error("%s refused, the semaphore could not be reached: %s", options.label, exc)
         return _refusal(503, options.retry_after)
-    return None
 
 
 def _refusal(status: int, retry_after: int) -> HttpResponse:
@@ -104,20 +111,20 @@ def _refusal(status: int, retry_after: int) -> HttpResponse:
     return response
 
 
-def _finish(key: str, heartbeat: Heartbeat | None) -> None:
-    if heartbeat is not None:
-        heartbeat.stop()
+def _finish(key: str, lease: Lease | None) -> None:
+    if lease is not None:
+        lease.drop()
     api.release(key)
 
 
-def _release_when_sent(response: Any, key: str, heartbeat: Heartbeat | None) -> Any:
+def _release_when_sent(response: Any, key: str, lease: Lease | None) -> Any:
     """Keep the permit until the server has sent the response.
 
     Servers call ``close()`` on a response once it is sent, or once the client
     went away mid-stream; that is when the work the permit guards is done.
     """
     if not isinstance(response, HttpResponseBase):
-        _finish(key, heartbeat)
+        _finish(key, lease)
         return response
     closed = False
 
@@ -125,7 +132,7 @@ def _release_when_sent(response: Any, key: str, heartbeat: Heartbeat | None) -> 
         nonlocal closed
         if not closed:
             closed = True
-            _finish(key, heartbeat)
+            _finish(key, lease)
 
     # Django's own responses (FileResponse) register closers the same way.
     response._resource_closers.append(release_once)  # type: ignore[attr-defined]

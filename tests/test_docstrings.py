@@ -27,6 +27,7 @@ PUBLIC_MODULES = (
     "engine.counter",
     "exceptions",
     "fencing",
+    "leases",
     "liveness",
     "managers",
     "models",
@@ -46,8 +47,8 @@ PUBLIC_MODULES = (
 )
 # Module attributes that are API (the others are constants and loggers).
 PUBLIC_ATTRIBUTE_MODULES = ("beat", "signals")
-# Internal despite a public name: permit()'s helper thread.
-INTERNAL = {"django_semaphore.context.Heartbeat"}
+# Internal despite a public name: the process heartbeat (``leases.hold`` is its door).
+INTERNAL = {"django_semaphore.leases.Heartbeat"}
 
 
 def package() -> griffe.Module:
