@@ -83,6 +83,25 @@ def celery_worker(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Worker]:
     """Start a worker (prefork, 3 processes) for the tests of one module."""
+    with running_worker(django_db_blocker, tmp_path_factory) as worker:
+        yield worker
+
+
+@pytest.fixture(scope="module")
+def short_lease_worker(
+    django_db_setup: None,
+    django_db_blocker: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Worker]:
+    """A worker whose ``LEASE`` setting is 2 s (tests/settings.py reads it)."""
+    with running_worker(django_db_blocker, tmp_path_factory, SEMAPHORE_TEST_LEASE="2") as worker:
+        yield worker
+
+
+@contextmanager
+def running_worker(
+    django_db_blocker: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, **env: str
+) -> Iterator[Worker]:
     queue = f"tests-{uuid.uuid4().hex[:8]}"
     nodename = f"{queue}@{os.uname().nodename}"
     with django_db_blocker.unblock():  # type: ignore[attr-defined]
@@ -96,7 +115,7 @@ def celery_worker(
     app.conf.task_default_queue = queue
     try:
         with celery_process(
-            arguments, test_database=test_database, queue=queue, log=log
+            arguments, test_database=test_database, queue=queue, log=log, **env
         ) as process:
             worker = Worker(process, nodename, queue, log)
             _wait_until_ready(worker)

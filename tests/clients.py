@@ -116,3 +116,15 @@ def race_one_key(name: str, key: str, barrier: Any, results: Outbox) -> None:
         results.put(f"{type(exc).__name__}: {exc}")
     finally:
         connections.close_all()
+
+
+def hold_until_killed(name: str, lease: int, outbox: Outbox) -> None:
+    """Holds ``name`` in a ``permit()`` block under a ``lease``-second lease,
+    says which key, and sleeps until it is killed."""
+    from django.test import override_settings
+
+    from django_semaphore import permit
+
+    with override_settings(DJANGO_SEMAPHORE={"LEASE": lease}), permit(name) as grant:
+        outbox.put(grant.external_id)
+        time.sleep(CLIENT_BOUND)

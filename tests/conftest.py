@@ -178,4 +178,4 @@ def make_semaphore(db) -> Callable[..., Semaphore]:
     return make
 
 
-from tests.celery_worker import celery_worker  # noqa: E402, F401  (a fixture)
+from tests.celery_worker import celery_worker, short_lease_worker  # noqa: E402, F401  (fixtures)

@@ -81,6 +81,10 @@ TEMPLATES = [
 # A family too, for the real worker's tasks whose semaphore is computed
 # (tests/tasks.py, per_member): created on first use, capacity 1 each.
 DJANGO_SEMAPHORE = {"SEMAPHORES": {"declared-in-settings": 4, "celery-family:*": 1}}
+# A worker started with a short lease (tests/test_leases.py): a holder it
+# loses gives its permits back within seconds.
+if _lease := env.int("SEMAPHORE_TEST_LEASE", default=0):
+    DJANGO_SEMAPHORE["LEASE"] = _lease
 # SQLite outside DEBUG is what the SQLite test pass is for (tests force DEBUG off).
 SILENCED_SYSTEM_CHECKS = ["django_semaphore.W002"]
 

@@ -67,6 +67,25 @@ def slow(self: Any, label: str, hold: float) -> int:
     return _work(label, hold, self)
 
 
+# --- leases (test_leases, on a worker whose LEASE is 2 s) ------------------------
+
+
+@shared_task(bind=True, acks_late=False)  # acknowledged first: never run again once killed
+@holds_permit(ONE)
+def held_until_killed(self: Any, label: str, hold: float) -> int:
+    return _work(label, hold, self)
+
+
+@shared_task(bind=True, max_retries=3)
+@holds_permit(ONE)
+def retries_after_a_lease(self: Any, label: str, countdown: int) -> int:
+    """Holds ONE across a retry whose countdown outlasts the lease."""
+    log_pk = _work(label, 0, self)
+    if self.request.retries == 0:
+        raise self.retry(countdown=countdown)
+    return log_pk
+
+
 # --- maintenance (test_liveness, test_beat) ------------------------------------
 
 # The worker runs the app's own maintenance tasks too (scheduled by beat).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -13,6 +14,7 @@ from django.db import connections
 from django_semaphore import acquire, permit, signals
 from django_semaphore.engine.releasing import release_requests
 from django_semaphore.exceptions import PermitLost, SemaphoreExhausted
+from django_semaphore.leases import HEARTBEAT
 from django_semaphore.models import PermitRequest, Semaphore
 from django_semaphore.states import ReleaseReason, State
 from tests.conftest import unique
@@ -80,12 +82,15 @@ def test_without_heartbeat_the_ttl_is_left_alone(make_semaphore):
     assert grant.request.expires_at == first
 
 
-def test_no_thread_outlives_the_block(make_semaphore):
-    sem = make_semaphore()
-    before = threading.active_count()
-    with permit(sem.name, ttl=3):
-        assert threading.active_count() == before + 1
-    assert threading.active_count() == before
+def test_one_heartbeat_thread_however_many_permits(make_semaphore):
+    sem = make_semaphore(capacity=5)
+    with contextlib.ExitStack() as stack:
+        for _ in range(5):
+            stack.enter_context(permit(sem.name, ttl=3))
+        heartbeats = [t for t in threading.enumerate() if t.name == "semaphore-heartbeat"]
+        assert len(heartbeats) == 1
+        assert HEARTBEAT.holding == 5
+    assert HEARTBEAT.holding == 0  # idle: nothing left to renew
 
 
 @pytest.mark.usefixtures("sync_thread_connections")
