@@ -605,8 +605,8 @@ def test_semaphore_status_and_the_metrics_count_parked_tasks(client):
     out = StringIO()
     call_command("semaphore_status", s.name, stdout=out)
     header, row = out.getvalue().splitlines()[:2]
-    assert header.split()[-1] == "parked"
-    assert row.split()[-1] == "3"
+    assert header.split()[-3:] == ["parked", "oldest", "parked"]
+    assert row.split()[-2] == "3"
 
     metrics = client.get("/metrics/").content.decode()
     assert f'django_semaphore_parked_tasks{{semaphore="{s.name}"}} 3.0' in metrics
