@@ -64,7 +64,6 @@ from django.db.models import (
     DurationField,
     ExpressionWrapper,
     F,
-    Min,
     OuterRef,
     QuerySet,
     Subquery,
@@ -287,15 +286,15 @@ def with_parked(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
     Correlated subqueries on the (semaphore, task) index: the first in line
     is the lowest task id there (ids are handed out as tasks park, and a task
     parked again keeps its row), read from the index alone, then its
-    ``parked_at`` by primary key -- two look-ups however many are parked.
+    ``parked_at`` by primary key: two look-ups however many are parked.
     """
     demands = ParkedDemand.objects.filter(semaphore=OuterRef("pk")).order_by().values("semaphore")
+    # ORDER BY ... LIMIT 1, not MIN() ... GROUP BY: PostgreSQL then reads one
+    # index entry, where the aggregate read every demand of the semaphore.
     first_in_line = (
         ParkedDemand.objects.filter(semaphore=OuterRef(OuterRef("pk")))
-        .order_by()
-        .values("semaphore")
-        .annotate(first=Min("task_id"))
-        .values("first")
+        .order_by("task_id")
+        .values("task_id")[:1]
     )
     return queryset.annotate(
         parked=Coalesce(
