@@ -303,7 +303,7 @@ def with_parked(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
             output_field=BigIntegerField(),
         ),
         parked_since=Subquery(
-            ParkedTask.objects.filter(pk=Subquery(first_in_line)).values("parked_at")
+            ParkedTask.objects.filter(pk=Subquery(first_in_line)).order_by().values("parked_at")
         ),
     ).annotate(
         oldest_parked=ExpressionWrapper(
