@@ -36,6 +36,7 @@ SETTING_IDS = {
     "SEMAPHORES": 9,
     "SHARDS": 10,
     "PARK_TASKS": 20,
+    "METRICS_PER_MEMBER": 30,
 }
 
 

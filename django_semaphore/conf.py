@@ -63,6 +63,10 @@ DEFAULTS: dict[str, Any] = {
     # unless it says otherwise: renewed by the process's heartbeat, it runs
     # out this long after the holder dies.
     "LEASE": timedelta(seconds=60),
+    # Families (patterns in SEMAPHORES) whose members the Prometheus metrics
+    # label one by one; any other family's members are one series, labelled
+    # with its pattern (metrics/series.py).
+    "METRICS_PER_MEMBER": [],
 }
 
 DURATION_KEYS = frozenset(
@@ -176,6 +180,10 @@ class Settings:
     def LEASE(self) -> timedelta:
         return self._get("LEASE")  # type: ignore[no-any-return]
 
+    @property
+    def METRICS_PER_MEMBER(self) -> frozenset[str]:
+        return frozenset(self._get("METRICS_PER_MEMBER"))
+
 
 app_settings = Settings()
 
@@ -195,6 +203,8 @@ def setting_problems(key: str, value: Any) -> list[str]:
         return _checker_problems(value)
     if key == "SEMAPHORES":
         return _declared_problems(value)
+    if key == "METRICS_PER_MEMBER":
+        return _per_member_problems(value)
     sound, expects = _SCALAR_RULES[key]
     return [] if sound(value) else [f"DJANGO_SEMAPHORE[{key!r}] must be {expects}, not {value!r}."]
 
@@ -287,6 +297,29 @@ def _declared_problems(value: Any) -> list[str]:
             and 0 < len(name) <= MAX_LENGTH
             and (_is_capacity(capacity) or (is_pattern(name) and _is_family(capacity)))
         )
+    ]
+
+
+def _per_member_problems(value: Any) -> list[str]:
+    """A list of family patterns, each declared in ``SEMAPHORES``: a pattern
+    declared nowhere (a typo) would keep its family's members in one series
+    without a word."""
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        return [
+            "DJANGO_SEMAPHORE['METRICS_PER_MEMBER'] must be a list of family patterns, "
+            f"not {value!r}."
+        ]
+    declared = app_settings.user_settings.get("SEMAPHORES", {})
+    families = (
+        [name for name in declared if isinstance(name, str) and is_pattern(name)]
+        if isinstance(declared, Mapping)
+        else []
+    )
+    return [
+        f"DJANGO_SEMAPHORE['METRICS_PER_MEMBER'] names {pattern!r}, which is not a family "
+        f"declared in SEMAPHORES (declared: {families!r})."
+        for pattern in value
+        if not isinstance(pattern, str) or pattern not in families
     ]
 
 

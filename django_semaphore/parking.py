@@ -58,7 +58,16 @@ from typing import Any
 
 from django.db import IntegrityError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import BigIntegerField, Count, OuterRef, QuerySet, Subquery
+from django.db.models import (
+    BigIntegerField,
+    Count,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    OuterRef,
+    QuerySet,
+    Subquery,
+)
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -144,7 +153,9 @@ def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) 
                     body=row.body,
                     content_type=row.content_type,
                     content_encoding=row.encoding,
-                    parked_at=timezone.now(),
+                    # The database's clock, as the age the console shows is
+                    # read from it (parking.with_parked).
+                    parked_at=backends.StatementNow(),
                     expires_at=row.expires_at,
                 )
         except IntegrityError:
@@ -266,14 +277,36 @@ _UID = "django_semaphore.parking"
 
 
 def with_parked(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
-    """Annotate ``parked``: the Celery tasks parked on each semaphore (woken
-    ones included), by a correlated subquery on the (semaphore, task) index,
-    in the same query (the admin, ``semaphore_status``, the metrics)."""
-    parked = ParkedDemand.objects.filter(semaphore=OuterRef("pk")).order_by().values("semaphore")
+    """Annotate ``parked``, the Celery tasks parked on each semaphore (woken
+    ones included); ``parked_since``, when the first of them in line parked,
+    and ``oldest_parked``, how long ago that was by the database's clock (a
+    ``timedelta``; both ``None`` when nothing is parked). For the admin,
+    ``semaphore_status`` and the metrics, in the same query.
+
+    Correlated subqueries on the (semaphore, task) index: the first in line
+    is the lowest task id there (ids are handed out as tasks park, and a task
+    parked again keeps its row), read from the index alone, then its
+    ``parked_at`` by primary key: two look-ups however many are parked.
+    """
+    demands = ParkedDemand.objects.filter(semaphore=OuterRef("pk")).order_by().values("semaphore")
+    # ORDER BY ... LIMIT 1, not MIN() ... GROUP BY: PostgreSQL then reads one
+    # index entry, where the aggregate read every demand of the semaphore.
+    first_in_line = (
+        ParkedDemand.objects.filter(semaphore=OuterRef(OuterRef("pk")))
+        .order_by("task_id")
+        .values("task_id")[:1]
+    )
     return queryset.annotate(
         parked=Coalesce(
-            Subquery(parked.annotate(number=Count("task_id")).values("number")),
+            Subquery(demands.annotate(number=Count("task_id")).values("number")),
             0,
             output_field=BigIntegerField(),
-        )
+        ),
+        parked_since=Subquery(
+            ParkedTask.objects.filter(pk=Subquery(first_in_line)).order_by().values("parked_at")
+        ),
+    ).annotate(
+        oldest_parked=ExpressionWrapper(
+            backends.DatabaseNow() - F("parked_since"), output_field=DurationField()
+        ),
     )

@@ -86,13 +86,13 @@ def test_status_shows_capacity_use_and_holders(make_semaphore):
 
     assert lines[0].split() == [
         "name", "capacity", "in", "use", "available", "holders", "waiters", "longest", "wait",
-        "parked",
+        "parked", "oldest", "parked",
     ]  # fmt: skip
     rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
     assert rows == {
-        busy.name: ["3", "3", "0", "2", "0", "-", "0"],
-        idle.name: ["2", "0", "2", "0", "0", "-", "0"],
-        over.name: ["1", "2", "0", "(over)", "1", "0", "-", "0"],
+        busy.name: ["3", "3", "0", "2", "0", "-", "0", "-"],
+        idle.name: ["2", "0", "2", "0", "0", "-", "0", "-"],
+        over.name: ["1", "2", "0", "(over)", "1", "0", "-", "0", "-"],
     }
 
 

@@ -110,9 +110,9 @@ def test_status_prints_waiters_and_each_queue(make_semaphore):
     lines = out.getvalue().splitlines()
     row = lines[1].split()
     assert row[:2] == [sem.name, "(fair)"]
-    # ... waiters, longest wait, parked tasks
-    assert row[-3] == "2"
-    assert 42 <= float(row[-2].rstrip("s")) < 60
+    # ... waiters, longest wait, parked tasks, oldest parked
+    assert row[-4] == "2"
+    assert 42 <= float(row[-3].rstrip("s")) < 60
     assert f"Waiting in line on {sem.name}, first served first:" in lines
     # place, owner ("waiter n"), key, count, since, gives up at
     places = [line.split() for line in lines[lines.index("") + 3 :]]

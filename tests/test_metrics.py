@@ -15,6 +15,7 @@ import pytest
 from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, connections
+from django.test.utils import CaptureQueriesContext
 from prometheus_client import REGISTRY
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
@@ -26,10 +27,12 @@ from django_semaphore import acquire, force_release, release, set_capacity, swee
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.metrics import checks
 from django_semaphore.metrics.views import metrics
+from django_semaphore.models import Permit, PermitRequest, Semaphore
 from tests.children import Outbox, join, spawn
 from tests.conftest import unique
 from tests.metrics_clients import acquire_and_release, scrape
 from tests.test_backends import kill_own_connection, row_locked_elsewhere
+from tests.test_parked import aged, park_row
 from tests.test_sweep import shift
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -268,3 +271,94 @@ def test_the_view_says_what_is_missing(rf, monkeypatch):
     monkeypatch.setattr(apps, "is_installed", lambda name: name != "django_semaphore.metrics")
     with pytest.raises(ImproperlyConfigured, match="INSTALLED_APPS"):
         metrics(rf.get("/metrics/"))
+
+
+# --- families: one series per family unless named in METRICS_PER_MEMBER ------------
+
+
+@pytest.fixture
+def family(settings) -> str:
+    """A family ``<prefix>:*`` of capacity 2 and a declared ``<prefix>:vip``
+    that its pattern also matches; returns the pattern."""
+    prefix = unique("fam")
+    settings.DJANGO_SEMAPHORE = {"SEMAPHORES": {f"{prefix}:vip": 5, f"{prefix}:*": 2}}
+    Semaphore.objects.create(name=f"{prefix}:vip", capacity=5)
+    return f"{prefix}:*"
+
+
+def member(pattern: str, key: str) -> str:
+    return pattern.replace("*", key)
+
+
+def use_family(pattern: str) -> None:
+    """Member a holds 2 (full), b holds 1 with a task parked 60 s ago, c a
+    task parked 30 s ago; the declared vip holds 1; a refusal on a."""
+    a, b, c = (member(pattern, key) for key in "abc")
+    acquire({a: 2}, external_id=unique())
+    acquire(b, external_id=unique())
+    acquire(c, external_id=unique())  # created, then free again
+    release_all_of(c)
+    acquire(member(pattern, "vip"), external_id=unique())
+    with pytest.raises(SemaphoreExhausted):
+        acquire(a, external_id=unique())
+    aged(park_row({b: 1}), 60)
+    aged(park_row({c: 1}), 30)
+
+
+def release_all_of(name: str) -> None:
+    held = PermitRequest.objects.filter(permits__semaphore__name=name, state="ACQUIRED")
+    for external_id in held.values_list("external_id", flat=True):
+        release(external_id)
+
+
+def test_a_familys_members_are_one_series_labelled_with_its_pattern(client, family):
+    use_family(family)
+
+    samples = parse(client.get("/metrics/").content.decode())
+
+    labels = {dict(labels).get("semaphore") for _, labels in samples} - {None}
+    assert not {label for label in labels if label.startswith(family[:-1])} - {
+        family,
+        member(family, "vip"),
+    }
+    # Capacity, in use and parked add up over the three members (the family's
+    # default row adds none); the oldest parked is the worst of them.
+    assert at(samples, "django_semaphore_capacity", semaphore=family) == 6
+    assert at(samples, "django_semaphore_in_use", semaphore=family) == 3
+    assert at(samples, "django_semaphore_parked_tasks", semaphore=family) == 2
+    assert 60 <= at(samples, "django_semaphore_oldest_parked_seconds", semaphore=family) < 120
+    assert at(samples, "django_semaphore_grants_total", semaphore=family) == 3
+    assert at(samples, "django_semaphore_exhaustions_total", semaphore=family) == 1
+    released = {"semaphore": family, "reason": "released"}
+    assert at(samples, "django_semaphore_releases_total", **released) == 1
+    # A name declared on its own keeps its own series.
+    vip = member(family, "vip")
+    assert at(samples, "django_semaphore_capacity", semaphore=vip) == 5
+    assert at(samples, "django_semaphore_grants_total", semaphore=vip) == 1
+
+
+def test_a_family_named_in_metrics_per_member_has_a_series_per_member(client, family, settings):
+    settings.DJANGO_SEMAPHORE["METRICS_PER_MEMBER"] = [family]
+    use_family(family)
+
+    samples = parse(client.get("/metrics/").content.decode())
+
+    a, b = member(family, "a"), member(family, "b")
+    assert at(samples, "django_semaphore_in_use", semaphore=a) == 2
+    assert at(samples, "django_semaphore_in_use", semaphore=b) == 1
+    assert 60 <= at(samples, "django_semaphore_oldest_parked_seconds", semaphore=b) < 120
+    assert at(samples, "django_semaphore_grants_total", semaphore=a) == 1
+    assert at(samples, "django_semaphore_exhaustions_total", semaphore=a) == 1
+    # The family's default row is reported as it always was: nothing in use.
+    assert at(samples, "django_semaphore_in_use", semaphore=family) == 0
+    assert at(samples, "django_semaphore_grants_total", semaphore=family) is None
+
+
+def test_a_scrape_reads_no_permit_only_what_it_reports(client, family):
+    use_family(family)
+
+    with CaptureQueriesContext(connections["default"]) as queries:
+        client.get("/metrics/")
+
+    (read,) = [q["sql"] for q in queries if Semaphore._meta.db_table in q["sql"]]
+    assert Permit._meta.db_table not in read

@@ -18,13 +18,17 @@ from typing import Any
 
 import pytest
 from celery.result import AsyncResult
+from django.core.management import call_command
 from django.db import connection, connections
+from django.db.models import DurationField, Value
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
 from django_semaphore import acquire, parking, release, sweep, waiting, wake
+from django_semaphore.admin.semaphores import SemaphoreAdmin
 from django_semaphore.api import set_capacity
+from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.states import State
@@ -601,8 +605,75 @@ def test_semaphore_status_and_the_metrics_count_parked_tasks(client):
     out = StringIO()
     call_command("semaphore_status", s.name, stdout=out)
     header, row = out.getvalue().splitlines()[:2]
-    assert header.split()[-1] == "parked"
-    assert row.split()[-1] == "3"
+    assert header.split()[-3:] == ["parked", "oldest", "parked"]
+    assert row.split()[-2] == "3"
 
     metrics = client.get("/metrics/").content.decode()
     assert f'django_semaphore_parked_tasks{{semaphore="{s.name}"}} 3.0' in metrics
+
+
+def aged(task_id: str, seconds: int) -> None:
+    """Make a parked row ``seconds`` old by the database's clock."""
+    ParkedTask.objects.filter(task_id=task_id).update(
+        parked_at=DatabaseNow() - Value(timedelta(seconds=seconds), DurationField())
+    )
+
+
+def test_the_oldest_parked_task_is_aged_by_the_database_clock_everywhere(client):
+    older, newer, idle = semaphore(1), semaphore(1), semaphore(1)
+    aged(park_row({older.name: 1}), 150)
+    aged(park_row({older.name: 1}), 20)  # younger, behind it in line
+    aged(park_row({newer.name: 1}), 90)
+    viewer = staff_client(client)
+    changelist = reverse("admin:django_semaphore_semaphore_changelist")
+    column = SemaphoreAdmin.list_display.index("oldest_parked")
+
+    # Sorted by the column, oldest first; idle ones have none.
+    response = viewer.get(changelist, {"o": str(column)})
+    listed = [s.name for s in response.context["cl"].result_list if s.parked]
+    assert listed == [older.name, newer.name]
+    rows = {s.name: s.oldest_parked for s in response.context["cl"].result_list}
+    assert 150 <= rows[older.name].total_seconds() < 210
+    assert 90 <= rows[newer.name].total_seconds() < 150
+    assert rows[idle.name] is None
+    assert "2\xa0minutes" in response.content.decode()  # timesince's non-breaking space
+    page = viewer.get(reverse("admin:django_semaphore_semaphore_change", args=[older.pk]))
+    assert "Oldest parked" in page.content.decode()
+    assert "2\xa0minutes" in page.content.decode()
+
+    out = StringIO()
+    call_command("semaphore_status", older.name, idle.name, stdout=out)
+    header, *lines = out.getvalue().splitlines()
+    assert header.split()[-2:] == ["oldest", "parked"]
+    last = {line.split()[0]: line.split()[-1] for line in lines}
+    assert 150 <= float(last[older.name].rstrip("s")) < 210
+    assert last[idle.name] == "-"
+
+    scraped = client.get("/metrics/").content.decode()
+    gauge = "django_semaphore_oldest_parked_seconds"
+    assert 150 <= sample_of(scraped, gauge, older.name) < 210
+    assert 90 <= sample_of(scraped, gauge, newer.name) < 150
+    assert sample_of(scraped, gauge, idle.name) == 0
+
+
+def sample_of(exposition: str, metric: str, semaphore: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return next(
+        sample.value
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+        if sample.name == metric and sample.labels == {"semaphore": semaphore}
+    )
+
+
+def test_the_oldest_parked_task_is_read_from_the_index_not_every_parked_row():
+    s = semaphore(1)
+    for _ in range(3):
+        park_row({s.name: 1})
+
+    with CaptureQueriesContext(connection) as queries:
+        row = parking.with_parked(Semaphore.objects.filter(pk=s.pk)).get()
+
+    assert (row.parked, len(queries)) == (3, 1)
+    assert "LIMIT 1" in queries[0]["sql"].upper()

@@ -291,6 +291,9 @@ BAD_SETTINGS = [
     ("SEMAPHORES", {"x": -1}),
     ("SEMAPHORES", {"x": "3"}),
     ("SEMAPHORES", ["x"]),
+    ("METRICS_PER_MEMBER", "export:*"),
+    ("METRICS_PER_MEMBER", [5]),
+    ("METRICS_PER_MEMBER", ["export:*"]),  # a family declared nowhere (a typo)
 ]
 
 
@@ -339,7 +342,9 @@ def test_sound_settings_are_read_as_given(settings):
         "STALENESS_LIMIT": 3600,
         "HISTORY_RETENTION": timedelta(days=3),
         "SEMAPHORES": {"a": 0, "b:*": {"capacity": 2, "max_members": 5}},
+        "METRICS_PER_MEMBER": ("b:*",),
     }
+    assert {"b:*"} == app_settings.METRICS_PER_MEMBER
     durations = (app_settings.STALENESS_LIMIT, app_settings.HISTORY_RETENTION)
     assert durations == (timedelta(hours=1), timedelta(days=3))
     assert app_settings.LOCK_WAIT_TIMEOUT == 2.5

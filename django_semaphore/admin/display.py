@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
@@ -62,6 +62,12 @@ def expiry(expires_at: datetime | None, now: datetime) -> str:
     if expires_at <= now:
         return gettext("expired %(time)s ago") % {"time": duration(expires_at, now)}
     return gettext("in %(time)s") % {"time": duration(now, expires_at)}
+
+
+def elapsed(waited: timedelta) -> str:
+    """A time measured elsewhere (by the database's clock), in ``duration``'s words."""
+    end = datetime.fromtimestamp(0, UTC) + max(waited, timedelta(0))
+    return duration(datetime.fromtimestamp(0, UTC), end)
 
 
 def duration(start: datetime, end: datetime) -> str:

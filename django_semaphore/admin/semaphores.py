@@ -7,7 +7,7 @@ capacity history."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, cast
 
 from django import forms
@@ -25,7 +25,7 @@ from django.utils.translation import gettext_lazy as _
 from django_semaphore import parking, routing
 from django_semaphore.admin.base import OperatorAdmin
 from django_semaphore.admin.chart import describe, render_svg
-from django_semaphore.admin.display import duration, expiry, usage_bar
+from django_semaphore.admin.display import duration, elapsed, expiry, usage_bar
 from django_semaphore.admin.usage import UsageFilter, annotated, with_changelist_columns
 from django_semaphore.api import set_capacity
 from django_semaphore.engine import families
@@ -109,6 +109,7 @@ class SemaphoreAdmin(OperatorAdmin):
         "longest_wait",
         "last_capacity_change",
         "parked",
+        "oldest_parked",
     ]
     list_filter = [UsageFilter, "fair", FamilyFilter]
     search_fields = ["name"]
@@ -121,6 +122,7 @@ class SemaphoreAdmin(OperatorAdmin):
         "waiters",
         "longest_wait",
         "parked",
+        "oldest_parked",
         "fencing_counter",
         "family_role",
         "created_at",
@@ -152,6 +154,7 @@ class SemaphoreAdmin(OperatorAdmin):
                         "waiters",
                         "longest_wait",
                         "parked",
+                        "oldest_parked",
                     ]
                 },
             ),
@@ -243,6 +246,14 @@ class SemaphoreAdmin(OperatorAdmin):
             self.admin_url(ParkedTask, "changelist", demands__semaphore__id__exact=obj.pk),
             count,
         )
+
+    @admin.display(description=_("oldest parked"), ordering="parked_since")
+    def oldest_parked(self, obj: Semaphore) -> str:
+        """How long the first parked task in line has waited, by the database's clock."""
+        waited: timedelta | None = getattr(obj, "oldest_parked", None)
+        if waited is None:
+            return self.get_empty_value_display()
+        return elapsed(waited)
 
     @admin.display(description=_("last capacity change"), ordering="last_capacity_change")
     def last_capacity_change(self, obj: Semaphore) -> SafeString | str:

@@ -2,6 +2,8 @@
 
 Nothing is kept in process memory: every process (and every host) answers
 with the same figures, in one query, whichever of them serves the scrape.
+A family's members are one series unless ``METRICS_PER_MEMBER`` names it
+(``series``).
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable
-from datetime import timedelta
 
 from django.db import DatabaseError
 from prometheus_client import REGISTRY
@@ -17,6 +18,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from django_semaphore import routing
+from django_semaphore.metrics import series
 from django_semaphore.models import Semaphore
 from django_semaphore.parking import with_parked
 
@@ -24,37 +26,38 @@ logger = logging.getLogger("django_semaphore")
 
 
 class SemaphoreCollector(Collector):
-    """Capacity, permits in use, fair-mode waiters and the longest wait of
-    every semaphore, and whether the database answered."""
+    """Capacity, permits in use, fair-mode waiters, the longest wait, parked
+    tasks and the oldest of them, of every semaphore (a family's members
+    together, see ``series``), and whether the database answered."""
 
     def describe(self) -> Iterable[Metric]:
         # What register() reads instead of calling collect(): no query at start-up.
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
-        capacity, in_use, waiters, longest_wait, parked, up = families = self._families()
+        capacity, in_use, waiters, longest_wait, parked, oldest_parked, up = families = (
+            self._families()
+        )
         try:
-            semaphores = list(
-                with_parked(
-                    Semaphore.objects.db_manager(routing.current_alias())
-                    .with_usage()
-                    .only("name", "capacity")
-                    .order_by("name")
-                )
+            rows = list(
+                with_parked(Semaphore.objects.db_manager(routing.current_alias()).with_usage())
+                .order_by()
+                .values(*series.COLUMNS)
             )
         except DatabaseError:
             logger.warning("Metrics: could not read the semaphores' usage.", exc_info=True)
             up.add_metric([], 0)
             return [up]
         up.add_metric([], 1)
-        for semaphore in semaphores:
-            capacity.add_metric([semaphore.name], semaphore.capacity)
-            # MySQL returns the annotated sum as a Decimal.
-            in_use.add_metric([semaphore.name], semaphore.in_use)
-            waiters.add_metric([semaphore.name], int(semaphore.waiters))  # type: ignore[attr-defined]
-            waited: timedelta | None = semaphore.longest_wait  # type: ignore[attr-defined]
-            longest_wait.add_metric([semaphore.name], waited.total_seconds() if waited else 0)
-            parked.add_metric([semaphore.name], int(semaphore.parked))  # type: ignore[attr-defined]
+        gauges = series.gauges_by_label(rows)
+        for label in sorted(gauges):
+            of = gauges[label]
+            capacity.add_metric([label], of.capacity)
+            in_use.add_metric([label], of.in_use)
+            waiters.add_metric([label], of.waiters)
+            longest_wait.add_metric([label], of.longest_wait)
+            parked.add_metric([label], of.parked)
+            oldest_parked.add_metric([label], of.oldest_parked)
         return families
 
     @staticmethod
@@ -83,6 +86,11 @@ class SemaphoreCollector(Collector):
             GaugeMetricFamily(
                 "django_semaphore_parked_tasks",
                 "Celery tasks parked until this semaphore has room for them.",
+                labels=["semaphore"],
+            ),
+            GaugeMetricFamily(
+                "django_semaphore_oldest_parked_seconds",
+                "How long the first parked task in line has waited (database clock); 0 when none.",
                 labels=["semaphore"],
             ),
             GaugeMetricFamily(

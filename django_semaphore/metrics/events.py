@@ -2,7 +2,9 @@
 
 Each process counts its own events: run prometheus_client's multiprocess
 mode (``PROMETHEUS_MULTIPROC_DIR``) where several processes serve or acquire
-(gunicorn workers, Celery prefork children); see docs/metrics.md.
+(gunicorn workers, Celery prefork children); see docs/metrics.md. A family's
+members are counted in one series unless ``METRICS_PER_MEMBER`` names it
+(``series``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 from prometheus_client import Counter, Histogram
 
 from django_semaphore import signals
+from django_semaphore.metrics.series import event_label
 from django_semaphore.models import PermitRequest, Semaphore
 
 # Waits run from a fail-fast refusal (milliseconds) to a caller's timeout
@@ -63,7 +66,7 @@ HOLD = Histogram(
 
 def on_permit_acquired(sender: Any, request: PermitRequest, **kwargs: Any) -> None:
     for name in request.fencing_tokens:
-        GRANTS.labels(name).inc()
+        GRANTS.labels(event_label(name)).inc()
 
 
 def on_acquire_finished(
@@ -76,15 +79,16 @@ def on_acquire_finished(
 ) -> None:
     outcome = "granted" if granted else "exhausted"
     for name in names:
-        WAIT.labels(name, outcome).observe(waited)
+        WAIT.labels(event_label(name), outcome).observe(waited)
     for name in lacking:
-        EXHAUSTIONS.labels(name).inc()
+        EXHAUSTIONS.labels(event_label(name)).inc()
 
 
 def on_hold_ended(sender: Any, holds: Sequence[signals.Hold], reason: str, **kwargs: Any) -> None:
     for hold in holds:
-        RELEASES.labels(hold.semaphore, reason).inc()
-        HOLD.labels(hold.semaphore, reason).observe(hold.seconds)
+        label = event_label(hold.semaphore)
+        RELEASES.labels(label, reason).inc()
+        HOLD.labels(label, reason).observe(hold.seconds)
 
 
 def on_database_retry(sender: Any, kind: str, **kwargs: Any) -> None:
@@ -92,7 +96,7 @@ def on_database_retry(sender: Any, kind: str, **kwargs: Any) -> None:
 
 
 def on_counter_drift(sender: Any, drift: signals.Drift, **kwargs: Any) -> None:
-    COUNTER_DRIFT.labels(drift.semaphore).inc()
+    COUNTER_DRIFT.labels(event_label(drift.semaphore)).inc()
 
 
 def connect_receivers() -> None:

@@ -1,5 +1,5 @@
-"""``manage.py semaphore_status``: every semaphore's capacity, use, holders
-and waiters, then the queue of each semaphore that fair waiters wait on.
+"""``manage.py semaphore_status``: every semaphore's capacity, use, holders,
+waiters and parked tasks, then the queue of each semaphore that fair waiters wait on.
 ``--verify`` first checks every in-use counter against the permits it counts
 (``counter.verify``), corrects any difference and reports it."""
 
@@ -24,8 +24,9 @@ QUEUE_SHOWN = 20
 
 class Command(BaseCommand):
     help = (
-        "Show each semaphore: capacity, in use, available, holders, waiters and the "
-        "longest wait; then who waits in line on each (fair mode)."
+        "Show each semaphore: capacity, in use, available, holders, waiters, the "
+        "longest wait, parked tasks and how long the first of them has waited; then "
+        "who waits in line on each (fair mode)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -54,6 +55,7 @@ class Command(BaseCommand):
                 "waiters",
                 "longest wait",
                 "parked",
+                "oldest parked",
             )
         ]
         queued = []
@@ -76,6 +78,7 @@ class Command(BaseCommand):
                     str(waiters),
                     _seconds(s.longest_wait),  # type: ignore[attr-defined]
                     str(s.parked),  # type: ignore[attr-defined]
+                    _seconds(s.oldest_parked),  # type: ignore[attr-defined]
                 )
             )
             if waiters:
