@@ -235,7 +235,8 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
     (at once, or after ``STANDBY_WAIT``; a woken task keeps its place).
 
     It stands by unless this process knows its semaphores to be held long,
-    or, for a task not woken, tasks are parked on them: those came first.
+    or, for a task not woken, parked tasks are held back on them (they
+    lacked room there): those came first.
 
     Raises what ``claim`` raises for anything but a want of room
     (``LiveDuplicate`` included).
@@ -253,8 +254,12 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
     parked = ParkedTask.objects.using(alias).filter(task_id=task_id).values_list("woken_at")
     match parked.first():
         case None:  # not parked
+            # Only tasks held back there come first: one waiting for another
+            # tenant's cap is no reason to park (engine/wakeups).
             queued = ParkedDemand.objects.using(alias).filter(
-                semaphore_id__in=[id for id, _, _ in wanted], task__woken_at__isnull=True
+                semaphore_id__in=[id for id, _, _ in wanted],
+                lacked=True,
+                task__woken_at__isnull=True,
             )
             if queued.exists():
                 return None

@@ -1,14 +1,24 @@
 """Fair mode: a durable first-come, first-served queue.
 
 **Tickets.** An acquire that must wait on a fair semaphore (``Semaphore.fair``,
-or ``acquire(..., fair=True)``) leaves a ``Ticket`` per semaphore in the same
-transaction whose attempt found no room, while it holds those rows' locks. So
-on each semaphore ticket ids are in the order of its grant transactions: a
-ticket with a lower id was committed before any grant that could see a higher
-one. An attempt is then granted only when no older live ticket waits on any of
-its semaphores. Auto-increment ids, not the clock: ids are unique and never
-tie, and no clock decides an order (two clients' clocks, or the database's
-clock read before a lock wait, could).
+or ``acquire(..., fair=True)``) leaves a ``Ticket`` on each semaphore where it
+lacks room, or stands behind an older ticket, in the transaction of the
+attempt that found so, while it holds those rows' locks; a later attempt
+adds one on each semaphore where it has come to lack room since. So on each
+semaphore ticket ids are in the order of its grant transactions: a ticket
+with a lower id was committed before any grant that could see a higher one.
+An attempt is then granted only when it has room and no older live ticket
+waits on any of its semaphores. Auto-increment ids, not the clock: ids are
+unique and never tie, and no clock decides an order (two clients' clocks, or
+the database's clock read before a lock wait, could).
+
+**Tenants, no starvation.** A waiter holds back younger ones only where it
+has a ticket: where it lacked room. Tenant A's waiters at A's own cap, that
+found room on the shared ``exports``, never keep tenant B from ``exports``.
+A ticket stays until its waiter is granted or leaves, so once a waiter
+lacked room on a semaphore nobody younger is granted there before it: its
+semaphores cannot take turns at denying it (``docs/fairness.md`` states
+the bound).
 
 A ticket stops blocking at ``expires_at``, its waiter's deadline, whatever
 became of the waiter: granted (its ticket is deleted in the grant
@@ -63,6 +73,7 @@ class Place:
     fair: bool  # the call asked for fair mode
     deadline: float | None  # monotonic; None: fails fast, never takes a ticket
     ticketed: bool = False  # a committed attempt took tickets
+    queued_on: set[int] = field(default_factory=set)  # ids of its ticketed semaphores
     ahead: int = 0  # capacities' worth of older tickets seen; 0: next in line
     # This process's order of waiters in a line. A ticket's is assigned when
     # its transaction commits, still under the in-process pre-lock, so in a
@@ -81,7 +92,8 @@ class Place:
         lock_wait: float,
     ) -> list[str]:
         """Under the row locks: the names that keep this call waiting (empty:
-        grant it). Takes this call's tickets when it has to wait."""
+        grant it). When it has to wait, takes this call's tickets on those
+        of them it has none on yet."""
         live = [s for s in locked if _after(connection, s.queued_until, now)]
         ahead = _older_tickets(connection, cursor, live, self.key, now, lock_wait) if live else {}
         # How many permit grants must come before this waiter's, in units of
@@ -98,8 +110,9 @@ class Place:
             if self.ticketed or (live and self._queues(locked)):
                 _delete_tickets(connection, cursor, [s.id for s in locked], self.key, lock_wait)
             return []
-        if not self.ticketed and self.deadline is not None and self._queues(locked):
-            self._take_tickets(connection, locked, now, self.deadline, lock_wait)
+        unqueued = [s for s in locked if s.name in blocked and s.id not in self.queued_on]
+        if unqueued and self.deadline is not None and self._queues(locked):
+            self._take_tickets(connection, unqueued, now, self.deadline, lock_wait)
         elif self.seq == 0:
             self.seq = next(_sequence)
         return blocked
@@ -120,11 +133,14 @@ class Place:
         expires_at = now + min(life, MAX_TICKET_LIFE)
         _insert_tickets(connection, locked, self, now, expires_at, lock_wait)
         # Known once committed: a rolled-back attempt took nothing.
-        transaction.on_commit(self._ticket_committed, using=connection.alias)
+        ids = {s.id for s in locked}
+        transaction.on_commit(lambda: self._ticket_committed(ids), using=connection.alias)
 
-    def _ticket_committed(self) -> None:
-        self.ticketed = True
-        self.seq = next(_sequence)
+    def _ticket_committed(self, semaphore_ids: set[int]) -> None:
+        self.queued_on |= semaphore_ids
+        if not self.ticketed:
+            self.ticketed = True
+            self.seq = next(_sequence)
 
     def leave(self, alias: str) -> None:
         """Delete this call's tickets after it gave up; best effort (they
@@ -137,6 +153,7 @@ class Place:
                 semaphore__name__in=self.demand.names, external_id=self.key
             ).delete()
         self.ticketed = False
+        self.queued_on = set()
 
 
 # --- the statements, inside the grant transaction ------------------------------
