@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from io import StringIO
 from typing import Any
@@ -33,14 +33,6 @@ from tests.conftest import behind_the_engine, unique
 from tests.testapp.models import RunLog
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def wakes() -> Iterator[None]:
-    """This (test) process's releases wake parked tasks, as a worker's do."""
-    parking.enable()
-    yield
-    parking.disable()
 
 
 def eventually(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
@@ -203,20 +195,6 @@ def test_a_parked_task_published_twice_runs_once(park, wakes):
 
 
 # --- the wake-up's choices, on rows written directly ----------------------------
-
-
-@pytest.fixture
-def published(monkeypatch) -> list[str]:
-    """The task ids a wake-up publishes, instead of publishing them."""
-    sent: list[str] = []
-
-    def publish(alias: str, parked: list[int]) -> int:
-        ids = ParkedTask.objects.using(alias).filter(id__in=parked).order_by("id")
-        sent.extend(ids.values_list("task_id", flat=True))
-        return len(parked)
-
-    monkeypatch.setattr(wake, "publish", publish)
-    return sent
 
 
 def park_row(demand: dict[str, int], task_id: str | None = None, **fields: Any) -> str:
@@ -421,16 +399,6 @@ def test_a_release_tells_the_wake_up_what_it_freed_on_every_path(wakes, monkeypa
 
 
 # --- standing by ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def holds() -> Iterator[dict[str, float]]:
-    """This process's memory of holds, empty for the test."""
-    saved = dict(waiting._holds)
-    waiting._holds.clear()
-    yield waiting._holds
-    waiting._holds.clear()
-    waiting._holds.update(saved)
 
 
 def claimer(name: str, key: str) -> Callable[[], str]:
