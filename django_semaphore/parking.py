@@ -32,12 +32,12 @@ holding them. So a refused task first *stands by* in its worker
 back on them (tasks that lacked room there came first). It probes the
 counters with one plain read every tenth of the hold this process saw
 (``waiting.held``), and claims the permit the moment a release frees one,
-for at most ``STANDBY_WAIT``; then it parks (a woken task keeps its place). One task a process stands by on a semaphore (a
-thread or gevent pool's others park). The standbys are the worker's
-processes left over: while they wait, the broker's backlog stays in the
-broker, not in rows. A first standby that no release reaches marks its
-semaphores as held long in this process, so long holds pay
-``STANDBY_WAIT`` once per worker process.
+for at most ``STANDBY_WAIT``; then it parks (a woken task keeps its place).
+One task a process stands by on a semaphore (a thread or gevent pool's
+others park). The standbys are the worker's processes left over: while they
+wait, the broker's backlog stays in the broker, not in rows. A first standby
+that no release reaches marks its semaphores as held long in this process,
+so long holds pay ``STANDBY_WAIT`` once per worker process.
 
 **Nothing lost, nothing run twice.** A woken row stays until its run holds its
 permit (``started``), so a publish that failed, or a message lost before a

@@ -200,7 +200,9 @@ def test_a_fair_tenant_at_its_cap_never_holds_back_another(make_semaphore):
         for n, waiter in enumerate(waiters):
             waiter.start()
             wait_for_tickets(a.name, n + 1)  # one after the other: their order is known
-        assert not Ticket.objects.filter(semaphore=exports).exists()  # room there
+        # Room on exports: their tickets there only keep their place.
+        assert not Ticket.objects.filter(semaphore=exports, lacked=True).exists()
+        assert Semaphore.objects.get(pk=exports.pk).queued_until is None
 
         started = time.monotonic()
         acquire({exports.name: 1, b.name: 1}, external_id=key(), fair=True, timeout=3)

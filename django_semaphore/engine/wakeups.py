@@ -119,7 +119,7 @@ def wake_once(
             # Fair-mode waiters came first: a woken task would only be refused.
             tickets = (
                 Ticket.objects.using(alias)
-                .filter(semaphore_id__in=involved, expires_at__gt=DatabaseNow())
+                .filter(semaphore_id__in=involved, lacked=True, expires_at__gt=DatabaseNow())
                 .values("semaphore_id")
                 .annotate(total=Sum("count"))
                 .values_list("semaphore_id", "total")
