@@ -1,5 +1,6 @@
 """The Celery app and tasks of ``python -m benchmarks.parked``: one task that
-parks when refused, one that retries as ``@holds_permit`` tasks do by default.
+parks when refused, one that retries as ``@holds_permit`` tasks do by default;
+and the tenants' export task of ``python -m benchmarks.tenants``.
 
 Both the driver and the worker import it. What they do is counted in Redis,
 so the driver reads the worker's figures without a result backend: every
@@ -63,6 +64,25 @@ def unlimited(self: Any) -> None:
     """No semaphore: run by a worker of ``capacity`` processes, what this
     machine's worker can do at that concurrency (the practical ideal)."""
     _run(self.request.id)
+
+
+# --- tenants (``python -m benchmarks.tenants``) ----------------------------------
+
+EXPORTS = "bench-exports"
+STARTS = "bench-tenants:starts"
+
+
+def tenant_demand(tenant: str, enqueued: float) -> dict[str, int]:
+    """The shared semaphore and the tenant's own cap."""
+    return {EXPORTS: 1, f"bench-export:customer:{tenant}": 1}
+
+
+@app.task(bind=True)
+@holds_permit(tenant_demand, park=True)
+def export(self: Any, tenant: str, enqueued: float) -> None:
+    """Records the delay from its enqueueing to its start (one machine)."""
+    counts.rpush(STARTS, f"{tenant} {time.time() - enqueued}")
+    time.sleep(HOLD)
 
 
 @before_task_publish.connect

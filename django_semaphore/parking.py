@@ -16,25 +16,28 @@ raise -- sends ``signals.permits_freed`` once committed; its receiver in
 transaction that locks the semaphore rows in name order (as the grant does),
 reads the room left -- capacity, minus ``in_use``, minus what tasks woken
 earlier and not started yet will take, minus what live fair-mode tickets wait
-for -- and marks the oldest parked tasks that fit, strictly first in, first
-out per semaphore: a task that does not fit holds back every younger one on
-its semaphores. Their messages are published after that commits.
+for -- and marks the oldest parked tasks that fit, first in, first out per
+semaphore where it matters: a task that does not fit holds back younger ones
+only on the semaphores where it lacks (or once lacked) room, so tenant A's
+tasks waiting for A's own cap never keep tenant B's from a shared semaphore
+with room (``engine/wakeups``). Their messages are published after that
+commits.
 
 **Stand by first.** Parking costs a broker round trip per hand-off
 (release, wake-up, publish, delivery, grant), longer than a short task: a
 capacity of 20 ms tasks would spend more time handing permits over than
 holding them. So a refused task first *stands by* in its worker
 (``waiting.stand_by``) -- unless this process saw its semaphores held for
-``SHORT_HOLD`` or longer, or, for a task not woken, tasks are parked on them
-(those came first). It probes the counters with one plain read every tenth
-of the hold this process saw (``waiting.held``), and claims the permit the
-moment a release frees one, for at most ``STANDBY_WAIT``; then it parks (a
-woken task keeps its place). One task a process stands by on a semaphore (a
-thread or gevent pool's others park). The standbys are the worker's
-processes left over: while they wait, the broker's backlog stays in the
-broker, not in rows. A first standby that no release reaches marks its
-semaphores as held long in this process, so long holds pay
-``STANDBY_WAIT`` once per worker process.
+``SHORT_HOLD`` or longer, or, for a task not woken, parked tasks are held
+back on them (tasks that lacked room there came first). It probes the
+counters with one plain read every tenth of the hold this process saw
+(``waiting.held``), and claims the permit the moment a release frees one,
+for at most ``STANDBY_WAIT``; then it parks (a woken task keeps its place).
+One task a process stands by on a semaphore (a thread or gevent pool's
+others park). The standbys are the worker's processes left over: while they
+wait, the broker's backlog stays in the broker, not in rows. A first standby
+that no release reaches marks its semaphores as held long in this process,
+so long holds pay ``STANDBY_WAIT`` once per worker process.
 
 **Nothing lost, nothing run twice.** A woken row stays until its run holds its
 permit (``started``), so a publish that failed, or a message lost before a
@@ -73,6 +76,7 @@ from django.utils import timezone
 
 from django_semaphore import backends, routing, signals, wake
 from django_semaphore.conf import app_settings
+from django_semaphore.engine import wakeups
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Semaphore
 from django_semaphore.retry import run_with_retries
@@ -139,11 +143,21 @@ def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) 
     """The row and its demands in one transaction; the semaphores' ids."""
     alias = connection.alias
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
-        ids = dict(Semaphore.objects.using(alias).filter(name__in=demand).values_list("name", "id"))
-        if len(ids) != len(demand):
-            raise SemaphoreNotFound(set(demand) - set(ids))
+        rows = Semaphore.objects.using(alias).filter(name__in=demand)
+        room = {
+            name: (id, capacity - in_use)
+            for name, id, capacity, in_use in rows.values_list("name", "id", "capacity", "in_use")
+        }
+        if len(room) != len(demand):
+            raise SemaphoreNotFound(set(demand) - set(room))
+        ids = {name: id for name, (id, _) in room.items()}
+        # Where it lacks room it holds back younger tasks (engine/wakeups).
+        lacking = {id for name, (id, free) in room.items() if free < demand[name]}
         # A woken task that found no room again keeps its place in line.
-        if ParkedTask.objects.using(alias).filter(task_id=row.task_id).update(woken_at=None):
+        parked_before = ParkedTask.objects.using(alias).filter(task_id=row.task_id)
+        if parked_id := parked_before.values_list("id", flat=True).first():
+            parked_before.update(woken_at=None)
+            wakeups.mark_lacked(alias, parked_id, lacking)
             return list(ids.values())
         try:
             with transaction.atomic(using=alias):
@@ -161,7 +175,13 @@ def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) 
         except IntegrityError:
             return list(ids.values())  # another copy of this task parked it first
         ParkedDemand.objects.using(alias).bulk_create(
-            ParkedDemand(task=parked, semaphore_id=ids[name], count=count)
+            ParkedDemand(
+                task=parked,
+                semaphore_id=ids[name],
+                count=count,
+                lacked=ids[name] in lacking,
+                elsewhere=bool(lacking - {ids[name]}),
+            )
             for name, count in demand.items()
         )
     return list(ids.values())

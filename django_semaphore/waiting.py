@@ -22,9 +22,10 @@ of it, plus its own, fit in the capacity: the next releases are for it), it
 probes every ``PROBE_EVERY`` with one cheap read of what is in use (no lock,
 no transaction) and attempts as soon as there is room for it, or after
 ``NEXT_IN_LINE_ATTEMPT`` at the latest (a reclaim of expired permits needs an
-attempt). Further back, it attempts again after ``PROBE_EVERY`` more per
-capacity's worth of tickets ahead of it (each takes at least one round of
-holds), at most ``POLL_CAP``.
+attempt); refused only by older tickets whose waiters lack room elsewhere
+(it has room already), it polls as one a round of holds back. Further back,
+it attempts again after ``PROBE_EVERY`` more per capacity's worth of tickets
+ahead of it (each takes at least one round of holds), at most ``POLL_CAP``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Sem
 # spread out instead of stampeding the row the moment a permit is released.
 BACKOFF_BASE = 0.05
 BACKOFF_CAP = 2.0
+BACKOFF_DOUBLINGS = 10  # BACKOFF_BASE * 2**10 > BACKOFF_CAP
 # Seconds, before a jitter of x0.5-1 (see the module's docstring).
 PROBE_EVERY = 0.02
 NEXT_IN_LINE_ATTEMPT = 1.0
@@ -119,7 +121,9 @@ def wait_for_room(
 
 
 def _backoff(attempt: int) -> float:
-    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2**attempt))
+    # The exponent is capped: past the cap it changes nothing, and a long
+    # wait's thousandth poll would overflow a float.
+    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** min(attempt, BACKOFF_DOUBLINGS)))
 
 
 def pause(place: Place, connection: BaseDatabaseWrapper, backoff: float, deadline: float) -> None:
@@ -136,9 +140,13 @@ def pause(place: Place, connection: BaseDatabaseWrapper, backoff: float, deadlin
     if not place.ticketed:
         time.sleep(max(min(backoff, deadline - now), 0))
         return
-    if place.ahead:
-        # Each capacity's worth ahead takes at least one round of holds.
-        interval = min(PROBE_EVERY * (1 + place.ahead), POLL_CAP) * random.uniform(0.5, 1.0)
+    if place.ahead or not place.short:
+        # Each capacity's worth ahead takes at least one round of holds. A
+        # waiter refused only by older tickets (their waiters lack room
+        # elsewhere) has room already: probing it would attempt at once, again
+        # and again, so it waits as one a round of holds back.
+        rounds = max(place.ahead, 1)
+        interval = min(PROBE_EVERY * (1 + rounds), POLL_CAP) * random.uniform(0.5, 1.0)
         time.sleep(max(min(interval, deadline - now), 0))
         return
     until = min(deadline, now + NEXT_IN_LINE_ATTEMPT * random.uniform(0.5, 1.0))
@@ -235,7 +243,8 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
     (at once, or after ``STANDBY_WAIT``; a woken task keeps its place).
 
     It stands by unless this process knows its semaphores to be held long,
-    or, for a task not woken, tasks are parked on them: those came first.
+    or, for a task not woken, parked tasks are held back on them (they
+    lacked room there): those came first.
 
     Raises what ``claim`` raises for anything but a want of room
     (``LiveDuplicate`` included).
@@ -253,8 +262,12 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
     parked = ParkedTask.objects.using(alias).filter(task_id=task_id).values_list("woken_at")
     match parked.first():
         case None:  # not parked
+            # Only tasks held back there come first: one waiting for another
+            # tenant's cap is no reason to park (engine/wakeups).
             queued = ParkedDemand.objects.using(alias).filter(
-                semaphore_id__in=[id for id, _, _ in wanted], task__woken_at__isnull=True
+                semaphore_id__in=[id for id, _, _ in wanted],
+                lacked=True,
+                task__woken_at__isnull=True,
             )
             if queued.exists():
                 return None

@@ -8,7 +8,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from functools import partial
@@ -19,10 +19,10 @@ from django.db import connection, connections
 from django.db.models import DurationField, OuterRef, Subquery, Sum, Value
 from django.db.models.functions import Coalesce
 
-from django_semaphore import acquire, release, set_capacity
+from django_semaphore import acquire, parking, release, set_capacity, waiting, wake
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.guards import engine_writes
-from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore
+from django_semaphore.models import CapacityChange, ParkedTask, Permit, PermitRequest, Semaphore
 from django_semaphore.states import State
 from tests.children import RUNTIME, STACKS_VARIABLE, dump_stacks_on_signal, stop
 
@@ -176,6 +176,41 @@ def make_semaphore(db) -> Callable[..., Semaphore]:
         return Semaphore.objects.create(name=name or unique(), capacity=capacity, fair=fair)
 
     return make
+
+
+# --- parked tasks (test_parked, test_tenants) ---------------------------------------
+
+
+@pytest.fixture
+def wakes() -> Iterator[None]:
+    """This (test) process's releases wake parked tasks, as a worker's do."""
+    parking.enable()
+    yield
+    parking.disable()
+
+
+@pytest.fixture
+def published(monkeypatch) -> list[str]:
+    """The task ids a wake-up publishes, instead of publishing them."""
+    sent: list[str] = []
+
+    def publish(alias: str, parked: list[int]) -> int:
+        ids = ParkedTask.objects.using(alias).filter(id__in=parked).order_by("id")
+        sent.extend(ids.values_list("task_id", flat=True))
+        return len(parked)
+
+    monkeypatch.setattr(wake, "publish", publish)
+    return sent
+
+
+@pytest.fixture
+def holds() -> Iterator[dict[str, float]]:
+    """This process's memory of holds, empty for the test."""
+    saved = dict(waiting._holds)
+    waiting._holds.clear()
+    yield waiting._holds
+    waiting._holds.clear()
+    waiting._holds.update(saved)
 
 
 from tests.celery_worker import celery_worker, short_lease_worker  # noqa: E402, F401  (fixtures)

@@ -37,21 +37,26 @@ def stream(name: str, stop: Any, errors: Outbox) -> None:
 
 def record_tickets(history: Outbox) -> None:
     """Make this process record each ticket it takes, once committed:
-    (key, semaphore id, ticket id, the semaphore's fencing counter then)."""
+    (key, semaphore id, ticket id, the semaphore's fencing counter when it
+    came to hold back there, None while it does not)."""
     take = fairness._insert_tickets
 
     from django_semaphore.models import Ticket
 
-    def recording(connection, locked, place, *args: Any) -> None:
-        take(connection, locked, place, *args)
+    def recording(connection, locked, place, now, expires_at, lock_wait, short) -> None:
+        take(connection, locked, place, now, expires_at, lock_wait, short)
         ids = dict(
             Ticket.objects.using(connection.alias)
             .filter(external_id=place.key)
             .values_list("semaphore_id", "id")
         )
-        # The counter was read under the row lock this ticket is taken under:
-        # every grant with a higher token comes after the ticket.
-        rows = [("ticket", place.key, s.id, ids[s.id], s.fencing_counter) for s in locked]
+        # The counter was read under the row lock this ticket is marked under:
+        # every grant with a higher token comes after it holds back.
+        rows = [
+            ("ticket", place.key, s.id, ids[s.id], s.fencing_counter if s.id in short else None)
+            for s in locked
+            if (s.id in short and s.id not in place.held) or not place.ticketed
+        ]
         transaction.on_commit(lambda: [history.put(row) for row in rows], using=connection.alias)
 
     fairness._insert_tickets = recording  # type: ignore[assignment]

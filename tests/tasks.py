@@ -165,6 +165,24 @@ def parked_on_two(self: Any, label: str, hold: float) -> int:
     return _work_on(PARK, label, hold, self)
 
 
+# Two tenants sharing one semaphore, each under its own cap (test_tenants).
+SHARED = "celery-exports"
+TENANT_A = "celery-export:customer:A"
+TENANT_B = "celery-export:customer:B"
+
+
+@shared_task(bind=True, max_retries=0)
+@holds_permit({SHARED: 1, TENANT_A: 1}, park=True)
+def export_for_a(self: Any, label: str, hold: float) -> int:
+    return _work_on(SHARED, label, hold, self)
+
+
+@shared_task(bind=True, max_retries=0)
+@holds_permit({SHARED: 1, TENANT_B: 1}, park=True)
+def export_for_b(self: Any, label: str, hold: float) -> int:
+    return _work_on(SHARED, label, hold, self)
+
+
 @shared_task(bind=True, max_retries=40)
 @holds_permit(lambda member, **_: f"celery-family:{member}")
 def per_member(self: Any, member: str, hold: float = 0.0) -> int:

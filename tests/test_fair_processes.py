@@ -92,16 +92,20 @@ def test_grants_follow_ticket_order_per_semaphore(make_semaphore):
     tickets, grants = {}, defaultdict(dict)
     for kind, key, semaphore, number, counter in history.items():
         if kind == "ticket":
-            tickets[key, semaphore] = (number, counter)
+            # A ticket holds back from when its waiter lacked room there.
+            held_since = tickets.get((key, semaphore), (None, None))[1]
+            tickets[key, semaphore] = (number, counter if held_since is None else held_since)
         else:
             grants[semaphore][key] = number
-    queued = [k for k in tickets if k[0] in grants[k[1]]]
+    queued = [k for k, (_, counter) in tickets.items() if counter is not None]
     assert len(queued) > 100, "too little waiting to tell an order"
     violations = []
     for (key, semaphore), (ticket, counter) in tickets.items():
+        if counter is None:
+            continue  # it never lacked room there: it held back nobody
         token = grants[semaphore][key]
-        # Every grant after this ticket was taken and before its own grant
-        # must have had an older ticket on this semaphore.
+        # Every grant after this ticket came to hold back and before its own
+        # grant must have had an older ticket on this semaphore.
         for other, other_token in grants[semaphore].items():
             if counter < other_token < token:
                 other_ticket = tickets.get((other, semaphore), (None, None))[0]

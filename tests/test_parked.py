@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from io import StringIO
 from typing import Any
@@ -37,14 +37,6 @@ from tests.conftest import behind_the_engine, unique
 from tests.testapp.models import RunLog
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def wakes() -> Iterator[None]:
-    """This (test) process's releases wake parked tasks, as a worker's do."""
-    parking.enable()
-    yield
-    parking.disable()
 
 
 def eventually(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
@@ -209,20 +201,6 @@ def test_a_parked_task_published_twice_runs_once(park, wakes):
 # --- the wake-up's choices, on rows written directly ----------------------------
 
 
-@pytest.fixture
-def published(monkeypatch) -> list[str]:
-    """The task ids a wake-up publishes, instead of publishing them."""
-    sent: list[str] = []
-
-    def publish(alias: str, parked: list[int]) -> int:
-        ids = ParkedTask.objects.using(alias).filter(id__in=parked).order_by("id")
-        sent.extend(ids.values_list("task_id", flat=True))
-        return len(parked)
-
-    monkeypatch.setattr(wake, "publish", publish)
-    return sent
-
-
 def park_row(demand: dict[str, int], task_id: str | None = None, **fields: Any) -> str:
     row = parking._Row(
         task_id or unique("task"), "tests.parked", b"{}", "application/json", "utf-8", None
@@ -285,7 +263,8 @@ def test_wake_respects_the_other_semaphore_of_a_multi_semaphore_demand(published
     assert wake.wake("default", [b.pk]) == 1
     assert published == [older_on_b]
     parking.started(older_on_b, {b.name: 1})
-    assert wake.wake("default", [a.pk]) == 1
+    # "both" lacked room on b: b's next wake-up (its release's) finds it.
+    assert wake.wake("default", [b.pk]) == 1
     assert published == [older_on_b, both]
 
 
@@ -324,7 +303,8 @@ def test_a_wake_up_reads_no_more_parked_tasks_than_fit(published):
         assert wake.wake("default", [s.pk]) == 2
     assert published == rows[:2]
     windows = [q["sql"] for q in queries.captured_queries if "LIMIT" in q["sql"]]
-    assert [sql.rstrip()[-7:] for sql in windows] == ["LIMIT 2"], windows
+    # The oldest that lacked room there, the oldest that lacked it nowhere else.
+    assert [sql.rstrip()[-7:] for sql in windows] == ["LIMIT 2", "LIMIT 2"], windows
 
 
 def test_a_failed_publish_leaves_the_row_and_gives_its_room_back(monkeypatch):
@@ -425,16 +405,6 @@ def test_a_release_tells_the_wake_up_what_it_freed_on_every_path(wakes, monkeypa
 # --- standing by ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def holds() -> Iterator[dict[str, float]]:
-    """This process's memory of holds, empty for the test."""
-    saved = dict(waiting._holds)
-    waiting._holds.clear()
-    yield waiting._holds
-    waiting._holds.clear()
-    waiting._holds.update(saved)
-
-
 def claimer(name: str, key: str) -> Callable[[], str]:
     def claim() -> str:
         acquire(name, external_id=key)
@@ -501,8 +471,8 @@ def test_a_woken_task_stands_by_though_younger_ones_are_parked(holds, published)
 
 def test_a_new_task_parks_behind_parked_ones_and_a_copy_of_a_parked_one_parks(holds, published):
     s = semaphore(1)
-    parked = park_row({s.name: 1})
     acquire(s.name, external_id="holder")
+    parked = park_row({s.name: 1})  # it lacked room: it holds back younger ones
     never = claimer(s.name, "never")
 
     started = time.monotonic()

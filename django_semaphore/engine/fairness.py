@@ -5,18 +5,31 @@ or ``acquire(..., fair=True)``) leaves a ``Ticket`` per semaphore in the same
 transaction whose attempt found no room, while it holds those rows' locks. So
 on each semaphore ticket ids are in the order of its grant transactions: a
 ticket with a lower id was committed before any grant that could see a higher
-one. An attempt is then granted only when no older live ticket waits on any of
-its semaphores. Auto-increment ids, not the clock: ids are unique and never
-tie, and no clock decides an order (two clients' clocks, or the database's
-clock read before a lock wait, could).
+one. Auto-increment ids, not the clock: ids are unique and never tie, and no
+clock decides an order (two clients' clocks, or the database's clock read
+before a lock wait, could). All of a waiter's tickets are taken in one
+transaction, under all of its rows' locks, so two waiters are in the same
+order on every semaphore they share: nobody waits for anybody in a circle.
+
+**Holding back, tenants, no starvation.** A ticket holds back younger
+waiters only where its waiter lacked room (``Ticket.lacked``: on the
+semaphores where the ticketing attempt lacked room, and on each one where a
+later attempt came to lack it); elsewhere it only keeps its waiter's place.
+An attempt is granted when it has room and no older ticket that lacked room
+waits on any of its semaphores. So tenant A's waiters at A's own cap, that
+found room on the shared ``exports``, never keep tenant B from ``exports``.
+A ticket that lacked room keeps holding back until its waiter is granted or
+leaves, so its semaphores cannot take turns at denying it
+(``docs/fairness.md`` states the bound).
 
 A ticket stops blocking at ``expires_at``, its waiter's deadline, whatever
 became of the waiter: granted (its ticket is deleted in the grant
 transaction), gone (it deletes it on the way out), or crashed (it expires).
 
-**Cost when unused.** Taking a ticket also writes ``Semaphore.queued_until``,
-the latest deadline queued there. The grant's locking read returns it: while
-it is in the past no ticket can be live, so no statement is added. While it
+**Cost when unused.** A ticket that lacked room also writes
+``Semaphore.queued_until``, the latest deadline queued there. The grant's
+locking read returns it: while it is in the past no ticket that holds back
+can be live, so no statement is added. While it
 is in the future every acquire on that semaphore, fair or not, respects the
 queue: a caller that did not ask for fairness may not barge past those who
 did.
@@ -63,7 +76,12 @@ class Place:
     fair: bool  # the call asked for fair mode
     deadline: float | None  # monotonic; None: fails fast, never takes a ticket
     ticketed: bool = False  # a committed attempt took tickets
+    # Ids of the semaphores where its tickets lacked room (and hold back others).
+    held: set[int] = field(default_factory=set)
     ahead: int = 0  # capacities' worth of older tickets seen; 0: next in line
+    # The last refusal found a semaphore without room (not only older tickets,
+    # which a probe of the counters cannot tell gone).
+    short: bool = False
     # This process's order of waiters in a line. A ticket's is assigned when
     # its transaction commits, still under the in-process pre-lock, so in a
     # line of ticketed waiters (one demand) it follows their tickets' order.
@@ -81,7 +99,8 @@ class Place:
         lock_wait: float,
     ) -> list[str]:
         """Under the row locks: the names that keep this call waiting (empty:
-        grant it). Takes this call's tickets when it has to wait."""
+        grant it). When it has to wait, takes this call's tickets, or marks
+        those where it newly lacks room."""
         live = [s for s in locked if _after(connection, s.queued_until, now)]
         ahead = _older_tickets(connection, cursor, live, self.key, now, lock_wait) if live else {}
         # How many permit grants must come before this waiter's, in units of
@@ -92,14 +111,20 @@ class Place:
         )
         self.semaphores = [(s.id, s.name, s.capacity) for s in locked]
         blocked = sorted(set(lacking) | {s.name for s in live if s.id in ahead})
+        self.short = bool(lacking)
         if not blocked:
             # This key's tickets, this call's or an earlier call's with the
             # same key (a retry): granted, they must stop blocking others.
             if self.ticketed or (live and self._queues(locked)):
                 _delete_tickets(connection, cursor, [s.id for s in locked], self.key, lock_wait)
             return []
-        if not self.ticketed and self.deadline is not None and self._queues(locked):
-            self._take_tickets(connection, locked, now, self.deadline, lock_wait)
+        short = {s.id for s in locked if s.name in lacking}
+        if (
+            self.deadline is not None
+            and self._queues(locked)
+            and not (self.ticketed and short <= self.held)
+        ):
+            self._queue(connection, locked, short, now, self.deadline, lock_wait)
         elif self.seq == 0:
             self.seq = next(_sequence)
         return blocked
@@ -108,23 +133,26 @@ class Place:
         """Whether this call takes a ticket when it has to wait."""
         return self.fair or any(s.fair for s in locked)
 
-    def _take_tickets(
+    def _queue(
         self,
         connection: BaseDatabaseWrapper,
         locked: Sequence[LockedSemaphore],
+        short: set[int],
         now: datetime,
         deadline: float,
         lock_wait: float,
     ) -> None:
         life = timedelta(seconds=max(deadline - time.monotonic(), 0))
         expires_at = now + min(life, MAX_TICKET_LIFE)
-        _insert_tickets(connection, locked, self, now, expires_at, lock_wait)
+        _insert_tickets(connection, locked, self, now, expires_at, lock_wait, short)
         # Known once committed: a rolled-back attempt took nothing.
-        transaction.on_commit(self._ticket_committed, using=connection.alias)
+        transaction.on_commit(lambda: self._ticket_committed(short), using=connection.alias)
 
-    def _ticket_committed(self) -> None:
-        self.ticketed = True
-        self.seq = next(_sequence)
+    def _ticket_committed(self, short: set[int]) -> None:
+        self.held |= short
+        if not self.ticketed:
+            self.ticketed = True
+            self.seq = next(_sequence)
 
     def leave(self, alias: str) -> None:
         """Delete this call's tickets after it gave up; best effort (they
@@ -137,6 +165,7 @@ class Place:
                 semaphore__name__in=self.demand.names, external_id=self.key
             ).delete()
         self.ticketed = False
+        self.held = set()
 
 
 # --- the statements, inside the grant transaction ------------------------------
@@ -164,8 +193,11 @@ def _insert_tickets(
     now: datetime,
     expires_at: datetime,
     lock_wait: float,
+    short: set[int],
 ) -> None:
-    """Once per waiter: through the ORM, whose statements carry no per-statement
+    """This waiter's tickets on all of its semaphores (kept if it has them),
+    marked where it lacks room (``short``, semaphore ids), where the queue
+    is then live. Through the ORM, whose statements carry no per-statement
     bound, so MariaDB's session is bounded around them (elsewhere the whole
     grant transaction already is)."""
     alias = connection.alias
@@ -175,10 +207,11 @@ def _insert_tickets(
         if backends.bounds_each_statement(connection)
         else nullcontext()
     )
+    tickets = Ticket.objects.using(alias)
     with bound:
         # A retry with the same key (another process, the first one crashed
         # or still waiting) keeps the ticket's place; it only pushes its expiry.
-        Ticket.objects.using(alias).bulk_create(
+        tickets.bulk_create(
             [
                 Ticket(
                     semaphore_id=s.id,
@@ -187,18 +220,20 @@ def _insert_tickets(
                     count=place.demand.counts[s.name],
                     created_at=now,
                     expires_at=expires_at,
+                    lacked=s.id in short,
                 )
                 for s in locked
             ],
             ignore_conflicts=True,
         )
-        Ticket.objects.using(alias).filter(
-            semaphore_id__in=ids, external_id=place.key, expires_at__lt=expires_at
-        ).update(expires_at=expires_at)
-        # Under the row lock: the grant's locking read learns that a queue is live.
-        Semaphore.objects.using(alias).filter(pk__in=ids).filter(
-            Q(queued_until__isnull=True) | Q(queued_until__lt=expires_at)
-        ).update(queued_until=expires_at)
+        mine = tickets.filter(semaphore_id__in=ids, external_id=place.key)
+        mine.filter(expires_at__lt=expires_at).update(expires_at=expires_at)
+        if short:
+            mine.filter(semaphore_id__in=short, lacked=False).update(lacked=True)
+            # Under the row lock: the grant's locking read learns that a queue is live.
+            Semaphore.objects.using(alias).filter(pk__in=short).filter(
+                Q(queued_until__isnull=True) | Q(queued_until__lt=expires_at)
+            ).update(queued_until=expires_at)
 
 
 def _delete_tickets(

@@ -1,5 +1,14 @@
 """Parked tasks woken under the row locks: which of them fit in the room a
-release (or a capacity raise) freed, first in, first out per semaphore.
+release (or a capacity raise) freed.
+
+**Order, tenants.** A parked task that does not fit holds back younger
+tasks only on the semaphores where it lacks room: there first in, first out
+holds. Once it lacked room on a semaphore (``ParkedDemand.lacked``, set when
+it parked or when a wake-up passed it over) it keeps holding back there
+until it is woken, so a release elsewhere cannot snatch that room from it
+again and again: no demand starves (the bound is in ``docs/parked.md``).
+Where it has room it holds back nobody: tenant A's tasks waiting for A's own
+cap never keep tenant B's from the shared ``exports``.
 
 The wake-up's decision is the engine's, as a grant's is: it locks the
 semaphore rows in the one lock order and keeps the room it hands out
@@ -11,6 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import transaction
@@ -23,24 +33,30 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.models import ParkedDemand, ParkedTask, Semaphore, Ticket
 
-# Parked tasks read per semaphore by one wake: more than any capacity frees
-# at once in practice; the rest wait for the next release.
+# Parked tasks read per semaphore and kind by one wake: more than any
+# capacity frees at once in practice; the rest wait for the next release.
 WAKE_WINDOW = 200
 
 
 def _window(alias: str, freed: set[int]) -> list[int]:
-    """The oldest tasks parked on these semaphores that could fit, by plain
-    reads (no lock, no transaction; the wake-up decides under the lock): on
-    each semaphore, no more tasks than its room, which each takes at least
-    one of. Most releases of a busy semaphore find no room left, or nothing
-    parked, and end the wake-up here. A park or a release committed after
-    these reads runs a wake-up of its own."""
+    """The parked tasks that may fit in the room on these semaphores, by
+    plain reads (no lock, no transaction; the wake-up decides under the
+    lock). On each semaphore with room, by two indexed reads of at most
+    its room each (every task takes at least one): the oldest tasks that
+    lacked room there (they come first), and the oldest that lacked room
+    nowhere else (younger ones that may pass the others). A task held back
+    elsewhere is found by the wake-ups of the semaphores it lacks. Most
+    releases of a busy semaphore find no room left, or nothing parked, and
+    end the wake-up here. A park or a release committed after these reads
+    runs a wake-up of its own."""
     semaphores = Semaphore.objects.using(alias).filter(id__in=freed)
     window: set[int] = set()
     for id, capacity, in_use in semaphores.values_list("id", "capacity", "in_use"):
         if (room := capacity - in_use) > 0:
             waiting = _waiting(alias).filter(semaphore_id=id).order_by("task_id")
-            window.update(waiting.values_list("task_id", flat=True)[: min(room, WAKE_WINDOW)])
+            for kind in (Q(lacked=True), Q(elsewhere=False)):
+                oldest = waiting.filter(kind).values_list("task_id", flat=True)
+                window.update(oldest[: min(room, WAKE_WINDOW)])
     return sorted(window)
 
 
@@ -68,10 +84,13 @@ def wake_once(
         return 0
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
         wanted: dict[int, dict[int, int]] = defaultdict(dict)  # task -> semaphore -> count
-        for task_id, semaphore_id, count in demands.filter(task_id__in=window).values_list(
-            "task_id", "semaphore_id", "count"
-        ):
+        lacked: dict[int, set[int]] = defaultdict(set)  # task -> semaphores it lacked
+        for task_id, semaphore_id, count, was_lacking in demands.filter(
+            task_id__in=window
+        ).values_list("task_id", "semaphore_id", "count", "lacked"):
             wanted[task_id][semaphore_id] = count
+            if was_lacking:
+                lacked[task_id].add(semaphore_id)
         involved = freed | {s for asks in wanted.values() for s in asks}
         # Locked as the grant locks them (name order): the room read here
         # stays true until this commits, and two wake-ups never spend it twice.
@@ -100,27 +119,39 @@ def wake_once(
             # Fair-mode waiters came first: a woken task would only be refused.
             tickets = (
                 Ticket.objects.using(alias)
-                .filter(semaphore_id__in=involved, expires_at__gt=DatabaseNow())
+                .filter(semaphore_id__in=involved, lacked=True, expires_at__gt=DatabaseNow())
                 .values("semaphore_id")
                 .annotate(total=Sum("count"))
                 .values_list("semaphore_id", "total")
             )
             for semaphore_id, total in tickets:
                 room[semaphore_id] -= int(total)
-        # Older parked tasks on the other semaphores of a multi-semaphore
-        # demand, outside the window: they come first there.
+        # The oldest parked task that lacked room on each semaphore, in the
+        # window or not: it holds back the younger ones there.
         heads = dict(
             _waiting(alias)
-            .filter(semaphore_id__in=involved - freed)
+            .filter(semaphore_id__in=involved, lacked=True)
             .values("semaphore_id")
             .annotate(head=Min("task_id"))
             .values_list("semaphore_id", "head")
         )
-        woken = _choose(window, wanted, room, heads)
+        choice = _choose(window, wanted, room, heads, lacked)
+        _mark_lacking(alias, choice.lacking)
+        woken = choice.woken
         if woken:
             ParkedTask.objects.using(alias).filter(id__in=woken).update(woken_at=timezone.now())
             transaction.on_commit(lambda: publish(alias, woken), using=alias)
     return len(woken)
+
+
+@dataclass
+class Choice:
+    """A wake-up's decision: the tasks to wake, and the semaphores each task
+    passed over newly lacked room on (it holds back younger tasks there
+    from now on)."""
+
+    woken: list[int] = field(default_factory=list)
+    lacking: dict[int, set[int]] = field(default_factory=dict)
 
 
 def _choose(
@@ -128,18 +159,46 @@ def _choose(
     wanted: Mapping[int, Mapping[int, int]],
     room: dict[int, int],
     heads: Mapping[int, int],
-) -> list[int]:
-    """The tasks to wake, first in, first out per semaphore: once a task
-    does not fit, no younger task passes it on its semaphores."""
-    woken: list[int] = []
-    blocked: set[int] = set()
+    lacked: Mapping[int, set[int]],
+) -> Choice:
+    """The tasks to wake, oldest first: a task that does not fit holds back
+    the younger ones only on the semaphores where it lacks room now or
+    lacked it before (``heads`` are the oldest of those outside the
+    window); elsewhere they may pass it."""
+    choice = Choice()
+    held: set[int] = set()  # semaphores a task passed over holds back
     for task_id in window:
         asks = wanted[task_id]
-        behind = any(s in blocked or s not in room or heads.get(s, task_id) < task_id for s in asks)
-        if behind or any(room[s] < count for s, count in asks.items()):
-            blocked.update(asks)
+        behind = any(s in held or heads.get(s, task_id) < task_id for s in asks)
+        short = {s for s, count in asks.items() if s not in room or room[s] < count}
+        if behind or short:
+            previously = lacked.get(task_id, set())
+            held.update(short | previously)
+            if short - previously:
+                choice.lacking[task_id] = short - previously
             continue
         for s, count in asks.items():
             room[s] -= count
-        woken.append(task_id)
-    return woken
+        choice.woken.append(task_id)
+    return choice
+
+
+def _mark_lacking(alias: str, lacking: Mapping[int, set[int]]) -> None:
+    """Record where the tasks passed over lacked room (see ``mark_lacked``)."""
+    for task_id, semaphore_ids in lacking.items():
+        mark_lacked(alias, task_id, semaphore_ids)
+
+
+def mark_lacked(alias: str, task_id: int, semaphore_ids: set[int]) -> None:
+    """The parked task lacked room on these semaphores: it holds back younger
+    tasks there from now on, and on its other semaphores it has lacked room
+    elsewhere. Flags are only ever set: a task keeps its place once taken."""
+    if not semaphore_ids:
+        return
+    demands = ParkedDemand.objects.using(alias).filter(task_id=task_id)
+    demands.filter(semaphore_id__in=semaphore_ids).update(lacked=True)
+    others = list(demands.filter(lacked=True).values_list("semaphore_id", flat=True))
+    if len(others) > 1:
+        demands.update(elsewhere=True)
+    else:
+        demands.exclude(semaphore_id__in=others).update(elsewhere=True)

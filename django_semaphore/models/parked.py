@@ -47,19 +47,36 @@ class ParkedTask(models.Model):
 
 class ParkedDemand(models.Model):
     """What a parked task waits for on one semaphore; read FIFO (by the
-    parked task's id) per semaphore when its permits are released."""
+    parked task's id) per semaphore when its permits are released.
+
+    ``lacked``: the task has lacked room here (when it parked, or at a
+    wake-up that passed it over); from then on it holds back younger tasks
+    on this semaphore. ``elsewhere``: it has lacked room on another of its
+    semaphores, so a wake-up of this one looks for it only among the
+    oldest (see ``engine/wakeups``).
+    """
 
     task = models.ForeignKey(ParkedTask, on_delete=models.CASCADE, related_name="demands")
     semaphore = models.ForeignKey(
         Semaphore, on_delete=models.CASCADE, related_name="parked_demands"
     )
     count = models.PositiveIntegerField(_("count"), default=1)
+    lacked = models.BooleanField(_("lacked room here"), default=False)
+    elsewhere = models.BooleanField(_("lacked room elsewhere"), default=False)
 
     class Meta:
         verbose_name = _("parked demand")
         verbose_name_plural = _("parked demands")
         constraints = [
             models.UniqueConstraint(fields=["semaphore", "task"], name="semaphore_parked_unique"),
+        ]
+        indexes = [
+            # A wake-up's window: the oldest held back here, the oldest
+            # held back nowhere else (engine/wakeups).
+            models.Index(fields=["semaphore", "lacked", "task"], name="semaphore_parked_lacked"),
+            models.Index(
+                fields=["semaphore", "elsewhere", "task"], name="semaphore_parked_elsewhere"
+            ),
         ]
 
     def __str__(self) -> str:

@@ -17,6 +17,8 @@ class Ticket(models.Model):
     on each semaphore ticket ids follow the order of its grant transactions
     (see ``engine/fairness.py``). It stops blocking others at ``expires_at``, the
     waiter's deadline, whether the waiter is granted, gives up or crashed.
+    ``lacked``: the waiter lacked room on this semaphore (then or at a later
+    attempt); only then does it hold back younger waiters here.
     """
 
     semaphore = models.ForeignKey(
@@ -27,6 +29,7 @@ class Ticket(models.Model):
     count = models.PositiveIntegerField(_("count"), default=1)
     created_at = models.DateTimeField(_("waiting since"))
     expires_at = models.DateTimeField(_("expires at"))
+    lacked = models.BooleanField(_("lacked room here"), default=True)
 
     class Meta:
         verbose_name = _("ticket")

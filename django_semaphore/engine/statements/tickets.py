@@ -19,11 +19,12 @@ class TicketStatements(SQL):
         super().__init__(connection)
         q = self.q
         table = q(Ticket._meta.db_table)
-        # Per semaphore: the live tickets of other keys older than this key's
-        # own ticket there (all of them when it has none), and what they ask.
+        # Per semaphore: the live tickets of other keys that lacked room there
+        # (only those hold back), older than this key's own ticket there (all
+        # of them when it has none), and what they ask.
         self.older_sql = (
             f"SELECT t.{q('semaphore_id')}, COUNT(*), SUM(t.{q('count')}) FROM {table} t"
-            f" WHERE t.{q('semaphore_id')} IN ({{ids}})"
+            f" WHERE t.{q('semaphore_id')} IN ({{ids}}) AND t.{q('lacked')} = %s"
             f" AND t.{q('expires_at')} > %s AND t.{q('external_id')} <> %s"
             f" AND NOT EXISTS (SELECT 1 FROM {table} m"
             f" WHERE m.{q('semaphore_id')} = t.{q('semaphore_id')}"
@@ -43,11 +44,11 @@ class TicketStatements(SQL):
         now: datetime,
         lock_wait: float,
     ) -> dict[int, tuple[int, int]]:
-        """Semaphore id -> (tickets, permits they ask for) ahead of ``key``;
-        semaphores without any are left out."""
+        """Semaphore id -> (tickets, permits they ask for) ahead of ``key``
+        and holding it back; semaphores without any are left out."""
         cursor.execute(
             self.bounded(self.older_sql.format(ids=placeholders(len(semaphore_ids))), lock_wait),
-            [*semaphore_ids, self.connection.ops.adapt_datetimefield_value(now), key, key],
+            [*semaphore_ids, True, self.connection.ops.adapt_datetimefield_value(now), key, key],
         )
         return {int(id): (int(n), int(units)) for id, n, units in cursor.fetchall()}
 
