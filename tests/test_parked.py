@@ -12,6 +12,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from io import StringIO
 from typing import Any
@@ -35,12 +36,30 @@ from tests.testapp.models import RunLog
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@contextmanager
+def parking_in_this_process(enabled: bool) -> Iterator[None]:
+    """Whether this process's releases wake parked tasks, for a while (on by
+    default, PARK_TASKS; the state the process had is restored)."""
+    was = parking._enabled
+    (parking.enable if enabled else parking.disable)()
+    try:
+        yield
+    finally:
+        (parking.enable if was else parking.disable)()
+
+
 @pytest.fixture
 def wakes() -> Iterator[None]:
     """This (test) process's releases wake parked tasks, as a worker's do."""
-    parking.enable()
-    yield
-    parking.disable()
+    with parking_in_this_process(True):
+        yield
+
+
+@pytest.fixture
+def wakes_nobody() -> Iterator[None]:
+    """This process's releases wake nobody: a process with PARK_TASKS off."""
+    with parking_in_this_process(False):
+        yield
 
 
 def eventually(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
@@ -116,7 +135,7 @@ def test_a_capacity_raise_wakes_as_many_as_fit(park, wakes):
 
 
 @pytest.mark.slow
-def test_a_release_where_parking_is_off_is_caught_by_the_beat_sweep(park):
+def test_a_release_where_parking_is_off_is_caught_by_the_beat_sweep(park, wakes_nobody):
     acquire(tasks.PARK, external_id="held-by-the-test")
     result = tasks.parked.delay("swept", 0)
     eventually(lambda: parked_ids() == [result.id], "the task parked")
@@ -206,8 +225,9 @@ def test_a_parked_task_published_twice_runs_once(park, wakes):
 
 
 @pytest.fixture
-def published(monkeypatch) -> list[str]:
-    """The task ids a wake-up publishes, instead of publishing them."""
+def published(monkeypatch, wakes_nobody) -> list[str]:
+    """The task ids a wake-up publishes, instead of publishing them; the
+    test's releases wake nobody: it calls ``wake`` itself."""
     sent: list[str] = []
 
     def publish(alias: str, parked: list[int]) -> int:
@@ -545,6 +565,40 @@ def test_a_long_hold_parks_at_once_and_an_unanswered_standby_learns_it(holds, mo
     started = time.monotonic()
     assert waiting.stand_by("second", {s.name: 1}, never) is None
     assert time.monotonic() - started < 0.1
+
+
+def test_a_familys_members_share_what_a_stand_by_learned(holds, monkeypatch, settings):
+    """Stand-by learns per family: of many members held long, only the first
+    refused one stands by in this process; the others park at once."""
+    family = f"{unique('stand-by-family')}:*"
+    settings.DJANGO_SEMAPHORE = {"SEMAPHORES": {family: 1}}
+    members = [family.replace("*", str(n)) for n in range(20)]
+    for member in members:
+        acquire(member, external_id=f"holder-{member}")  # created on first use, then held
+    monkeypatch.setattr(waiting, "SHORT_HOLD", 0.2)
+    monkeypatch.setattr(waiting, "STANDBY_WAIT", 0.2)
+    waits = []
+    for member in members:
+        started = time.monotonic()
+        assert waiting.stand_by(unique("task"), {member: 1}, claimer(member, "never")) is None
+        waits.append(time.monotonic() - started)
+
+    assert waits[0] >= 0.2  # nothing seen yet: it stood by
+    assert max(waits[1:]) < 0.1, waits  # the family is known held long
+    assert holds == {family: 0.2}  # one entry for the family, none per member
+    assert not PermitRequest.objects.filter(external_id="never").exists()
+
+
+def test_a_members_run_teaches_its_family_and_other_names_stay_apart(holds, settings):
+    family = f"{unique('held-family')}:*"
+    settings.DJANGO_SEMAPHORE = {"SEMAPHORES": {family: 1}}
+    lone = unique()
+
+    waiting.held({family.replace("*", "a"): 1, lone: 1}, 3.0)
+
+    assert holds == {family: 3.0, lone: 3.0}
+    assert waiting._learned_holds({family.replace("*", "b"): 1}) == [3.0]
+    assert waiting._learned_holds({unique(): 1}) == []
 
 
 # --- visible: admin, semaphore_status, metrics ------------------------------------
