@@ -1,11 +1,13 @@
-"""Parked tasks against today's retries, with a real prefork worker on Redis.
+"""Tasks with the library's defaults (they park) against retries, with a
+real prefork worker on Redis.
 
 ``python -m benchmarks.parked`` enqueues ``--tasks`` tasks that each hold one
 permit of a capacity ``--capacity`` semaphore for ``--hold`` seconds, run by
-``celery worker --pool=prefork``, once with ``park=True`` and once as
-``@holds_permit`` tasks retry by default, and once without a semaphore on a
-worker of ``capacity`` processes (``unlimited``: what this machine's worker
-does at that concurrency, the practical ideal), and reports for each:
+``celery worker --pool=prefork``, once with the defaults (``default``: no
+``park=``, no settings; they park), once with ``park=False`` (``retried``,
+Celery's default 3 retries), and once without a semaphore on a worker of
+``capacity`` processes (``unlimited``: what this machine's worker does at
+that concurrency, the practical ideal), and reports for each:
 
 - **drain**: from the first run's start, with every task already in the
   broker (a backlog), to the last run's end, against the ideal
@@ -21,6 +23,12 @@ does at that concurrency, the practical ideal), and reports for each:
 The driver also plays beat, only when nothing has run for ``STALLED``
 seconds: it then runs ``sweep.sweep_parked()`` and reports what it woke (a
 wake-up the releases missed; it should stay 0). ``--smoke`` is small enough for the test suite.
+
+The ``family`` mode measures what stand-by learns: ``--members`` members of
+one family (capacity 1), each held by the driver, get a task each; every
+refused task stands by or parks. It reports the **stand-by waits per worker
+process** (each costs ``STANDBY_WAIT``; learned per family, at most one), the
+time until all are parked, and then, the holders released, that all ran.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 STALLED = 5.0
+FAMILY = "bench-family:*"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold", type=float, default=0.02)
     parser.add_argument("--capacity", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=8, help="worker processes")
-    parser.add_argument("--modes", default="unlimited,parked,retried")
+    parser.add_argument("--modes", default="unlimited,default,retried,family")
+    parser.add_argument("--members", type=int, default=1000, help="of the family mode")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--smoke", action="store_true", help="40 tasks of 10 ms")
     parser.add_argument("--json", type=Path)
@@ -61,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     # Stopped by a signal, still stop the worker (the with block's exit).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.smoke:
-        args.tasks, args.hold, args.concurrency = 40, 0.01, 6
+        args.tasks, args.hold, args.concurrency, args.members = 40, 0.01, 6, 20
 
     from benchmarks.db import Target, ensure_database
 
@@ -71,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         BENCH_REDIS_URL=args.redis_url,
         BENCH_HOLD=str(args.hold),
         BENCH_QUEUE=f"bench-parked-{uuid.uuid4().hex[:8]}",
+        BENCH_FAMILY=FAMILY,
     )
     from django.core.management import call_command
 
@@ -79,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     call_command("migrate", verbosity=0, interactive=False)
     results = []
     for mode in args.modes.split(","):
-        results.append(run(mode, args, parked_app))
+        measure = run_family if mode == "family" else run
+        results.append(measure(mode, args, parked_app))
         print(format_result(results[-1]), flush=True)
     if args.json:
         config = vars(args) | {"json": None}
@@ -121,7 +133,7 @@ def run(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
                 raise SystemExit(f"{mode}: not drained after {args.timeout}s; see {log}")
             if done != progress:
                 progress, last_progress = done, time.monotonic()
-            elif mode == "parked" and time.monotonic() - last_progress > STALLED:
+            elif mode == "default" and time.monotonic() - last_progress > STALLED:
                 # Nothing ran for a while: a wake-up was missed. Beat's sweep
                 # would catch it; count it, as it should never happen.
                 swept += sweep.sweep_parked().woken
@@ -158,6 +170,57 @@ def run(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
         "woken_by_sweep": swept,
         "left_in_broker": leftover,
         "parked_left": ParkedTask.objects.count(),
+    }
+
+
+def run_family(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
+    """``--members`` members of a family held by the driver, a task each: how
+    many stand-by waits each worker process paid before they were all
+    parked, then (the holders released) whether all ran."""
+    from django_semaphore import acquire, release
+    from django_semaphore.guards import engine_writes
+    from django_semaphore.models import ParkedTask, PermitRequest, Semaphore
+
+    counts = parked_app.counts
+    os.environ["BENCH_QUEUE"] = f"bench-parked-{mode}-{uuid.uuid4().hex[:8]}"
+    parked_app.app.conf.task_default_queue = os.environ["BENCH_QUEUE"]
+    counts.delete(parked_app.PUBLISHED, parked_app.RUNS, parked_app.FAILED, parked_app.STANDBYS)
+    with engine_writes():
+        ParkedTask.objects.all().delete()
+        PermitRequest.objects.all().delete()
+        Semaphore.objects.filter(family=FAMILY).delete()
+    members = [str(n) for n in range(args.members)]
+    for member in members:  # created on first use, then held
+        acquire(FAMILY.replace("*", member), external_id=f"holder-{member}")
+    for member in members:
+        parked_app.family.delay(member)
+    log = ROOT / ".runtime" / "benchmarks" / f"parked-{mode}-worker.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with worker(args.concurrency, log, parked_app):
+        started = time.monotonic()
+        deadline = started + args.timeout
+        while ParkedTask.objects.count() < args.members:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{mode}: not all parked after {args.timeout}s; see {log}")
+            time.sleep(0.05)
+        all_parked = time.monotonic() - started
+        standbys = {pid: int(n) for pid, n in counts.hgetall(parked_app.STANDBYS).items()}
+        for member in members:  # this process wakes them (PARK_TASKS, the default)
+            release(f"holder-{member}")
+        while _done(counts, parked_app) < args.members:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{mode}: not drained after {args.timeout}s; see {log}")
+            time.sleep(0.05)
+    return {
+        "mode": mode,
+        "tasks": args.members,
+        "ran": int(counts.llen(parked_app.RUNS)),
+        "failed": int(counts.get(parked_app.FAILED) or 0),
+        "all_parked_s": round(all_parked, 2),
+        "worker_processes": args.concurrency,
+        "standby_waits": sum(standbys.values()),
+        "standby_waits_per_process_max": max(standbys.values(), default=0),
+        "messages_per_task": round(int(counts.get(parked_app.PUBLISHED) or 0) / args.members, 2),
     }
 
 
@@ -206,6 +269,14 @@ class worker:
 
 
 def format_result(r: dict[str, Any]) -> str:
+    if r["mode"] == "family":
+        return (
+            f"family   {r['tasks']} members held: all parked in {r['all_parked_s']}s; "
+            f"stand-by waits {r['standby_waits']} over {r['worker_processes']} processes "
+            f"(at most {r['standby_waits_per_process_max']} a process); then "
+            f"{r['ran']}/{r['tasks']} ran, {r['failed']} failed, "
+            f"{r['messages_per_task']} messages/task"
+        )
     return (
         f"{r['mode']:8} {r['ran']}/{r['tasks']} ran ({r['ran_twice']} twice), "
         f"{r['failed']} failed; "

@@ -1,11 +1,13 @@
-"""The Celery app and tasks of ``python -m benchmarks.parked``: one task that
-parks when refused, one that retries as ``@holds_permit`` tasks do by default;
-and the tenants' export task of ``python -m benchmarks.tenants``.
+"""The Celery app and tasks of ``python -m benchmarks.parked``: one task with
+the library's defaults (it parks when refused), one that retries
+(``park=False``), one per member of a family; and the tenants' export task
+of ``python -m benchmarks.tenants``.
 
 Both the driver and the worker import it. What they do is counted in Redis,
 so the driver reads the worker's figures without a result backend: every
 message published (``before_task_publish``, in every process), every run's
-start and end (wall clock: one machine), every failure.
+start and end (wall clock: one machine), every failure, and every stand-by
+wait, by worker process.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import redis  # noqa: E402
 from celery import Celery  # noqa: E402
 from celery.signals import before_task_publish, task_failure  # noqa: E402
 
-from django_semaphore import holds_permit  # noqa: E402
+from django_semaphore import holds_permit, waiting  # noqa: E402
 
 NAME = "bench-parked"
+FAMILY = os.environ["BENCH_FAMILY"]  # declared by benchmarks.settings, capacity 1
 PUBLISHED, RUNS, FAILED = "bench-parked:published", "bench-parked:runs", "bench-parked:failed"
+STANDBYS = "bench-parked:standbys"  # worker pid -> stand-by waits
 HOLD = float(os.environ.get("BENCH_HOLD", "0.02"))
 
 app = Celery("bench_parked", broker=os.environ["BENCH_REDIS_URL"])
@@ -46,17 +50,39 @@ def _run(task_id: str) -> None:
     counts.rpush(RUNS, f"{started} {time.time()} {task_id}")
 
 
+# No park=, no PARK_TASKS, Celery's default max_retries (3): what a
+# project gets without choosing.
 @app.task(bind=True)
-@holds_permit(NAME, park=True)
-def parked(self: Any) -> None:
+@holds_permit(NAME)
+def default(self: Any) -> None:
     _run(self.request.id)
 
 
-# Celery's default max_retries (3): what a project gets without choosing.
 @app.task(bind=True)
 @holds_permit(NAME, park=False)
 def retried(self: Any) -> None:
     _run(self.request.id)
+
+
+@app.task(bind=True)
+@holds_permit(lambda member: FAMILY.replace("*", member))
+def family(self: Any, member: str) -> None:
+    _run(self.request.id)
+
+
+def _counted_stand_by(task_id: str, demand: Any, claim: Any) -> str | None:
+    """``waiting.stand_by``, counting the calls that waited: with nothing
+    released, a wait lasts ``STANDBY_WAIT`` (2 s); a call that parks at once
+    (the holds known long, or tasks parked first) takes milliseconds."""
+    started = time.monotonic()
+    key = _stand_by(task_id, demand, claim)
+    if time.monotonic() - started >= waiting.STANDBY_WAIT / 2:
+        counts.hincrby(STANDBYS, str(os.getpid()), 1)
+    return key
+
+
+_stand_by = waiting.stand_by
+waiting.stand_by = _counted_stand_by
 
 
 @app.task(bind=True)

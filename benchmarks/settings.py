@@ -39,6 +39,9 @@ DJANGO_SEMAPHORE: dict[str, object] = {}
 if os.environ.get("BENCH_RETRY_ATTEMPTS"):
     # python -m benchmarks.galera: more retries for clients spread over the nodes.
     DJANGO_SEMAPHORE["RETRY_ATTEMPTS"] = int(os.environ["BENCH_RETRY_ATTEMPTS"])
+if os.environ.get("BENCH_FAMILY"):
+    # python -m benchmarks.parked: the family of the stand-by figure, capacity 1.
+    DJANGO_SEMAPHORE["SEMAPHORES"] = {os.environ["BENCH_FAMILY"]: 1}
 if os.environ.get("BENCH_CLEANUP_BATCH"):
     # Scenario 6 with another clean-up batch size (python -m benchmarks --cleanup-batch).
     DJANGO_SEMAPHORE["CLEANUP_BATCH_SIZE"] = int(os.environ["BENCH_CLEANUP_BATCH"])

@@ -44,4 +44,6 @@ class DjangoSemaphoreConfig(AppConfig):
         )
         task_revoked.connect(parking.on_task_revoked, dispatch_uid="django_semaphore.revoked")
         if app_settings.PARK_TASKS:
+            # Parking is the default: a release in any process (a web
+            # request's permit() too) wakes the tasks parked for its room.
             parking.enable()

@@ -1,4 +1,5 @@
-"""System checks for the ``DJANGO_SEMAPHORE`` settings dict."""
+"""System checks for the ``DJANGO_SEMAPHORE`` settings dict, the databases
+the app runs on, and the Celery beat schedule its sweeps need."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections
 
-from django_semaphore import backends, routing, sweep
+from django_semaphore import backends, beat, routing, sweep
 from django_semaphore.conf import DEFAULTS, DURATION_KEYS, app_settings, setting_problems
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.validation import is_pattern
@@ -83,6 +84,53 @@ def _shadowed(patterns: list[str]) -> list[tuple[str, str]]:
         for earlier in patterns[:i]
         if fnmatchcase(pattern, earlier)
     ]
+
+
+# The beat entries nothing else replaces: parked tasks whose wake-up a
+# release missed (made where parking is off, a publish lost), and permits
+# leaked by crashed holders. The clean-ups only bound the tables' growth.
+REQUIRED_BEAT_TASKS = (beat.WAKE_PARKED, beat.RELEASE_ORPHANS)
+
+
+@register(Tags.compatibility)
+def check_beat_schedule(**kwargs: Any) -> list[CheckMessage]:
+    """With Celery installed, the project's beat schedule must run the sweeps
+    that parked tasks (the default) and leaked permits rely on."""
+    scheduled = _scheduled_tasks()
+    if scheduled is None:
+        return []
+    missing = [task for task in REQUIRED_BEAT_TASKS if task not in scheduled]
+    if not missing:
+        return []
+    return [
+        Warning(
+            f"The Celery beat schedule lacks django-semaphore's {', '.join(missing)}: "
+            "parked tasks whose wake-up was missed wait forever, and permits of crashed "
+            "holders are never reclaimed.",
+            hint="Merge django_semaphore.beat.BEAT_SCHEDULE into CELERY_BEAT_SCHEDULE (or "
+            "app.conf.beat_schedule): CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE, ...}, or "
+            "beat_schedule(...) for other intervals. See docs/maintenance.md.",
+            id="django_semaphore.W020",
+        )
+    ]
+
+
+def _scheduled_tasks() -> set[str] | None:
+    """The task names of the project's beat schedule: ``CELERY_BEAT_SCHEDULE``
+    and the current Celery app's ``beat_schedule`` (an app configured in code,
+    or from ``celeryconfig``); ``None`` when Celery is not installed."""
+    try:
+        from celery import current_app
+    except ImportError:
+        return None
+    schedules = [getattr(settings, "CELERY_BEAT_SCHEDULE", None), current_app.conf.beat_schedule]
+    return {
+        str(entry.get("task"))
+        for schedule in schedules
+        if isinstance(schedule, Mapping)
+        for entry in schedule.values()
+        if isinstance(entry, Mapping)
+    }
 
 
 @register(Tags.compatibility)

@@ -54,7 +54,8 @@ DEFAULTS: dict[str, Any] = {
     "MEMBER_IDLE_LIMIT": timedelta(days=1),
     # Whether @holds_permit tasks that find no room park (wait in the
     # database, woken by releases) rather than retry; park= overrides it.
-    "PARK_TASKS": False,
+    # On by default: waiting must not spend a task's retries nor fail it.
+    "PARK_TASKS": True,
     # A woken parked task whose run has not started after this long is
     # published again by the beat sweep (its message was lost, or the
     # publish failed without an error).

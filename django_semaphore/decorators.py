@@ -1,6 +1,6 @@
 """``@holds_permit``: one decorator for Django views, Celery tasks and plain
 functions. The decorated body never runs without its permit: when none can be
-had, a view answers 429/503, a task retries later, a function raises.
+had, a view answers 429/503, a task waits (parked), a function raises.
 
 This module picks the door: a view's permit is held by ``view_runs``, a task
 run's by ``task_runs``, a plain function's by ``permit()`` here.
@@ -59,10 +59,11 @@ def holds_permit(
       not): the key is the task id, so a redelivered or retried run re-attaches
       to its permit instead of taking a second one; the permit is kept across
       the task's own retries and released when the task finishes for good.
-      When exhausted the task retries itself later (jittered countdown) and
-      after its retries are spent fails with ``SemaphoreExhausted``; or, with
-      ``park``, it is parked in the database and published again when a
-      release makes room for it (``docs/parked.md``).
+      When exhausted the task waits without spending its retries or failing:
+      it stands by briefly in its worker, then is parked in the database and
+      published again when a release makes room for it (``docs/parked.md``).
+      With ``park=False`` it retries itself later (jittered countdown) and,
+      once its retries are spent, fails with ``SemaphoreExhausted``.
     - **Anything else**: held for the call with a fresh key; errors propagate.
 
     Args:
@@ -82,9 +83,9 @@ def holds_permit(
         retry_after: seconds a refused client is told to wait.
         fair: wait in first-come, first-served order (see ``acquire``); a
             task, which never waits, is refused while older waiters queue.
-        park: Celery tasks only: park a task that finds no room instead of
-            retrying it (``None``: ``DJANGO_SEMAPHORE["PARK_TASKS"]``, off
-            by default).
+        park: Celery tasks only: whether a task that finds no room is parked
+            (``True``) or retried (``False``, as 0.1 did by default);
+            ``None``: ``DJANGO_SEMAPHORE["PARK_TASKS"]``, on by default.
 
     Raises:
         InvalidRequest: when decorating, for any malformed argument (computed

@@ -1,10 +1,11 @@
 """Parked Celery tasks: a task that finds no room waits in the database, not
 in the broker, and is published again when releases make room for it.
 
-**Park.** ``@holds_permit(..., park=True)`` (or ``PARK_TASKS``): a run that is
-refused writes a ``ParkedTask`` row -- its message as the task's serializer
-encodes it, the same one ``Task.retry`` would publish, minus the countdown --
-and one ``ParkedDemand`` row per semaphore, then ends in the ``PARKED`` state
+**Park.** A ``@holds_permit`` task (by default: ``PARK_TASKS``;
+``park=False`` retries instead) whose run is refused writes a ``ParkedTask``
+row -- its message as the task's serializer encodes it, the same one
+``Task.retry`` would publish, minus the countdown -- and one ``ParkedDemand``
+row per semaphore, then ends in the ``PARKED`` state
 (``celery.exceptions.Ignore``: no failure, no retry counted). Once that is
 committed it looks for room once more (``wake``): a release that committed
 between its refusal and its row would otherwise have woken nobody.
@@ -28,16 +29,19 @@ commits.
 capacity of 20 ms tasks would spend more time handing permits over than
 holding them. So a refused task first *stands by* in its worker
 (``waiting.stand_by``) -- unless this process saw its semaphores held for
-``SHORT_HOLD`` or longer, or, for a task not woken, parked tasks are held
-back on them (tasks that lacked room there came first). It probes the
+``SHORT_HOLD`` or longer (a family's members count as one), or, for a task
+not woken, parked tasks are held back on them (tasks that lacked room there
+came first). It probes the
 counters with one plain read every tenth of the hold this process saw
 (``waiting.held``), and claims the permit the moment a release frees one,
 for at most ``STANDBY_WAIT``; then it parks (a woken task keeps its place).
 One task a process stands by on a semaphore (a thread or gevent pool's
-others park). The standbys are the worker's processes left over: while they
-wait, the broker's backlog stays in the broker, not in rows. A first standby
-that no release reaches marks its semaphores as held long in this process,
-so long holds pay ``STANDBY_WAIT`` once per worker process.
+others park). The standbys are the worker's
+processes left over: while they wait, the broker's backlog stays in the
+broker, not in rows. A first standby that no release reaches marks its
+semaphores (a member: its family) as held long in this process, so long
+holds pay ``STANDBY_WAIT`` once per worker process, however many members
+a family has.
 
 **Nothing lost, nothing run twice.** A woken row stays until its run holds its
 permit (``started``), so a publish that failed, or a message lost before a
@@ -271,9 +275,11 @@ def enable() -> None:
     """Make this process's releases wake the parked tasks they make room for.
 
     Called by the first parking task a worker process runs and, with
-    ``PARK_TASKS``, when the app is ready; call it from ``AppConfig.ready()``
-    of the web processes whose ``release()`` should wake parked tasks at
-    once (otherwise the beat sweep does, within its interval). From then on
+    ``PARK_TASKS`` (the default), when the app is ready in every process;
+    with ``PARK_TASKS`` off, call it from ``AppConfig.ready()`` of the web
+    processes whose ``release()`` should wake tasks parked with
+    ``park=True`` at once (otherwise the beat sweep does, within its
+    interval). From then on
     this process's releases take the general path, which knows which
     semaphores it freed (see ``docs/decisions.md``).
     """

@@ -7,9 +7,14 @@ task id that is *alive at the same time* (a broker's visibility timeout
 redelivering a long task) must not share the permit, so a run only takes
 over a permit whose previous holder is parked (between retries) or dead.
 
-A run that finds no room retries later (jittered countdown) or, with
-``park``, is parked in the database until a release makes room for it
-(``parking``); the permit is kept across the task's own retries and
+A run that finds no room waits without spending its retries: it stands by
+in its worker, then is parked in the database until a release makes room
+for it (``parking``; the default, ``PARK_TASKS``). With ``park=False`` it
+retries later (jittered countdown) and fails once its retries are spent.
+Even a parking run retries in two cases, neither a want of room: another
+live run of its task id holds the permit (``LiveDuplicate``), or the
+database failed while it wrote its parked row (the retry keeps the task
+from being lost). The permit is kept across the task's own retries and
 released when the task finishes for good (``on_task_postrun``).
 """
 
@@ -33,7 +38,10 @@ from django.db.models.functions import Greatest
 from django_semaphore import api, liveness, parking, routing, waiting
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import (
+    DatabaseUnavailable,
+    FamilyFull,
     LiveDuplicate,
+    LockContention,
     PermitAlreadyReleased,
     PermitLost,
     SemaphoreError,
@@ -81,7 +89,7 @@ def run_task(
         _forget_parked(task, options)
         raise _ignore() from None
     except SemaphoreExhausted as exc:
-        if parks and not isinstance(exc, LiveDuplicate):
+        if parks and _parks_for(exc):
             _park_task(task, options)
         raise _retry(task, exc) from None
     setattr(task.request, TASK_KEY_ATTRIBUTE, key)  # settled by on_task_postrun
@@ -110,6 +118,15 @@ def _hold_lease(key: str, options: Options) -> Lease | None:
     return HEARTBEAT.hold(key, ttl, routing.alias_for_names(options.demand))
 
 
+def _parks_for(refusal: SemaphoreExhausted) -> bool:
+    """Whether a parking run parks for this refusal: a want of room. Not a
+    live duplicate (its permit is held by the other run, not by want of
+    room; the retry finds it free once that run ends), nor a full family
+    (no member to wait on: a member is made only once idle ones are
+    cleaned up)."""
+    return not isinstance(refusal, LiveDuplicate | FamilyFull)
+
+
 def _retry(task: Any, exc: SemaphoreExhausted) -> Exception:
     """Retry the task with a jittered countdown (``retry()`` raises; past
     ``max_retries`` it raises ``exc``: the task fails with it)."""
@@ -136,7 +153,7 @@ def _claim_or_stand_by(task: Any, options: Options) -> str:
     try:
         return claim_now()
     except SemaphoreExhausted as exc:
-        if not options.parks or isinstance(exc, LiveDuplicate):
+        if not options.parks or not _parks_for(exc):
             raise
         key = waiting.stand_by(task.request.id, options.demand, claim_now)
         if key is None:
@@ -151,15 +168,28 @@ def _ignore() -> Exception:
 
 
 def _park_task(task: Any, options: Options) -> None:
-    """Park the task and end this run (``Ignore``); returns only when the
-    row could not be written, and the caller then retries as without parking."""
+    """Park the task and end this run (``Ignore``). Returns only when the
+    database failed to take the row (after its own retries): the caller then
+    retries the task as without parking, the one way left not to lose it.
+    Any other error (a semaphore deleted meanwhile) fails the run, as the
+    claim would have."""
     try:
         parking.park(task, options.demand)
-    except SemaphoreError:
+    except SemaphoreError as exc:
+        if not _database_failed(exc):
+            raise
         logger.exception("Task %s[%s] could not be parked", task.name, task.request.id)
         return
     logger.info("Task %s[%s] parked for want of room", task.name, task.request.id)
     raise _ignore()
+
+
+def _database_failed(exc: SemaphoreError) -> bool:
+    """Whether ``exc`` is the database's failure (contention, a lost
+    connection, a driver error translated), not a refusal of the demand."""
+    return isinstance(exc, LockContention | DatabaseUnavailable) or isinstance(
+        exc.__cause__, DatabaseError
+    )
 
 
 def _forget_parked(task: Any, options: Options) -> None:

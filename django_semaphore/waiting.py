@@ -9,7 +9,8 @@ or refuses at once. Whatever waits for room between two attempts is here:
   ticketed fair waiter's polling by its place in the queue (below).
 - **A refused parking task** stands by in its worker (``stand_by``) before it
   parks, probing the counters at a pace learned from the holds this process
-  saw (``held``); see "Stand by first" in ``parking``.
+  saw (``held``; per family for a family's members); see "Stand by first"
+  in ``parking``.
 
 Every sleep is taken with no transaction open and no row locked.
 
@@ -44,6 +45,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import routing
 from django_semaphore.engine.fairness import Place
+from django_semaphore.engine.families import family_of
 from django_semaphore.engine.statements import room_for
 from django_semaphore.exceptions import AcquireTimeout, LiveDuplicate, SemaphoreExhausted
 from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Semaphore
@@ -65,8 +67,9 @@ SHORT_HOLD = 1.0
 STANDBY_WAIT = 2 * SHORT_HOLD
 STANDBY_PROBE = (0.001, 0.02)
 
-# What this process saw its parked tasks hold each semaphore for, by name
-# (``held``): the last hold, seconds.
+# What this process saw its parked tasks hold each semaphore for (``held``):
+# the last hold, seconds, by family pattern for a family's member (members
+# of one family are held alike, and a family may have thousands), else by name.
 _holds: dict[str, float] = {}
 # The semaphores a task of this process stands by on (thread and gevent
 # pools run many tasks in one process): one each, the others park.
@@ -234,7 +237,19 @@ def held(demand: Mapping[str, int], seconds: float) -> None:
     """Note how long a parking task's run in this process held its permits:
     whether, and how often, the next refused ones probe (``stand_by``)."""
     for name in demand:
-        _holds[name] = seconds
+        _holds[_hold_key(name)] = seconds
+
+
+def _hold_key(name: str) -> str:
+    """What a hold of ``name`` is learned under: its family's pattern, so a
+    new member costs no stand-by once the family is known held long."""
+    family = family_of(name)
+    return name if family is None else family.pattern
+
+
+def _learned_holds(demand: Mapping[str, int]) -> list[float]:
+    keys = {_hold_key(name) for name in demand}
+    return [_holds[key] for key in keys if key in _holds]
 
 
 def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) -> str | None:
@@ -249,7 +264,7 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
     Raises what ``claim`` raises for anything but a want of room
     (``LiveDuplicate`` included).
     """
-    holds = [_holds[name] for name in demand if name in _holds]
+    holds = _learned_holds(demand)
     if holds and max(holds) >= SHORT_HOLD:
         return None
     alias = routing.alias_for_names(list(demand))

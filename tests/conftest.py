@@ -9,7 +9,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from functools import partial
 
@@ -181,17 +181,36 @@ def make_semaphore(db) -> Callable[..., Semaphore]:
 # --- parked tasks (test_parked, test_tenants) ---------------------------------------
 
 
+@contextmanager
+def parking_in_this_process(enabled: bool) -> Iterator[None]:
+    """Whether this process's releases wake parked tasks, for a while (on by
+    default, PARK_TASKS; the state the process had is restored)."""
+    was = parking._enabled
+    (parking.enable if enabled else parking.disable)()
+    try:
+        yield
+    finally:
+        (parking.enable if was else parking.disable)()
+
+
 @pytest.fixture
 def wakes() -> Iterator[None]:
     """This (test) process's releases wake parked tasks, as a worker's do."""
-    parking.enable()
-    yield
-    parking.disable()
+    with parking_in_this_process(True):
+        yield
 
 
 @pytest.fixture
-def published(monkeypatch) -> list[str]:
-    """The task ids a wake-up publishes, instead of publishing them."""
+def wakes_nobody() -> Iterator[None]:
+    """This process's releases wake nobody: a process with PARK_TASKS off."""
+    with parking_in_this_process(False):
+        yield
+
+
+@pytest.fixture
+def published(monkeypatch, wakes_nobody) -> list[str]:
+    """The task ids a wake-up publishes, instead of publishing them; the
+    test's releases wake nobody: it calls ``wake`` itself."""
     sent: list[str] = []
 
     def publish(alias: str, parked: list[int]) -> int:

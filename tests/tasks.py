@@ -47,9 +47,18 @@ def exclusive_unbound(label: str, hold: float) -> int:
 
 
 @shared_task(bind=True, max_retries=1)
-@holds_permit(ONE)
+@holds_permit(ONE, park=False)
 def impatient(self: Any, label: str) -> int:
+    """Retries when refused (opted out of parking), then fails."""
     return _work(label, 0, self)
+
+
+@shared_task(bind=True, max_retries=0)
+@holds_permit(ONE)
+def waits_its_turn(self: Any, label: str, hold: float) -> int:
+    """The defaults: refused, it waits (stands by, parks); one retry spent
+    for want of room would fail it."""
+    return _work(label, hold, self)
 
 
 @shared_task(bind=True, max_retries=3)

@@ -73,7 +73,8 @@ def test_smoke_mode_produces_sane_results(tmp_path):
 
 def test_parked_benchmark_smoke_mode_drains_without_failures(tmp_path):
     """``python -m benchmarks.parked --smoke``: a real prefork worker on the
-    test Redis; parked tasks all run once, none fails, no stall needs the sweep."""
+    test Redis; tasks with the defaults park, all run once, none fails, no
+    stall needs the sweep; a family's members cost a process one stand-by."""
     from django.conf import settings
 
     output = tmp_path / "parked.json"
@@ -89,9 +90,12 @@ def test_parked_benchmark_smoke_mode_drains_without_failures(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     results = {r["mode"]: r for r in json.loads(output.read_text())["results"]}
-    assert set(results) == {"unlimited", "parked", "retried"}
-    parked = results["parked"]
+    assert set(results) == {"unlimited", "default", "retried", "family"}
+    parked = results["default"]  # no park=: tasks park by default
     assert (parked["ran"], parked["ran_twice"], parked["failed"]) == (40, 0, 0), parked
     assert parked["woken_by_sweep"] == 0, parked
     assert (parked["left_in_broker"], parked["parked_left"]) == (0, 0), parked
     assert parked["messages_per_task"] <= 2, parked
+    family = results["family"]  # stand-by learned per family: one wait a process at most
+    assert (family["ran"], family["failed"]) == (20, 0), family
+    assert family["standby_waits_per_process_max"] <= 1, family

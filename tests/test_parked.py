@@ -112,7 +112,7 @@ def test_a_capacity_raise_wakes_as_many_as_fit(park, wakes):
 
 
 @pytest.mark.slow
-def test_a_release_where_parking_is_off_is_caught_by_the_beat_sweep(park):
+def test_a_release_where_parking_is_off_is_caught_by_the_beat_sweep(park, wakes_nobody):
     acquire(tasks.PARK, external_id="held-by-the-test")
     result = tasks.parked.delay("swept", 0)
     eventually(lambda: parked_ids() == [result.id], "the task parked")
@@ -519,6 +519,40 @@ def test_a_long_hold_parks_at_once_and_an_unanswered_standby_learns_it(holds, mo
     started = time.monotonic()
     assert waiting.stand_by("second", {s.name: 1}, never) is None
     assert time.monotonic() - started < 0.1
+
+
+def test_a_familys_members_share_what_a_stand_by_learned(holds, monkeypatch, settings):
+    """Stand-by learns per family: of many members held long, only the first
+    refused one stands by in this process; the others park at once."""
+    family = f"{unique('stand-by-family')}:*"
+    settings.DJANGO_SEMAPHORE = {"SEMAPHORES": {family: 1}}
+    members = [family.replace("*", str(n)) for n in range(20)]
+    for member in members:
+        acquire(member, external_id=f"holder-{member}")  # created on first use, then held
+    monkeypatch.setattr(waiting, "SHORT_HOLD", 0.2)
+    monkeypatch.setattr(waiting, "STANDBY_WAIT", 0.2)
+    waits = []
+    for member in members:
+        started = time.monotonic()
+        assert waiting.stand_by(unique("task"), {member: 1}, claimer(member, "never")) is None
+        waits.append(time.monotonic() - started)
+
+    assert waits[0] >= 0.2  # nothing seen yet: it stood by
+    assert max(waits[1:]) < 0.1, waits  # the family is known held long
+    assert holds == {family: 0.2}  # one entry for the family, none per member
+    assert not PermitRequest.objects.filter(external_id="never").exists()
+
+
+def test_a_members_run_teaches_its_family_and_other_names_stay_apart(holds, settings):
+    family = f"{unique('held-family')}:*"
+    settings.DJANGO_SEMAPHORE = {"SEMAPHORES": {family: 1}}
+    lone = unique()
+
+    waiting.held({family.replace("*", "a"): 1, lone: 1}, 3.0)
+
+    assert holds == {family: 3.0, lone: 3.0}
+    assert waiting._learned_holds({family.replace("*", "b"): 1}) == [3.0]
+    assert waiting._learned_holds({unique(): 1}) == []
 
 
 # --- visible: admin, semaphore_status, metrics ------------------------------------

@@ -110,3 +110,65 @@ def test_alias_that_is_not_where_writes_go_is_warned(settings):
 def test_mirror_alias_is_warned(settings):
     settings.DJANGO_SEMAPHORE = {"DATABASE": "semaphores"}  # a TEST MIRROR of default
     assert "django_semaphore.W003" in [m.id for m in run_checks()]
+
+
+@pytest.fixture
+def beat_warnings(settings, monkeypatch):
+    """The beat check's warnings with this schedule in settings and this one
+    in the current Celery app's conf (an app configured in code)."""
+    from celery import current_app
+
+    from django_semaphore.checks import check_beat_schedule
+
+    def warnings(in_settings, in_app=None):
+        settings.CELERY_BEAT_SCHEDULE = in_settings
+        monkeypatch.setitem(current_app.conf, "beat_schedule", in_app or {})
+        return check_beat_schedule()
+
+    return warnings
+
+
+def test_a_beat_schedule_with_the_apps_sweeps_passes(beat_warnings):
+    from django_semaphore.beat import BEAT_SCHEDULE, RELEASE_ORPHANS, WAKE_PARKED
+
+    assert beat_warnings(BEAT_SCHEDULE) == []
+    assert beat_warnings({}, BEAT_SCHEDULE) == []  # app.conf.beat_schedule, set in code
+    # Under keys of the project's own choosing, at its own intervals.
+    chosen = {
+        "sweep": {"task": RELEASE_ORPHANS, "schedule": 60},
+        "parked": {"task": WAKE_PARKED, "schedule": 30},
+    }
+    assert beat_warnings(chosen) == []
+
+
+def test_a_beat_schedule_without_the_apps_sweeps_is_warned_with_what_to_add(beat_warnings):
+    from django_semaphore.beat import RELEASE_ORPHANS, WAKE_PARKED
+
+    (warning,) = beat_warnings({"other": {"task": "project.tasks.report", "schedule": 60}})
+
+    assert warning.id == "django_semaphore.W020"
+    assert RELEASE_ORPHANS in warning.msg
+    assert WAKE_PARKED in warning.msg
+    assert "BEAT_SCHEDULE" in warning.hint
+
+
+def test_a_beat_schedule_with_some_of_the_apps_sweeps_names_the_missing(beat_warnings):
+    from django_semaphore.beat import CLEAN_HISTORY, RELEASE_ORPHANS, WAKE_PARKED, beat_schedule
+
+    partly = beat_schedule(release_orphans=None, clean_released=None)
+    (warning,) = beat_warnings(partly)
+
+    assert RELEASE_ORPHANS in warning.msg
+    assert WAKE_PARKED not in warning.msg
+    assert CLEAN_HISTORY not in warning.msg
+    # Only the clean-ups missing: they bound the tables, nothing waits on them.
+    assert beat_warnings(beat_schedule(clean_released=None, clean_history=None)) == []
+
+
+def test_without_celery_the_beat_schedule_is_not_checked(settings, monkeypatch):
+    from django_semaphore.checks import check_beat_schedule
+
+    settings.CELERY_BEAT_SCHEDULE = {}
+    monkeypatch.setitem(sys.modules, "celery", None)  # what an import finds without Celery
+
+    assert check_beat_schedule() == []

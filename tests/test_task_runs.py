@@ -1,4 +1,5 @@
-"""Who may take over a task's permit: the rules, on real rows, without timing."""
+"""Who may take over a task's permit, and when a refused run parks: the
+rules, on real rows, without timing."""
 
 from __future__ import annotations
 
@@ -8,11 +9,22 @@ import subprocess
 import sys
 
 import pytest
+from django.db import DatabaseError
 
-from django_semaphore import acquire
+from django_semaphore import acquire, parking
+from django_semaphore.exceptions import (
+    DatabaseUnavailable,
+    FamilyFull,
+    LiveDuplicate,
+    LockContention,
+    SemaphoreError,
+    SemaphoreExhausted,
+    SemaphoreNotFound,
+)
 from django_semaphore.models import PermitRequest
 from django_semaphore.owners import NO_PROCESS, TaskOwner
-from django_semaphore.task_runs import _take_over
+from django_semaphore.runs import Options
+from django_semaphore.task_runs import _park_task, _parks_for, _take_over
 from tests.conftest import unique
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -64,3 +76,55 @@ def test_two_runs_taking_over_at_once_one_wins(make_semaphore):
 
     assert _take_over(request, first)
     assert not _take_over(request, second)  # the owner it judged (parked) is gone
+
+
+class Refused:
+    """Just what parking reads of a Celery task, for the rules below."""
+
+    name = "app.tasks.job"
+
+    def __init__(self) -> None:
+        self.request = type("Request", (), {"id": unique("task")})()
+
+
+@pytest.mark.parametrize(
+    ("refusal", "parks"),
+    [
+        (SemaphoreExhausted(["s"]), True),  # a want of room: waits
+        (LiveDuplicate(["s"]), False),  # held by its own other run: retried
+        (FamilyFull(["f:1"]), False),  # no member to wait on: retried
+    ],
+)
+def test_a_parking_run_parks_for_want_of_room_only(refusal, parks):
+    assert _parks_for(refusal) is parks
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        LockContention("gave up"),
+        DatabaseUnavailable("gone"),
+        SemaphoreError("unexpected"),  # a driver's error, translated (below)
+    ],
+)
+def test_a_park_the_database_failed_falls_back_to_a_retry(failure, monkeypatch):
+    if type(failure) is SemaphoreError:
+        failure.__cause__ = DatabaseError("driver")
+    monkeypatch.setattr(parking, "park", lambda task, demand: _raise(failure))
+
+    assert _park_task(Refused(), _options()) is None  # the caller retries the task
+
+
+def test_a_park_refused_for_anything_else_fails_the_run(monkeypatch):
+    monkeypatch.setattr(parking, "park", lambda task, demand: _raise(SemaphoreNotFound(["s"])))
+
+    with pytest.raises(SemaphoreNotFound):
+        _park_task(Refused(), _options())
+
+
+def _raise(error: Exception) -> None:
+    raise error
+
+
+def _options() -> Options:
+    return Options({"s": 1}, None, 0, 1, "app.tasks.job", False, None, 1, None)

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from celery.result import AsyncResult
 
-from django_semaphore import acquire
+from django_semaphore import acquire, release
 from django_semaphore.exceptions import SemaphoreExhausted
-from django_semaphore.models import PermitRequest, Semaphore
+from django_semaphore.models import ParkedTask, PermitRequest, Semaphore
 from django_semaphore.owners import TaskOwner
 from django_semaphore.states import State
 from tests import tasks
@@ -69,7 +69,25 @@ def test_tasks_on_a_capacity_one_semaphore_run_one_at_a_time(one):
     }
 
 
+def test_by_default_a_refused_task_waits_its_turn_and_never_fails(one):
+    """No park=, no PARK_TASKS: a task refused for want of room waits (stands
+    by, parks) and spends no retry: with max_retries=0, one would fail it."""
+    acquire(tasks.ONE, external_id="held-by-the-test")
+    results = [tasks.waits_its_turn.delay("waits", 0.2) for _ in range(6)]
+    deadline = time.monotonic() + 30
+    while not ParkedTask.objects.exists():  # the worker has three processes
+        assert time.monotonic() < deadline, "no refused task parked"
+        time.sleep(0.05)
+    release("held-by-the-test")
+    wait_for(results)
+
+    assert [r.state for r in results] == ["SUCCESS"] * 6, [r.traceback for r in results]
+    assert len(assert_never_overlapping("waits")) == 6
+    assert not ParkedTask.objects.exists()
+
+
 def test_exhausted_task_retries_then_fails_without_running(one):
+    """park=False: the retries of 0.1."""
     acquire(tasks.ONE, external_id="held-by-the-test")
 
     result = tasks.impatient.delay("never-runs")

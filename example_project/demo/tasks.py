@@ -1,4 +1,5 @@
-"""Celery tasks of the demo; each holds permits keyed by its own task id."""
+"""Celery tasks of the demo; each holds permits keyed by its own task id and,
+with the library's defaults, waits its turn (parked) when it finds no room."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from celery import shared_task
 from django_semaphore import holds_permit
 
 
-@shared_task(bind=True, max_retries=None)
+@shared_task(bind=True)
 @holds_permit("exports", ttl=60)
 def build_export(self: Any, report_id: int) -> str:
     """At most three exports at once, counting those the web is streaming."""
@@ -19,7 +20,7 @@ def build_export(self: Any, report_id: int) -> str:
     return f"report {report_id} built"
 
 
-@shared_task(bind=True, max_retries=None)
+@shared_task(bind=True)
 @holds_permit({"backups": 1, "network": 1}, ttl=120)
 def run_backup(self: Any, host: str) -> str:
     """One backup at a time, and it also takes one of the two network slots."""
@@ -27,7 +28,7 @@ def run_backup(self: Any, host: str) -> str:
     return f"{host} backed up"
 
 
-@shared_task(bind=True, max_retries=None)
+@shared_task(bind=True)
 @holds_permit("network", ttl=60)
 def sync_mirror(self: Any, mirror: str) -> str:
     time.sleep(random.uniform(1, 3))
@@ -35,7 +36,7 @@ def sync_mirror(self: Any, mirror: str) -> str:
 
 
 @shared_task(bind=True)
-@holds_permit("reports", ttl=60, park=True)
+@holds_permit("reports", ttl=60)
 def render_report(self: Any, batch: int, page: int) -> str:
     """Two at a time, enqueued in bursts: the rest are parked (see the admin's
     parked tasks) and woken first in, first out as each one finishes."""
