@@ -102,7 +102,8 @@ permits_freed = Signal()
 """Room was made on semaphores, once committed: permits released (by their
 holder, a sweep, an expiry reclaim, a force release) or capacity raised.
 Sender: ``Semaphore``. ``freed``: semaphore id -> permits freed.
-While a receiver is connected, every release takes the general path, which
-knows what it freed (the one-statement release does not); parked Celery
-tasks connect one (``parking.py``).
+The one-statement release (MariaDB, PostgreSQL) says nothing of what it
+freed: while a receiver is connected, it reads after its commit what it
+freed where parked tasks wait, and sends only those (``engine/releasing``);
+parked Celery tasks connect the receiver (``parking.py``).
 """

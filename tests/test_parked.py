@@ -33,7 +33,7 @@ from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.states import State
 from tests import tasks
-from tests.conftest import behind_the_engine, unique
+from tests.conftest import behind_the_engine, parking_in_this_process, unique
 from tests.testapp.models import RunLog
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -387,19 +387,44 @@ def test_a_release_tells_the_wake_up_what_it_freed_on_every_path(wakes, monkeypa
     from django_semaphore import signals
     from django_semaphore.engine import releasing
 
-    a, b = semaphore(3), semaphore(3)
+    a, b, c = semaphore(3), semaphore(3), semaphore(3)
     freed: list[dict[int, int]] = []
     monkeypatch.setattr(wake, "wake", lambda alias, ids: freed.append(dict(ids)) or 0)
     acquire({a.name: 2, b.name: 1}, external_id="general")
-    acquire({a.name: 1}, external_id="one-statement")
+    acquire({a.name: 1, c.name: 1}, external_id="one-statement")
+    acquire({c.name: 1}, external_id="nothing-parked")
+    park_row({a.name: 1})
 
     release("general")  # the metrics app listens: the general path
     monkeypatch.setattr(releasing, "released_ids_wanted", lambda: False)
-    release("one-statement")  # a read, then one statement where the database can
+    # One statement where the database can, then a read of where tasks are
+    # parked (on a, not on c); SQLite's general path knows all it freed.
+    release("one-statement")
     release("one-statement")  # released already: nothing freed, nobody woken
+    release("nothing-parked")
 
-    assert freed == [{a.pk: 2, b.pk: 1}, {a.pk: 1}]
+    one_statement = connection.vendor in ("mysql", "postgresql")
+    assert freed == [
+        {a.pk: 2, b.pk: 1},
+        {a.pk: 1} if one_statement else {a.pk: 1, c.pk: 1},
+        *([] if one_statement else [{c.pk: 1}]),
+    ]
     assert signals.permits_freed.has_listeners(Semaphore)
+
+
+def test_the_one_statement_release_wakes_the_task_parked_on_its_room(published, monkeypatch):
+    """Where parked tasks wait is read after the release committed: a task
+    parked before that read is woken by it (one parked after it finds the
+    room itself: ``parking.park`` looks once more)."""
+    from django_semaphore.engine import releasing
+
+    monkeypatch.setattr(releasing, "released_ids_wanted", lambda: False)
+    s = semaphore(1)
+    acquire(s.name, external_id="holder")
+    park_row({s.name: 1}, task_id="parked")
+    with parking_in_this_process(True):
+        release("holder")
+    assert published == ["parked"]
 
 
 # --- standing by ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ from django_semaphore.exceptions import PermitAlreadyReleased, PermitNotFound
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.signals import hold_ended, permit_released
 from django_semaphore.states import ReleaseReason, State
-from tests.conftest import behind_the_engine, unique
+from tests.conftest import behind_the_engine, parking_in_this_process, unique
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -146,25 +146,30 @@ def test_a_half_released_request_is_completed_by_release_too(make_semaphore):
     assert PermitRequest.objects.get(pk=request.pk).state == State.RELEASED
 
 
+@pytest.mark.parametrize("parking", [True, False], ids=["parking on", "parking off"])
 def test_release_is_one_statement_where_the_database_can_update_three_tables(
-    make_semaphore, monkeypatch
+    make_semaphore, monkeypatch, parking
 ):
     """Request, permits and the in-use counter in one statement, its lock
     wait bounded by the statement itself, unless a receiver wants the
     released ids (see the next test); the test settings install the metrics
-    app, whose receivers want them. SQLite: one transaction of its own."""
+    app, whose receivers want them. With parking on (the default) one plain
+    read follows the commit: where parked tasks wait for the room it freed
+    (none here: no wake-up runs). SQLite: one transaction of its own."""
     monkeypatch.setattr(permit_released, "receivers", [])
     monkeypatch.setattr(hold_ended, "receivers", [])
     sem = make_semaphore()
     key = unique()
     acquire(sem.name, external_id=key)
 
-    with CaptureQueriesContext(connection) as queries:
+    with parking_in_this_process(parking), CaptureQueriesContext(connection) as queries:
         assert release(key) is ReleaseOutcome.RELEASED
 
     statements = [q["sql"] for q in queries.captured_queries]
     if connection.vendor in ("mysql", "postgresql"):
-        assert len(statements) == 1
+        assert "UPDATE" in statements[0]
+        assert len(statements) == (2 if parking else 1)
+        assert all(s.startswith("SELECT") for s in statements[1:])
     else:
         # Permits, counter, request.
         assert sum(s.startswith("UPDATE") for s in statements) == 3

@@ -30,18 +30,22 @@ def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     sql = release_statements(connection)
     # One statement where the database can say it, unless someone listens
     # for the released ids (as Django's delete skips fetching rows nobody's
-    # signal receives). Which semaphores it frees, when parked tasks wait
-    # for room, is read just before: one plain read, where the general path
-    # is a transaction of five statements. A request's permits only ever go
-    # from ACQUIRED to RELEASED, so if the statement released the request,
-    # it freed what the read saw (or less, if a repair freed one between:
-    # a wake-up that finds no room).
-    if sql.releases_by_key() and not released_ids_wanted():
-        freed = sql.held_by_key(key) if room_wanted() else {}
-        if sql.release_by_key(key, ReleaseReason.RELEASED, app_settings.LOCK_WAIT_TIMEOUT):
-            if freed:
-                announce_room(connection.alias, freed)  # autocommit: committed
-            return ReleaseOutcome.RELEASED
+    # signal receives). Where parked tasks wait for the room it frees is
+    # read once it has committed, by one plain read: a task that parked
+    # before that read is found by it, one that parked after it finds the
+    # room itself (``parking.park`` looks for room once its row is
+    # committed), so no wake-up falls between the two. A request's permits
+    # only ever go from ACQUIRED to RELEASED: what the read finds is what
+    # this statement freed.
+    if (
+        sql.releases_by_key()
+        and not released_ids_wanted()
+        and sql.release_by_key(key, ReleaseReason.RELEASED, app_settings.LOCK_WAIT_TIMEOUT)
+    ):
+        freed = sql.parked_on_key(key) if room_wanted() else {}
+        if freed:
+            announce_room(connection.alias, freed)  # autocommit: committed
+        return ReleaseOutcome.RELEASED
     row = sql.find_request(key)
     if row is None:
         return ReleaseOutcome.NOT_FOUND

@@ -11,6 +11,7 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
 from django_semaphore.engine.statements import SQL, built, placeholders
+from django_semaphore.models import ParkedDemand, ParkedTask
 
 
 class ReleaseStatements(SQL):
@@ -64,10 +65,16 @@ class ReleaseStatements(SQL):
             f" WHERE p.{q('request_id')} IN ({{ids}})"
             f" AND r.{q('release_reason')} = %s AND r.{q('released_at')} IS NOT NULL"
         )
-        self.held_by_key_sql = (
+        # After the one-statement release: which of the key's semaphores have
+        # parked tasks waiting (not woken), and what the key held there.
+        demand, task = (q(m._meta.db_table) for m in (ParkedDemand, ParkedTask))
+        self.parked_on_key_sql = (
             f"SELECT r.{q('external_id')}, p.{q('semaphore_id')}, p.{q('count')}"
             f" FROM {request} r JOIN {permit} p ON p.{q('request_id')} = r.{q('id')}"
-            f" WHERE r.{q('external_id')} = %s AND r.{q('state')} = %s AND p.{q('state')} = %s"
+            f" WHERE r.{q('external_id')} = %s AND EXISTS (SELECT 1 FROM {demand} d"
+            f" JOIN {task} t ON t.{q('id')} = d.{q('task_id')}"
+            f" WHERE d.{q('semaphore_id')} = p.{q('semaphore_id')}"
+            f" AND t.{q('woken_at')} IS NULL)"
         )
 
     def _by_key_sql(self) -> str:
@@ -147,10 +154,11 @@ class ReleaseStatements(SQL):
         # Not another key that only the collation calls equal.
         return None if row is None or row[2] != key else (row[0], row[1])
 
-    def held_by_key(self, key: str) -> dict[int, int]:
-        """{semaphore id: count} the key's request holds, by one plain read."""
+    def parked_on_key(self, key: str) -> dict[int, int]:
+        """{semaphore id: count} the key's request held on semaphores where
+        parked tasks wait, by one plain read (after its release committed)."""
         with self.connection.cursor() as cursor:
-            cursor.execute(self.held_by_key_sql, [key, self.acquired, self.acquired])
+            cursor.execute(self.parked_on_key_sql, [key])
             rows = cursor.fetchall()
         # Not another key that only the collation calls equal.
         return {int(semaphore): int(count) for stored, semaphore, count in rows if stored == key}
