@@ -67,12 +67,12 @@ class ReleaseStatements(SQL):
         )
         # After the one-statement release: which of the key's semaphores have
         # parked tasks waiting (not woken), and what the key held there.
-        demand, task = (q(m._meta.db_table) for m in (ParkedDemand, ParkedTask))
         self.parked_on_key_sql = (
             f"SELECT r.{q('external_id')}, p.{q('semaphore_id')}, p.{q('count')}"
             f" FROM {request} r JOIN {permit} p ON p.{q('request_id')} = r.{q('id')}"
-            f" WHERE r.{q('external_id')} = %s AND EXISTS (SELECT 1 FROM {demand} d"
-            f" JOIN {task} t ON t.{q('id')} = d.{q('task_id')}"
+            f" WHERE r.{q('external_id')} = %s"
+            f" AND EXISTS (SELECT 1 FROM {q(ParkedDemand._meta.db_table)} d"
+            f" JOIN {q(ParkedTask._meta.db_table)} t ON t.{q('id')} = d.{q('task_id')}"
             f" WHERE d.{q('semaphore_id')} = p.{q('semaphore_id')}"
             f" AND t.{q('woken_at')} IS NULL)"
         )
