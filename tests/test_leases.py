@@ -19,7 +19,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_semaphore import acquire, permit
 from django_semaphore.engine.releasing import release_requests
-from django_semaphore.exceptions import InvalidRequest, PermitLost
+from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.leases import HEARTBEAT, hold
 from django_semaphore.models import PermitRequest, Semaphore
 from django_semaphore.owners import this_process
@@ -119,25 +119,6 @@ def test_a_lost_lease_marks_only_its_holder(make_semaphore, idle_heartbeat):
     assert expiry(lapsed.external_id) == lapsed.expires_at
     assert idle_heartbeat.holding == 1
     leases[kept.external_id].drop()
-
-
-def test_the_thread_renews_a_short_lease_through_long_work(make_semaphore, idle_heartbeat):
-    sem = make_semaphore()
-    with permit(sem.name, ttl=1) as grant:
-        first = expiry(grant.external_id)
-        time.sleep(2.5)
-        assert expiry(grant.external_id) > first
-        assert PermitRequest.objects.get(external_id=grant.external_id).state == State.ACQUIRED
-    assert not grant.lost
-
-
-def test_permit_lost_on_exit_when_revoked(make_semaphore, idle_heartbeat):
-    sem = make_semaphore()
-    with pytest.raises(PermitLost), permit(sem.name, ttl=1) as grant:
-        release_requests("default", [grant.request.pk], ReleaseReason.ADMIN)
-        deadline = time.monotonic() + 5
-        while not grant.lost and time.monotonic() < deadline:
-            time.sleep(0.05)
 
 
 @pytest.mark.usefixtures("sync_thread_connections")
