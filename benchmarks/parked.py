@@ -50,14 +50,20 @@ STALLED = 5.0
 FAMILY = "bench-family:*"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.parked", description=__doc__)
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--database-url`` and ``--redis-url``, by default the private servers
+    of ``scripts/servers.py`` (their ports from its environment)."""
     mariadb = os.environ.get("SEMAPHORE_MARIADB_PORT", "33061")
     redis_port = os.environ.get("SEMAPHORE_REDIS_PORT", "63791")
     parser.add_argument(
         "--database-url", default=f"mysql://semaphore:semaphore@127.0.0.1:{mariadb}/bench_parked"
     )
     parser.add_argument("--redis-url", default=f"redis://127.0.0.1:{redis_port}/5")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.parked", description=__doc__)
+    add_server_arguments(parser)
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--hold", type=float, default=0.02)
     parser.add_argument("--capacity", type=int, default=4)

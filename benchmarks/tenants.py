@@ -25,17 +25,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks.parked import ROOT, _quantile, worker
+from benchmarks.parked import ROOT, _quantile, add_server_arguments, worker
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tenants", description=__doc__)
-    mariadb = os.environ.get("SEMAPHORE_MARIADB_PORT", "33061")
-    redis_port = os.environ.get("SEMAPHORE_REDIS_PORT", "63791")
-    parser.add_argument(
-        "--database-url", default=f"mysql://semaphore:semaphore@127.0.0.1:{mariadb}/bench_parked"
-    )
-    parser.add_argument("--redis-url", default=f"redis://127.0.0.1:{redis_port}/5")
+    add_server_arguments(parser)
     parser.add_argument("--backlog", type=int, default=500)
     parser.add_argument("--tasks", type=int, default=20)
     parser.add_argument("--capacity", type=int, default=10)

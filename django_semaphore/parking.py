@@ -279,9 +279,9 @@ def enable() -> None:
     with ``PARK_TASKS`` off, call it from ``AppConfig.ready()`` of the web
     processes whose ``release()`` should wake tasks parked with
     ``park=True`` at once (otherwise the beat sweep does, within its
-    interval). From then on
-    this process's releases take the general path, which knows which
-    semaphores it freed (see ``docs/decisions.md``).
+    interval). From then on each of this process's releases reads, after
+    its commit, where parked tasks wait for the room it freed, and wakes
+    them there (see ``docs/decisions.md``).
     """
     global _enabled
     if _enabled:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.db import connection
@@ -34,6 +35,17 @@ class Worker:
 
     def log_tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+
+    def started(self, label: str, timeout: float = 30) -> Any:
+        """The ``RunLog`` of the first run labelled ``label``, once a task
+        of this worker wrote it (the test fails with the log past ``timeout``)."""
+        from tests.testapp.models import RunLog
+
+        deadline = time.monotonic() + timeout
+        while not (run := RunLog.objects.filter(label=label).first()):
+            assert time.monotonic() < deadline, self.log_tail()
+            time.sleep(0.1)
+        return run
 
 
 def _wait_until_ready(worker: Worker, timeout: float = 60) -> None:
