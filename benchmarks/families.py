@@ -90,7 +90,7 @@ def create_loop(database_url: str, names: list[str], start: Any, results: Any) -
 
 def create_members(database_url: str, members: int, processes: int) -> dict[str, Any]:
     """Phase 1: every name raced by two processes; the rows checked after."""
-    from django.db.models import Count
+    from django.db.models import Count, F
 
     from django_semaphore.models import Semaphore
 
@@ -118,7 +118,7 @@ def create_members(database_url: str, members: int, processes: int) -> dict[str,
         "created": rows.count(),
         "duplicates": duplicates,
         "errors": dict(Counter(errors)),
-        "in_use_after": sum(rows.values_list("in_use", flat=True)),
+        "in_use_after": sum(rows.values_list(F("in_use"), flat=True)),
         "seconds": round(seconds, 2),
         "acquires_per_second": round(len(latencies) / seconds, 1),
         **_percentiles(latencies),

@@ -19,6 +19,7 @@ APP_TABLES = [
     "django_semaphore_permitrequest",
     "django_semaphore_capacitychange",
     "django_semaphore_fencingmark",
+    "django_semaphore_releasecounter",
     "django_semaphore_semaphore",
 ]
 SEED_TABLES = ["seed_permit", "seed_permit_request", "seed_semaphore"]
@@ -186,7 +187,8 @@ class Data:
         if held:
             # The app's exact counter, as its grants would have left it.
             self.execute(
-                "UPDATE django_semaphore_semaphore SET in_use = in_use + %s WHERE id = %s",
+                "UPDATE django_semaphore_semaphore SET in_use_counter = in_use_counter + %s"
+                " WHERE id = %s",
                 [count, sem_id],
             )
         self.execute(
@@ -216,7 +218,10 @@ class Data:
         seed_id = self.scalar("SELECT id FROM seed_semaphore WHERE name = %s", [name])
         statements = {
             # The room check of the app's grant: the counter on the locked row.
-            "app": ("SELECT in_use FROM django_semaphore_semaphore WHERE name = %s", [name]),
+            "app": (
+                "SELECT in_use_counter FROM django_semaphore_semaphore WHERE name = %s",
+                [name],
+            ),
             "seed": (
                 "SELECT SUM(count) FROM seed_permit WHERE semaphore_id = %s AND state = 'ACQUIRED'",
                 [seed_id],

@@ -17,14 +17,19 @@ from django.db.models import (
     OuterRef,
     Subquery,
 )
-from django.db.models.functions import Coalesce
+from django.db.models.functions import Cast, Coalesce, Greatest
 
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.guards import GuardedQuerySet
 from django_semaphore.states import State
 
 if TYPE_CHECKING:
-    from django_semaphore.models import Permit, PermitRequest, Semaphore  # noqa: F401
+    from django_semaphore.models import (  # noqa: F401
+        Permit,
+        PermitRequest,
+        ReleaseCounter,
+        Semaphore,
+    )
 
 
 class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
@@ -40,6 +45,22 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
         compiles it once per connection (``engine.statements``).
         """
         return self.select_for_update().order_by("name")
+
+    def bulk_create(self, objs: Any, *args: Any, **kwargs: Any) -> list[Semaphore]:
+        """Create the semaphores and their release counters (``ReleaseCounter``)."""
+        created = super().bulk_create(objs, *args, **kwargs)
+        counter = self._related("release_counter").model
+        missing = (
+            self.model._base_manager.using(self.db)
+            .filter(name__in=[s.name for s in created], release_counter__isnull=True)
+            .values_list("pk", flat=True)
+        )
+        counter._default_manager.using(self.db).bulk_create(
+            [counter(semaphore_id=pk) for pk in missing], ignore_conflicts=True
+        )
+        for semaphore in created:
+            semaphore.in_use = semaphore.in_use_counter
+        return created
 
     def with_usage(self) -> SemaphoreQuerySet:
         """Annotate what holds and waits on each semaphore (what is held is
@@ -92,7 +113,56 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
         return model._default_manager.all()
 
 
-SemaphoreManager = models.Manager.from_queryset(SemaphoreQuerySet)
+_SemaphoreManager = models.Manager.from_queryset(SemaphoreQuerySet)
+
+
+class SemaphoreManager(_SemaphoreManager["Semaphore"]):
+    """Every query annotates ``in_use``, the permits held (see ``in_use``).
+
+    The type checker knows only the model's fields: the code names the
+    annotation through ``F("in_use")`` or ``Q(in_use=...)``.
+    """
+
+    def get_queryset(self) -> SemaphoreQuerySet:
+        queryset = super().get_queryset()
+        counter = queryset.model._meta.get_field("release_counter").related_model
+        # Splatted: the type checker takes the model's declared ``in_use`` as it.
+        annotated = queryset.annotate(**{"in_use": in_use(counter)})
+        return cast(SemaphoreQuerySet, annotated)
+
+
+def in_use(counter: type[models.Model]) -> Greatest:
+    """The permits held on a semaphore: its ``in_use_counter`` less the
+    releases counted on its ``ReleaseCounter`` and not yet folded in.
+
+    Signed arithmetic: MySQL refuses an unsigned difference below zero. A
+    counter written behind the engine's back reads no lower than zero (the
+    verifier reports and corrects it), as it did when releases lowered it.
+    """
+    released = Subquery(
+        counter._default_manager.filter(semaphore=OuterRef("pk")).values("released")
+    )
+    return Greatest(
+        Cast("in_use_counter", BigIntegerField())
+        + Cast("released_folded", BigIntegerField())
+        - Coalesce(Cast(released, BigIntegerField()), 0),
+        0,
+        output_field=BigIntegerField(),
+    )
+
+
+class ReleaseCounterQuerySet(GuardedQuerySet["ReleaseCounter"]):
+    """``ReleaseCounter.objects``' queries."""
+
+    def locked(self) -> ReleaseCounterQuerySet:
+        """These counters, locked in semaphore id order, for the caller's
+        transaction: every release locks the counters of what it frees so
+        (the release by key through permits inserted in that order), and
+        only releases and the verifier lock them."""
+        return self.select_for_update().order_by("semaphore_id")
+
+
+ReleaseCounterManager = models.Manager.from_queryset(ReleaseCounterQuerySet)
 
 
 class PermitRequestQuerySet(GuardedQuerySet["PermitRequest"]):

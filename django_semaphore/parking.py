@@ -150,7 +150,9 @@ def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) 
         rows = Semaphore.objects.using(alias).filter(name__in=demand)
         room = {
             name: (id, capacity - in_use)
-            for name, id, capacity, in_use in rows.values_list("name", "id", "capacity", "in_use")
+            for name, id, capacity, in_use in rows.values_list(
+                "name", "id", "capacity", F("in_use")
+            )
         }
         if len(room) != len(demand):
             raise SemaphoreNotFound(set(demand) - set(room))

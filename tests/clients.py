@@ -64,19 +64,10 @@ class Oracle:
                 self.holders[name].value -= 1
 
 
-def nobody_wants_released_ids() -> bool:
-    """In place of ``releasing.released_ids_wanted``: release takes its one
-    statement (MariaDB, PostgreSQL) although the test settings' metrics app
-    listens."""
-    return False
-
-
-def hammer(
-    oracle: Oracle, demands: list[Any], duration: float, one_statement_release: bool = False
-) -> None:
-    """Acquire, hold briefly, release, until ``duration`` is over."""
-    if one_statement_release:
-        releasing.released_ids_wanted = nobody_wants_released_ids
+def hammer(oracle: Oracle, demands: list[Any], duration: float, by_key: bool = True) -> None:
+    """Acquire, hold briefly, release, until ``duration`` is over: by key
+    (MariaDB's and PostgreSQL's one statement), or by request id (the
+    general path of the sweeps and force releases)."""
     deadline = time.monotonic() + duration
     try:
         while time.monotonic() < deadline:
@@ -91,6 +82,27 @@ def hammer(
             oracle.enter(request, names)
             time.sleep(random.uniform(0.002, 0.01))  # long enough to overlap
             oracle.leave(names)
+            if by_key:
+                release(key)
+            else:
+                releasing.release_requests(request._state.db, [request.pk], "released")
+    except Exception as exc:
+        oracle.errors.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        connections.close_all()
+
+
+def never_refused(oracle: Oracle, demand: dict[str, int], duration: float) -> None:
+    """Acquire without waiting and release at once, until ``duration`` is
+    over: each client holds at most one request, so with a capacity of at
+    least the number of clients every refusal is an error."""
+    deadline = time.monotonic() + duration
+    try:
+        while time.monotonic() < deadline:
+            key = uuid.uuid4().hex
+            request = acquire(demand, external_id=key, owner="never-refused")
+            oracle.enter(request, sorted(demand))
+            oracle.leave(sorted(demand))
             release(key)
     except Exception as exc:
         oracle.errors.put(f"{type(exc).__name__}: {exc}")

@@ -6,7 +6,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from unittest.mock import patch
 
 import pytest
 from django.db import DatabaseError, connection, connections, transaction
@@ -14,25 +13,32 @@ from django.db import DatabaseError, connection, connections, transaction
 from django_semaphore import ReleaseOutcome, acquire, backends, release
 from django_semaphore.backends import Failure
 from django_semaphore.engine import prelock
+from django_semaphore.engine.releasing import release_requests
 from django_semaphore.exceptions import LockContention
-from django_semaphore.models import Semaphore
-from django_semaphore.signals import permit_released
+from django_semaphore.models import PermitRequest, ReleaseCounter, Semaphore
+from django_semaphore.retry import run_with_retries
 from tests.conftest import unique
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @contextmanager
-def row_locked_elsewhere(name: str, hold: float = 30.0) -> Iterator[threading.Event]:
-    """Hold the semaphore's row lock from another connection for ``hold`` seconds
-    (or until the yielded event is set)."""
+def row_locked_elsewhere(
+    name: str, hold: float = 30.0, row: str = "semaphore"
+) -> Iterator[threading.Event]:
+    """Hold the semaphore's row lock (a grant's), or with ``row="release
+    counter"`` its release counter's (a release's), from another connection
+    for ``hold`` seconds (or until the yielded event is set)."""
     locked, done = threading.Event(), threading.Event()
 
     def hold_lock() -> None:
         try:
             with transaction.atomic():
                 # On SQLite the IMMEDIATE transaction itself is the write lock.
-                list(Semaphore.objects.select_for_update().filter(name=name))
+                if row == "semaphore":
+                    list(Semaphore.objects.select_for_update().filter(name=name))
+                else:
+                    list(ReleaseCounter.objects.locked().filter(semaphore__name=name))
                 locked.set()
                 done.wait(hold)
         finally:
@@ -75,36 +81,63 @@ def test_lock_wait_is_bounded_then_a_typed_error(make_semaphore, settings):
     assert session_lock_wait() == before  # restored for the rest of the session
 
 
-@pytest.mark.parametrize("listening", [False, True], ids=["one statement", "general path"])
-def test_a_release_waits_for_the_semaphore_row_within_the_same_bound(
-    make_semaphore, settings, listening
+def release_by(path: str, key: str) -> None:
+    if path == "by key":
+        assert release(key) is ReleaseOutcome.RELEASED
+    else:
+        request = PermitRequest.objects.get(external_id=key)
+        assert release_requests(connection.alias, [request.pk], "released") == 1
+
+
+@pytest.mark.parametrize("path", ["by key", "by request"])
+def test_a_release_waits_for_its_release_counter_within_the_same_bound(
+    make_semaphore, settings, path
 ):
-    """Release locks the semaphore rows to lower their counters: its wait is
-    bounded like the grant's, then retried (longer than an acquire's), then a
-    typed error; the permit is still held and a later release frees it."""
+    """Release locks the release counters it adds to: its wait is bounded
+    like the grant's, then retried (by key: longer than an acquire's), then
+    a typed error; the permit is still held and a later release frees it."""
     settings.DJANGO_SEMAPHORE = {"LOCK_WAIT_TIMEOUT": 1, "RETRY_ATTEMPTS": 1}
     sem = make_semaphore()
     key = unique()
     acquire(sem.name, external_id=key)
     before = session_lock_wait()
 
-    def listener(**kwargs: object) -> None:
-        pass
-
-    with patch.object(permit_released, "receivers", []):
-        if listening:
-            permit_released.connect(listener)
-        with row_locked_elsewhere(sem.name):
-            started = time.monotonic()
-            with pytest.raises(LockContention):
+    with row_locked_elsewhere(sem.name, row="release counter"):
+        started = time.monotonic()
+        with pytest.raises(LockContention):
+            if path == "by key":
                 release(key)
-            elapsed = time.monotonic() - started
+            else:
+                run_with_retries(connection, lambda: release_by(path, key))
+        elapsed = time.monotonic() - started
 
-    assert 4 <= elapsed < 12  # RETRY_ATTEMPTS x 4 bounded waits
+    assert (4 if path == "by key" else 1) <= elapsed < 12  # bounded waits
     assert session_lock_wait() == before
     assert Semaphore.objects.get(pk=sem.pk).in_use == 1
-    assert release(key) is ReleaseOutcome.RELEASED
+    release_by(path, key)
     assert Semaphore.objects.get(pk=sem.pk).in_use == 0
+
+
+@pytest.mark.parametrize("path", ["by key", "by request"])
+def test_a_release_never_waits_behind_a_grant(make_semaphore, settings, path):
+    """A grant holds the semaphore row locked until it commits, and grants
+    queue on it: a release counts what it frees on the release counter, so
+    it returns at once, and the next grant finds the room."""
+    if connection.vendor == "sqlite":
+        pytest.skip("SQLite has one writer at a time: a release waits for the grant's commit.")
+    settings.DJANGO_SEMAPHORE = {"LOCK_WAIT_TIMEOUT": 5}
+    sem = make_semaphore(capacity=1)
+    key = unique()
+    acquire(sem.name, external_id=key)
+
+    with row_locked_elsewhere(sem.name):
+        started = time.monotonic()
+        release_by(path, key)
+        elapsed = time.monotonic() - started
+
+    assert elapsed < 2, "the release waited for the semaphore row"
+    assert Semaphore.objects.get(pk=sem.pk).in_use == 0
+    acquire(sem.name, external_id=unique())  # the room is there at once
 
 
 def test_lock_wait_timeout_is_retried(make_semaphore, settings):

@@ -8,7 +8,6 @@ import uuid
 
 import pytest
 
-from django_semaphore.engine import releasing
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.states import State
 from tests.children import SPAWN, Outbox
@@ -16,7 +15,7 @@ from tests.clients import (
     CLIENTS,
     Oracle,
     hammer,
-    nobody_wants_released_ids,
+    never_refused,
     race_one_key,
     run_clients,
 )
@@ -51,20 +50,32 @@ def test_never_more_holders_than_capacity(make_semaphore, mode, capacity):
     assert held_now(name) == 0
 
 
-@pytest.mark.parametrize("release", ["general", "one statement"])
+def test_a_capacity_of_every_client_never_refuses(make_semaphore):
+    """Room released is there for the next grant: with a capacity of at
+    least the number of clients, a grant is never refused, also while
+    releases and grants of three semaphores at once contend (processes)."""
+    names = [make_semaphore(capacity=CLIENTS).name for _ in range(3)]
+    oracle = Oracle.create(names)
+
+    run_clients("processes", never_refused, (oracle, dict.fromkeys(names, 1), DURATION))
+
+    assert oracle.errors.items() == []
+    assert len(oracle.entries.items()) > 20 * len(names), "too few grants to mean anything"
+    assert all(held_now(name) == 0 for name in names)
+
+
+@pytest.mark.parametrize("release", ["by request", "by key"])
 @pytest.mark.parametrize("mode", ["threads", "processes"])
-def test_multi_semaphore_requests_in_opposite_orders(make_semaphore, mode, release, monkeypatch):
-    """Releases lock the semaphore rows too (to lower their counters): by
-    the general path, or MariaDB's and PostgreSQL's one statement, they
-    take them in the acquire's order, and no deadlock surfaces."""
+def test_multi_semaphore_requests_in_opposite_orders(make_semaphore, mode, release):
+    """Releases lock the release counters (semaphore id order): by the
+    general path, or MariaDB's and PostgreSQL's one statement by key,
+    beside grants locking the semaphores (name order), and no deadlock
+    surfaces."""
     a, b = make_semaphore(capacity=2).name, make_semaphore(capacity=3).name
     oracle = Oracle.create([a, b])
     demands = [[a, b], [b, a], {b: 2, a: 1}, {a: 1}, {b: 1}]
-    one_statement = release == "one statement"
-    if one_statement:  # the threads' process; spawned clients do it themselves
-        monkeypatch.setattr(releasing, "released_ids_wanted", nobody_wants_released_ids)
 
-    run_clients(mode, hammer, (oracle, demands, DURATION, one_statement))
+    run_clients(mode, hammer, (oracle, demands, DURATION, release == "by key"))
 
     assert oracle.errors.items() == []  # no deadlock ever surfaced
     assert oracle.entries.items()

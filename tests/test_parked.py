@@ -368,19 +368,13 @@ def test_cancel_drops_a_parked_task_and_offers_its_room(published):
     assert published == [first, second]
 
 
-def test_parking_wants_room_not_released_ids(wakes, monkeypatch):
-    from django_semaphore import signals
+def test_parking_listens_for_room(wakes):
     from django_semaphore.engine import releasing
 
     assert releasing.room_wanted()
     parking.disable()
     assert not releasing.room_wanted()
     parking.enable()
-    # The metrics app listens for released ids in the tests; without it,
-    # parking alone keeps the one-statement release (MariaDB, PostgreSQL).
-    for signal in (signals.permit_released, signals.hold_ended):
-        monkeypatch.setattr(signal, "has_listeners", lambda sender=None: False)
-    assert not releasing.released_ids_wanted()
 
 
 def test_a_release_tells_the_wake_up_what_it_freed_on_every_path(wakes, monkeypatch):
@@ -390,17 +384,17 @@ def test_a_release_tells_the_wake_up_what_it_freed_on_every_path(wakes, monkeypa
     a, b, c = semaphore(3), semaphore(3), semaphore(3)
     freed: list[dict[int, int]] = []
     monkeypatch.setattr(wake, "wake", lambda alias, ids: freed.append(dict(ids)) or 0)
-    acquire({a.name: 2, b.name: 1}, external_id="general")
-    acquire({a.name: 1, c.name: 1}, external_id="one-statement")
+    by_request = acquire({a.name: 2, b.name: 1}, external_id="by-request")
+    acquire({a.name: 1, c.name: 1}, external_id="by-key")
     acquire({c.name: 1}, external_id="nothing-parked")
     park_row({a.name: 1})
 
-    release("general")  # the metrics app listens: the general path
-    monkeypatch.setattr(releasing, "released_ids_wanted", lambda: False)
+    # The general path knows all it freed.
+    releasing.release_requests(connection.alias, [by_request.pk], "released")
     # One statement where the database can, then a read of where tasks are
     # parked (on a, not on c); SQLite's general path knows all it freed.
-    release("one-statement")
-    release("one-statement")  # released already: nothing freed, nobody woken
+    release("by-key")
+    release("by-key")  # released already: nothing freed, nobody woken
     release("nothing-parked")
 
     one_statement = connection.vendor in ("mysql", "postgresql")
@@ -412,13 +406,10 @@ def test_a_release_tells_the_wake_up_what_it_freed_on_every_path(wakes, monkeypa
     assert signals.permits_freed.has_listeners(Semaphore)
 
 
-def test_the_one_statement_release_wakes_the_task_parked_on_its_room(published, monkeypatch):
+def test_the_one_statement_release_wakes_the_task_parked_on_its_room(published):
     """Where parked tasks wait is read after the release committed: a task
     parked before that read is woken by it (one parked after it finds the
     room itself: ``parking.park`` looks once more)."""
-    from django_semaphore.engine import releasing
-
-    monkeypatch.setattr(releasing, "released_ids_wanted", lambda: False)
     s = semaphore(1)
     acquire(s.name, external_id="holder")
     park_row({s.name: 1}, task_id="parked")

@@ -199,11 +199,14 @@ def test_holds_permit_has_no_way_to_take_a_key_from_a_request():
 SQL_WORDS = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|PRAGMA|SET|WHERE|VALUES)\b")
 # What may be interpolated into SQL text: quoted identifiers, placeholder lists
 # ("%s, %s"), SQL the ORM compiled (with its parameters kept apart), and ints.
-SAFE_CALLS = {"q", "quote_name", "_placeholders", "placeholders", "int", "len", "ceil", "floor"}
+SAFE_CALLS = {
+    "q", "quote_name", "_placeholders", "placeholders", "case_placeholders", "int", "len", "ceil",
+    "floor",
+}  # fmt: skip
 INT_COMBINERS = {"max", "min"}  # safe when every argument is
 SAFE_NAMES = {
     # identifiers and compiled fragments named in the statement builders
-    "semaphore", "request", "permit", "now", "ids", "rows", "table", "column",
+    "semaphore", "request", "permit", "counter", "now", "ids", "rows", "table", "column",
     "db_table", "sql", "where", "columns", "returning", "bound", "hint", "stamp",
     "locking",  # the manager's locking read, compiled by the ORM
 }  # fmt: skip

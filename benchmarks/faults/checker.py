@@ -48,9 +48,14 @@ def counter_drift(url: str) -> dict[str, list[int]]:
     transaction, so any entry is a bug."""
     with db.cursor(url) as cur:
         cur.execute(
-            "SELECT s.name, s.in_use, COALESCE(SUM(p.count), 0)"
-            " FROM django_semaphore_semaphore s LEFT JOIN django_semaphore_permit p"
-            " ON p.semaphore_id = s.id AND p.state = 'ACQUIRED' GROUP BY s.id, s.name, s.in_use"
+            # What the semaphore holds: its counter less the releases not
+            # folded in yet (models.ReleaseCounter).
+            "SELECT s.name, CAST(s.in_use_counter AS SIGNED) + s.released_folded - c.released,"
+            " COALESCE(SUM(p.count), 0)"
+            " FROM django_semaphore_semaphore s"
+            " JOIN django_semaphore_releasecounter c ON c.semaphore_id = s.id"
+            " LEFT JOIN django_semaphore_permit p ON p.semaphore_id = s.id AND p.state = 'ACQUIRED'"
+            " GROUP BY s.id, s.name, s.in_use_counter, s.released_folded, c.released"
         )
         return {name: [int(n), int(held)] for name, n, held in cur.fetchall() if n != held}
 

@@ -86,6 +86,7 @@ APP_TABLES = [
     "django_semaphore_capacitychange",
     "django_semaphore_fencingmark",
     "django_semaphore_ticket",
+    "django_semaphore_releasecounter",
     "django_semaphore_semaphore",
     "faults_audit",
     "faults_write",
@@ -159,10 +160,14 @@ def reset(url: str, semaphores: dict[str, int]) -> None:
         cur.execute("SET FOREIGN_KEY_CHECKS = 1")
         cur.executemany(
             "INSERT INTO django_semaphore_semaphore"
-            " (name, capacity, in_use, fencing_counter, fair, family, own_capacity,"
-            " created_at, updated_at)"
-            " VALUES (%s, %s, 0, 0, FALSE, '', FALSE, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
+            " (name, capacity, in_use_counter, released_folded, fencing_counter, fair, family,"
+            " own_capacity, created_at, updated_at) VALUES"
+            " (%s, %s, 0, 0, 0, FALSE, '', FALSE, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
             sorted(semaphores.items()),
+        )
+        cur.execute(
+            "INSERT INTO django_semaphore_releasecounter (semaphore_id, released)"
+            " SELECT id, 0 FROM django_semaphore_semaphore"
         )
 
 

@@ -1,10 +1,12 @@
 """The verifier of the exact in-use counter.
 
-``Semaphore.in_use`` is changed in the same transaction as every permit
-state change, so it never differs from the sum of the ACQUIRED permits'
-counts. A difference is therefore a bug (or rows changed behind the engine's
-back): the verifier recomputes the sum under the row lock, corrects the
-counter and reports it loudly -- logged at ERROR, the ``counter_drift``
+What a semaphore holds -- ``in_use_counter`` less the releases counted on
+its ``ReleaseCounter`` and not yet folded in (``Semaphore.in_use``) -- is
+changed in the same transaction as every permit state change, so it never
+differs from the sum of the ACQUIRED permits' counts. A difference is
+therefore a bug (or rows changed behind the engine's back): the verifier
+recomputes the sum under the row locks, corrects the counters and reports
+it loudly -- logged at ERROR, the ``counter_drift``
 signal, and the metrics counter fed by it. The orphan sweep runs it;
 ``manage.py semaphore_status --verify`` runs it on demand.
 """
@@ -23,7 +25,7 @@ from django_semaphore import backends, routing, signals
 from django_semaphore.conf import app_settings
 from django_semaphore.engine.statements import statements
 from django_semaphore.guards import engine_writes
-from django_semaphore.models import Permit, Semaphore
+from django_semaphore.models import Permit, ReleaseCounter, Semaphore
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import State
 from django_semaphore.validation import validate_batch_size, validate_keys
@@ -68,13 +70,21 @@ def _verify_batch(
     alias = connection.alias
     wait = app_settings.LOCK_WAIT_TIMEOUT
     with backends.bounded_transaction(connection, wait):
-        recorded = list(
-            Semaphore.objects.using(alias)
+        # The semaphores (no grant now), then their release counters (no
+        # release now), each in its lock order.
+        recorded = {
+            id: (name, counted, folded)
+            for id, name, counted, folded in Semaphore.objects.using(alias)
             .filter(id__in=semaphore_ids)
             .locked()
-            .values_list("id", "name", "in_use")
+            .values_list("id", "name", "in_use_counter", "released_folded")
+        }
+        released = dict(
+            ReleaseCounter.objects.using(alias)
+            .filter(semaphore_id__in=semaphore_ids)
+            .locked()
+            .values_list("semaphore_id", "released")
         )
-        # Under the locks: no grant or release of these semaphores runs now.
         held = dict(
             Permit.objects.using(alias)
             .filter(semaphore_id__in=semaphore_ids, state=State.ACQUIRED)
@@ -83,15 +93,21 @@ def _verify_batch(
             .annotate(total=Sum("count"))
             .values_list("semaphore_id", "total")
         )
-        drifts = {
-            id: signals.Drift(name, in_use, int(held.get(id) or 0))
-            for id, name, in_use in recorded
-            if in_use != int(held.get(id) or 0)
-        }
+        drifts: dict[int, signals.Drift] = {}
+        for id, (name, counted, folded) in recorded.items():
+            in_use = counted + folded - released.get(id, folded)
+            if in_use != int(held.get(id) or 0):
+                drifts[id] = signals.Drift(name, in_use, int(held.get(id) or 0))
         if correct and drifts:
+            if missing := [id for id in drifts if id not in released]:
+                # A semaphore inserted behind the engine's back, without one.
+                ReleaseCounter.objects.using(alias).bulk_create(
+                    [ReleaseCounter(semaphore_id=id) for id in missing]
+                )
             with connection.cursor() as cursor:
-                statements(connection).set_in_use(
-                    cursor, {id: drift.actual for id, drift in drifts.items()}
+                statements(connection).set_counted(
+                    cursor,
+                    {id: (drift.actual, released.get(id, 0)) for id, drift in drifts.items()},
                 )
     return list(drifts.values())
 

@@ -4,8 +4,10 @@ semaphore, or on none.
 1. Lock the semaphore rows with ``SELECT ... FOR UPDATE`` in name order, so
    two multi-semaphore requests never wait on each other in a circle.
 2. Check room on what the lock returned: ``in_use + count <= capacity``.
-   ``in_use`` is an exact counter kept in the same transaction as every
-   permit change, so the check is O(1) however many permits are held.
+   ``in_use`` is the row's counter, raised by grants; releases count what
+   they free on a row of their own (``ReleaseCounter``, so they never queue
+   behind grants), read and folded in only when the counter alone says
+   there is no room. The check is O(1) however many permits are held.
 3. Only if some semaphore lacks room: reclaim expired permits holding it, and
    let a fair queue say whether this call must wait behind older tickets.
 4. Insert the request (its unique key settles repeated and concurrent first
@@ -155,6 +157,10 @@ def grant(
             return CapacityExceeded(
                 "Asked for more permits than the capacity of: " + ", ".join(too_big)
             )
+        if _lacking_room(locked, demand):
+            # The rows' counters still count what releases freed since the
+            # last fold: the release counters tell how much.
+            sql.read_released(cursor, locked)
         # While a fair queue is live on one of these semaphores, the queue
         # decides too (see refusal): nobody is granted past an older ticket.
         if _lacking_room(locked, demand) or any(s.queue_live for s in locked):
@@ -162,11 +168,16 @@ def grant(
             if refused is not None:
                 return refused
         request_id, now, expires_at = sql.insert_request(cursor, key, owner, ttl, lock_wait)
-        sql.count_grant(cursor, {s.id: demand.counts[s.name] for s in locked}, now)
+        sql.count_grant(cursor, locked, {s.id: demand.counts[s.name] for s in locked}, now)
         tokens = {s.name: s.fencing_counter + 1 for s in locked}
+        # In semaphore id order: a release by key reaches the release
+        # counters through the permits in id order (statements/release.py).
         sql.insert_permits(
             cursor,
-            [(s.id, request_id, demand.counts[s.name], tokens[s.name]) for s in locked],
+            [
+                (s.id, request_id, demand.counts[s.name], tokens[s.name])
+                for s in sorted(locked, key=lambda s: s.id)
+            ],
         )
     # The row as inserted: what Django would build had it read the row back.
     request = PermitRequest.from_db(
@@ -205,9 +216,7 @@ def refusal(
         return KeyTaken()
     lacking = _lacking_room(locked, demand)
     if lacking and usage.expired and _reclaim_expired(connection, lacking, usage.now, lock_wait):
-        in_use = sql.in_use(cursor, ids)
-        for s in locked:
-            s.in_use = in_use[s.id]
+        sql.read_released(cursor, locked)
         lacking = _lacking_room(locked, demand)
     waiting_on = place.admit(
         connection, cursor, locked, usage.now, [s.name for s in lacking], lock_wait

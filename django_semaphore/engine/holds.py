@@ -3,8 +3,8 @@
 
 Release is one-way UPDATEs that read nothing back, so the grant time of
 what they released is not at hand; reading it is one query on the released
-rows, run only while something listens to ``hold_ended`` (and then release
-takes its path that knows the ids, see ``releasing.release_key``).
+rows, run only while something listens to ``hold_ended`` (the release by
+key reads it with the rest of what it ended, see ``releasing.announce_key``).
 """
 
 from __future__ import annotations
@@ -50,12 +50,13 @@ def released_holds(request_ids: Sequence[int], reason: str, using: str) -> list[
     connection = connections[using]
     rows = release_statements(connection).holds(request_ids, reason)
     return [
-        signals.Hold(request_id, name, count, _seconds_between(connection, created_at, released_at))
+        signals.Hold(request_id, name, count, seconds_between(connection, created_at, released_at))
         for request_id, name, count, created_at, released_at in rows
     ]
 
 
-def _seconds_between(connection: BaseDatabaseWrapper, start: Any, end: Any) -> float:
-    # Raw values, converted as the ORM would (SQLite returns text).
+def seconds_between(connection: BaseDatabaseWrapper, start: Any, end: Any) -> float:
+    """Seconds from ``start`` to ``end``, raw values from the database
+    converted as the ORM would (SQLite returns text)."""
     elapsed = datetime_from_db(connection, end) - datetime_from_db(connection, start)
     return max(0.0, float(elapsed.total_seconds()))

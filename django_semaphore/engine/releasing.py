@@ -1,19 +1,22 @@
-"""Ending requests: the one-way ACQUIRED -> RELEASED step, with the exact
-in-use counter lowered in the same transaction.
+"""Ending requests: the one-way ACQUIRED -> RELEASED step, with what it
+frees counted in the same transaction.
 
-A release locks the semaphore rows of the request in the acquire's order
-(sorted by name), so the two never wait on each other in a circle, and
-lowers ``Semaphore.in_use`` by what it freed while it holds them: the counter
-is what makes the grant's room check O(1), so every path that ends a permit
--- release, the inline reclaim, the sweeps, a force release -- comes here.
+A release adds what it freed to its semaphores' release counters
+(``ReleaseCounter``, locked in semaphore id order), never to the semaphore
+rows the grants lock: it never queues behind grants, and the room it frees
+is there for the next grant once it commits (the grant folds the counters
+into its row when it finds no room otherwise). Every path that ends a
+permit -- release, the inline reclaim, the sweeps, a force release -- comes
+here.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
@@ -24,27 +27,20 @@ from django_semaphore.engine.statements.release import ReleaseStatements, releas
 from django_semaphore.models import PermitRequest, Semaphore
 from django_semaphore.states import ReleaseOutcome, ReleaseReason, State
 
+logger = logging.getLogger("django_semaphore")
+
 
 def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     """End the request with this key (one attempt; the caller retries)."""
     sql = release_statements(connection)
-    # One statement where the database can say it, unless someone listens
-    # for the released ids (as Django's delete skips fetching rows nobody's
-    # signal receives). Where parked tasks wait for the room it frees is
-    # read once it has committed, by one plain read: a task that parked
-    # before that read is found by it, one that parked after it finds the
-    # room itself (``parking.park`` looks for room once its row is
-    # committed), so no wake-up falls between the two. A request's permits
-    # only ever go from ACQUIRED to RELEASED: what the read finds is what
-    # this statement freed.
-    if (
-        sql.releases_by_key()
-        and not released_ids_wanted()
-        and sql.release_by_key(key, ReleaseReason.RELEASED, app_settings.LOCK_WAIT_TIMEOUT)
+    # One statement where the database can say it, the same whoever listens
+    # (metrics, signals, parked tasks): what they need is read once it has
+    # committed, off the release's critical path (``announce_key``).
+    if sql.releases_by_key() and sql.release_by_key(
+        key, ReleaseReason.RELEASED, app_settings.LOCK_WAIT_TIMEOUT
     ):
-        freed = sql.parked_on_key(key) if room_wanted() else {}
-        if freed:
-            announce_room(connection.alias, freed)  # autocommit: committed
+        if anyone_listens():
+            announce_key(connection, key)
         return ReleaseOutcome.RELEASED
     row = sql.find_request(key)
     if row is None:
@@ -55,6 +51,47 @@ def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     if release_requests(connection.alias, [pk], ReleaseReason.RELEASED):
         return ReleaseOutcome.RELEASED
     return ReleaseOutcome.ALREADY_RELEASED
+
+
+def announce_key(connection: BaseDatabaseWrapper, key: str) -> None:
+    """Tell receivers what the one-statement release of ``key`` ended, by
+    one plain read once it committed.
+
+    A request's permits only ever go from ACQUIRED to RELEASED, so what the
+    read finds is what the statement freed. A task that parked before the
+    read is found by it; one that parked after it finds the room itself
+    (``parking.park`` looks for room once its row is committed), so no
+    wake-up falls between the two. The release is done whatever happens
+    here: a failed read is logged, and the beat sweep wakes parked tasks.
+    """
+    alias = connection.alias
+    try:
+        released = release_statements(connection).released_on_key(key)
+    except DatabaseError:
+        logger.warning("Could not read what the release of %r freed.", key, exc_info=True)
+        return
+    if not released:
+        return
+    reason = ReleaseReason.RELEASED.value
+    signals.permit_released.send_robust(
+        sender=PermitRequest, request_ids=[released[0].request_id], reason=reason, using=alias
+    )
+    if signals.hold_ended.has_listeners(PermitRequest):
+        spans = [
+            signals.Hold(
+                p.request_id,
+                p.semaphore,
+                p.count,
+                holds.seconds_between(connection, p.granted_at, p.released_at),
+            )
+            for p in released
+        ]
+        signals.hold_ended.send_robust(
+            sender=PermitRequest, holds=spans, reason=reason, using=alias
+        )
+    freed = {p.semaphore_id: p.count for p in released if p.parked_waiting}
+    if freed and room_wanted():
+        announce_room(alias, freed)
 
 
 def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int:
@@ -120,11 +157,13 @@ def announce_room(alias: str, freed: dict[int, int]) -> None:
     signals.permits_freed.send_robust(sender=Semaphore, freed=freed, using=alias)
 
 
-def released_ids_wanted() -> bool:
-    """Whether a receiver wants to know which requests a release ended: the
-    one-statement release cannot say."""
-    wanted = signals.permit_released.has_listeners(PermitRequest)
-    return wanted or signals.hold_ended.has_listeners(PermitRequest)
+def anyone_listens() -> bool:
+    """Whether a receiver wants to know what a release ended or freed."""
+    return (
+        signals.permit_released.has_listeners(PermitRequest)
+        or signals.hold_ended.has_listeners(PermitRequest)
+        or room_wanted()
+    )
 
 
 def room_wanted() -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 
 from django.db import transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Min, Q, QuerySet, Sum
+from django.db.models import F, Min, Q, QuerySet, Sum
 from django.utils import timezone
 
 from django_semaphore import backends
@@ -51,7 +51,7 @@ def _window(alias: str, freed: set[int]) -> list[int]:
     runs a wake-up of its own."""
     semaphores = Semaphore.objects.using(alias).filter(id__in=freed)
     window: set[int] = set()
-    for id, capacity, in_use in semaphores.values_list("id", "capacity", "in_use"):
+    for id, capacity, in_use in semaphores.values_list("id", "capacity", F("in_use")):
         if (room := capacity - in_use) > 0:
             waiting = _waiting(alias).filter(semaphore_id=id).order_by("task_id")
             for kind in (Q(lacked=True), Q(elsewhere=False)):
@@ -98,7 +98,7 @@ def wake_once(
             Semaphore.objects.using(alias)
             .filter(id__in=involved)
             .locked()
-            .values_list("id", "capacity", "in_use", "queued_until")
+            .values_list("id", "capacity", F("in_use"), "queued_until")
         )
         taken = set(
             ParkedTask.objects.using(alias)

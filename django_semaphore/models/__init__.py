@@ -10,7 +10,7 @@ from __future__ import annotations
 from django_semaphore.models.parked import ParkedDemand, ParkedTask
 from django_semaphore.models.records import CapacityChange, FencingMark, Ticket
 from django_semaphore.models.requests import Permit, PermitRequest
-from django_semaphore.models.semaphore import Semaphore
+from django_semaphore.models.semaphore import ReleaseCounter, Semaphore
 
 __all__ = [
     "CapacityChange",
@@ -19,6 +19,7 @@ __all__ = [
     "ParkedTask",
     "Permit",
     "PermitRequest",
+    "ReleaseCounter",
     "Semaphore",
     "Ticket",
 ]

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.db import models, router, transaction
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils.translation import gettext_lazy as _
 
 from django_semaphore import signals
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.guards import GuardedModel, engine_is_writing, engine_writes
-from django_semaphore.managers import SemaphoreManager
+from django_semaphore.managers import ReleaseCounterManager, SemaphoreManager
 from django_semaphore.models.records import CapacityChange
 from django_semaphore.validation import MAX_LENGTH, validate_capacity
 
@@ -45,7 +45,12 @@ class Semaphore(GuardedModel):
 
     # The columns written only by the engine's own statements, under the row
     # lock. save() never writes them back; bulk writes of them are refused.
-    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = ("in_use", "fencing_counter", "queued_until")
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = (
+        "in_use_counter",
+        "released_folded",
+        "fencing_counter",
+        "queued_until",
+    )
     ORM_REFUSED: ClassVar[dict[str, str]] = {
         **dict.fromkeys(ENGINE_OWNED_FIELDS, ENGINE_ONLY),
         "capacity": USE_SET_CAPACITY,
@@ -61,10 +66,19 @@ class Semaphore(GuardedModel):
     fencing_counter = models.PositiveBigIntegerField(
         _("last fencing token"), default=0, editable=False
     )
-    # The permits held: the sum of the ACQUIRED permits' counts, changed in
-    # the same transaction as every permit state change, so the grant's room
-    # check reads one locked row whatever is held (see ``engine/grant.py``).
-    in_use = models.PositiveIntegerField(_("in use"), default=0, editable=False)
+    # The permits held are ``in_use_counter - (released - released_folded)``,
+    # ``released`` being the total on this semaphore's ``ReleaseCounter``:
+    # grants raise ``in_use_counter`` under this row's lock, releases add to
+    # the other row (so they never queue behind grants), and a grant that
+    # finds no room by ``in_use_counter`` alone reads ``released`` and folds
+    # it in. Every query of ``Semaphore.objects`` annotates the exact sum as
+    # ``in_use`` (``managers.in_use``). See docs/decisions.md, "Room returned
+    # on time".
+    in_use_counter = models.PositiveIntegerField(_("in-use counter"), default=0, editable=False)
+    released_folded = models.PositiveBigIntegerField(
+        _("releases folded in"), default=0, editable=False
+    )
+    in_use: int  # annotated by every query of Semaphore.objects
     fair = models.BooleanField(
         _("fair (first come, first served)"),
         default=False,
@@ -98,6 +112,8 @@ class Semaphore(GuardedModel):
         verbose_name = _("semaphore")
         verbose_name_plural = _("semaphores")
         ordering = ["name"]
+        # Related look-ups (permit.semaphore) annotate ``in_use`` too.
+        base_manager_name = "objects"
         constraints = [
             models.CheckConstraint(condition=Q(capacity__gte=0), name="semaphore_capacity_gte_0"),
         ]
@@ -134,13 +150,16 @@ class Semaphore(GuardedModel):
             SemaphoreNotFound: ``update_fields`` or ``force_update`` was given
                 and the row is gone (Django would raise ``DatabaseError``).
         """
-        if self.pk is None or force_insert or engine_is_writing():
-            super().save(
-                force_insert=force_insert,
-                force_update=force_update,
-                using=using,
-                update_fields=update_fields,
-            )
+        if self.pk is None or force_insert:
+            using = using or router.db_for_write(Semaphore, instance=self)
+            with transaction.atomic(using=using):
+                super().save(force_insert=True, using=using)
+                ReleaseCounter.objects.using(using).create(semaphore=self)
+            self.in_use = self.in_use_counter
+            self._remember_loaded()
+            return
+        if engine_is_writing():
+            super().save(force_update=force_update, using=using, update_fields=update_fields)
             self._remember_loaded()
             return
         using = using or router.db_for_write(Semaphore, instance=self)
@@ -158,12 +177,29 @@ class Semaphore(GuardedModel):
                     raise SemaphoreNotFound([self.name])
                 # Deleted since it was loaded: saved anew, as Django would.
                 super().save(using=using, force_insert=True)
+                ReleaseCounter.objects.using(using).create(semaphore=self)
             else:
                 if capacity is not None:
                     locked.record_capacity_change(capacity, changed_by=None, reason="", using=using)
                 if names:
                     super().save(using=using, update_fields=names)
         self._remember_loaded()
+
+    def refresh_from_db(
+        self,
+        using: str | None = None,
+        fields: Iterable[str] | None = None,
+        from_queryset: models.QuerySet[Any] | None = None,
+    ) -> None:
+        """Reload the fields, and ``in_use`` with them (an annotation, which
+        Django's reload leaves as it was)."""
+        fields = None if fields is None else [f for f in fields if f != "in_use"] or None
+        super().refresh_from_db(using=using, fields=fields, from_queryset=from_queryset)
+        self.in_use = (
+            Semaphore.objects.using(self._state.db)
+            .values_list(F("in_use"), flat=True)
+            .get(pk=self.pk)
+        )
 
     def record_capacity_change(
         self,
@@ -201,3 +237,34 @@ class Semaphore(GuardedModel):
                 ),
                 using=using,
             )
+
+
+class ReleaseCounter(GuardedModel):
+    """The permits ever released from one semaphore, counted apart from its row.
+
+    The grant holds the semaphore's row lock from its locking read to its
+    commit, and grants queue on that lock. A release that lowered a counter
+    on that row queued behind them, and its holder's permits kept counting
+    until it got through: callers were refused by permits whose holders were
+    done. A release adds what it frees here instead, a row no grant locks;
+    the grant reads the total only when ``Semaphore.in_use_counter`` alone
+    says there is no room, and folds it into the semaphore's row. Created
+    with its semaphore (``save()``, ``bulk_create()``, the migration).
+    """
+
+    ENGINE_OWNED_FIELDS: ClassVar[tuple[str, ...]] = ("released",)
+    ORM_REFUSED: ClassVar[dict[str, str]] = {"released": ENGINE_ONLY}
+
+    semaphore = models.OneToOneField(
+        Semaphore, on_delete=models.CASCADE, primary_key=True, related_name="release_counter"
+    )
+    released = models.PositiveBigIntegerField(_("permits released"), default=0)
+
+    objects = ReleaseCounterManager()
+
+    class Meta:
+        verbose_name = _("release counter")
+        verbose_name_plural = _("release counters")
+
+    def __str__(self) -> str:
+        return f"{self.semaphore_id}: {self.released} released"

@@ -18,6 +18,7 @@ from django_semaphore.models import (
     ParkedDemand,
     Permit,
     PermitRequest,
+    ReleaseCounter,
     Semaphore,
     Ticket,
 )
@@ -126,7 +127,9 @@ def clean_idle_members(
     idle = (
         Semaphore.objects.using(alias)
         .exclude(family="")
-        .filter(own_capacity=False, in_use=0, updated_at__lte=_ago(app_settings.MEMBER_IDLE_LIMIT))
+        .filter(
+            Q(in_use=0), own_capacity=False, updated_at__lte=_ago(app_settings.MEMBER_IDLE_LIMIT)
+        )
         .filter(Q(queued_until__isnull=True) | Q(queued_until__lte=now))
         .filter(~Exists(Permit.objects.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)))
         # A parked task waits for it: deleting it would drop the task's demand.
@@ -139,8 +142,9 @@ def clean_idle_members(
 
     def delete_dependents(ids: list[int]) -> int:
         # What CASCADE would delete, without Django's collector reading it:
-        # released permits only (nothing is held), and dead tickets.
-        for model in (Ticket, CapacityChange):
+        # released permits only (nothing is held), dead tickets, the
+        # history and the release counter.
+        for model in (Ticket, CapacityChange, ReleaseCounter):
             _raw_delete(model.objects.using(alias).filter(semaphore_id__in=ids))
         return _raw_delete(Permit.objects.using(alias).filter(semaphore_id__in=ids))
 

@@ -38,7 +38,7 @@ from django.db.models.sql import Query
 
 from django_semaphore import backends
 from django_semaphore.backends import DatabaseNow, StatementNow
-from django_semaphore.models import Permit, PermitRequest, Semaphore
+from django_semaphore.models import Permit, PermitRequest, ReleaseCounter, Semaphore
 from django_semaphore.states import State
 
 
@@ -49,11 +49,22 @@ class LockedSemaphore:
     id: int
     name: str
     capacity: int
-    in_use: int
+    in_use_counter: int
+    released_folded: int
     fencing_counter: int
     fair: bool
     queued_until: Any  # as the driver returns it; fairness converts it if it is set
     queue_live: Any  # queued_until is ahead of the database's clock (true, false or NULL)
+    # Its ReleaseCounter's total, once read (``Statements.read_released``).
+    released: int | None = None
+
+    @property
+    def in_use(self) -> int:
+        """The permits held: exact once ``released`` is read; before, at
+        least as many (releases not folded in yet still count)."""
+        if self.released is None:
+            return self.in_use_counter
+        return self.in_use_counter + self.released_folded - self.released
 
 
 @dataclass
@@ -69,7 +80,8 @@ LOCKED_COLUMNS = (
     "id",
     "name",
     "capacity",
-    "in_use",
+    "in_use_counter",
+    "released_folded",
     "fencing_counter",
     "fair",
     "queued_until",
@@ -86,8 +98,8 @@ class SQL:
         self.use_tz = settings.USE_TZ
         self.acquired, self.released = State.ACQUIRED.value, State.RELEASED.value
         self.q = q = connection.ops.quote_name
-        self.semaphore, self.request, self.permit = (
-            q(m._meta.db_table) for m in (Semaphore, PermitRequest, Permit)
+        self.semaphore, self.request, self.permit, self.counter = (
+            q(m._meta.db_table) for m in (Semaphore, PermitRequest, Permit, ReleaseCounter)
         )
         self.compiler = Query(PermitRequest).get_compiler(connection=connection)
         self.now, _ = self.compiler.compile(DatabaseNow())
@@ -100,12 +112,15 @@ class SQL:
     def bounded(self, sql: str, lock_wait: float) -> str:
         return backends.bound_statement(self.connection, sql, lock_wait)
 
-    def locking_read(self, rows: Q, *columns: str, **annotations: Any) -> tuple[str, list[Any]]:
-        """The manager's row lock (``SemaphoreQuerySet.locked``) of the rows
-        ``rows`` selects, as SQL text and its parameters: the statements that
-        run it raw (compiled once, reused) keep the app's one lock order."""
+    def locking_read(
+        self, model: type[Semaphore | ReleaseCounter], rows: Q, *columns: str, **annotations: Any
+    ) -> tuple[str, list[Any]]:
+        """The manager's row lock (``locked()``: semaphores in name order,
+        release counters in semaphore id order) of the rows ``rows``
+        selects, as SQL text and its parameters: the statements that run it
+        raw (compiled once, reused) keep the app's lock orders."""
         queryset = (
-            Semaphore.objects.using(self.connection.alias)
+            model._default_manager.using(self.connection.alias)
             .filter(rows)
             .locked()
             .annotate(**annotations)
@@ -151,8 +166,17 @@ class Statements(SQL):
             f" WHERE r.{q('state')} = %s AND r.{q('expires_at')} <= {now}"
             f" AND p.{q('semaphore_id')} IN ({{ids}}) AND p.{q('state')} = %s)"
         )
-        self.in_use_sql = (
-            f"SELECT {q('id')}, {q('in_use')} FROM {semaphore} WHERE {q('id')} IN ({{ids}})"
+        # What each semaphore's releases added up to (a plain read: no
+        # release waits for it), and what its row counts.
+        self.counters_sql = (
+            f"SELECT s.{q('id')}, s.{q('in_use_counter')}, s.{q('released_folded')},"
+            f" c.{q('released')} FROM {semaphore} s"
+            f" JOIN {self.counter} c ON c.{q('semaphore_id')} = s.{q('id')}"
+            f" WHERE s.{q('id')} IN ({{ids}})"
+        )
+        self.released_sql = (
+            f"SELECT {q('semaphore_id')}, {q('released')} FROM {self.counter}"
+            f" WHERE {q('semaphore_id')} IN ({{ids}})"
         )
         self.insert_request_sql = (
             f"INSERT INTO {request} ({q('external_id')}, {q('owner')}, {q('state')},"
@@ -168,21 +192,26 @@ class Statements(SQL):
         self.stamps_sql = (
             f"SELECT {q('created_at')}, {q('expires_at')} FROM {request} WHERE {q('id')} = %s"
         )
-        # One statement per grant for both engine-owned counters. The fencing
-        # write is also what keeps a multi-primary (Galera) cluster from
-        # over-granting: row locks are node-local there, but two grants that
-        # both write these rows conflict at certification.
+        # One statement per grant for the engine-owned counters, written as
+        # values: the row is locked, and only grants (and the verifier, under
+        # the same lock) write them. The fencing write is also what keeps a
+        # multi-primary (Galera) cluster from over-granting: row locks are
+        # node-local there, but two grants that both write these rows
+        # conflict at certification.
         self.grant_sql = (
             f"UPDATE {semaphore} SET {q('fencing_counter')} = {q('fencing_counter')} + 1,"
-            f" {q('in_use')} = {q('in_use')} + {{added}}, {q('updated_at')} = %s"
-            f" WHERE {q('id')} IN ({{ids}})"
+            f" {q('in_use_counter')} = {{counted}}, {q('released_folded')} = {{folded}},"
+            f" {q('updated_at')} = %s WHERE {q('id')} IN ({{ids}})"
         )
-        self.add_case_sql = f"WHEN {q('id')} = %s THEN %s"
+        self.case_sql = f"WHEN {q('id')} = %s THEN %s"
         self.insert_permits_sql = (
             f"INSERT INTO {permit} ({q('semaphore_id')}, {q('request_id')}, {q('count')},"
             f" {q('fencing_token')}, {q('state')}) VALUES {{rows}}"
         )
-        self.set_in_use_sql = f"UPDATE {semaphore} SET {q('in_use')} = %s WHERE {q('id')} = %s"
+        self.set_counted_sql = (
+            f"UPDATE {semaphore} SET {q('in_use_counter')} = %s, {q('released_folded')} = %s"
+            f" WHERE {q('id')} = %s"
+        )
 
     # Outside any transaction.
 
@@ -208,6 +237,7 @@ class Statements(SQL):
     def _compile_lock(self, count: int) -> str:
         names = [f"name-{i}" for i in range(count)]
         sql, params = self.locking_read(
+            Semaphore,
             Q(name__in=names),
             *LOCKED_COLUMNS,
             # The clock may be read before the wait for the lock: a queue
@@ -235,10 +265,15 @@ class Statements(SQL):
             expired=bool(expired),
         )
 
-    def in_use(self, cursor: CursorWrapper, semaphore_ids: list[int]) -> dict[int, int]:
-        """The counters of rows this transaction holds locked."""
-        cursor.execute(self.in_use_sql.format(ids=placeholders(len(semaphore_ids))), semaphore_ids)
-        return {int(id): int(n) for id, n in cursor.fetchall()}
+    def read_released(self, cursor: CursorWrapper, locked: Sequence[LockedSemaphore]) -> None:
+        """Read the release counters of rows this transaction holds locked:
+        their ``in_use`` is exact from now on (and the grant folds it in)."""
+        cursor.execute(
+            self.released_sql.format(ids=placeholders(len(locked))), [s.id for s in locked]
+        )
+        released = {int(id): int(n) for id, n in cursor.fetchall()}
+        for s in locked:
+            s.released = released[s.id]
 
     def insert_request(
         self, cursor: CursorWrapper, key: str, owner: str, ttl: int | None, lock_wait: float
@@ -264,19 +299,33 @@ class Statements(SQL):
         stamp = functools.partial(backends.datetime_from_db, self.connection)
         return int(request_id), stamp(now), None if expires_at is None else stamp(expires_at)
 
-    def count_grant(self, cursor: CursorWrapper, added: dict[int, int], now: datetime) -> None:
-        """Advance the fencing counter and raise ``in_use`` by ``added``
-        (semaphore id -> count) on rows this transaction holds locked."""
-        counts = set(added.values())
-        if len(counts) == 1:
-            sql, params = "%s", [counts.pop()]
-        else:
-            sql = "CASE " + " ".join([self.add_case_sql] * len(added)) + " END"
-            params = [value for item in added.items() for value in item]
+    def count_grant(
+        self,
+        cursor: CursorWrapper,
+        locked: Sequence[LockedSemaphore],
+        added: dict[int, int],
+        now: datetime,
+    ) -> None:
+        """Advance the fencing counters and count ``added`` (semaphore id ->
+        count) on rows this transaction holds locked, folding in the
+        releases read (``read_released``)."""
+        # Never below zero: a counter written behind the engine's back must
+        # not make a grant fail (the verifier reports and corrects it).
+        counted = {s.id: max(s.in_use, 0) + added[s.id] for s in locked}
+        folded = {s.id: s.released_folded if s.released is None else s.released for s in locked}
         # No lock wait to bound: the rows are this transaction's already.
         cursor.execute(
-            self.grant_sql.format(added=sql, ids=placeholders(len(added))),
-            [*params, self.connection.ops.adapt_datetimefield_value(now), *added],
+            self.grant_sql.format(
+                counted=self.case_placeholders(len(counted)),
+                folded=self.case_placeholders(len(folded)),
+                ids=placeholders(len(locked)),
+            ),
+            [
+                *_case_params(counted),
+                *_case_params(folded),
+                self.connection.ops.adapt_datetimefield_value(now),
+                *counted,
+            ],
         )
 
     def insert_permits(self, cursor: CursorWrapper, rows: list[tuple[int, int, int, int]]) -> None:
@@ -290,16 +339,31 @@ class Statements(SQL):
             [value for row in rows for value in (*row, self.acquired)],
         )
 
-    def set_in_use(self, cursor: CursorWrapper, values: dict[int, int]) -> None:
-        """Set ``in_use`` (semaphore id -> value) on rows this transaction
-        holds locked: the verifier's correction."""
-        for id, value in values.items():
-            cursor.execute(self.set_in_use_sql, [value, id])
+    def case_placeholders(self, count: int) -> str:
+        """A value per row by its id, for ``count`` rows (``_case_params``):
+        one placeholder, or a CASE on the id."""
+        if count == 1:
+            return "%s"
+        return "CASE " + " ".join([self.case_sql] * count) + " END"
+
+    def set_counted(self, cursor: CursorWrapper, values: dict[int, tuple[int, int]]) -> None:
+        """Set (``in_use_counter``, ``released_folded``) by semaphore id on
+        rows this transaction holds locked, their release counters too: the
+        verifier's correction."""
+        for id, (counted, folded) in values.items():
+            cursor.execute(self.set_counted_sql, [counted, folded, id])
 
 
 def placeholders(count: int) -> str:
     """``%s, %s, ...``: one placeholder per value of an IN list or VALUES row."""
     return ", ".join(["%s"] * count)
+
+
+def _case_params(values: dict[int, int]) -> list[int]:
+    """The parameters of ``Statements.case_placeholders`` for these values by id."""
+    if len(values) == 1:
+        return list(values.values())
+    return [value for item in values.items() for value in item]
 
 
 _by_connection: WeakKeyDictionary[BaseDatabaseWrapper, dict[type[SQL], SQL]] = WeakKeyDictionary()
@@ -327,8 +391,18 @@ def room_for(connection: BaseDatabaseWrapper, wanted: Sequence[tuple[int, int, i
     when to attempt (the attempt decides; a read that failed answers yes,
     and the attempt, with its retries, tells what went wrong)."""
     try:
-        with connection.cursor() as cursor:
-            in_use = statements(connection).in_use(cursor, [id for id, _, _ in wanted])
+        in_use = held(connection, [id for id, _, _ in wanted])
     except DatabaseError:
         return True
     return all(in_use.get(id, 0) + count <= capacity for id, count, capacity in wanted)
+
+
+def held(connection: BaseDatabaseWrapper, semaphore_ids: Sequence[int]) -> dict[int, int]:
+    """The permits held on these semaphores (id -> count), by one plain read."""
+    sql = statements(connection)
+    with connection.cursor() as cursor:
+        cursor.execute(sql.counters_sql.format(ids=placeholders(len(semaphore_ids))), semaphore_ids)
+        return {
+            int(id): max(int(counted) + int(folded) - int(released), 0)
+            for id, counted, folded, released in cursor.fetchall()
+        }

@@ -1,9 +1,17 @@
-"""Release's statements: the request, its permits and the in-use counters of
-their semaphores, changed together."""
+"""Release's statements: the request, its permits and the release counters of
+their semaphores, changed together.
+
+A release adds what it frees to each semaphore's ``ReleaseCounter``, never
+to the semaphore's row: grants hold that row locked from their locking read
+to their commit, and a release queued behind them would keep its permits
+counted in use after its holder was done (docs/decisions.md, "Room returned
+on time"). Release counters are locked in semaphore id order on every path.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -11,7 +19,20 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
 from django_semaphore.engine.statements import SQL, built, placeholders
-from django_semaphore.models import ParkedDemand, ParkedTask
+from django_semaphore.models import ParkedDemand, ParkedTask, ReleaseCounter
+
+
+@dataclass
+class ReleasedPermit:
+    """A permit the release by key ended, as read after it committed."""
+
+    request_id: int
+    granted_at: Any  # as the driver returns them (``holds`` converts them)
+    released_at: Any
+    semaphore_id: int
+    semaphore: str
+    count: int
+    parked_waiting: bool  # parked tasks (not woken) wait on its semaphore
 
 
 class ReleaseStatements(SQL):
@@ -22,8 +43,8 @@ class ReleaseStatements(SQL):
         q, now = self.q, self.now
         semaphore, request, permit = self.semaphore, self.request, self.permit
         # Permits chosen by a column ("request_id" or "id") in a transaction:
-        # their semaphores, locked in the acquire's order, what they hold read
-        # under the lock, then the updates.
+        # their semaphores' release counters, locked in semaphore id order,
+        # what they hold read under the locks, then the updates.
         self.held_on_sql = (
             f"SELECT DISTINCT {q('semaphore_id')} FROM {permit}"
             f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
@@ -43,16 +64,12 @@ class ReleaseStatements(SQL):
             f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
             f" WHERE {q('id')} IN ({{ids}}) AND {q('state')} = %s"
         )
-        # Never below zero: a counter that drifted (a bug, or rows edited by
-        # hand) must not make a release fail; the verifier corrects it.
-        self.lower_sql = (
-            f"UPDATE {semaphore} SET {q('in_use')} = CASE {{cases}} ELSE {q('in_use')} END"
-            f" WHERE {q('id')} IN ({{ids}})"
+        counter = self.counter
+        self.add_released_sql = (
+            f"UPDATE {counter} SET {q('released')} = {q('released')} + CASE {{cases}} END"
+            f" WHERE {q('semaphore_id')} IN ({{ids}})"
         )
-        self.lower_case_sql = (
-            f"WHEN {q('id')} = %s THEN CASE WHEN {q('in_use')} > %s"
-            f" THEN {q('in_use')} - %s ELSE 0 END"
-        )
+        self.add_case_sql = f"WHEN {q('semaphore_id')} = %s THEN %s"
         self.by_key_sql = self._by_key_sql()
         # What the requests released with a reason held, and for how long:
         # read only while something listens to hold_ended (engine/holds.py).
@@ -65,16 +82,20 @@ class ReleaseStatements(SQL):
             f" WHERE p.{q('request_id')} IN ({{ids}})"
             f" AND r.{q('release_reason')} = %s AND r.{q('released_at')} IS NOT NULL"
         )
-        # After the one-statement release: which of the key's semaphores have
-        # parked tasks waiting (not woken), and what the key held there.
-        self.parked_on_key_sql = (
-            f"SELECT r.{q('external_id')}, p.{q('semaphore_id')}, p.{q('count')}"
-            f" FROM {request} r JOIN {permit} p ON p.{q('request_id')} = r.{q('id')}"
-            f" WHERE r.{q('external_id')} = %s"
-            f" AND EXISTS (SELECT 1 FROM {q(ParkedDemand._meta.db_table)} d"
+        # After the one-statement release committed, and only while something
+        # listens: what it released (the key's request and permits, when
+        # they were granted and released, the semaphores' names) and
+        # whether parked tasks wait (not woken) on each of those semaphores.
+        self.released_on_key_sql = (
+            f"SELECT r.{q('external_id')}, r.{q('id')}, r.{q('created_at')},"
+            f" r.{q('released_at')}, p.{q('semaphore_id')}, s.{q('name')}, p.{q('count')},"
+            f" EXISTS (SELECT 1 FROM {q(ParkedDemand._meta.db_table)} d"
             f" JOIN {q(ParkedTask._meta.db_table)} t ON t.{q('id')} = d.{q('task_id')}"
             f" WHERE d.{q('semaphore_id')} = p.{q('semaphore_id')}"
             f" AND t.{q('woken_at')} IS NULL)"
+            f" FROM {request} r JOIN {permit} p ON p.{q('request_id')} = r.{q('id')}"
+            f" JOIN {semaphore} s ON s.{q('id')} = p.{q('semaphore_id')}"
+            f" WHERE r.{q('external_id')} = %s"
         )
 
     def _by_key_sql(self) -> str:
@@ -82,20 +103,18 @@ class ReleaseStatements(SQL):
         three tables in one; "" elsewhere (SQLite: the general path, one
         transaction). It runs in autocommit, its own transaction."""
         q, now = self.q, self.now
-        semaphore, request, permit = self.semaphore, self.request, self.permit
+        request, permit, counter = self.request, self.permit, self.counter
         if self.connection.vendor == "mysql":
             # The join reads the request by its key, its permits through the
             # request's index in id order -- the order the grant inserted them,
-            # which is the order it locked their semaphores -- and each
-            # semaphore by its key: the semaphore rows are locked in the
-            # acquire's order. The binary comparison keeps keys exact under a
-            # case-insensitive collation.
+            # semaphore id order -- and each release counter by its key: the
+            # counters are locked in semaphore id order. The binary comparison
+            # keeps keys exact under a case-insensitive collation.
             return (
                 f"UPDATE {request} r LEFT JOIN {permit} p"
                 f" ON p.{q('request_id')} = r.{q('id')} AND p.{q('state')} = %s"
-                f" LEFT JOIN {semaphore} s ON s.{q('id')} = p.{q('semaphore_id')}"
-                f" SET s.{q('in_use')} = CASE WHEN s.{q('in_use')} > p.{q('count')}"
-                f" THEN s.{q('in_use')} - p.{q('count')} ELSE 0 END,"
+                f" LEFT JOIN {self.counter} c ON c.{q('semaphore_id')} = p.{q('semaphore_id')}"
+                f" SET c.{q('released')} = c.{q('released')} + p.{q('count')},"
                 f" p.{q('state')} = %s, r.{q('state')} = %s, r.{q('released_at')} = {now},"
                 f" r.{q('updated_at')} = {now}, r.{q('release_reason')} = %s"
                 f" WHERE r.{q('external_id')} = %s AND r.{q('state')} = %s"
@@ -105,10 +124,10 @@ class ReleaseStatements(SQL):
             # The same three updates, chained by RETURNING; the request's
             # filter first sets the statement's lock-wait bound (an InitPlan,
             # run before any row is locked; autocommit makes the statement its
-            # transaction, so the setting ends with it). The semaphore rows
-            # are locked in name order, the grant's, by the manager's locking read ("l":
-            # its ORDER BY is applied before its locks); the counters' update
-            # reaches only rows "l" has locked. An update that joins the
+            # transaction, so the setting ends with it). The release counters
+            # are locked in semaphore id order by the manager's locking read
+            # ("l": its ORDER BY is applied before its locks); the counters'
+            # update reaches only rows "l" has locked. An update that joins the
             # permits itself locks in whatever order its plan scans the
             # table, where updates keep moving the rows: it deadlocked with
             # grants, at times through every retry (the stress mode found it).
@@ -126,10 +145,9 @@ class ReleaseStatements(SQL):
                 f" WHERE {q('request_id')} IN (SELECT {q('id')} FROM r) AND {q('state')} = %s"
                 f" RETURNING {q('semaphore_id')}, {q('count')}),"
                 f" l AS ({locking}),"
-                f" s AS (UPDATE {semaphore} SET {q('in_use')} = CASE"
-                f" WHEN {q('in_use')} > p.{q('count')} THEN {q('in_use')} - p.{q('count')}"
-                f" ELSE 0 END FROM p JOIN l ON l.{q('id')} = p.{q('semaphore_id')}"
-                f" WHERE {semaphore}.{q('id')} = l.{q('id')})"
+                f" c AS (UPDATE {counter} SET {q('released')} = {q('released')} + p.{q('count')}"
+                f" FROM p JOIN l ON l.{q('semaphore_id')} = p.{q('semaphore_id')}"
+                f" WHERE {counter}.{q('semaphore_id')} = l.{q('semaphore_id')})"
                 " SELECT COUNT(*) FROM r"
             )
         return ""
@@ -154,14 +172,14 @@ class ReleaseStatements(SQL):
         # Not another key that only the collation calls equal.
         return None if row is None or row[2] != key else (row[0], row[1])
 
-    def parked_on_key(self, key: str) -> dict[int, int]:
-        """{semaphore id: count} the key's request held on semaphores where
-        parked tasks wait, by one plain read (after its release committed)."""
+    def released_on_key(self, key: str) -> list[ReleasedPermit]:
+        """What the key's request held, by one plain read (after its
+        release committed; see ``released_on_key_sql``)."""
         with self.connection.cursor() as cursor:
-            cursor.execute(self.parked_on_key_sql, [key])
+            cursor.execute(self.released_on_key_sql, [key])
             rows = cursor.fetchall()
         # Not another key that only the collation calls equal.
-        return {int(semaphore): int(count) for stored, semaphore, count in rows if stored == key}
+        return [ReleasedPermit(*row) for stored, *row in rows if stored == key]
 
     def releases_by_key(self) -> bool:
         """Whether ``release_by_key`` may run now: where the database can say
@@ -242,39 +260,38 @@ class ReleaseStatements(SQL):
             [self.released, *ids, self.acquired],
         )
         released = int(cursor.rowcount)
-        self._lower(cursor, freed)
+        self._add_released(cursor, freed)
         return released, freed
 
     def _lock_by_id(self, count: int) -> str:
-        """The locking read of ``count`` semaphores by id, compiled once."""
+        """The locking read of ``count`` semaphores' release counters, compiled once."""
         sql = self.locks_by_id.get(count)
         if sql is None:
             ids = list(range(count))
-            sql, params = self.locking_read(Q(id__in=ids), "id")
+            sql, params = self.locking_read(ReleaseCounter, Q(semaphore_id__in=ids), "semaphore_id")
             if params != ids:  # pragma: no cover - a Django change would show here
                 raise AssertionError(f"Unexpected parameters in the locking read: {params!r}")
             self.locks_by_id[count] = sql
         return sql
 
     def _lock_released_on_sql(self) -> str:
-        """The locking read of the semaphores of the permits the statement
-        released (its "p"): the manager's, its one id placeholder made a
-        read of "p" (with neither RawSQL nor values in the text)."""
-        sql, params = self.locking_read(Q(id__in=[0]), "id")
+        """The locking read of the release counters of the permits the
+        statement released (its "p"): the manager's, its one id placeholder
+        made a read of "p" (with neither RawSQL nor values in the text)."""
+        sql, params = self.locking_read(ReleaseCounter, Q(semaphore_id__in=[0]), "semaphore_id")
         one_id = f"IN ({placeholders(1)})"
         if params != [0] or sql.count(one_id) != 1:  # pragma: no cover - a Django change
             raise AssertionError(f"Unexpected locking read: {sql!r} {params!r}")
         return sql.replace(one_id, f"IN (SELECT {self.q('semaphore_id')} FROM p)")
 
-    def _lower(self, cursor: CursorWrapper, freed: dict[int, int]) -> None:
-        """Lower ``in_use`` by ``freed`` (semaphore id -> count) on rows this
+    def _add_released(self, cursor: CursorWrapper, freed: dict[int, int]) -> None:
+        """Add ``freed`` (semaphore id -> count) to the release counters this
         transaction holds locked."""
         cursor.execute(
-            self.lower_sql.format(
-                cases=" ".join([self.lower_case_sql] * len(freed)),
-                ids=placeholders(len(freed)),
+            self.add_released_sql.format(
+                cases=" ".join([self.add_case_sql] * len(freed)), ids=placeholders(len(freed))
             ),
-            [*(v for id, n in freed.items() for v in (id, n, n)), *freed],
+            [*(v for item in freed.items() for v in item), *freed],
         )
 
 
