@@ -167,13 +167,14 @@ def test_a_batch_does_not_report_a_request_its_holder_released_first(make_semaph
     assert [[h.request_id for h in c["holds"]] for c in ended] == [[batch[1]]]
 
 
-def test_hold_times_cost_a_query_only_while_someone_listens(make_semaphore, receive):
+def test_hold_times_cost_no_query_of_their_own_on_the_release_by_key(make_semaphore, receive):
+    """MariaDB, PostgreSQL: the one read after the release by key serves
+    every receiver. SQLite's general path reads the hold times only while
+    someone listens."""
     sem = make_semaphore(capacity=2)
     keys = [unique(), unique()]
     for key in keys:
         acquire(sem.name, external_id=key)
-    # Both releases on the path that knows the ids (a permit_released receiver
-    # takes it too), so the one difference is the read of the hold times.
     receive(signals.permit_released)
 
     def queries_of_release(key: str) -> int:
@@ -192,7 +193,7 @@ def test_hold_times_cost_a_query_only_while_someone_listens(make_semaphore, rece
     assert signals.hold_ended.has_listeners(PermitRequest)
     heard = queries_of_release(keys[1])
 
-    assert heard == unheard + 1
+    assert heard == unheard + (0 if connection.vendor in ("mysql", "postgresql") else 1)
 
 
 def test_a_retried_lock_wait_is_signalled_with_its_kind(make_semaphore, settings, receive):
