@@ -4,10 +4,11 @@ semaphore, or on none.
 1. Lock the semaphore rows with ``SELECT ... FOR UPDATE`` in name order, so
    two multi-semaphore requests never wait on each other in a circle.
 2. Check room on what the lock returned: ``in_use + count <= capacity``.
-   ``in_use`` is the row's counter, raised by grants; releases count what
-   they free on a row of their own (``ReleaseCounter``, so they never queue
-   behind grants), read and folded in only when the counter alone says
-   there is no room. The check is O(1) however many permits are held.
+   ``in_use`` is the row's counter, raised by grants, less what releases
+   counted on a row of their own (``ReleaseCounter``, so they never queue
+   behind grants), read with the lock and again, fresh, only when there
+   seems to be no room; the grant folds it into the row. The check is O(1)
+   however many permits are held.
 3. Only if some semaphore lacks room: reclaim expired permits holding it, and
    let a fair queue say whether this call must wait behind older tickets.
 4. Insert the request (its unique key settles repeated and concurrent first
@@ -158,8 +159,9 @@ def grant(
                 "Asked for more permits than the capacity of: " + ", ".join(too_big)
             )
         if _lacking_room(locked, demand):
-            # The rows' counters still count what releases freed since the
-            # last fold: the release counters tell how much.
+            # The release totals read with the lock may predate the wait for
+            # it (PostgreSQL's snapshot, or MariaDB's for a second row): read
+            # them again before saying no.
             sql.read_released(cursor, locked)
         # While a fair queue is live on one of these semaphores, the queue
         # decides too (see refusal): nobody is granted past an older ticket.

@@ -30,7 +30,9 @@ from django.db.models import (
     DateTimeField,
     DurationField,
     ExpressionWrapper,
+    OuterRef,
     Q,
+    Subquery,
     Value,
 )
 from django.db.models.expressions import CombinedExpression
@@ -55,16 +57,21 @@ class LockedSemaphore:
     fair: bool
     queued_until: Any  # as the driver returns it; fairness converts it if it is set
     queue_live: Any  # queued_until is ahead of the database's clock (true, false or NULL)
-    # Its ReleaseCounter's total, once read (``Statements.read_released``).
-    released: int | None = None
+    # Its ReleaseCounter's total, as read with the lock (MariaDB reads it
+    # once the lock is granted; PostgreSQL as of the statement's start, which
+    # may come before a wait for the lock) or again by ``read_released``.
+    released: int
 
     @property
     def in_use(self) -> int:
-        """The permits held: exact once ``released`` is read; before, at
-        least as many (releases not folded in yet still count)."""
-        if self.released is None:
-            return self.in_use_counter
-        return self.in_use_counter + self.released_folded - self.released
+        """The permits held, or more: a release total read before the last
+        fold (a stale one) counts nothing."""
+        return self.in_use_counter - max(self.released - self.released_folded, 0)
+
+    @property
+    def folded(self) -> int:
+        """What ``released_folded`` becomes when the grant writes the row."""
+        return max(self.released, self.released_folded)
 
 
 @dataclass
@@ -86,6 +93,7 @@ LOCKED_COLUMNS = (
     "fair",
     "queued_until",
     "queue_live",
+    "released",
 )
 
 
@@ -245,6 +253,11 @@ class Statements(SQL):
             queue_live=ExpressionWrapper(
                 Q(queued_until__gt=DatabaseNow()), output_field=BooleanField()
             ),
+            # A plain read in the locking read: neither database locks the
+            # rows of a subquery of its select list.
+            released=Subquery(
+                ReleaseCounter.objects.filter(semaphore=OuterRef("pk")).values("released")
+            ),
         )
         # Reused with other names: the names must be its only parameters.
         if params != names:  # pragma: no cover - a Django change would show here
@@ -266,14 +279,14 @@ class Statements(SQL):
         )
 
     def read_released(self, cursor: CursorWrapper, locked: Sequence[LockedSemaphore]) -> None:
-        """Read the release counters of rows this transaction holds locked:
-        their ``in_use`` is exact from now on (and the grant folds it in)."""
+        """Read the release counters of rows this transaction holds locked
+        again, now: their ``in_use`` is exact (and the grant folds it in)."""
         cursor.execute(
             self.released_sql.format(ids=placeholders(len(locked))), [s.id for s in locked]
         )
         released = {int(id): int(n) for id, n in cursor.fetchall()}
         for s in locked:
-            s.released = released[s.id]
+            s.released = max(released[s.id], s.released)
 
     def insert_request(
         self, cursor: CursorWrapper, key: str, owner: str, ttl: int | None, lock_wait: float
