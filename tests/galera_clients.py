@@ -140,5 +140,5 @@ def _remove_semaphore_row_write(statements: Any) -> None:
         ]
         insert_permits(self, cursor, rows)
 
-    statements.count_grant = lambda self, cursor, added, now: None
+    statements.count_grant = lambda self, cursor, *counts: None
     statements.insert_permits = insert_uncoordinated

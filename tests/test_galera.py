@@ -23,7 +23,7 @@ import pytest
 from django.db import connection
 
 from django_semaphore import backends, checks
-from django_semaphore.models import Permit, Semaphore
+from django_semaphore.models import Permit, ReleaseCounter, Semaphore
 from tests.children import SPAWN, join, spawn
 from tests.clients import Oracle
 from tests.galera_clients import Tally, hammer_node, node_addresses
@@ -102,8 +102,13 @@ def node_view(address: tuple[str, int], semaphore: str) -> tuple[int, list[int]]
         cursor = node.cursor()
         cursor.execute("SET SESSION wsrep_sync_wait = 1")
         semaphores, permits = Semaphore._meta.db_table, Permit._meta.db_table
+        counters = ReleaseCounter._meta.db_table
+        # What the semaphore holds: its counter less the releases not folded in.
         cursor.execute(
-            f"SELECT id, fencing_counter, in_use FROM {semaphores} WHERE name = %s", [semaphore]
+            f"SELECT s.id, s.fencing_counter,"
+            f" CAST(s.in_use_counter AS SIGNED) + s.released_folded - c.released"
+            f" FROM {semaphores} s JOIN {counters} c ON c.semaphore_id = s.id WHERE s.name = %s",
+            [semaphore],
         )
         semaphore_id, counter, in_use = cursor.fetchone()
         cursor.execute(
