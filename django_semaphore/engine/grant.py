@@ -160,7 +160,7 @@ def grant(
             )
         if _lacking_room(locked, demand):
             # The release totals read with the lock may predate the wait for
-            # it (PostgreSQL's snapshot, or MariaDB's for a second row): read
+            # a second row (MariaDB) or not be read at all (PostgreSQL): read
             # them again before saying no.
             sql.read_released(cursor, locked)
         # While a fair queue is live on one of these semaphores, the queue

@@ -58,9 +58,9 @@ class LockedSemaphore:
     queued_until: Any  # as the driver returns it; fairness converts it if it is set
     queue_live: Any  # queued_until is ahead of the database's clock (true, false or NULL)
     # Its ReleaseCounter's total, as read with the lock (MariaDB reads it
-    # once the lock is granted; PostgreSQL as of the statement's start, which
-    # may come before a wait for the lock) or again by ``read_released``.
-    released: int
+    # once the lock is granted; PostgreSQL: 0, see ``_released_with_the_lock``)
+    # or again by ``read_released``.
+    released: int = 0
 
     @property
     def in_use(self) -> int:
@@ -93,7 +93,6 @@ LOCKED_COLUMNS = (
     "fair",
     "queued_until",
     "queue_live",
-    "released",
 )
 
 
@@ -244,25 +243,38 @@ class Statements(SQL):
 
     def _compile_lock(self, count: int) -> str:
         names = [f"name-{i}" for i in range(count)]
+        released = self._released_with_the_lock()
         sql, params = self.locking_read(
             Semaphore,
             Q(name__in=names),
             *LOCKED_COLUMNS,
+            *released,
             # The clock may be read before the wait for the lock: a queue
             # then looks live a little longer, never shorter.
             queue_live=ExpressionWrapper(
                 Q(queued_until__gt=DatabaseNow()), output_field=BooleanField()
             ),
-            # A plain read in the locking read: neither database locks the
-            # rows of a subquery of its select list.
-            released=Subquery(
-                ReleaseCounter.objects.filter(semaphore=OuterRef("pk")).values("released")
-            ),
+            **released,
         )
         # Reused with other names: the names must be its only parameters.
         if params != names:  # pragma: no cover - a Django change would show here
             raise AssertionError(f"Unexpected parameters in the locking read: {params!r}")
         return sql
+
+    def _released_with_the_lock(self) -> dict[str, Subquery]:
+        """The release total, read by the locking read where that is safe.
+
+        MariaDB reads a subquery of the select list once the row lock is
+        granted, without locking its rows (measured: a release committed
+        during the wait is seen). PostgreSQL reads it as of the statement's
+        start, before the wait for the lock, so under contention, when it
+        matters, it would miss the releases of the wait: there the total
+        counts as nothing until ``read_released`` reads it.
+        """
+        if self.connection.vendor == "postgresql":
+            return {}
+        counter = ReleaseCounter.objects.filter(semaphore=OuterRef("pk"))
+        return {"released": Subquery(counter.values("released"))}
 
     def usage(self, cursor: CursorWrapper, key: str, semaphore_ids: list[int]) -> Usage:
         """The clock, whether ``key`` is taken, and whether expired permits
@@ -325,7 +337,7 @@ class Statements(SQL):
         # Never below zero: a counter written behind the engine's back must
         # not make a grant fail (the verifier reports and corrects it).
         counted = {s.id: max(s.in_use, 0) + added[s.id] for s in locked}
-        folded = {s.id: s.released_folded if s.released is None else s.released for s in locked}
+        folded = {s.id: s.folded for s in locked}
         # No lock wait to bound: the rows are this transaction's already.
         cursor.execute(
             self.grant_sql.format(
