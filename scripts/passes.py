@@ -9,8 +9,8 @@ pass is waiting (lease expiries, lock-wait bounds, Celery workers starting,
 child processes setting Django up), and the passes share nothing but the
 servers: each database has its own test database, every Celery worker its own
 queue, every test its own semaphore names. At most ``--jobs`` passes run at
-once; each one's output is kept and printed whole when it ends, so the log
-reads pass by pass. The exit status is 1 if any pass failed.
+once; each one's output is kept and printed whole as soon as it ends, so the
+log reads pass by pass. The exit status is 1 if any pass failed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,12 +77,12 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(own)
     failed = []
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [(one, pool.submit(run, one, pytest_args)) for one in args.passes]
-        for one, future in futures:
+        futures = {pool.submit(run, one, pytest_args): one for one in args.passes}
+        for future in as_completed(futures):
             status, text = future.result()
             print(text, flush=True)
             if status:
-                failed.append(one.database)
+                failed.append(futures[future].database)
     if failed:
         print(f"--- failed passes: {', '.join(failed)}", flush=True)
     return 1 if failed else 0
