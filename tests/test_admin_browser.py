@@ -5,6 +5,10 @@ Uses the system's browser and driver (Debian ``chromium`` and
 A browser that cannot start fails these tests, it never skips them.
 Screenshots go to ``$SEMAPHORE_SCREENSHOTS`` (default
 ``.runtime/screenshots/``); the folder is printed at the end of the run.
+
+Marked ``any_database``: what a browser adds (the pages' scripts, forms and
+look) is the same on every database; the admin's queries and actions behind
+these pages are tested on each database by test_admin.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ SCREENSHOTS = Path(os.environ.get("SEMAPHORE_SCREENSHOTS", REPO / ".runtime" / "
 PASSWORD = "correct horse battery staple"
 WIDTH, HEIGHT = 1600, 900
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.any_database]
 
 
 # --- the live server, the browser, the background process ----------------------------

@@ -24,6 +24,10 @@ servers = servers_module()
 REPO = Path(__file__).resolve().parent.parent
 # Far below CI's limit: the point is that a hang ends the run in minutes.
 WITHIN = 120
+# The hung test's timeout and the watchdog's grace: long enough for the hung
+# child to be spawned and set up (its stacks must show it hanging), no longer.
+TIMEOUT = "8"
+GRACE = "6"
 
 
 def run(command: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -54,7 +58,7 @@ def pytest_command(test: str) -> list[str]:
 
 
 def test_a_hung_child_fails_its_test_at_the_timeout_with_both_stacks(tmp_path):
-    result, elapsed = run([*pytest_command("test_a_child_hangs"), "--timeout", "15"], tmp_path)
+    result, elapsed = run([*pytest_command("test_a_child_hangs"), "--timeout", TIMEOUT], tmp_path)
 
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
@@ -66,7 +70,7 @@ def test_a_hung_child_fails_its_test_at_the_timeout_with_both_stacks(tmp_path):
 def test_the_watchdog_stops_a_test_stuck_past_its_timeout(tmp_path):
     """``--timeout 0``: pytest-timeout never fires, as when a signal cannot
     reach the test; the watchdog stops it ``--grace`` seconds later."""
-    watched = [sys.executable, "scripts/watchdog.py", "--grace", "10", "--"]
+    watched = [sys.executable, "scripts/watchdog.py", "--grace", GRACE, "--"]
     test = pytest_command("test_a_child_hangs")
     result, elapsed = run([*watched, *test, "--timeout", "0"], tmp_path)
 
@@ -81,7 +85,7 @@ def test_the_watchdog_stops_a_test_stuck_past_its_timeout(tmp_path):
 def test_the_watchdog_stops_a_pytest_that_never_exits(tmp_path):
     """The hang of issue 23: every test passed, then pytest waited at exit
     for what it had started."""
-    watched = [sys.executable, "scripts/watchdog.py", "--grace", "10", "--"]
+    watched = [sys.executable, "scripts/watchdog.py", "--grace", GRACE, "--"]
     test = pytest_command("test_a_thread_keeps_pytest_from_exiting")
     result, elapsed = run([*watched, *test], tmp_path)
 

@@ -181,7 +181,15 @@ def test_a_killed_process_gives_its_permit_back_after_its_lease(make_semaphore):
     assert (request.state, request.release_reason) == (State.RELEASED, ReleaseReason.EXPIRED)
 
 
+# The two real-worker tests below are marked ``once``: the database's part
+# (an expired lease's permit granted again; a kept permit found by its token)
+# is tested on every database by the killed process's test above and by
+# test_tasks' permit kept across a retry; what these add is Celery's side (a
+# pool child's lease, a countdown longer than the lease).
+
+
 @pytest.mark.slow
+@pytest.mark.once
 def test_a_killed_worker_child_gives_its_task_permit_back_after_its_lease(short_lease_worker):
     Semaphore.objects.create(name=tasks.ONE, capacity=1)
     result = tasks.held_until_killed.delay("killed-leased", 120)
@@ -193,6 +201,7 @@ def test_a_killed_worker_child_gives_its_task_permit_back_after_its_lease(short_
 
 
 @pytest.mark.slow
+@pytest.mark.once
 def test_a_permit_kept_across_a_retry_outlasts_the_lease(short_lease_worker):
     """A countdown of twice the lease: nobody renews the parked permit, yet
     the retry finds it (the same token, no second key)."""
