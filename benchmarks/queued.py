@@ -9,8 +9,8 @@ are counted at ``grant.acquire_once``. The window opens once every waiter has
 made its first attempt (connecting and queueing are not waiting) and closes
 before the first gives up.
 
-"lines off" gives every waiter a line of its own, as if each polled on its
-own: the herd the shared poller replaces.
+"lines off" has every waiter poll as if alone in its queue: the herd the
+shared poller replaces.
 """
 
 from __future__ import annotations
@@ -110,24 +110,9 @@ def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
 
 @contextmanager
 def _lines(waiting: Any, shared: bool) -> Iterator[None]:
-    """With ``shared=False`` every waiter polls as if alone in its line."""
+    """With ``shared=False`` every waiter polls as if alone in its queue."""
     if shared:
         yield
         return
-
-    @contextmanager
-    def alone(place: Any) -> Iterator[_AlwaysFirst]:
-        yield _AlwaysFirst()
-
-    with _patched(waiting, "waiting_line", alone):
+    with _patched(waiting.WAITERS, "has_turn", lambda waiter: True):
         yield
-
-
-class _AlwaysFirst:
-    """A waiter's turn when nobody shares its line."""
-
-    def is_first(self) -> bool:
-        return True
-
-    def wait(self, timeout: float) -> bool:
-        return True

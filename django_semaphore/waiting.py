@@ -4,9 +4,7 @@ The engine never sleeps: each of its attempts is one transaction that grants
 or refuses at once. Whatever waits for room between two attempts is here:
 
 - **An acquire with a timeout** (``wait_for_room``) attempts again until it
-  is granted or its deadline passes, pausing between attempts (``pause``):
-  a capped exponential backoff with full jitter without a ticket, or a
-  ticketed fair waiter's polling by its place in the queue (below).
+  is granted or its deadline passes (below).
 - **A refused parking task** stands by in its worker (``stand_by``) before it
   parks, probing the counters at a pace learned from the holds this process
   saw (``held``; per family for a family's members); see "Stand by first"
@@ -14,33 +12,58 @@ or refuses at once. Whatever waits for room between two attempts is here:
 
 Every sleep is taken with no transaction open and no row locked.
 
-**One poller per line.** Waiters of one process on the same demand form a
-line (``_Line``): only its first waiter polls the database, the others sleep
-on a condition until it is their turn. So a process issues one attempt per
-poll interval per demand, however many threads wait. The interval adapts to
-the waiter's place. Next in line (the permits asked for by the tickets ahead
-of it, plus its own, fit in the capacity: the next releases are for it), it
-probes every ``PROBE_EVERY`` with one cheap read of what is in use (no lock,
-no transaction) and attempts as soon as there is room for it, or after
-``NEXT_IN_LINE_ATTEMPT`` at the latest (a reclaim of expired permits needs an
-attempt); refused only by older tickets whose waiters lack room elsewhere
-(it has room already), it polls as one a round of holds back. Further back,
-it attempts again after ``PROBE_EVERY`` more per capacity's worth of tickets
-ahead of it (each takes at least one round of holds), at most ``POLL_CAP``.
+**One poller per process and semaphore.** This process's waiters on a
+semaphore form its queue (``_Waiters``), first come first served: ticketed
+waiters first, in their tickets' order (their tickets hold the others back
+anyway), then the others in the order they came. A waiter wants the
+semaphores its last refusal named; it holds back the waiters behind it only
+on those, so one short on its own tenant's cap never keeps a neighbour from
+a shared semaphore that has room. A waiter whose turn it is (nobody ahead of
+it wants what it wants) is its semaphores' poller; the others sleep until
+their turn. A newcomer with a timeout that finds this process's waiters
+wanting its semaphores queues behind them instead of passing them.
+
+**Woken at once.** A release in this process (``released``: ``release()``,
+``permit()``'s exit, a task's or a view's end) wakes the poller of each
+semaphore it freed at once: no database statement, and none at all when this
+process has no waiter there. On PostgreSQL the release also sends a
+``NOTIFY`` after its commit when this process saw waiting on those
+semaphores lately, and each process with waiters there ``LISTEN``\\s on one
+daemon connection (``_Listener``), so a release anywhere wakes them.
+Probes remain the fallback (MariaDB has no notify).
+
+**The pace of probes** is learned from the holds this process observed
+(``granted`` then ``released``, as a parking task's are through ``held``):
+the poller probes the counters (one plain read, no lock) every tenth of a
+hold, within ``PROBE_BOUNDS``, and attempts as soon as there is room; past
+two holds with no room it slows down, doubling up to ``POLL_CAP``, and it
+attempts at least every ``NEXT_IN_LINE_ATTEMPT`` (a reclaim of expired
+permits needs an attempt). A ticketed waiter further back attempts after
+one hold per capacity's worth of tickets ahead of it.
+
+**No starvation without fair mode.** A waiter that did not ask for fair mode
+may be passed by newcomers (the client that just released asks again at
+once). Once it has waited ``STARVING_HOLDS`` holds (within
+``STARVING_BOUNDS``) it takes a ticket at its next attempt, as a fair waiter
+does, and newcomers queue behind it (Go's ``sync.Mutex`` starvation mode
+does the same): not-fair mode bounds a wait, fair mode orders every waiter
+from its first refusal.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import random
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from typing import Any
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import routing
@@ -50,15 +73,31 @@ from django_semaphore.engine.statements import room_for
 from django_semaphore.exceptions import AcquireTimeout, LiveDuplicate, SemaphoreExhausted
 from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Semaphore
 
-# Waiting for room: capped exponential backoff with full jitter, so waiters
-# spread out instead of stampeding the row the moment a permit is released.
-BACKOFF_BASE = 0.05
-BACKOFF_CAP = 2.0
-BACKOFF_DOUBLINGS = 10  # BACKOFF_BASE * 2**10 > BACKOFF_CAP
-# Seconds, before a jitter of x0.5-1 (see the module's docstring).
+logger = logging.getLogger("django_semaphore")
+
+# Seconds. A poller probes every tenth of the hold it learned, within
+# PROBE_BOUNDS (PROBE_EVERY while it knows none), slows down (doubling up to
+# POLL_CAP) once two holds passed with no room, and attempts at least every
+# NEXT_IN_LINE_ATTEMPT; each interval takes a jitter of x0.5-1.
 PROBE_EVERY = 0.02
+PROBE_BOUNDS = (0.001, PROBE_EVERY)
 NEXT_IN_LINE_ATTEMPT = 1.0
 POLL_CAP = 2.0
+# A waiter without a ticket takes one after STARVING_HOLDS holds, within
+# STARVING_BOUNDS (the upper bound while this process knows no hold).
+STARVING_HOLDS = 4
+STARVING_BOUNDS = (0.05, 0.5)
+# A release sends NOTIFY (PostgreSQL) when this process saw a wait on one of
+# its semaphores within so many seconds: elsewhere it is sent to nobody.
+NOTIFY_AFTER_WAIT = 10.0
+CHANNEL = "django_semaphore_room"
+# The grants of this process whose release it may see (``granted``): at most
+# so many, the oldest forgotten first (a key released elsewhere never comes back).
+GRANTS_KEPT = 10_000
+# Seconds a listener waits for a notification before it checks that it is
+# still wanted, after a failed connection before it tries again, and with no
+# waiter before it closes its connection (waiters come and go between holds).
+LISTEN_CHECK, LISTEN_RETRY, LISTEN_IDLE = 1.0, 2.0, 30.0
 
 # Seconds; see "Stand by first" in ``parking``. A standby waits at most
 # STANDBY_WAIT, probing every tenth of the hold, within STANDBY_PROBE, or
@@ -67,9 +106,9 @@ SHORT_HOLD = 1.0
 STANDBY_WAIT = 2 * SHORT_HOLD
 STANDBY_PROBE = (0.001, 0.02)
 
-# What this process saw its parked tasks hold each semaphore for (``held``):
-# the last hold, seconds, by family pattern for a family's member (members
-# of one family are held alike, and a family may have thousands), else by name.
+# What this process saw its holders hold each semaphore for (``held``): the
+# last hold, seconds, by family pattern for a family's member (members of one
+# family are held alike, and a family may have thousands), else by name.
 _holds: dict[str, float] = {}
 # The semaphores a task of this process stands by on (thread and gevent
 # pools run many tasks in one process): one each, the others park.
@@ -88,9 +127,10 @@ def wait_for_room(
     deadline: float,
     refused: SemaphoreExhausted,
 ) -> PermitRequest:
-    """Retry ``attempt`` until granted or ``deadline``. Only the first waiter
-    of this process's line polls (see the module's docstring); every sleep
-    is taken with no transaction open and no row locked.
+    """Retry ``attempt`` until granted or ``deadline``, as this process's
+    poller of its semaphores when it is its turn (see the module's
+    docstring); every sleep is taken with no transaction open and no row
+    locked.
 
     Args:
         connection: the alias's connection ``attempt`` runs on.
@@ -99,7 +139,8 @@ def wait_for_room(
         place: the call's standing in its semaphores' queues.
         wait: the call's timeout, seconds (for the error's message).
         deadline: ``time.monotonic()`` past which it gives up.
-        refused: the refusal of the attempt made before waiting.
+        refused: the refusal of the attempt made before waiting (or of none,
+            when it queued behind this process's waiters at once).
 
     Returns:
         What the granting ``attempt`` returned.
@@ -107,135 +148,356 @@ def wait_for_room(
     Raises:
         AcquireTimeout: ``deadline`` passed with no room.
     """
-    with waiting_line(place) as turn:
-        for polls in itertools.count(1):
-            queued_behind = not turn.is_first()
+    alias = connection.alias
+    _saw_wait(alias, place.demand.names)
+    with WAITERS.queued(alias, place, refused.names) as waiter:
+        while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not turn.wait(remaining):
+            if remaining <= 0 or not WAITERS.wait_turn(waiter, remaining):
                 raise AcquireTimeout(refused.names, f"{refused} (waited {wait:g}s)")
-            if not queued_behind:
+            if not waiter.woken.is_set():
                 # The last attempt may come at the deadline, never after it.
-                pause(place, connection, _backoff(polls), deadline)
+                pause(waiter, connection, deadline)
+            waiter.woken.clear()
+            if not place.fair and time.monotonic() - waiter.since >= _starving_after(place):
+                place.fair = True  # takes a ticket at this attempt: see the module's docstring
             try:
                 return attempt()
             except SemaphoreExhausted as exc:
                 refused = exc
-    raise AssertionError("unreachable")  # pragma: no cover
+                WAITERS.refused(waiter, exc.names)
 
 
-def _backoff(attempt: int) -> float:
-    # The exponent is capped: past the cap it changes nothing, and a long
-    # wait's thousandth poll would overflow a float.
-    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** min(attempt, BACKOFF_DOUBLINGS)))
+def queued_here(alias: str, names: Iterable[str]) -> bool:
+    """Whether waiters of this process without a ticket want one of
+    ``names``: a newcomer with a timeout queues behind them instead of
+    passing them. Where one has a ticket the newcomer attempts: tickets keep
+    the order (it takes its own on a fair semaphore, or is refused)."""
+    return WAITERS.wanted(alias, names)
 
 
-def pause(place: Place, connection: BaseDatabaseWrapper, backoff: float, deadline: float) -> None:
-    """Wait between two attempts of this line's first waiter; see the
-    module's docstring.
+def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> None:
+    """Wait between two attempts of a poller: until it is woken, its probe
+    finds room, or its interval passed; see the module's docstring.
 
     Args:
-        place: the waiter's standing, as its last attempt left it.
-        connection: the connection a next-in-line waiter probes on.
-        backoff: the interval of a waiter without a ticket, seconds.
+        waiter: the poller, with its standing as its last attempt left it.
+        connection: the connection it probes on.
         deadline: ``time.monotonic()``; the pause never runs past it.
     """
+    place = waiter.place
+    hold = _learned_hold(place.demand.names)
     now = time.monotonic()
-    if not place.ticketed:
-        time.sleep(max(min(backoff, deadline - now), 0))
-        return
-    if place.ahead or not place.short:
+    if place.ticketed and (place.ahead or not place.short):
         # Each capacity's worth ahead takes at least one round of holds. A
         # waiter refused only by older tickets (their waiters lack room
         # elsewhere) has room already: probing it would attempt at once, again
         # and again, so it waits as one a round of holds back.
         rounds = max(place.ahead, 1)
-        interval = min(PROBE_EVERY * (1 + rounds), POLL_CAP) * random.uniform(0.5, 1.0)
-        time.sleep(max(min(interval, deadline - now), 0))
+        interval = min((hold or PROBE_EVERY) * rounds, POLL_CAP) * random.uniform(0.5, 1.0)
+        waiter.woken.wait(max(min(interval, deadline - now), 0))
         return
+    low, high = PROBE_BOUNDS
+    every = min(max(hold / 10, low), high) if hold else high
+    patient_until = now + (2 * hold if hold else NEXT_IN_LINE_ATTEMPT)
     until = min(deadline, now + NEXT_IN_LINE_ATTEMPT * random.uniform(0.5, 1.0))
     while (now := time.monotonic()) < until:
-        time.sleep(min(PROBE_EVERY * random.uniform(0.5, 1.0), until - now))
+        if waiter.woken.wait(min(every * random.uniform(0.5, 1.0), until - now)):
+            return
         if _room_for(connection, place):
             return
+        if now > patient_until:
+            every = min(2 * every, POLL_CAP)
 
 
 def _room_for(connection: BaseDatabaseWrapper, place: Place) -> bool:
-    """Whether every semaphore of ``place`` has room for it now."""
+    """Whether every semaphore of ``place`` has room for it now (yes when no
+    attempt has read them yet: the attempt tells)."""
+    if not place.semaphores:
+        return True
     return room_for(
         connection,
         [(id, place.demand.counts[name], capacity) for id, name, capacity in place.semaphores],
     )
 
 
-# --- this process's waiters: one poller per line ------------------------------------
+def _starving_after(place: Place) -> float:
+    """Seconds a waiter without a ticket waits before it takes one."""
+    hold = _learned_hold(place.demand.names)
+    low, high = STARVING_BOUNDS
+    return min(max(STARVING_HOLDS * hold, low), high) if hold else high
 
 
-class _Line:
-    """This process's waiters on one demand; the one with the lowest ``seq``
-    polls, the others wait for their turn."""
+def _learned_hold(names: Iterable[str]) -> float | None:
+    holds = _learned_holds(dict.fromkeys(names, 1))
+    return max(holds) if holds else None
+
+
+# --- what this process holds, and its releases ---------------------------------------
+
+
+# key -> (alias, names, time.monotonic() of the grant), oldest first.
+_grants: OrderedDict[str, tuple[str, list[str], float]] = OrderedDict()
+# (alias, name) -> time.monotonic() of this process's last wait there.
+_waits: dict[tuple[str, str], float] = {}
+_grants_lock = threading.Lock()
+
+
+def granted(alias: str, key: str, names: list[str]) -> None:
+    """Note a grant of this process: its release (``released``) learns how
+    long it was held and which semaphores to wake."""
+    with _grants_lock:
+        if key not in _grants:
+            _grants[key] = (alias, names, time.monotonic())
+            if len(_grants) > GRANTS_KEPT:
+                _grants.popitem(last=False)
+
+
+def released(connection: BaseDatabaseWrapper, key: str) -> None:
+    """After ``key``'s release committed: learn its hold, wake this
+    process's pollers of its semaphores, and on PostgreSQL notify the other
+    processes when waiting was seen there lately. No statement when this
+    process granted it not, or saw nobody wait on it."""
+    with _grants_lock:
+        grant = _grants.pop(key, None)
+    if grant is None:
+        return
+    alias, names, since = grant
+    held(dict.fromkeys(names, 1), time.monotonic() - since)
+    WAITERS.wake(alias, names)
+    if _notifies(connection) and _waited_lately(alias, names):
+        _notify(connection, names)
+
+
+def _saw_wait(alias: str, names: Iterable[str]) -> None:
+    now = time.monotonic()
+    with _grants_lock:
+        for name in names:
+            _waits[(alias, name)] = now
+
+
+def _waited_lately(alias: str, names: Iterable[str]) -> bool:
+    since = time.monotonic() - NOTIFY_AFTER_WAIT
+    with _grants_lock:
+        return any(_waits.get((alias, name), since) > since for name in names)
+
+
+def _notifies(connection: BaseDatabaseWrapper) -> bool:
+    """Whether the alias can notify listeners: PostgreSQL through psycopg 3."""
+    driver = getattr(connection, "Database", None)
+    return connection.vendor == "postgresql" and getattr(driver, "__name__", "") == "psycopg"
+
+
+def _notify(connection: BaseDatabaseWrapper, names: list[str]) -> None:
+    """``NOTIFY`` the freed semaphores' names, best effort (the listeners'
+    probes are the fallback); outside any transaction of the release."""
+    payload = "\n".join(names)
+    if len(payload.encode()) >= 7900:  # NOTIFY's payload limit is 8000 bytes
+        payload = ""  # wakes every poller of the alias
+    with suppress(DatabaseError), connection.cursor() as cursor:
+        cursor.execute("SELECT pg_notify(%s, %s)", [CHANNEL, payload])
+
+
+# --- this process's waiters: one poller per semaphore --------------------------------
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """One acquire call of this process waiting for room."""
+
+    alias: str
+    place: Place
+    came: int  # this process's arrival order
+    wants: set[str]  # the names its last refusal named
+    since: float = field(default_factory=time.monotonic)
+    # Set to attempt at once: a release made room, or its poller left.
+    woken: threading.Event = field(default_factory=threading.Event)
+
+    def order(self) -> tuple[int, int]:
+        """Its place in the queues: ticketed first, in their tickets' order
+        (``Place.seq`` is taken when a ticket commits), then by arrival."""
+        return (0, self.place.seq) if self.place.ticketed else (1, self.came)
+
+
+class _Waiters:
+    """This process's queues: (alias, semaphore name) -> its waiters."""
 
     def __init__(self) -> None:
-        self.condition = threading.Condition()
-        self.places: list[Place] = []
+        self.reset()
 
-    def head(self) -> Place:
-        return min(self.places, key=lambda place: place.seq)
+    def reset(self) -> None:
+        """Forget every waiter: in a forked child, the parent's are not its own."""
+        self.changed = threading.Condition()
+        self.queues: dict[tuple[str, str], list[_Waiter]] = {}
+        self._came = itertools.count(1)
+
+    @contextmanager
+    def queued(self, alias: str, place: Place, wants: Iterable[str]) -> Iterator[_Waiter]:
+        """``place``'s waiter in the queue of each of its semaphores."""
+        with self.changed:
+            waiter = _Waiter(alias, place, next(self._came), set(wants))
+            for name in place.demand.names:
+                self.queues.setdefault((alias, name), []).append(waiter)
+            self.changed.notify_all()
+        LISTENER.wanted(alias)
+        granted_here = False
+        try:
+            yield waiter
+            granted_here = True
+        finally:
+            self._leave(waiter, granted_here)
+
+    def _leave(self, waiter: _Waiter, granted_here: bool) -> None:
+        with self.changed:
+            for name in waiter.place.demand.names:
+                queue = self.queues[(waiter.alias, name)]
+                queue.remove(waiter)
+                if not queue:
+                    del self.queues[(waiter.alias, name)]
+            if not granted_here:
+                # It may have been a poller: its successors attempt at once.
+                self._wake_pollers(waiter.alias, waiter.place.demand.names)
+            self.changed.notify_all()
+
+    def has_turn(self, waiter: _Waiter) -> bool:
+        """Whether nobody ahead of ``waiter`` wants what it wants (the lock held)."""
+        mine = waiter.order()
+        return not any(
+            other is not waiter and name in other.wants and other.order() < mine
+            for name in waiter.wants
+            for other in self.queues.get((waiter.alias, name), ())
+        )
+
+    def wait_turn(self, waiter: _Waiter, timeout: float) -> bool:
+        """Block until it is ``waiter``'s turn; ``False`` if ``timeout`` ran out first."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.has_turn(waiter), timeout=timeout)
+
+    def refused(self, waiter: _Waiter, names: Iterable[str]) -> None:
+        """Its attempt was refused for want of ``names``: whom it holds back now."""
+        with self.changed:
+            waiter.wants = set(names) & set(waiter.place.demand.names) or waiter.wants
+            self.changed.notify_all()
+
+    def wanted(self, alias: str, names: Iterable[str]) -> bool:
+        """Whether waiters want one of ``names``, none of them ticketed."""
+        with self.changed:
+            wanting = [
+                waiter
+                for name in names
+                for waiter in self.queues.get((alias, name), ())
+                if name in waiter.wants
+            ]
+        return bool(wanting) and not any(waiter.place.ticketed for waiter in wanting)
+
+    def waiting_on(self, alias: str) -> bool:
+        """Whether this process waits on ``alias`` (the lock held)."""
+        return any(key[0] == alias for key in self.queues)
+
+    def wake(self, alias: str, names: Iterable[str] | None) -> None:
+        """A release made room on ``names`` (None: on any of the alias)."""
+        with self.changed:
+            self._wake_pollers(alias, names)
+
+    def _wake_pollers(self, alias: str, names: Iterable[str] | None) -> None:
+        """Wake the first waiter wanting each of ``names``, when it is its turn."""
+        if names is None:
+            names = [name for key_alias, name in self.queues if key_alias == alias]
+        for name in names:
+            wanting = [w for w in self.queues.get((alias, name), ()) if name in w.wants]
+            if wanting:
+                first = min(wanting, key=_Waiter.order)
+                if self.has_turn(first):
+                    first.woken.set()
 
 
-_lines: dict[tuple[Any, ...], _Line] = {}
-_lines_guard = threading.Lock()
+WAITERS = _Waiters()
 
 
-class Turn:
-    """A waiter's membership of its line."""
-
-    def __init__(self, line: _Line, place: Place) -> None:
-        self._line = line
-        self._place = place
-
-    def is_first(self) -> bool:
-        """Whether this waiter is first in its line now (the one that polls)."""
-        with self._line.condition:
-            return self._line.head() is self._place
-
-    def wait(self, timeout: float) -> bool:
-        """Block until this waiter is first in its line; ``False`` if
-        ``timeout`` ran out first."""
-        with self._line.condition:
-            return self._line.condition.wait_for(
-                lambda: self._line.head() is self._place, timeout=max(timeout, 0)
-            )
+# --- PostgreSQL: a release elsewhere wakes this process's pollers --------------------
 
 
-@contextmanager
-def waiting_line(place: Place) -> Iterator[Turn]:
-    """Join this process's line for ``place.demand`` while waiting for room.
+class _Listener:
+    """One daemon thread per PostgreSQL alias that this process waits on: it
+    ``LISTEN``\\s on its own connection while this process has waiters there,
+    wakes their pollers on each notification, and closes its connection (and
+    sleeps) while it has none."""
 
-    Ticketed and unticketed waiters never share a line: an unticketed first
-    waiter would poll behind its line's tickets while they wait their turn.
-    """
-    key = (place.ticketed, *sorted(place.demand.counts.items()))
-    with _lines_guard:
-        line = _lines.setdefault(key, _Line())
-        with line.condition:
-            line.places.append(place)
-    try:
-        yield Turn(line, place)
-    finally:
-        with _lines_guard, line.condition:
-            line.places.remove(place)
-            if not line.places:
-                del _lines[key]
-            # The next waiter polls at once: room may be left after this one.
-            line.condition.notify_all()
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No thread: in a forked child, the parent's did not survive the fork."""
+        self._threads: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    def wanted(self, alias: str) -> None:
+        """Make sure a listener runs for ``alias``, if it can notify."""
+        if not _notifies(connections[alias]):
+            return
+        with self._lock:
+            thread = self._threads.get(alias)
+            if thread is None or not thread.is_alive():
+                thread = threading.Thread(
+                    target=self._run, args=(alias,), name=f"semaphore-listener-{alias}", daemon=True
+                )
+                self._threads[alias] = thread
+                thread.start()
+
+    def _run(self, alias: str) -> None:
+        while True:
+            with WAITERS.changed:
+                waiting = lambda: WAITERS.waiting_on(alias)  # noqa: E731
+                if not WAITERS.changed.wait_for(waiting, timeout=LISTEN_IDLE):
+                    connections[alias].close()  # this thread's own connection
+                    WAITERS.changed.wait_for(waiting)
+            try:
+                self._listen(alias)
+            except Exception as exc:  # a lost connection: the probes carry on meanwhile
+                logger.info("Listening for releases on %r failed, will retry: %s", alias, exc)
+                with suppress(Exception):
+                    connections[alias].close()
+                time.sleep(LISTEN_RETRY)
+
+    def _listen(self, alias: str) -> None:
+        """Listen while this process waits on ``alias``; wake on each notification."""
+        connection = connections[alias]
+        if connection.connection is None or not connection.is_usable():
+            connection.close()
+            connection.ensure_connection()
+            connection.connection.execute(f"LISTEN {CHANNEL}")
+        while True:
+            for notice in connection.connection.notifies(timeout=LISTEN_CHECK):
+                WAITERS.wake(alias, notice.payload.split("\n") if notice.payload else None)
+            with WAITERS.changed:
+                if not WAITERS.waiting_on(alias):
+                    return
+
+
+LISTENER = _Listener()
+
+
+def _forget_after_fork() -> None:
+    """A forked child (a Celery prefork pool process) starts with no waiter,
+    no listener and no grant of its own."""
+    WAITERS.reset()
+    LISTENER.reset()
+    global _grants_lock
+    _grants_lock = threading.Lock()
+    _grants.clear()
+    _waits.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 # --- a parking task's stand by ------------------------------------------------------
 
 
 def held(demand: Mapping[str, int], seconds: float) -> None:
-    """Note how long a parking task's run in this process held its permits:
-    whether, and how often, the next refused ones probe (``stand_by``)."""
+    """Note how long a holder in this process held its permits (a parking
+    task's run, or a grant until its ``release``): whether, and how often,
+    the next refused ones probe (``stand_by``, ``pause``)."""
     for name in demand:
         _holds[_hold_key(name)] = seconds
 
