@@ -69,7 +69,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_semaphore import routing
 from django_semaphore.engine.fairness import Place
 from django_semaphore.engine.families import family_of
-from django_semaphore.engine.statements import room_for
+from django_semaphore.engine.statements import room_for, statements
 from django_semaphore.exceptions import AcquireTimeout, LiveDuplicate, SemaphoreExhausted
 from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Semaphore
 
@@ -80,12 +80,14 @@ logger = logging.getLogger("django_semaphore")
 # POLL_CAP) once two holds passed with no room, and attempts at least every
 # NEXT_IN_LINE_ATTEMPT; each interval takes a jitter of x0.5-1.
 PROBE_EVERY = 0.02
-PROBE_BOUNDS = (0.001, PROBE_EVERY)
+PROBES_PER_HOLD = 4
+PROBE_BOUNDS = (0.002, 0.25)
 NEXT_IN_LINE_ATTEMPT = 1.0
+UNTICKETED_PROBE = 0.25  # a waiter without a ticket that knows no hold
 POLL_CAP = 2.0
 # A waiter without a ticket takes one after STARVING_HOLDS holds, within
 # STARVING_BOUNDS (the upper bound while this process knows no hold).
-STARVING_HOLDS = 4
+STARVING_HOLDS = 20
 STARVING_BOUNDS = (0.05, 0.5)
 # A release sends NOTIFY (PostgreSQL) when this process saw a wait on one of
 # its semaphores within so many seconds: elsewhere it is sent to nobody.
@@ -97,7 +99,7 @@ GRANTS_KEPT = 10_000
 # Seconds a listener waits for a notification before it checks that it is
 # still wanted, after a failed connection before it tries again, and with no
 # waiter before it closes its connection (waiters come and go between holds).
-LISTEN_CHECK, LISTEN_RETRY, LISTEN_IDLE = 1.0, 2.0, 30.0
+LISTEN_CHECK, LISTEN_RETRY, LISTEN_IDLE = 1.0, 2.0, 2.0
 
 # Seconds; see "Stand by first" in ``parking``. A standby waits at most
 # STANDBY_WAIT, probing every tenth of the hold, within STANDBY_PROBE, or
@@ -155,16 +157,18 @@ def wait_for_room(
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not WAITERS.wait_turn(waiter, remaining):
                 raise AcquireTimeout(refused.names, f"{refused} (waited {wait:g}s)")
-            if not waiter.woken.is_set():
+            woken = waiter.woken.is_set()
+            if not woken:
                 # The last attempt may come at the deadline, never after it.
                 pause(waiter, connection, deadline)
             waiter.woken.clear()
-            if not place.fair and time.monotonic() - waiter.since >= _starving_after(place):
+            if _starving(waiter):
                 place.fair = True  # takes a ticket at this attempt: see the module's docstring
             try:
                 return attempt()
             except SemaphoreExhausted as exc:
                 refused = exc
+                waiter.passed |= woken or waiter.expected_room
                 WAITERS.refused(waiter, exc.names)
 
 
@@ -188,44 +192,83 @@ def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> 
     place = waiter.place
     hold = _learned_hold(place.demand.names)
     now = time.monotonic()
-    if place.ticketed and (place.ahead or not place.short):
+    if place.ticketed and (place.ahead or waiter.expected_room):
         # Each capacity's worth ahead takes at least one round of holds. A
-        # waiter refused only by older tickets (their waiters lack room
-        # elsewhere) has room already: probing it would attempt at once, again
-        # and again, so it waits as one a round of holds back.
+        # waiter refused where its probe saw room for it and the tickets ahead
+        # (their waiters lack room elsewhere) waits as one a round of holds
+        # back: probing would attempt at once, again and again.
         rounds = max(place.ahead, 1)
         interval = min((hold or PROBE_EVERY) * rounds, POLL_CAP) * random.uniform(0.5, 1.0)
-        waiter.woken.wait(max(min(interval, deadline - now), 0))
-        return
+        if waiter.woken.wait(max(min(interval, deadline - now), 0)):
+            return
     low, high = PROBE_BOUNDS
-    every = min(max(hold / 10, low), high) if hold else high
-    patient_until = now + (2 * hold if hold else NEXT_IN_LINE_ATTEMPT)
-    until = min(deadline, now + NEXT_IN_LINE_ATTEMPT * random.uniform(0.5, 1.0))
-    while (now := time.monotonic()) < until:
-        if waiter.woken.wait(min(every * random.uniform(0.5, 1.0), until - now)):
-            return
-        if _room_for(connection, place):
-            return
-        if now > patient_until:
-            every = min(2 * every, POLL_CAP)
+    base = min(max(hold / PROBES_PER_HOLD, low), high) if hold else PROBE_EVERY
+    if not place.ticketed:
+        # Newcomers may pass it: probing fast would mostly see room taken.
+        base = min(hold, POLL_CAP) if hold else UNTICKETED_PROBE
+    # The pace is kept from one pause to the next: a semaphore that stays
+    # full (nothing released, its counters unchanged) is probed less and less.
+    every = max(waiter.every or base, base)
+    window = 2 * hold if hold else NEXT_IN_LINE_ATTEMPT
+    until = min(deadline, now + max(NEXT_IN_LINE_ATTEMPT, every) * random.uniform(0.5, 1.0))
+    waiter.expected_room, unclaimed = False, 0
+    try:
+        while (now := time.monotonic()) < until:
+            if waiter.woken.wait(min(every * random.uniform(0.5, 1.0), until - now)):
+                every = base
+                return
+            free = _free(connection, place)
+            if _fits(place, free, ahead_too=True):
+                waiter.expected_room = True
+                return
+            if free != waiter.free:  # releases and grants go on: keep alert
+                waiter.free, waiter.changed, every = free, now, base
+            elif now > waiter.changed + window:
+                every = min(2 * every, POLL_CAP)
+            # Room for it alone, left unclaimed over two probes: the tickets it
+            # saw ahead were granted meanwhile (or their waiters are slow).
+            unclaimed = unclaimed + 1 if _fits(place, free, ahead_too=False) else 0
+            if unclaimed >= 2:
+                return
+    finally:
+        waiter.every = every
 
 
-def _room_for(connection: BaseDatabaseWrapper, place: Place) -> bool:
-    """Whether every semaphore of ``place`` has room for it now (yes when no
-    attempt has read them yet: the attempt tells)."""
+def _free(connection: BaseDatabaseWrapper, place: Place) -> dict[int, int] | None:
+    """Semaphore id -> permits free now, by one plain read of the counters
+    (no lock, no transaction); None when it failed (the attempt tells why)
+    or no attempt has read the semaphores yet."""
     if not place.semaphores:
+        return None
+    try:
+        with connection.cursor() as cursor:
+            in_use = statements(connection).in_use(cursor, [id for id, _, _ in place.semaphores])
+    except DatabaseError:
+        return None
+    return {id: capacity - in_use.get(id, 0) for id, _, capacity in place.semaphores}
+
+
+def _fits(place: Place, free: dict[int, int] | None, *, ahead_too: bool) -> bool:
+    """Whether ``place`` fits in ``free`` (with the permits of the older
+    tickets it saw ahead: ``ahead_too``); yes when nothing could be read."""
+    if free is None:
         return True
-    return room_for(
-        connection,
-        [(id, place.demand.counts[name], capacity) for id, name, capacity in place.semaphores],
+    return all(
+        place.demand.counts[name] + (place.before.get(id, 0) if ahead_too else 0) <= free[id]
+        for id, name, _ in place.semaphores
     )
 
 
-def _starving_after(place: Place) -> float:
-    """Seconds a waiter without a ticket waits before it takes one."""
+def _starving(waiter: _Waiter) -> bool:
+    """Whether a waiter without a ticket was passed by others for longer
+    than ``STARVING_HOLDS`` holds (within ``STARVING_BOUNDS``)."""
+    place = waiter.place
+    if place.fair or not waiter.passed:
+        return False
     hold = _learned_hold(place.demand.names)
     low, high = STARVING_BOUNDS
-    return min(max(STARVING_HOLDS * hold, low), high) if hold else high
+    after = min(max(STARVING_HOLDS * hold, low), high) if hold else high
+    return time.monotonic() - waiter.since >= after
 
 
 def _learned_hold(names: Iterable[str]) -> float | None:
@@ -312,6 +355,15 @@ class _Waiter:
     since: float = field(default_factory=time.monotonic)
     # Set to attempt at once: a release made room, or its poller left.
     woken: threading.Event = field(default_factory=threading.Event)
+    # Its last attempt came because a probe saw room for it (and the tickets
+    # ahead of it): refused all the same, it does not probe again at once.
+    expected_room: bool = False
+    # Others took room it saw (or was woken for): a waiter that was never
+    # passed (the semaphore stayed full) has no reason to take a ticket.
+    passed: bool = False
+    every: float | None = None  # its probes' interval, kept between pauses
+    free: dict[int, int] | None = None  # what its last probe found free
+    changed: float = field(default_factory=time.monotonic)  # when that last changed
 
     def order(self) -> tuple[int, int]:
         """Its place in the queues: ticketed first, in their tickets' order
@@ -430,6 +482,11 @@ class _Listener:
         """No thread: in a forked child, the parent's did not survive the fork."""
         self._threads: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
+        self._listening: set[str] = set()
+
+    def listening(self, alias: str) -> bool:
+        """Whether this process listens on ``alias`` now."""
+        return alias in self._listening
 
     def wanted(self, alias: str) -> None:
         """Make sure a listener runs for ``alias``, if it can notify."""
@@ -449,12 +506,14 @@ class _Listener:
             with WAITERS.changed:
                 waiting = lambda: WAITERS.waiting_on(alias)  # noqa: E731
                 if not WAITERS.changed.wait_for(waiting, timeout=LISTEN_IDLE):
+                    self._listening.discard(alias)
                     connections[alias].close()  # this thread's own connection
                     WAITERS.changed.wait_for(waiting)
             try:
                 self._listen(alias)
             except Exception as exc:  # a lost connection: the probes carry on meanwhile
                 logger.info("Listening for releases on %r failed, will retry: %s", alias, exc)
+                self._listening.discard(alias)
                 with suppress(Exception):
                     connections[alias].close()
                 time.sleep(LISTEN_RETRY)
@@ -466,6 +525,7 @@ class _Listener:
             connection.close()
             connection.ensure_connection()
             connection.connection.execute(f"LISTEN {CHANNEL}")
+            self._listening.add(alias)
         while True:
             for notice in connection.connection.notifies(timeout=LISTEN_CHECK):
                 WAITERS.wake(alias, notice.payload.split("\n") if notice.payload else None)
