@@ -157,7 +157,7 @@ def wait_for_room(
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not WAITERS.wait_turn(waiter, remaining):
                 raise AcquireTimeout(refused.names, f"{refused} (waited {wait:g}s)")
-            woken = waiter.woken.is_set()
+            woken = waiter.woken.is_set() and not waiter.probe_now
             if not woken:
                 # The last attempt may come at the deadline, never after it.
                 pause(waiter, connection, deadline)
@@ -199,7 +199,9 @@ def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> 
         # back: probing would attempt at once, again and again.
         rounds = max(place.ahead, 1)
         interval = min((hold or PROBE_EVERY) * rounds, POLL_CAP) * random.uniform(0.5, 1.0)
-        if waiter.woken.wait(max(min(interval, deadline - now), 0)):
+        if waiter.woken.wait(max(min(interval, deadline - now), 0)) and not WAITERS.notified(
+            waiter
+        ):
             return
     low, high = PROBE_BOUNDS
     base = min(max(hold / PROBES_PER_HOLD, low), high) if hold else PROBE_EVERY
@@ -216,7 +218,8 @@ def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> 
         while (now := time.monotonic()) < until:
             if waiter.woken.wait(min(every * random.uniform(0.5, 1.0), until - now)):
                 every = base
-                return
+                if not WAITERS.notified(waiter):
+                    return
             free = _free(connection, place)
             if _fits(place, free, ahead_too=True):
                 waiter.expected_room = True
@@ -353,8 +356,10 @@ class _Waiter:
     came: int  # this process's arrival order
     wants: set[str]  # the names its last refusal named
     since: float = field(default_factory=time.monotonic)
-    # Set to attempt at once: a release made room, or its poller left.
+    # Set to attempt at once: a release made room, or its poller left; with
+    # ``probe_now``, to probe at once: a release in another process (NOTIFY).
     woken: threading.Event = field(default_factory=threading.Event)
+    probe_now: bool = False
     # Its last attempt came because a probe saw room for it (and the tickets
     # ahead of it): refused all the same, it does not probe again at once.
     expected_room: bool = False
@@ -446,21 +451,42 @@ class _Waiters:
         """Whether this process waits on ``alias`` (the lock held)."""
         return any(key[0] == alias for key in self.queues)
 
-    def wake(self, alias: str, names: Iterable[str] | None) -> None:
-        """A release made room on ``names`` (None: on any of the alias)."""
+    def wake(self, alias: str, names: Iterable[str] | None, *, here: bool = True) -> None:
+        """A release made room on ``names`` (None: on any of the alias): in
+        this process (``here``: its poller attempts at once), or in another
+        (a notification: its poller probes at once, if it is next in line --
+        every process hears it, and waiters further back would only add a
+        herd of reads)."""
         with self.changed:
-            self._wake_pollers(alias, names)
+            self._wake_pollers(alias, names, here=here)
 
-    def _wake_pollers(self, alias: str, names: Iterable[str] | None) -> None:
+    def notified(self, waiter: _Waiter) -> bool:
+        """Whether ``waiter`` was woken by a notification only (then it is
+        not any more: it probes)."""
+        with self.changed:
+            if not waiter.probe_now:
+                return False
+            waiter.probe_now = False
+            waiter.woken.clear()
+            return True
+
+    def _wake_pollers(self, alias: str, names: Iterable[str] | None, *, here: bool = True) -> None:
         """Wake the first waiter wanting each of ``names``, when it is its turn."""
         if names is None:
             names = [name for key_alias, name in self.queues if key_alias == alias]
         for name in names:
             wanting = [w for w in self.queues.get((alias, name), ()) if name in w.wants]
-            if wanting:
-                first = min(wanting, key=_Waiter.order)
-                if self.has_turn(first):
-                    first.woken.set()
+            if not wanting:
+                continue
+            first = min(wanting, key=_Waiter.order)
+            if not self.has_turn(first):
+                continue
+            if here:
+                first.probe_now = False
+                first.woken.set()
+            elif first.place.ticketed and not first.place.ahead and not first.woken.is_set():
+                first.probe_now = True
+                first.woken.set()
 
 
 WAITERS = _Waiters()
@@ -528,7 +554,8 @@ class _Listener:
             self._listening.add(alias)
         while True:
             for notice in connection.connection.notifies(timeout=LISTEN_CHECK):
-                WAITERS.wake(alias, notice.payload.split("\n") if notice.payload else None)
+                names = notice.payload.split("\n") if notice.payload else None
+                WAITERS.wake(alias, names, here=False)
             with WAITERS.changed:
                 if not WAITERS.waiting_on(alias):
                     return
