@@ -69,7 +69,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_semaphore import routing
 from django_semaphore.engine.fairness import Place
 from django_semaphore.engine.families import family_of
-from django_semaphore.engine.statements import room_for, statements
+from django_semaphore.engine.statements import room_for
 from django_semaphore.exceptions import AcquireTimeout, LiveDuplicate, SemaphoreExhausted
 from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Semaphore
 
@@ -220,12 +220,13 @@ def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> 
                 every = base
                 if not WAITERS.notified(waiter):
                     return
-            free = _free(connection, place)
+            free, grants = _probe(connection, place)
             if _fits(place, free, ahead_too=True):
                 waiter.expected_room = True
                 return
-            if free != waiter.free:  # releases and grants go on: keep alert
-                waiter.free, waiter.changed, every = free, now, base
+            if grants != waiter.grants:  # others are granted: keep alert
+                waiter.passed |= waiter.grants is not None
+                waiter.grants, waiter.changed, every = grants, now, base
             elif now > waiter.changed + window:
                 every = min(2 * every, POLL_CAP)
             # Room for it alone, left unclaimed over two probes: the tickets it
@@ -237,18 +238,26 @@ def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> 
         waiter.every = every
 
 
-def _free(connection: BaseDatabaseWrapper, place: Place) -> dict[int, int] | None:
-    """Semaphore id -> permits free now, by one plain read of the counters
-    (no lock, no transaction); None when it failed (the attempt tells why)
-    or no attempt has read the semaphores yet."""
+def _probe(
+    connection: BaseDatabaseWrapper, place: Place
+) -> tuple[dict[int, int] | None, int | None]:
+    """(semaphore id -> permits free now, grants made there so far: the sum
+    of their fencing counters), by one plain read of the counters (no lock,
+    no transaction); (None, None) when it failed (the attempt tells why) or
+    no attempt has read the semaphores yet."""
     if not place.semaphores:
-        return None
+        return None, None
+    ids = [id for id, _, _ in place.semaphores]
     try:
-        with connection.cursor() as cursor:
-            in_use = statements(connection).in_use(cursor, [id for id, _, _ in place.semaphores])
+        rows = list(
+            Semaphore.objects.using(connection.alias)
+            .filter(pk__in=ids)
+            .values_list("id", "capacity", "in_use", "fencing_counter")
+        )
     except DatabaseError:
-        return None
-    return {id: capacity - in_use.get(id, 0) for id, _, capacity in place.semaphores}
+        return None, None
+    free = {id: capacity - in_use for id, capacity, in_use, _ in rows}
+    return free, sum(counter for *_, counter in rows)
 
 
 def _fits(place: Place, free: dict[int, int] | None, *, ahead_too: bool) -> bool:
@@ -363,11 +372,11 @@ class _Waiter:
     # Its last attempt came because a probe saw room for it (and the tickets
     # ahead of it): refused all the same, it does not probe again at once.
     expected_room: bool = False
-    # Others took room it saw (or was woken for): a waiter that was never
-    # passed (the semaphore stayed full) has no reason to take a ticket.
+    # Others were granted while it waited, or took room it saw (or was woken
+    # for): one never passed (nothing granted) has no reason to take a ticket.
     passed: bool = False
     every: float | None = None  # its probes' interval, kept between pauses
-    free: dict[int, int] | None = None  # what its last probe found free
+    grants: int | None = None  # the grants its last probe counted
     changed: float = field(default_factory=time.monotonic)  # when that last changed
 
     def order(self) -> tuple[int, int]:

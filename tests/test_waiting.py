@@ -26,6 +26,10 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 # Far below SLOW: only a wake-up grants a waiter this soon.
 WOKEN_WITHIN = 10.0
+# The longest wait of a not-fair waiter that is passed by others: its
+# starving bound (0.5 s at most) and the queue then ahead of it, with room
+# for a loaded machine.
+STARVED = 5.0
 
 
 def key() -> str:
@@ -178,18 +182,21 @@ def test_one_poller_per_process_and_semaphore_whatever_the_demands(
 
 @pytest.mark.slow
 def test_no_process_starves(make_semaphore):
-    """8 processes, capacity 2, 20 ms holds, not fair: each process gets
-    grants, none times out (before: some got 1 or 2 in 5 s, 4-6 timed out)."""
+    """8 processes, capacity 2, 20 ms holds, not fair: every process gets
+    grants and no acquire waits anywhere near its timeout (before: some got
+    1 or 2 in 5 s, and with ``timeout=5`` 4-6 timed out)."""
     semaphore = make_semaphore(2)
     start, grants = SPAWN.Barrier(8), Outbox.create()
     clients = [spawn(cycle, semaphore.name, start, 3.0, 0.02, grants, bound=90) for _ in range(8)]
     join(clients, within=60)
     reports = grants.items()
+    print(f"\n(grants, timeouts, longest wait) per process: {sorted(reports)}")
     assert len(reports) == 8
-    assert [timeouts for _, timeouts in reports] == [0] * 8
-    counts = sorted(granted for granted, _ in reports)
-    print(f"\ngrants per process: {counts}")
-    assert counts[0] >= 5, f"a process starved: {counts}"
+    assert [timeouts for _, timeouts, _ in reports] == [0] * 8
+    assert all(granted for granted, _, _ in reports), "a process starved"
+    # The starving bound and the queue behind it: well under a second; the
+    # timeout (10 s) is never near.
+    assert max(longest for _, _, longest in reports) < STARVED
 
 
 def test_a_release_elsewhere_wakes_a_waiter_through_notify(make_semaphore):

@@ -19,23 +19,27 @@ SLOW = 60.0
 def cycle(name: str, start: Any, seconds: float, hold: float, grants: Outbox) -> None:
     """Acquire (not fair, waiting), hold, release, again, for ``seconds``
     from when every client is ready (``start``, a barrier); report
-    (grants, timeouts) of this process."""
+    (grants, timeouts, the longest wait) of this process."""
     start.wait(timeout=60)
     granted = timeouts = 0
+    longest = 0.0
     stop_at = time.monotonic() + seconds
     try:
         while time.monotonic() < stop_at:
             key = uuid.uuid4().hex
+            asked = time.monotonic()
             try:
                 acquire(name, external_id=key, owner="cycle", timeout=10)
             except AcquireTimeout:
                 timeouts += 1
                 continue
+            finally:
+                longest = max(longest, time.monotonic() - asked)
             time.sleep(hold)
             release(key)
             granted += 1
     finally:
-        grants.put((granted, timeouts))
+        grants.put((granted, timeouts, longest))
         connections.close_all()
 
 
