@@ -83,7 +83,7 @@ PROBE_EVERY = 0.02
 PROBES_PER_HOLD = 4
 PROBE_BOUNDS = (0.002, 0.25)
 NEXT_IN_LINE_ATTEMPT = 1.0
-UNTICKETED_PROBE = 0.25  # a waiter without a ticket that knows no hold
+UNTICKETED_PROBE = 0.5  # a waiter without a ticket that knows no hold
 POLL_CAP = 2.0
 # A waiter without a ticket takes one after STARVING_HOLDS holds, within
 # STARVING_BOUNDS (the upper bound while this process knows no hold).
