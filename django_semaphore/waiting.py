@@ -33,21 +33,25 @@ daemon connection (``_Listener``), so a release anywhere wakes them.
 Probes remain the fallback (MariaDB has no notify).
 
 **The pace of probes** is learned from the holds this process observed
-(``granted`` then ``released``, as a parking task's are through ``held``):
-the poller probes the counters (one plain read, no lock) every tenth of a
-hold, within ``PROBE_BOUNDS``, and attempts as soon as there is room; past
-two holds with no room it slows down, doubling up to ``POLL_CAP``, and it
-attempts at least every ``NEXT_IN_LINE_ATTEMPT`` (a reclaim of expired
-permits needs an attempt). A ticketed waiter further back attempts after
-one hold per capacity's worth of tickets ahead of it.
+(``granted`` then ``released``, as a parking task's are through ``held``).
+A ticketed poller next in line probes the counters (one plain read, no
+lock: what is free, and the grants made) every ``PROBES_PER_HOLD``-th of a
+hold, within ``PROBE_BOUNDS``, and attempts when there is room for it and
+the tickets it saw ahead of it, or when room for it alone stays unclaimed
+over two probes; further back it first waits a hold per capacity's worth
+of tickets ahead. A waiter without a ticket probes once a hold. While the
+counters show no grant for two holds the pace doubles, up to ``POLL_CAP``;
+an attempt comes at least every ``NEXT_IN_LINE_ATTEMPT`` or pace (a reclaim
+of expired permits needs one).
 
 **No starvation without fair mode.** A waiter that did not ask for fair mode
 may be passed by newcomers (the client that just released asks again at
-once). Once it has waited ``STARVING_HOLDS`` holds (within
-``STARVING_BOUNDS``) it takes a ticket at its next attempt, as a fair waiter
-does, and newcomers queue behind it (Go's ``sync.Mutex`` starvation mode
-does the same): not-fair mode bounds a wait, fair mode orders every waiter
-from its first refusal.
+once). Once others were granted while it waited ``STARVING_HOLDS`` holds
+(within ``STARVING_BOUNDS``) it takes a ticket at its next attempt, as a
+fair waiter does, and newcomers queue behind it (Go's ``sync.Mutex``
+starvation mode does the same): not-fair mode bounds a wait, fair mode
+orders every waiter from its first refusal. A semaphore that merely stays
+full (nobody granted) never makes a waiter take one.
 """
 
 from __future__ import annotations
@@ -75,10 +79,11 @@ from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Sem
 
 logger = logging.getLogger("django_semaphore")
 
-# Seconds. A poller probes every tenth of the hold it learned, within
-# PROBE_BOUNDS (PROBE_EVERY while it knows none), slows down (doubling up to
-# POLL_CAP) once two holds passed with no room, and attempts at least every
-# NEXT_IN_LINE_ATTEMPT; each interval takes a jitter of x0.5-1.
+# Seconds. A ticketed poller probes PROBES_PER_HOLD times a hold it learned,
+# within PROBE_BOUNDS (every PROBE_EVERY while it knows none; one without a
+# ticket once a hold, or every UNTICKETED_PROBE), slows down (doubling up to
+# POLL_CAP) once two holds passed with no grant, and attempts at least every
+# NEXT_IN_LINE_ATTEMPT or pace; each interval takes a jitter of x0.5-1.
 PROBE_EVERY = 0.02
 PROBES_PER_HOLD = 4
 PROBE_BOUNDS = (0.002, 0.25)
