@@ -225,6 +225,10 @@ def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> 
                 every = base
                 if not WAITERS.notified(waiter):
                     return
+                if not place.ticketed:
+                    # Every process's poller heard it: spread their probes,
+                    # the first to see the room takes it.
+                    time.sleep(random.uniform(0, min(base, until - now)))
             free, grants = _probe(connection, place)
             if _fits(place, free, ahead_too=True):
                 waiter.expected_room = True
@@ -468,9 +472,10 @@ class _Waiters:
     def wake(self, alias: str, names: Iterable[str] | None, *, here: bool = True) -> None:
         """A release made room on ``names`` (None: on any of the alias): in
         this process (``here``: its poller attempts at once), or in another
-        (a notification: its poller probes at once, if it is next in line --
-        every process hears it, and waiters further back would only add a
-        herd of reads)."""
+        (a notification: its poller probes, unless it has tickets a
+        capacity's worth ahead -- every process hears it, and those would
+        only add a herd of reads; one without a ticket after a random part
+        of its pace, so that they do not all attempt together)."""
         with self.changed:
             self._wake_pollers(alias, names, here=here)
 
@@ -498,7 +503,7 @@ class _Waiters:
             if here:
                 first.probe_now = False
                 first.woken.set()
-            elif first.place.ticketed and not first.place.ahead and not first.woken.is_set():
+            elif not first.place.ahead and not first.woken.is_set():
                 first.probe_now = True
                 first.woken.set()
 
@@ -523,6 +528,21 @@ class _Listener:
         self._threads: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
         self._listening: set[str] = set()
+        self._stopping = False
+
+    def stop(self) -> None:
+        """End every listener of this process, each closing its connection
+        (a test run's teardown drops the database only once nobody is
+        connected); a later waiter starts one again."""
+        with WAITERS.changed:
+            self._stopping = True
+            WAITERS.changed.notify_all()
+        with self._lock:
+            threads, self._threads = list(self._threads.values()), {}
+        for thread in threads:
+            thread.join(LISTEN_CHECK + LISTEN_RETRY + 1)
+        with WAITERS.changed:
+            self._stopping = False
 
     def listening(self, alias: str) -> bool:
         """Whether this process listens on ``alias`` now."""
@@ -542,21 +562,33 @@ class _Listener:
                 thread.start()
 
     def _run(self, alias: str) -> None:
-        while True:
-            with WAITERS.changed:
-                waiting = lambda: WAITERS.waiting_on(alias)  # noqa: E731
-                if not WAITERS.changed.wait_for(waiting, timeout=LISTEN_IDLE):
-                    self._listening.discard(alias)
-                    connections[alias].close()  # this thread's own connection
-                    WAITERS.changed.wait_for(waiting)
-            try:
-                self._listen(alias)
-            except Exception as exc:  # a lost connection: the probes carry on meanwhile
-                logger.info("Listening for releases on %r failed, will retry: %s", alias, exc)
+        try:
+            while self._wanted(alias):
+                self._listen_or_retry(alias)
+        finally:
+            self._listening.discard(alias)
+            connections[alias].close()  # this thread's own connection
+
+    def _wanted(self, alias: str) -> bool:
+        """Until this process waits on ``alias`` (closing the connection after
+        ``LISTEN_IDLE`` without a waiter): False when stopped."""
+        with WAITERS.changed:
+            waiting = lambda: WAITERS.waiting_on(alias) or self._stopping  # noqa: E731
+            if not WAITERS.changed.wait_for(waiting, timeout=LISTEN_IDLE):
                 self._listening.discard(alias)
-                with suppress(Exception):
-                    connections[alias].close()
-                time.sleep(LISTEN_RETRY)
+                connections[alias].close()
+                WAITERS.changed.wait_for(waiting)
+            return not self._stopping
+
+    def _listen_or_retry(self, alias: str) -> None:
+        try:
+            self._listen(alias)
+        except Exception as exc:  # a lost connection: the probes carry on meanwhile
+            logger.info("Listening for releases on %r failed, will retry: %s", alias, exc)
+            self._listening.discard(alias)
+            with suppress(Exception):
+                connections[alias].close()
+            time.sleep(LISTEN_RETRY)
 
     def _listen(self, alias: str) -> None:
         """Listen while this process waits on ``alias``; wake on each notification."""
@@ -571,7 +603,7 @@ class _Listener:
                 names = notice.payload.split("\n") if notice.payload else None
                 WAITERS.wake(alias, names, here=False)
             with WAITERS.changed:
-                if not WAITERS.waiting_on(alias):
+                if self._stopping or not WAITERS.waiting_on(alias):
                     return
 
 
