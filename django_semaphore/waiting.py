@@ -89,6 +89,7 @@ PROBES_PER_HOLD = 4
 PROBE_BOUNDS = (0.002, 0.25)
 NEXT_IN_LINE_ATTEMPT = 1.0
 UNTICKETED_PROBE = 0.5  # a waiter without a ticket that knows no hold
+NOTIFY_SPREAD = 0.01  # a not-fair poller that heard a release probes within this
 POLL_CAP = 2.0
 # A waiter without a ticket takes one after STARVING_HOLDS holds, within
 # STARVING_BOUNDS (the upper bound while this process knows no hold).
@@ -228,7 +229,7 @@ def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> 
                 if not place.ticketed:
                     # Every process's poller heard it: spread their probes,
                     # the first to see the room takes it.
-                    time.sleep(random.uniform(0, min(base, until - now)))
+                    time.sleep(random.uniform(0, min(NOTIFY_SPREAD, until - now)))
             free, grants = _probe(connection, place)
             if _fits(place, free, ahead_too=True):
                 waiter.expected_room = True
