@@ -9,8 +9,8 @@ are counted at ``grant.acquire_once``. The window opens once every waiter has
 made its first attempt (connecting and queueing are not waiting) and closes
 before the first gives up.
 
-"lines off" gives every waiter a line of its own, as if each polled on its
-own: the herd the shared poller replaces.
+"lines off" has every waiter poll as if alone in its queue: the herd the
+shared poller replaces.
 """
 
 from __future__ import annotations
@@ -110,21 +110,26 @@ def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
 
 @contextmanager
 def _lines(waiting: Any, shared: bool) -> Iterator[None]:
-    """With ``shared=False`` every waiter polls as if alone in its line."""
+    """With ``shared=False`` every waiter polls as if alone in its queue."""
     if shared:
         yield
+        return
+    if hasattr(waiting, "WAITERS"):
+        with _patched(waiting.WAITERS, "has_turn", lambda waiter: True):
+            yield
         return
 
     @contextmanager
     def alone(place: Any) -> Iterator[_AlwaysFirst]:
         yield _AlwaysFirst()
 
+    # Before issue 26 (an A/B against an older checkout): one line per demand.
     with _patched(waiting, "waiting_line", alone):
         yield
 
 
 class _AlwaysFirst:
-    """A waiter's turn when nobody shares its line."""
+    """A waiter's turn in a line of its own (before issue 26)."""
 
     def is_first(self) -> bool:
         return True

@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from typing import Any
 
 from benchmarks import cpu, db, systems
@@ -122,7 +123,10 @@ class Bench:
         try:
             import django_semaphore
 
-            if hasattr(django_semaphore, "fairness"):
+            # Fair mode is ``acquire(fair=True)`` (engine/fairness.py since engine v2).
+            if find_spec("django_semaphore.engine.fairness") or find_spec(
+                "django_semaphore.fairness"
+            ):
                 found.add(systems.APP_FAIR)
 
             if hasattr(django_semaphore, "permit"):
@@ -241,10 +245,8 @@ class Bench:
         return self.cells
 
     def hot(self) -> None:
-        """(1) One hot semaphore, capacity 10, 1 / 4 / 16 clients; then the
-        most clients on a quarter of their number of permits, each holding
-        its permit 10 ms and waiting (``timeout=``) when there is no room:
-        fair mode's queue against the plain backoff."""
+        """(1) One hot semaphore, capacity 10, 1 / 4 / 16 clients; then
+        ``hot_waiting`` (unless it runs on its own)."""
         for clients in self.options.clients:
             for system in [
                 systems.LIMIT_HOT,
@@ -256,6 +258,13 @@ class Bench:
             ]:
                 self.fresh(["hot"], HOT_CAPACITY)
                 self.measure("1 hot", system, clients, lambda i: ["hot"], HOT_CAPACITY)
+        if not self.wanted("hot-waiting"):
+            self.hot_waiting()
+
+    def hot_waiting(self) -> None:
+        """(1, waiting) The most clients of scenario 1 on a quarter of their
+        number of permits, each holding its permit 10 ms and waiting
+        (``timeout=``) when there is no room: not fair against fair mode."""
         most = max(self.options.clients)
         if most <= 1:
             return
@@ -474,6 +483,7 @@ def _line(cell: Cell) -> str:
 
 SCENARIOS: dict[str, Callable[[Bench], None]] = {
     "hot": Bench.hot,
+    "hot-waiting": Bench.hot_waiting,
     "mutex": Bench.mutex,
     "many": Bench.many,
     "multi": Bench.multi,

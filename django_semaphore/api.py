@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -143,18 +143,37 @@ def acquire(
         )
 
     with _finish_signalled(connection, demand):
+        request = _acquire_or_wait(connection, attempt, place, wait, deadline)
+    waiting.granted(connection.alias, key, demand.names)
+    return request
+
+
+def _acquire_or_wait(
+    connection: BaseDatabaseWrapper,
+    attempt: Callable[[], PermitRequest],
+    place: fairness.Place,
+    wait: float,
+    deadline: float,
+) -> PermitRequest:
+    """One attempt, then, with a timeout, wait for room (``waiting``). A
+    newcomer that would pass this process's own waiters on its semaphores
+    queues behind them instead (a fair one takes its ticket first: tickets
+    keep the order)."""
+    demand = place.demand
+    if wait and not place.fair and waiting.queued_here(connection.alias, demand.names):
+        refused = SemaphoreExhausted(demand.names, "Waiting behind this process's waiters")
+    else:
         try:
             return attempt()
         except SemaphoreExhausted as exc:
             if not wait:
                 raise
             refused = exc
-        try:
-            return waiting.wait_for_room(connection, attempt, place, wait, deadline, refused)
-        except BaseException:
-            place.leave(connection.alias)
-            raise
-    raise AssertionError("unreachable")  # pragma: no cover
+    try:
+        return waiting.wait_for_room(connection, attempt, place, wait, deadline, refused)
+    except BaseException:
+        place.leave(connection.alias)
+        raise
 
 
 @contextmanager
@@ -204,9 +223,13 @@ def release(external_id: str) -> ReleaseOutcome:
     """
     key = validate_key(external_id)
     connection = connections[routing.alias_for_key(key)]
-    return run_with_retries(
+    outcome = run_with_retries(
         connection, functools.partial(release_key, connection, key), persistence=RELEASE_PERSISTENCE
     )
+    if outcome is ReleaseOutcome.RELEASED:
+        # Committed: this process's waiters (and, on PostgreSQL, others') are woken.
+        waiting.released(connection, key)
+    return outcome
 
 
 def renew(external_id: str, ttl: int | float | timedelta | None = None) -> PermitRequest:
@@ -357,4 +380,6 @@ def _force_release_on(alias: str, keys: list[str], reason: str) -> dict[str, Rel
             persistence=RELEASE_PERSISTENCE,
         )
         outcomes[key] = ReleaseOutcome.RELEASED if released else ReleaseOutcome.ALREADY_RELEASED
+        if released:
+            waiting.released(connection, key)
     return outcomes

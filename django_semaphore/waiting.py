@@ -4,9 +4,7 @@ The engine never sleeps: each of its attempts is one transaction that grants
 or refuses at once. Whatever waits for room between two attempts is here:
 
 - **An acquire with a timeout** (``wait_for_room``) attempts again until it
-  is granted or its deadline passes, pausing between attempts (``pause``):
-  a capped exponential backoff with full jitter without a ticket, or a
-  ticketed fair waiter's polling by its place in the queue (below).
+  is granted or its deadline passes (below).
 - **A refused parking task** stands by in its worker (``stand_by``) before it
   parks, probing the counters at a pace learned from the holds this process
   saw (``held``; per family for a family's members); see "Stand by first"
@@ -14,34 +12,64 @@ or refuses at once. Whatever waits for room between two attempts is here:
 
 Every sleep is taken with no transaction open and no row locked.
 
-**One poller per line.** Waiters of one process on the same demand form a
-line (``_Line``): only its first waiter polls the database, the others sleep
-on a condition until it is their turn. So a process issues one attempt per
-poll interval per demand, however many threads wait. The interval adapts to
-the waiter's place. Next in line (the permits asked for by the tickets ahead
-of it, plus its own, fit in the capacity: the next releases are for it), it
-probes every ``PROBE_EVERY`` with one cheap read of what is in use (no lock,
-no transaction) and attempts as soon as there is room for it, or after
-``NEXT_IN_LINE_ATTEMPT`` at the latest (a reclaim of expired permits needs an
-attempt); refused only by older tickets whose waiters lack room elsewhere
-(it has room already), it polls as one a round of holds back. Further back,
-it attempts again after ``PROBE_EVERY`` more per capacity's worth of tickets
-ahead of it (each takes at least one round of holds), at most ``POLL_CAP``.
+**One poller per process and semaphore.** This process's waiters on a
+semaphore form its queue (``_Waiters``), first come first served: ticketed
+waiters first, in their tickets' order (their tickets hold the others back
+anyway), then the others in the order they came. A waiter wants the
+semaphores its last refusal named; it holds back the waiters behind it only
+on those, so one short on its own tenant's cap never keeps a neighbour from
+a shared semaphore that has room. A waiter whose turn it is (nobody ahead of
+it wants what it wants) is its semaphores' poller; the others sleep until
+their turn. A newcomer with a timeout that finds this process's waiters
+wanting its semaphores queues behind them instead of passing them.
+
+**Woken at once.** A release in this process (``released``: ``release()``,
+``permit()``'s exit, a task's or a view's end) wakes the poller of each
+semaphore it freed at once: no database statement, and none at all when this
+process has no waiter there. On PostgreSQL the release also sends a
+``NOTIFY`` after its commit when this process saw waiting on those
+semaphores lately, and each process with waiters there ``LISTEN``\\s on one
+daemon connection (``_Listener``), so a release anywhere wakes them.
+Probes remain the fallback (MariaDB has no notify).
+
+**The pace of probes** is learned from the holds this process observed
+(``granted`` then ``released``, as a parking task's are through ``held``).
+A ticketed poller next in line probes the counters (one plain read, no
+lock: what is free, and the grants made) every ``PROBES_PER_HOLD``-th of a
+hold, within ``PROBE_BOUNDS``, and attempts when there is room for it and
+the tickets it saw ahead of it, or when room for it alone stays unclaimed
+over two probes; further back it first waits a hold per capacity's worth
+of tickets ahead. A waiter without a ticket probes once a hold. While the
+counters show no grant for two holds the pace doubles, up to ``POLL_CAP``;
+an attempt comes at least every ``NEXT_IN_LINE_ATTEMPT`` or pace (a reclaim
+of expired permits needs one).
+
+**No starvation without fair mode.** A waiter that did not ask for fair mode
+may be passed by newcomers (the client that just released asks again at
+once). Once others were granted while it waited ``STARVING_HOLDS`` holds
+(within ``STARVING_BOUNDS``) it takes a ticket at its next attempt, as a
+fair waiter does, and newcomers queue behind it (Go's ``sync.Mutex``
+starvation mode does the same): not-fair mode bounds a wait, fair mode
+orders every waiter from its first refusal. A semaphore that merely stays
+full (nobody granted) never makes a waiter take one.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import random
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from typing import Any
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import F
 
 from django_semaphore import routing
 from django_semaphore.engine.fairness import Place
@@ -50,15 +78,35 @@ from django_semaphore.engine.statements import room_for
 from django_semaphore.exceptions import AcquireTimeout, LiveDuplicate, SemaphoreExhausted
 from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Semaphore
 
-# Waiting for room: capped exponential backoff with full jitter, so waiters
-# spread out instead of stampeding the row the moment a permit is released.
-BACKOFF_BASE = 0.05
-BACKOFF_CAP = 2.0
-BACKOFF_DOUBLINGS = 10  # BACKOFF_BASE * 2**10 > BACKOFF_CAP
-# Seconds, before a jitter of x0.5-1 (see the module's docstring).
+logger = logging.getLogger("django_semaphore")
+
+# Seconds. A ticketed poller probes PROBES_PER_HOLD times a hold it learned,
+# within PROBE_BOUNDS (every PROBE_EVERY while it knows none; one without a
+# ticket once a hold, or every UNTICKETED_PROBE), slows down (doubling up to
+# POLL_CAP) once two holds passed with no grant, and attempts at least every
+# NEXT_IN_LINE_ATTEMPT or pace; each interval takes a jitter of x0.5-1.
 PROBE_EVERY = 0.02
+PROBES_PER_HOLD = 4
+PROBE_BOUNDS = (0.002, 0.25)
 NEXT_IN_LINE_ATTEMPT = 1.0
+UNTICKETED_PROBE = 0.5  # a waiter without a ticket that knows no hold
+NOTIFY_SPREAD = 0.01  # a not-fair poller that heard a release probes within this
 POLL_CAP = 2.0
+# A waiter without a ticket takes one after STARVING_HOLDS holds, within
+# STARVING_BOUNDS (the upper bound while this process knows no hold).
+STARVING_HOLDS = 20
+STARVING_BOUNDS = (0.05, 0.5)
+# A release sends NOTIFY (PostgreSQL) when this process saw a wait on one of
+# its semaphores within so many seconds: elsewhere it is sent to nobody.
+NOTIFY_AFTER_WAIT = 10.0
+CHANNEL = "django_semaphore_room"
+# The grants of this process whose release it may see (``granted``): at most
+# so many, the oldest forgotten first (a key released elsewhere never comes back).
+GRANTS_KEPT = 10_000
+# Seconds a listener waits for a notification before it checks that it is
+# still wanted, after a failed connection before it tries again, and with no
+# waiter before it closes its connection (waiters come and go between holds).
+LISTEN_CHECK, LISTEN_RETRY, LISTEN_IDLE = 1.0, 2.0, 2.0
 
 # Seconds; see "Stand by first" in ``parking``. A standby waits at most
 # STANDBY_WAIT, probing every tenth of the hold, within STANDBY_PROBE, or
@@ -67,9 +115,9 @@ SHORT_HOLD = 1.0
 STANDBY_WAIT = 2 * SHORT_HOLD
 STANDBY_PROBE = (0.001, 0.02)
 
-# What this process saw its parked tasks hold each semaphore for (``held``):
-# the last hold, seconds, by family pattern for a family's member (members
-# of one family are held alike, and a family may have thousands), else by name.
+# What this process saw its holders hold each semaphore for (``held``): the
+# last hold, seconds, by family pattern for a family's member (members of one
+# family are held alike, and a family may have thousands), else by name.
 _holds: dict[str, float] = {}
 # The semaphores a task of this process stands by on (thread and gevent
 # pools run many tasks in one process): one each, the others park.
@@ -88,9 +136,10 @@ def wait_for_room(
     deadline: float,
     refused: SemaphoreExhausted,
 ) -> PermitRequest:
-    """Retry ``attempt`` until granted or ``deadline``. Only the first waiter
-    of this process's line polls (see the module's docstring); every sleep
-    is taken with no transaction open and no row locked.
+    """Retry ``attempt`` until granted or ``deadline``, as this process's
+    poller of its semaphores when it is its turn (see the module's
+    docstring); every sleep is taken with no transaction open and no row
+    locked.
 
     Args:
         connection: the alias's connection ``attempt`` runs on.
@@ -99,7 +148,8 @@ def wait_for_room(
         place: the call's standing in its semaphores' queues.
         wait: the call's timeout, seconds (for the error's message).
         deadline: ``time.monotonic()`` past which it gives up.
-        refused: the refusal of the attempt made before waiting.
+        refused: the refusal of the attempt made before waiting (or of none,
+            when it queued behind this process's waiters at once).
 
     Returns:
         What the granting ``attempt`` returned.
@@ -107,135 +157,482 @@ def wait_for_room(
     Raises:
         AcquireTimeout: ``deadline`` passed with no room.
     """
-    with waiting_line(place) as turn:
-        for polls in itertools.count(1):
-            queued_behind = not turn.is_first()
+    alias = connection.alias
+    _saw_wait(alias, place.demand.names)
+    with WAITERS.queued(alias, place, refused.names) as waiter:
+        while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not turn.wait(remaining):
+            if remaining <= 0 or not WAITERS.wait_turn(waiter, remaining):
                 raise AcquireTimeout(refused.names, f"{refused} (waited {wait:g}s)")
-            if not queued_behind:
+            woken = waiter.woken.is_set() and not waiter.probe_now
+            if not woken:
                 # The last attempt may come at the deadline, never after it.
-                pause(place, connection, _backoff(polls), deadline)
+                pause(waiter, connection, deadline)
+            waiter.woken.clear()
+            if _starving(waiter):
+                place.fair = True  # takes a ticket at this attempt: see the module's docstring
             try:
                 return attempt()
             except SemaphoreExhausted as exc:
                 refused = exc
-    raise AssertionError("unreachable")  # pragma: no cover
+                waiter.passed |= woken or waiter.expected_room
+                WAITERS.refused(waiter, exc.names)
 
 
-def _backoff(attempt: int) -> float:
-    # The exponent is capped: past the cap it changes nothing, and a long
-    # wait's thousandth poll would overflow a float.
-    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** min(attempt, BACKOFF_DOUBLINGS)))
+def queued_here(alias: str, names: Iterable[str]) -> bool:
+    """Whether waiters of this process without a ticket want one of
+    ``names``: a newcomer with a timeout queues behind them instead of
+    passing them. Where one has a ticket the newcomer attempts: tickets keep
+    the order (it takes its own on a fair semaphore, or is refused)."""
+    return WAITERS.wanted(alias, names)
 
 
-def pause(place: Place, connection: BaseDatabaseWrapper, backoff: float, deadline: float) -> None:
-    """Wait between two attempts of this line's first waiter; see the
-    module's docstring.
+def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> None:
+    """Wait between two attempts of a poller: until it is woken, its probe
+    finds room, or its interval passed; see the module's docstring.
 
     Args:
-        place: the waiter's standing, as its last attempt left it.
-        connection: the connection a next-in-line waiter probes on.
-        backoff: the interval of a waiter without a ticket, seconds.
+        waiter: the poller, with its standing as its last attempt left it.
+        connection: the connection it probes on.
         deadline: ``time.monotonic()``; the pause never runs past it.
     """
+    place = waiter.place
+    hold = _learned_hold(place.demand.names)
     now = time.monotonic()
-    if not place.ticketed:
-        time.sleep(max(min(backoff, deadline - now), 0))
-        return
-    if place.ahead or not place.short:
+    if place.ticketed and (place.ahead or waiter.expected_room):
         # Each capacity's worth ahead takes at least one round of holds. A
-        # waiter refused only by older tickets (their waiters lack room
-        # elsewhere) has room already: probing it would attempt at once, again
-        # and again, so it waits as one a round of holds back.
+        # waiter refused where its probe saw room for it and the tickets ahead
+        # (their waiters lack room elsewhere) waits as one a round of holds
+        # back: probing would attempt at once, again and again.
         rounds = max(place.ahead, 1)
-        interval = min(PROBE_EVERY * (1 + rounds), POLL_CAP) * random.uniform(0.5, 1.0)
-        time.sleep(max(min(interval, deadline - now), 0))
-        return
-    until = min(deadline, now + NEXT_IN_LINE_ATTEMPT * random.uniform(0.5, 1.0))
-    while (now := time.monotonic()) < until:
-        time.sleep(min(PROBE_EVERY * random.uniform(0.5, 1.0), until - now))
-        if _room_for(connection, place):
+        interval = min((hold or PROBE_EVERY) * rounds, POLL_CAP) * random.uniform(0.5, 1.0)
+        if waiter.woken.wait(max(min(interval, deadline - now), 0)) and not WAITERS.notified(
+            waiter
+        ):
             return
+    low, high = PROBE_BOUNDS
+    base = min(max(hold / PROBES_PER_HOLD, low), high) if hold else PROBE_EVERY
+    if not place.ticketed:
+        # Newcomers may pass it: probing fast would mostly see room taken.
+        base = min(hold, POLL_CAP) if hold else UNTICKETED_PROBE
+    # The pace is kept from one pause to the next: a semaphore that stays
+    # full (nothing released, its counters unchanged) is probed less and less.
+    every = max(waiter.every or base, base)
+    window = 2 * hold if hold else NEXT_IN_LINE_ATTEMPT
+    until = min(deadline, now + max(NEXT_IN_LINE_ATTEMPT, every) * random.uniform(0.5, 1.0))
+    waiter.expected_room, unclaimed = False, 0
+    try:
+        while (now := time.monotonic()) < until:
+            if waiter.woken.wait(min(every * random.uniform(0.5, 1.0), until - now)):
+                every = base
+                if not WAITERS.notified(waiter):
+                    return
+                if not place.ticketed:
+                    # Every process's poller heard it: spread their probes,
+                    # the first to see the room takes it.
+                    time.sleep(random.uniform(0, min(NOTIFY_SPREAD, until - now)))
+            free, grants = _probe(connection, place)
+            if _fits(place, free, ahead_too=True):
+                waiter.expected_room = True
+                return
+            if grants != waiter.grants:  # others are granted: keep alert
+                waiter.passed |= waiter.grants is not None
+                waiter.grants, waiter.changed, every = grants, now, base
+            elif now > waiter.changed + window:
+                every = min(2 * every, POLL_CAP)
+            # Room for it alone, left unclaimed over two probes: the tickets it
+            # saw ahead were granted meanwhile (or their waiters are slow).
+            unclaimed = unclaimed + 1 if _fits(place, free, ahead_too=False) else 0
+            if unclaimed >= 2:
+                return
+    finally:
+        waiter.every = every
 
 
-def _room_for(connection: BaseDatabaseWrapper, place: Place) -> bool:
-    """Whether every semaphore of ``place`` has room for it now."""
-    return room_for(
-        connection,
-        [(id, place.demand.counts[name], capacity) for id, name, capacity in place.semaphores],
+def _probe(
+    connection: BaseDatabaseWrapper, place: Place
+) -> tuple[dict[int, int] | None, int | None]:
+    """(semaphore id -> permits free now, grants made there so far: the sum
+    of their fencing counters), by one plain read of the counters (no lock,
+    no transaction); (None, None) when it failed (the attempt tells why) or
+    no attempt has read the semaphores yet."""
+    if not place.semaphores:
+        return None, None
+    ids = [id for id, _, _ in place.semaphores]
+    try:
+        rows = list(
+            Semaphore.objects.using(connection.alias)
+            .filter(pk__in=ids)
+            .values_list("id", "capacity", F("in_use"), "fencing_counter")
+        )
+    except DatabaseError:
+        return None, None
+    free = {id: capacity - in_use for id, capacity, in_use, _ in rows}
+    return free, sum(counter for *_, counter in rows)
+
+
+def _fits(place: Place, free: dict[int, int] | None, *, ahead_too: bool) -> bool:
+    """Whether ``place`` fits in ``free`` (with the permits of the older
+    tickets it saw ahead: ``ahead_too``); yes when nothing could be read."""
+    if free is None:
+        return True
+    return all(
+        place.demand.counts[name] + (place.before.get(id, 0) if ahead_too else 0) <= free[id]
+        for id, name, _ in place.semaphores
     )
 
 
-# --- this process's waiters: one poller per line ------------------------------------
+def _starving(waiter: _Waiter) -> bool:
+    """Whether a waiter without a ticket was passed by others for longer
+    than ``STARVING_HOLDS`` holds (within ``STARVING_BOUNDS``)."""
+    place = waiter.place
+    if place.fair or not waiter.passed:
+        return False
+    hold = _learned_hold(place.demand.names)
+    low, high = STARVING_BOUNDS
+    after = min(max(STARVING_HOLDS * hold, low), high) if hold else high
+    return time.monotonic() - waiter.since >= after
 
 
-class _Line:
-    """This process's waiters on one demand; the one with the lowest ``seq``
-    polls, the others wait for their turn."""
+def _learned_hold(names: Iterable[str]) -> float | None:
+    holds = _learned_holds(dict.fromkeys(names, 1))
+    return max(holds) if holds else None
+
+
+# --- what this process holds, and its releases ---------------------------------------
+
+
+# key -> (alias, names, time.monotonic() of the grant), oldest first.
+_grants: OrderedDict[str, tuple[str, list[str], float]] = OrderedDict()
+# (alias, name) -> time.monotonic() of this process's last wait there.
+_waits: dict[tuple[str, str], float] = {}
+_grants_lock = threading.Lock()
+
+
+def granted(alias: str, key: str, names: list[str]) -> None:
+    """Note a grant of this process: its release (``released``) learns how
+    long it was held and which semaphores to wake."""
+    with _grants_lock:
+        if key not in _grants:
+            _grants[key] = (alias, names, time.monotonic())
+            if len(_grants) > GRANTS_KEPT:
+                _grants.popitem(last=False)
+
+
+def released(connection: BaseDatabaseWrapper, key: str) -> None:
+    """After ``key``'s release committed: learn its hold, wake this
+    process's pollers of its semaphores, and on PostgreSQL notify the other
+    processes when waiting was seen there lately. No statement when this
+    process granted it not, or saw nobody wait on it."""
+    with _grants_lock:
+        grant = _grants.pop(key, None)
+    if grant is None:
+        return
+    alias, names, since = grant
+    held(dict.fromkeys(names, 1), time.monotonic() - since)
+    WAITERS.wake(alias, names)
+    if _notifies(connection) and _waited_lately(alias, names):
+        _notify(connection, names)
+
+
+def _saw_wait(alias: str, names: Iterable[str]) -> None:
+    now = time.monotonic()
+    with _grants_lock:
+        for name in names:
+            _waits[(alias, name)] = now
+
+
+def _waited_lately(alias: str, names: Iterable[str]) -> bool:
+    since = time.monotonic() - NOTIFY_AFTER_WAIT
+    with _grants_lock:
+        return any(_waits.get((alias, name), since) > since for name in names)
+
+
+def _notifies(connection: BaseDatabaseWrapper) -> bool:
+    """Whether the alias can notify listeners: PostgreSQL through psycopg 3."""
+    driver = getattr(connection, "Database", None)
+    return connection.vendor == "postgresql" and getattr(driver, "__name__", "") == "psycopg"
+
+
+def _notify(connection: BaseDatabaseWrapper, names: list[str]) -> None:
+    """``NOTIFY`` the freed semaphores' names, best effort (the listeners'
+    probes are the fallback); outside any transaction of the release."""
+    payload = "\n".join(names)
+    if len(payload.encode()) >= 7900:  # NOTIFY's payload limit is 8000 bytes
+        payload = ""  # wakes every poller of the alias
+    with suppress(DatabaseError), connection.cursor() as cursor:
+        cursor.execute("SELECT pg_notify(%s, %s)", [CHANNEL, payload])
+
+
+# --- this process's waiters: one poller per semaphore --------------------------------
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """One acquire call of this process waiting for room."""
+
+    alias: str
+    place: Place
+    came: int  # this process's arrival order
+    wants: set[str]  # the names its last refusal named
+    since: float = field(default_factory=time.monotonic)
+    # Set to attempt at once: a release made room, or its poller left; with
+    # ``probe_now``, to probe at once: a release in another process (NOTIFY).
+    woken: threading.Event = field(default_factory=threading.Event)
+    probe_now: bool = False
+    # Its last attempt came because a probe saw room for it (and the tickets
+    # ahead of it): refused all the same, it does not probe again at once.
+    expected_room: bool = False
+    # Others were granted while it waited, or took room it saw (or was woken
+    # for): one never passed (nothing granted) has no reason to take a ticket.
+    passed: bool = False
+    every: float | None = None  # its probes' interval, kept between pauses
+    grants: int | None = None  # the grants its last probe counted
+    changed: float = field(default_factory=time.monotonic)  # when that last changed
+
+    def order(self) -> tuple[int, int]:
+        """Its place in the queues: ticketed first, in their tickets' order
+        (``Place.seq`` is taken when a ticket commits), then by arrival."""
+        return (0, self.place.seq) if self.place.ticketed else (1, self.came)
+
+
+class _Waiters:
+    """This process's queues: (alias, semaphore name) -> its waiters."""
 
     def __init__(self) -> None:
-        self.condition = threading.Condition()
-        self.places: list[Place] = []
+        self.reset()
 
-    def head(self) -> Place:
-        return min(self.places, key=lambda place: place.seq)
+    def reset(self) -> None:
+        """Forget every waiter: in a forked child, the parent's are not its own."""
+        self.changed = threading.Condition()
+        self.queues: dict[tuple[str, str], list[_Waiter]] = {}
+        self._came = itertools.count(1)
+
+    @contextmanager
+    def queued(self, alias: str, place: Place, wants: Iterable[str]) -> Iterator[_Waiter]:
+        """``place``'s waiter in the queue of each of its semaphores."""
+        with self.changed:
+            waiter = _Waiter(alias, place, next(self._came), set(wants))
+            for name in place.demand.names:
+                self.queues.setdefault((alias, name), []).append(waiter)
+            self.changed.notify_all()
+        LISTENER.wanted(alias)
+        granted_here = False
+        try:
+            yield waiter
+            granted_here = True
+        finally:
+            self._leave(waiter, granted_here)
+
+    def _leave(self, waiter: _Waiter, granted_here: bool) -> None:
+        with self.changed:
+            for name in waiter.place.demand.names:
+                queue = self.queues[(waiter.alias, name)]
+                queue.remove(waiter)
+                if not queue:
+                    del self.queues[(waiter.alias, name)]
+            if not granted_here:
+                # It may have been a poller: its successors attempt at once.
+                self._wake_pollers(waiter.alias, waiter.place.demand.names)
+            self.changed.notify_all()
+
+    def has_turn(self, waiter: _Waiter) -> bool:
+        """Whether nobody ahead of ``waiter`` wants what it wants (the lock held)."""
+        mine = waiter.order()
+        return not any(
+            other is not waiter and name in other.wants and other.order() < mine
+            for name in waiter.wants
+            for other in self.queues.get((waiter.alias, name), ())
+        )
+
+    def wait_turn(self, waiter: _Waiter, timeout: float) -> bool:
+        """Block until it is ``waiter``'s turn; ``False`` if ``timeout`` ran out first."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.has_turn(waiter), timeout=timeout)
+
+    def refused(self, waiter: _Waiter, names: Iterable[str]) -> None:
+        """Its attempt was refused for want of ``names``: whom it holds back now."""
+        with self.changed:
+            waiter.wants = set(names) & set(waiter.place.demand.names) or waiter.wants
+            self.changed.notify_all()
+
+    def wanted(self, alias: str, names: Iterable[str]) -> bool:
+        """Whether waiters want one of ``names``, none of them ticketed."""
+        with self.changed:
+            wanting = [
+                waiter
+                for name in names
+                for waiter in self.queues.get((alias, name), ())
+                if name in waiter.wants
+            ]
+        return bool(wanting) and not any(waiter.place.ticketed for waiter in wanting)
+
+    def waiting_on(self, alias: str) -> bool:
+        """Whether this process waits on ``alias`` (the lock held)."""
+        return any(key[0] == alias for key in self.queues)
+
+    def wake(self, alias: str, names: Iterable[str] | None, *, here: bool = True) -> None:
+        """A release made room on ``names`` (None: on any of the alias): in
+        this process (``here``: its poller attempts at once), or in another
+        (a notification: its poller probes, unless it has tickets a
+        capacity's worth ahead -- every process hears it, and those would
+        only add a herd of reads; one without a ticket after a random part
+        of its pace, so that they do not all attempt together)."""
+        with self.changed:
+            self._wake_pollers(alias, names, here=here)
+
+    def notified(self, waiter: _Waiter) -> bool:
+        """Whether ``waiter`` was woken by a notification only (then it is
+        not any more: it probes)."""
+        with self.changed:
+            if not waiter.probe_now:
+                return False
+            waiter.probe_now = False
+            waiter.woken.clear()
+            return True
+
+    def _wake_pollers(self, alias: str, names: Iterable[str] | None, *, here: bool = True) -> None:
+        """Wake the first waiter wanting each of ``names``, when it is its turn."""
+        if names is None:
+            names = [name for key_alias, name in self.queues if key_alias == alias]
+        for name in names:
+            wanting = [w for w in self.queues.get((alias, name), ()) if name in w.wants]
+            if not wanting:
+                continue
+            first = min(wanting, key=_Waiter.order)
+            if not self.has_turn(first):
+                continue
+            if here:
+                first.probe_now = False
+                first.woken.set()
+            elif not first.place.ahead and not first.woken.is_set():
+                first.probe_now = True
+                first.woken.set()
 
 
-_lines: dict[tuple[Any, ...], _Line] = {}
-_lines_guard = threading.Lock()
+WAITERS = _Waiters()
 
 
-class Turn:
-    """A waiter's membership of its line."""
-
-    def __init__(self, line: _Line, place: Place) -> None:
-        self._line = line
-        self._place = place
-
-    def is_first(self) -> bool:
-        """Whether this waiter is first in its line now (the one that polls)."""
-        with self._line.condition:
-            return self._line.head() is self._place
-
-    def wait(self, timeout: float) -> bool:
-        """Block until this waiter is first in its line; ``False`` if
-        ``timeout`` ran out first."""
-        with self._line.condition:
-            return self._line.condition.wait_for(
-                lambda: self._line.head() is self._place, timeout=max(timeout, 0)
-            )
+# --- PostgreSQL: a release elsewhere wakes this process's pollers --------------------
 
 
-@contextmanager
-def waiting_line(place: Place) -> Iterator[Turn]:
-    """Join this process's line for ``place.demand`` while waiting for room.
+class _Listener:
+    """One daemon thread per PostgreSQL alias that this process waits on: it
+    ``LISTEN``\\s on its own connection while this process has waiters there,
+    wakes their pollers on each notification, and closes its connection (and
+    sleeps) while it has none."""
 
-    Ticketed and unticketed waiters never share a line: an unticketed first
-    waiter would poll behind its line's tickets while they wait their turn.
-    """
-    key = (place.ticketed, *sorted(place.demand.counts.items()))
-    with _lines_guard:
-        line = _lines.setdefault(key, _Line())
-        with line.condition:
-            line.places.append(place)
-    try:
-        yield Turn(line, place)
-    finally:
-        with _lines_guard, line.condition:
-            line.places.remove(place)
-            if not line.places:
-                del _lines[key]
-            # The next waiter polls at once: room may be left after this one.
-            line.condition.notify_all()
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No thread: in a forked child, the parent's did not survive the fork."""
+        self._threads: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._listening: set[str] = set()
+        self._stopping = False
+
+    def stop(self) -> None:
+        """End every listener of this process, each closing its connection
+        (a test run's teardown drops the database only once nobody is
+        connected); a later waiter starts one again."""
+        with WAITERS.changed:
+            self._stopping = True
+            WAITERS.changed.notify_all()
+        with self._lock:
+            threads, self._threads = list(self._threads.values()), {}
+        for thread in threads:
+            thread.join(LISTEN_CHECK + LISTEN_RETRY + 1)
+        with WAITERS.changed:
+            self._stopping = False
+
+    def listening(self, alias: str) -> bool:
+        """Whether this process listens on ``alias`` now."""
+        return alias in self._listening
+
+    def wanted(self, alias: str) -> None:
+        """Make sure a listener runs for ``alias``, if it can notify."""
+        if not _notifies(connections[alias]):
+            return
+        with self._lock:
+            thread = self._threads.get(alias)
+            if thread is None or not thread.is_alive():
+                thread = threading.Thread(
+                    target=self._run, args=(alias,), name=f"semaphore-listener-{alias}", daemon=True
+                )
+                self._threads[alias] = thread
+                thread.start()
+
+    def _run(self, alias: str) -> None:
+        try:
+            while self._wanted(alias):
+                self._listen_or_retry(alias)
+        finally:
+            self._listening.discard(alias)
+            connections[alias].close()  # this thread's own connection
+
+    def _wanted(self, alias: str) -> bool:
+        """Until this process waits on ``alias`` (closing the connection after
+        ``LISTEN_IDLE`` without a waiter): False when stopped."""
+        with WAITERS.changed:
+            waiting = lambda: WAITERS.waiting_on(alias) or self._stopping  # noqa: E731
+            if not WAITERS.changed.wait_for(waiting, timeout=LISTEN_IDLE):
+                self._listening.discard(alias)
+                connections[alias].close()
+                WAITERS.changed.wait_for(waiting)
+            return not self._stopping
+
+    def _listen_or_retry(self, alias: str) -> None:
+        try:
+            self._listen(alias)
+        except Exception as exc:  # a lost connection: the probes carry on meanwhile
+            logger.info("Listening for releases on %r failed, will retry: %s", alias, exc)
+            self._listening.discard(alias)
+            with suppress(Exception):
+                connections[alias].close()
+            time.sleep(LISTEN_RETRY)
+
+    def _listen(self, alias: str) -> None:
+        """Listen while this process waits on ``alias``; wake on each notification."""
+        connection = connections[alias]
+        if connection.connection is None or not connection.is_usable():
+            connection.close()
+            connection.ensure_connection()
+            connection.connection.execute(f"LISTEN {CHANNEL}")
+            self._listening.add(alias)
+        while True:
+            for notice in connection.connection.notifies(timeout=LISTEN_CHECK):
+                names = notice.payload.split("\n") if notice.payload else None
+                WAITERS.wake(alias, names, here=False)
+            with WAITERS.changed:
+                if self._stopping or not WAITERS.waiting_on(alias):
+                    return
+
+
+LISTENER = _Listener()
+
+
+def _forget_after_fork() -> None:
+    """A forked child (a Celery prefork pool process) starts with no waiter,
+    no listener and no grant of its own."""
+    WAITERS.reset()
+    LISTENER.reset()
+    global _grants_lock
+    _grants_lock = threading.Lock()
+    _grants.clear()
+    _waits.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 # --- a parking task's stand by ------------------------------------------------------
 
 
 def held(demand: Mapping[str, int], seconds: float) -> None:
-    """Note how long a parking task's run in this process held its permits:
-    whether, and how often, the next refused ones probe (``stand_by``)."""
+    """Note how long a holder in this process held its permits (a parking
+    task's run, or a grant until its ``release``): whether, and how often,
+    the next refused ones probe (``stand_by``, ``pause``)."""
     for name in demand:
         _holds[_hold_key(name)] = seconds
 

@@ -84,6 +84,10 @@ def _report_database(django_db_setup, django_db_blocker):
     with django_db_blocker.unblock():
         connection.ensure_connection()
     print(f"\nRunning on {connection.vendor} ({connection.settings_dict['NAME']})")
+    yield
+    # Before the test database is dropped: PostgreSQL refuses while the
+    # waiting listener (a daemon thread's connection) is still connected.
+    waiting.LISTENER.stop()
 
 
 @pytest.fixture

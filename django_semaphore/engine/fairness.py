@@ -79,6 +79,9 @@ class Place:
     # Ids of the semaphores where its tickets lacked room (and hold back others).
     held: set[int] = field(default_factory=set)
     ahead: int = 0  # capacities' worth of older tickets seen; 0: next in line
+    # Semaphore id -> permits asked for by the older tickets there, as the
+    # last attempt saw them: a waiter's probe wants room for them too.
+    before: dict[int, int] = field(default_factory=dict)
     # The last refusal found a semaphore without room (not only older tickets,
     # which a probe of the counters cannot tell gone).
     short: bool = False
@@ -109,6 +112,7 @@ class Place:
             (ahead.get(s.id, (0, 0))[1] + self.demand.counts[s.name] - 1) // max(s.capacity, 1)
             for s in locked
         )
+        self.before = {id: permits for id, (_, permits) in ahead.items()}
         self.semaphores = [(s.id, s.name, s.capacity) for s in locked]
         blocked = sorted(set(lacking) | {s.name for s in live if s.id in ahead})
         self.short = bool(lacking)
