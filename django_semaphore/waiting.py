@@ -69,12 +69,11 @@ from dataclasses import dataclass, field
 
 from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import F
 
 from django_semaphore import routing
 from django_semaphore.engine.fairness import Place
 from django_semaphore.engine.families import family_of
-from django_semaphore.engine.statements import room_for
+from django_semaphore.engine.statements import counters, room_for
 from django_semaphore.exceptions import AcquireTimeout, LiveDuplicate, SemaphoreExhausted
 from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Semaphore
 
@@ -258,17 +257,11 @@ def _probe(
     no attempt has read the semaphores yet."""
     if not place.semaphores:
         return None, None
-    ids = [id for id, _, _ in place.semaphores]
     try:
-        rows = list(
-            Semaphore.objects.using(connection.alias)
-            .filter(pk__in=ids)
-            .values_list("id", "capacity", F("in_use"), "fencing_counter")
-        )
+        found = counters(connection, [id for id, _, _ in place.semaphores])
     except DatabaseError:
         return None, None
-    free = {id: capacity - in_use for id, capacity, in_use, _ in rows}
-    return free, sum(counter for *_, counter in rows)
+    return {id: c.free for id, c in found.items()}, sum(c.grants for c in found.values())
 
 
 def _fits(place: Place, free: dict[int, int] | None, *, ahead_too: bool) -> bool:

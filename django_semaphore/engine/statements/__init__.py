@@ -176,7 +176,8 @@ class Statements(SQL):
         # What each semaphore's releases added up to (a plain read: no
         # release waits for it), and what its row counts.
         self.counters_sql = (
-            f"SELECT s.{q('id')}, s.{q('in_use_counter')}, s.{q('released_folded')},"
+            f"SELECT s.{q('id')}, s.{q('capacity')}, s.{q('fencing_counter')},"
+            f" s.{q('in_use_counter')}, s.{q('released_folded')},"
             f" c.{q('released')} FROM {semaphore} s"
             f" JOIN {self.counter} c ON c.{q('semaphore_id')} = s.{q('id')}"
             f" WHERE s.{q('id')} IN ({{ids}})"
@@ -416,18 +417,38 @@ def room_for(connection: BaseDatabaseWrapper, wanted: Sequence[tuple[int, int, i
     when to attempt (the attempt decides; a read that failed answers yes,
     and the attempt, with its retries, tells what went wrong)."""
     try:
-        in_use = held(connection, [id for id, _, _ in wanted])
+        now = counters(connection, [id for id, _, _ in wanted])
     except DatabaseError:
         return True
-    return all(in_use.get(id, 0) + count <= capacity for id, count, capacity in wanted)
+    return all(
+        id not in now or now[id].in_use + count <= capacity for id, count, capacity in wanted
+    )
 
 
-def held(connection: BaseDatabaseWrapper, semaphore_ids: Sequence[int]) -> dict[int, int]:
-    """The permits held on these semaphores (id -> count), by one plain read."""
+@dataclass
+class Counters:
+    """A semaphore's counters, as a plain read found them."""
+
+    capacity: int
+    in_use: int  # the permits held
+    grants: int  # the fencing counter: grants made so far
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.in_use
+
+
+def counters(connection: BaseDatabaseWrapper, semaphore_ids: Sequence[int]) -> dict[int, Counters]:
+    """These semaphores' counters, by one plain read (no lock, no
+    transaction): for waiters deciding when to attempt."""
     sql = statements(connection)
     with connection.cursor() as cursor:
         cursor.execute(sql.counters_sql.format(ids=placeholders(len(semaphore_ids))), semaphore_ids)
         return {
-            int(id): max(int(counted) + int(folded) - int(released), 0)
-            for id, counted, folded, released in cursor.fetchall()
+            int(id): Counters(
+                int(capacity),
+                max(int(counted) + int(folded) - int(released), 0),
+                int(grants),
+            )
+            for id, capacity, grants, counted, folded, released in cursor.fetchall()
         }
