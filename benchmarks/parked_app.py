@@ -25,7 +25,7 @@ import redis  # noqa: E402
 from celery import Celery  # noqa: E402
 from celery.signals import before_task_publish, task_failure  # noqa: E402
 
-from django_semaphore import holds_permit, waiting  # noqa: E402
+from django_semaphore import holds_permit, standby  # noqa: E402
 
 NAME = "bench-parked"
 FAMILY = os.environ["BENCH_FAMILY"]  # declared by benchmarks.settings, capacity 1
@@ -71,18 +71,18 @@ def family(self: Any, member: str) -> None:
 
 
 def _counted_stand_by(task_id: str, demand: Any, claim: Any) -> str | None:
-    """``waiting.stand_by``, counting the calls that waited: with nothing
+    """``standby.stand_by``, counting the calls that waited: with nothing
     released, a wait lasts ``STANDBY_WAIT`` (2 s); a call that parks at once
     (the holds known long, or tasks parked first) takes milliseconds."""
     started = time.monotonic()
     key = _stand_by(task_id, demand, claim)
-    if time.monotonic() - started >= waiting.STANDBY_WAIT / 2:
+    if time.monotonic() - started >= standby.STANDBY_WAIT / 2:
         counts.hincrby(STANDBYS, str(os.getpid()), 1)
     return key
 
 
-_stand_by = waiting.stand_by
-waiting.stand_by = _counted_stand_by
+_stand_by = standby.stand_by
+standby.stand_by = _counted_stand_by
 
 
 @app.task(bind=True)

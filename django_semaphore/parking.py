@@ -28,12 +28,12 @@ commits.
 (release, wake-up, publish, delivery, grant), longer than a short task: a
 capacity of 20 ms tasks would spend more time handing permits over than
 holding them. So a refused task first *stands by* in its worker
-(``waiting.stand_by``) -- unless this process saw its semaphores held for
+(``standby.stand_by``) -- unless this process saw its semaphores held for
 ``SHORT_HOLD`` or longer (a family's members count as one), or, for a task
 not woken, parked tasks are held back on them (tasks that lacked room there
 came first). It probes the
 counters with one plain read every tenth of the hold this process saw
-(``waiting.held``), and claims the permit the moment a release frees one,
+(``standby.held``), and claims the permit the moment a release frees one,
 for at most ``STANDBY_WAIT``; then it parks (a woken task keeps its place).
 One task a process stands by on a semaphore (a thread or gevent pool's
 others park). The standbys are the worker's

@@ -35,7 +35,7 @@ from django.db import DatabaseError, connections
 from django.db.models import F, QuerySet
 from django.db.models.functions import Greatest
 
-from django_semaphore import api, liveness, parking, routing, waiting
+from django_semaphore import api, liveness, parking, routing, standby
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import (
     DatabaseUnavailable,
@@ -104,7 +104,7 @@ def run_task(
         if lease is not None:
             lease.drop()
         if parks:
-            waiting.held(options.demand, time.monotonic() - started)
+            standby.held(options.demand, time.monotonic() - started)
     if lease is not None and lease.lost:
         raise PermitLost(f"Task {task.request.id} lost its permit while it ran.")
     return result
@@ -145,7 +145,7 @@ def _retry(task: Any, exc: SemaphoreExhausted) -> Exception:
 
 def _claim_or_stand_by(task: Any, options: Options) -> str:
     """The run's permit key: claimed at once or, when a parking task finds
-    no room, standing by in this worker for a release (``waiting.stand_by``).
+    no room, standing by in this worker for a release (``standby.stand_by``).
     Raises as ``claim``."""
     claim_now = functools.partial(
         claim, task, options.demand, options.lease, rerun_finished=not options.parks
@@ -155,7 +155,7 @@ def _claim_or_stand_by(task: Any, options: Options) -> str:
     except SemaphoreExhausted as exc:
         if not options.parks or not _parks_for(exc):
             raise
-        key = waiting.stand_by(task.request.id, options.demand, claim_now)
+        key = standby.stand_by(task.request.id, options.demand, claim_now)
         if key is None:
             raise
         return key

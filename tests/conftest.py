@@ -19,7 +19,7 @@ from django.db import connection, connections
 from django.db.models import DurationField, OuterRef, Subquery, Sum, Value
 from django.db.models.functions import Coalesce
 
-from django_semaphore import acquire, parking, release, set_capacity, waiting, wake
+from django_semaphore import acquire, parking, release, set_capacity, standby, waiting, wake
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.guards import engine_writes
 from django_semaphore.models import CapacityChange, ParkedTask, Permit, PermitRequest, Semaphore
@@ -229,11 +229,11 @@ def published(monkeypatch, wakes_nobody) -> list[str]:
 @pytest.fixture
 def holds() -> Iterator[dict[str, float]]:
     """This process's memory of holds, empty for the test."""
-    saved = dict(waiting._holds)
-    waiting._holds.clear()
-    yield waiting._holds
-    waiting._holds.clear()
-    waiting._holds.update(saved)
+    saved = dict(standby._holds)
+    standby._holds.clear()
+    yield standby._holds
+    standby._holds.clear()
+    standby._holds.update(saved)
 
 
 from tests.celery_worker import celery_worker, short_lease_worker  # noqa: E402, F401  (fixtures)

@@ -25,7 +25,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_semaphore import acquire, parking, release, sweep, waiting, wake
+from django_semaphore import acquire, parking, release, standby, sweep, wake
 from django_semaphore.admin.semaphores import SemaphoreAdmin
 from django_semaphore.api import set_capacity
 from django_semaphore.backends import DatabaseNow
@@ -449,7 +449,7 @@ def test_a_refused_task_stands_by_and_takes_the_next_release(holds):
     releaser = release_later("holder", 0.3)
 
     started = time.monotonic()
-    key = waiting.stand_by("new", {s.name: 1}, claimer(s.name, "new"))
+    key = standby.stand_by("new", {s.name: 1}, claimer(s.name, "new"))
     waited = time.monotonic() - started
     releaser.join()
 
@@ -481,7 +481,7 @@ def test_a_woken_task_stands_by_though_younger_ones_are_parked(holds, published)
     acquire(s.name, external_id="holder")
     releaser = release_later("holder", 0.1)
 
-    assert waiting.stand_by(woken, {s.name: 1}, claimer(s.name, woken)) == woken
+    assert standby.stand_by(woken, {s.name: 1}, claimer(s.name, woken)) == woken
     releaser.join()
 
 
@@ -492,8 +492,8 @@ def test_a_new_task_parks_behind_parked_ones_and_a_copy_of_a_parked_one_parks(ho
     never = claimer(s.name, "never")
 
     started = time.monotonic()
-    assert waiting.stand_by("new", {s.name: 1}, never) is None
-    assert waiting.stand_by(parked, {s.name: 1}, never) is None
+    assert standby.stand_by("new", {s.name: 1}, never) is None
+    assert standby.stand_by(parked, {s.name: 1}, never) is None
     assert time.monotonic() - started < 0.5
     assert not PermitRequest.objects.filter(external_id="never").exists()
 
@@ -506,14 +506,14 @@ def test_one_task_a_process_stands_by_on_a_semaphore_the_others_park(holds):
     standing = threading.Thread(
         daemon=True,
         target=lambda: first.append(
-            waiting.stand_by("first", {s.name: 1}, claimer(s.name, "first"))
+            standby.stand_by("first", {s.name: 1}, claimer(s.name, "first"))
         ),
     )
     standing.start()
     time.sleep(0.1)  # "first" stands by (a thread pool's other task comes now)
 
     started = time.monotonic()
-    assert waiting.stand_by("second", {s.name: 1}, claimer(s.name, "second")) is None
+    assert standby.stand_by("second", {s.name: 1}, claimer(s.name, "second")) is None
     assert time.monotonic() - started < 0.1
     release("holder")
     standing.join()
@@ -524,16 +524,16 @@ def test_a_long_hold_parks_at_once_and_an_unanswered_standby_learns_it(holds, mo
     s = semaphore(1)
     acquire(s.name, external_id="holder")
     never = claimer(s.name, "never")
-    monkeypatch.setattr(waiting, "STANDBY_WAIT", 0.2)
+    monkeypatch.setattr(standby, "STANDBY_WAIT", 0.2)
 
     started = time.monotonic()
-    assert waiting.stand_by("first", {s.name: 1}, never) is None  # nothing seen: stood by
+    assert standby.stand_by("first", {s.name: 1}, never) is None  # nothing seen: stood by
     assert time.monotonic() - started >= 0.2
     assert holds == {s.name: 0.2}  # no release came: as long as its wait, here
 
-    holds[s.name] = waiting.SHORT_HOLD
+    holds[s.name] = standby.SHORT_HOLD
     started = time.monotonic()
-    assert waiting.stand_by("second", {s.name: 1}, never) is None
+    assert standby.stand_by("second", {s.name: 1}, never) is None
     assert time.monotonic() - started < 0.1
 
 
@@ -545,12 +545,12 @@ def test_a_familys_members_share_what_a_stand_by_learned(holds, monkeypatch, set
     members = [family.replace("*", str(n)) for n in range(20)]
     for member in members:
         acquire(member, external_id=f"holder-{member}")  # created on first use, then held
-    monkeypatch.setattr(waiting, "SHORT_HOLD", 0.2)
-    monkeypatch.setattr(waiting, "STANDBY_WAIT", 0.2)
+    monkeypatch.setattr(standby, "SHORT_HOLD", 0.2)
+    monkeypatch.setattr(standby, "STANDBY_WAIT", 0.2)
     waits = []
     for member in members:
         started = time.monotonic()
-        assert waiting.stand_by(unique("task"), {member: 1}, claimer(member, "never")) is None
+        assert standby.stand_by(unique("task"), {member: 1}, claimer(member, "never")) is None
         waits.append(time.monotonic() - started)
 
     assert waits[0] >= 0.2  # nothing seen yet: it stood by
@@ -564,11 +564,11 @@ def test_a_members_run_teaches_its_family_and_other_names_stay_apart(holds, sett
     settings.DJANGO_SEMAPHORE = {"SEMAPHORES": {family: 1}}
     lone = unique()
 
-    waiting.held({family.replace("*", "a"): 1, lone: 1}, 3.0)
+    standby.held({family.replace("*", "a"): 1, lone: 1}, 3.0)
 
     assert holds == {family: 3.0, lone: 3.0}
-    assert waiting._learned_holds({family.replace("*", "b"): 1}) == [3.0]
-    assert waiting._learned_holds({unique(): 1}) == []
+    assert standby.learned_holds({family.replace("*", "b"): 1}) == [3.0]
+    assert standby.learned_holds({unique(): 1}) == []
 
 
 # --- visible: admin, semaphore_status, metrics ------------------------------------

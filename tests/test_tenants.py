@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from django_semaphore import acquire, parking, release, waiting, wake
+from django_semaphore import acquire, parking, release, standby, wake
 from django_semaphore.models import ParkedDemand, PermitRequest, Semaphore, Ticket
 from tests import tasks
 from tests.test_fair import Waiter, wait_for_tickets
@@ -88,7 +88,7 @@ def test_a_fresh_task_stands_by_rather_than_park_behind_another_tenants_cap(hold
         acquire({exports.name: 1, b.name: 1}, external_id="b-new")
         return "b-new"
 
-    got = waiting.stand_by("b-new", {exports.name: 1, b.name: 1}, claim)
+    got = standby.stand_by("b-new", {exports.name: 1, b.name: 1}, claim)
     releaser.join()
     assert got == "b-new"  # it took exports' next release: A's parked task is no reason to park
 

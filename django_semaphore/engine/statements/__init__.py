@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from weakref import WeakKeyDictionary
 
 from django.conf import settings
-from django.db import DatabaseError, transaction
+from django.db import transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import (
@@ -172,15 +172,6 @@ class Statements(SQL):
             f" ON p.{q('request_id')} = r.{q('id')}"
             f" WHERE r.{q('state')} = %s AND r.{q('expires_at')} <= {now}"
             f" AND p.{q('semaphore_id')} IN ({{ids}}) AND p.{q('state')} = %s)"
-        )
-        # What each semaphore's releases added up to (a plain read: no
-        # release waits for it), and what its row counts.
-        self.counters_sql = (
-            f"SELECT s.{q('id')}, s.{q('capacity')}, s.{q('fencing_counter')},"
-            f" s.{q('in_use_counter')}, s.{q('released_folded')},"
-            f" c.{q('released')} FROM {semaphore} s"
-            f" JOIN {self.counter} c ON c.{q('semaphore_id')} = s.{q('id')}"
-            f" WHERE s.{q('id')} IN ({{ids}})"
         )
         self.released_sql = (
             f"SELECT {q('semaphore_id')}, {q('released')} FROM {self.counter}"
@@ -409,46 +400,3 @@ def built(kind: type[Built], connection: BaseDatabaseWrapper) -> Built:
 def statements(connection: BaseDatabaseWrapper) -> Statements:
     """This connection's grant statements."""
     return built(Statements, connection)
-
-
-def room_for(connection: BaseDatabaseWrapper, wanted: Sequence[tuple[int, int, int]]) -> bool:
-    """Whether every (semaphore id, count, capacity) fits now, by one plain
-    read of the counters: no lock, no transaction, for waiters deciding
-    when to attempt (the attempt decides; a read that failed answers yes,
-    and the attempt, with its retries, tells what went wrong)."""
-    try:
-        now = counters(connection, [id for id, _, _ in wanted])
-    except DatabaseError:
-        return True
-    return all(
-        id not in now or now[id].in_use + count <= capacity for id, count, capacity in wanted
-    )
-
-
-@dataclass
-class Counters:
-    """A semaphore's counters, as a plain read found them."""
-
-    capacity: int
-    in_use: int  # the permits held
-    grants: int  # the fencing counter: grants made so far
-
-    @property
-    def free(self) -> int:
-        return self.capacity - self.in_use
-
-
-def counters(connection: BaseDatabaseWrapper, semaphore_ids: Sequence[int]) -> dict[int, Counters]:
-    """These semaphores' counters, by one plain read (no lock, no
-    transaction): for waiters deciding when to attempt."""
-    sql = statements(connection)
-    with connection.cursor() as cursor:
-        cursor.execute(sql.counters_sql.format(ids=placeholders(len(semaphore_ids))), semaphore_ids)
-        return {
-            int(id): Counters(
-                int(capacity),
-                max(int(counted) + int(folded) - int(released), 0),
-                int(grants),
-            )
-            for id, capacity, grants, counted, folded, released in cursor.fetchall()
-        }

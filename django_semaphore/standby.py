@@ -1,0 +1,138 @@
+"""A refused parking task's stand-by, and the holds this process learned.
+
+A task that finds no room stands by in its worker (``stand_by``) before it
+parks, probing the counters at a pace learned from the holds this process
+saw (``held``; per family for a family's members); see "Stand by first" in
+``parking``. The pollers of ``waiting`` pace their probes by the same holds
+(``learned_holds``). Every sleep is taken with no transaction open and no
+row locked.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+
+from django.db import connections
+
+from django_semaphore import routing
+from django_semaphore.engine.families import family_of
+from django_semaphore.engine.statements.counters import room_for
+from django_semaphore.exceptions import LiveDuplicate, SemaphoreExhausted
+from django_semaphore.models import ParkedDemand, ParkedTask, Semaphore
+
+# Seconds; see "Stand by first" in ``parking``. A standby waits at most
+# STANDBY_WAIT, probing every tenth of the hold, within STANDBY_PROBE, or
+# every STANDBY_PROBE[1] while this process has seen no hold.
+SHORT_HOLD = 1.0
+STANDBY_WAIT = 2 * SHORT_HOLD
+STANDBY_PROBE = (0.001, 0.02)
+
+# What this process saw its holders hold each semaphore for (``held``): the
+# last hold, seconds, by family pattern for a family's member (members of one
+# family are held alike, and a family may have thousands), else by name.
+_holds: dict[str, float] = {}
+# The semaphores a task of this process stands by on (thread and gevent
+# pools run many tasks in one process): one each, the others park.
+_standing: Counter[str] = Counter()
+_standing_lock = threading.Lock()
+
+
+def held(demand: Mapping[str, int], seconds: float) -> None:
+    """Note how long a holder in this process held its permits (a parking
+    task's run, or a grant until its ``release``): whether, and how often,
+    the next refused ones probe (``stand_by``, ``pause``)."""
+    for name in demand:
+        _holds[_hold_key(name)] = seconds
+
+
+def _hold_key(name: str) -> str:
+    """What a hold of ``name`` is learned under: its family's pattern, so a
+    new member costs no stand-by once the family is known held long."""
+    family = family_of(name)
+    return name if family is None else family.pattern
+
+
+def learned_holds(demand: Mapping[str, int]) -> list[float]:
+    """The holds this process learned for these semaphores (see ``held``)."""
+    keys = {_hold_key(name) for name in demand}
+    return [_holds[key] for key in keys if key in _holds]
+
+
+def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) -> str | None:
+    """A task that found no room: wait in this worker for a release to make
+    some, and return the key ``claim`` then took. None when it is to park
+    (at once, or after ``STANDBY_WAIT``; a woken task keeps its place).
+
+    It stands by unless this process knows its semaphores to be held long,
+    or, for a task not woken, parked tasks are held back on them (they
+    lacked room there): those came first.
+
+    Raises what ``claim`` raises for anything but a want of room
+    (``LiveDuplicate`` included).
+    """
+    holds = learned_holds(demand)
+    if holds and max(holds) >= SHORT_HOLD:
+        return None
+    alias = routing.alias_for_names(list(demand))
+    wanted = [
+        (id, demand[name], capacity)
+        for id, name, capacity in Semaphore.objects.using(alias)
+        .filter(name__in=list(demand))
+        .values_list("id", "name", "capacity")
+    ]
+    parked = ParkedTask.objects.using(alias).filter(task_id=task_id).values_list("woken_at")
+    match parked.first():
+        case None:  # not parked
+            # Only tasks held back there come first: one waiting for another
+            # tenant's cap is no reason to park (engine/wakeups).
+            queued = ParkedDemand.objects.using(alias).filter(
+                semaphore_id__in=[id for id, _, _ in wanted],
+                lacked=True,
+                task__woken_at__isnull=True,
+            )
+            if queued.exists():
+                return None
+        case (None,):  # parked, not woken: a copy of its message
+            return None
+    with _one_standby(demand) as standing:
+        if not standing:
+            return None
+        low, high = STANDBY_PROBE
+        interval = min(max(min(holds) / 10, low), high) if holds else high
+        deadline = time.monotonic() + STANDBY_WAIT
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(interval, left))
+            if not room_for(connections[alias], wanted):
+                continue
+            try:
+                return claim()
+            except LiveDuplicate:
+                raise
+            except SemaphoreExhausted:
+                # Taken first, or kept for fair waiters: probe less often.
+                interval = min(2 * interval, high)
+    if not holds:
+        # No release came its way: held long, as far as this process knows
+        # until one of its own runs ends (``held``).
+        held(demand, STANDBY_WAIT)
+    return None
+
+
+@contextmanager
+def _one_standby(demand: Mapping[str, int]) -> Iterator[bool]:
+    """Whether this task may stand by: no other task of this process stands
+    by on one of its semaphores (one poller per process and semaphore)."""
+    with _standing_lock:
+        free = not any(_standing[name] for name in demand)
+        if free:
+            _standing.update(demand.keys())
+    try:
+        yield free
+    finally:
+        if free:
+            with _standing_lock:
+                _standing.subtract(demand.keys())
