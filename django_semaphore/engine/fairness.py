@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -52,12 +52,11 @@ from typing import Any
 from django.db import DatabaseError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
-from django.db.models import Q
 
 from django_semaphore import backends
 from django_semaphore.engine.statements import LockedSemaphore
 from django_semaphore.engine.statements.tickets import ticket_statements
-from django_semaphore.models import Semaphore, Ticket
+from django_semaphore.models import Ticket
 from django_semaphore.validation import Demand
 
 # A ticket never outlives this, whatever the timeout (datetime arithmetic).
@@ -199,45 +198,21 @@ def _insert_tickets(
     lock_wait: float,
     short: set[int],
 ) -> None:
-    """This waiter's tickets on all of its semaphores (kept if it has them),
-    marked where it lacks room (``short``, semaphore ids), where the queue
-    is then live. Through the ORM, whose statements carry no per-statement
-    bound, so MariaDB's session is bounded around them (elsewhere the whole
-    grant transaction already is)."""
-    alias = connection.alias
-    ids = [s.id for s in locked]
-    bound = (
-        backends.bounded_lock_wait(connection, lock_wait)
-        if backends.bounds_each_statement(connection)
-        else nullcontext()
-    )
-    tickets = Ticket.objects.using(alias)
-    with bound:
-        # A retry with the same key (another process, the first one crashed
-        # or still waiting) keeps the ticket's place; it only pushes its expiry.
-        tickets.bulk_create(
-            [
-                Ticket(
-                    semaphore_id=s.id,
-                    external_id=place.key,
-                    owner=place.owner,
-                    count=place.demand.counts[s.name],
-                    created_at=now,
-                    expires_at=expires_at,
-                    lacked=s.id in short,
-                )
-                for s in locked
-            ],
-            ignore_conflicts=True,
+    """This waiter's tickets on all of its semaphores (kept, with their
+    place, if it has them: a retry with the same key from another process,
+    the first one crashed or still waiting, only pushes their expiry),
+    marked where it lacks room (``short``, semaphore ids)."""
+    with connection.cursor() as cursor:
+        ticket_statements(connection).take(
+            cursor,
+            place.key,
+            place.owner,
+            {s.id: place.demand.counts[s.name] for s in locked},
+            now,
+            expires_at,
+            short,
+            lock_wait,
         )
-        mine = tickets.filter(semaphore_id__in=ids, external_id=place.key)
-        mine.filter(expires_at__lt=expires_at).update(expires_at=expires_at)
-        if short:
-            mine.filter(semaphore_id__in=short, lacked=False).update(lacked=True)
-            # Under the row lock: the grant's locking read learns that a queue is live.
-            Semaphore.objects.using(alias).filter(pk__in=short).filter(
-                Q(queued_until__isnull=True) | Q(queued_until__lt=expires_at)
-            ).update(queued_until=expires_at)
 
 
 def _delete_tickets(

@@ -41,7 +41,6 @@ from django_semaphore.exceptions import (
     SemaphoreExhausted,
     SemaphoreNotFound,
 )
-from django_semaphore.guards import engine_writes
 from django_semaphore.models import PermitRequest
 from django_semaphore.states import ReleaseReason, State
 from django_semaphore.validation import Demand
@@ -83,12 +82,8 @@ def acquire_once(
     # says why).
     with prelock.prelocked(demand.names):
         try:
-            # engine_writes(): fair mode writes queued_until through the ORM.
-            with (
-                backends.bounded_transaction(
-                    connection, lock_wait, statements_bounded=True, durable=True
-                ),
-                engine_writes(),
+            with backends.bounded_transaction(
+                connection, lock_wait, statements_bounded=True, durable=True
             ):
                 outcome = grant(connection, demand, key, owner, ttl, lock_wait, place)
         except IntegrityError:

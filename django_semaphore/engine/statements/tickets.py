@@ -11,6 +11,28 @@ from django.db.backends.utils import CursorWrapper
 from django_semaphore.engine.statements import SQL, built, placeholders
 from django_semaphore.models import Ticket
 
+# A retried key keeps its ticket (its id, so its place): the insert only
+# pushes its expiry and marks where it lacks room now. "{new}" names the
+# value the insert proposed, as each database's upsert spells it.
+_UPSERTS = {
+    "mysql": (
+        " ON DUPLICATE KEY UPDATE {expires} = GREATEST({expires}, {new_expires}),"
+        " {lacked} = {lacked} OR {new_lacked}",
+        "VALUES({})",
+    ),
+    "postgresql": (
+        " ON CONFLICT ({semaphore}, {key}) DO UPDATE"
+        " SET {expires} = GREATEST({table}.{expires}, {new_expires}),"
+        " {lacked} = {table}.{lacked} OR {new_lacked}",
+        "EXCLUDED.{}",
+    ),
+    "sqlite": (
+        " ON CONFLICT ({semaphore}, {key}) DO UPDATE"
+        " SET {expires} = MAX({expires}, {new_expires}), {lacked} = {lacked} OR {new_lacked}",
+        "excluded.{}",
+    ),
+}
+
 
 class TicketStatements(SQL):
     """The ticket statements, for one connection."""
@@ -30,6 +52,27 @@ class TicketStatements(SQL):
             f" WHERE m.{q('semaphore_id')} = t.{q('semaphore_id')}"
             f" AND m.{q('external_id')} = %s AND m.{q('id')} < t.{q('id')})"
             f" GROUP BY t.{q('semaphore_id')}"
+        )
+        upsert, new = _UPSERTS[connection.vendor]
+        self.insert_sql = (
+            f"INSERT INTO {table} ({q('semaphore_id')}, {q('external_id')}, {q('owner')},"
+            f" {q('count')}, {q('created_at')}, {q('expires_at')}, {q('lacked')}) VALUES {{rows}}"
+            + upsert.format(
+                table=table,
+                semaphore=q("semaphore_id"),
+                key=q("external_id"),
+                expires=q("expires_at"),
+                lacked=q("lacked"),
+                new_expires=new.format(q("expires_at")),
+                new_lacked=new.format(q("lacked")),
+            )
+        )
+        # The latest deadline queued where a ticket lacks room: the grant's
+        # locking read tells from it whether a queue is live.
+        self.queued_until_sql = (
+            f"UPDATE {self.semaphore} SET {q('queued_until')} = %s"
+            f" WHERE {q('id')} IN ({{ids}})"
+            f" AND ({q('queued_until')} IS NULL OR {q('queued_until')} < %s)"
         )
         self.delete_sql = (
             f"DELETE FROM {table} WHERE {q('external_id')} = %s"
@@ -51,6 +94,39 @@ class TicketStatements(SQL):
             [*semaphore_ids, True, self.connection.ops.adapt_datetimefield_value(now), key, key],
         )
         return {int(id): (int(n), int(units)) for id, n, units in cursor.fetchall()}
+
+    def take(
+        self,
+        cursor: CursorWrapper,
+        key: str,
+        owner: str,
+        counts: dict[int, int],
+        now: datetime,
+        expires_at: datetime,
+        short: set[int],
+        lock_wait: float,
+    ) -> None:
+        """``key``'s tickets on the semaphores of ``counts`` (semaphore id ->
+        permits), on rows this transaction holds locked: new ones, or kept
+        with their place; marked where it lacks room (``short``), where the
+        queue is then live until ``expires_at`` at least."""
+        adapt = self.connection.ops.adapt_datetimefield_value
+        created, expires = adapt(now), adapt(expires_at)
+        rows = ", ".join(["(%s, %s, %s, %s, %s, %s, %s)"] * len(counts))
+        cursor.execute(
+            self.bounded(self.insert_sql.format(rows=rows), lock_wait),
+            [
+                value
+                for id, count in counts.items()
+                for value in (id, key, owner, count, created, expires, id in short)
+            ],
+        )
+        if short:
+            # No lock wait to bound: the rows are this transaction's already.
+            cursor.execute(
+                self.queued_until_sql.format(ids=placeholders(len(short))),
+                [expires, *sorted(short), expires],
+            )
 
     def delete(
         self, cursor: CursorWrapper, semaphore_ids: list[int], key: str, lock_wait: float
