@@ -69,7 +69,7 @@ from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore.engine.fairness import Place
-from django_semaphore.engine.statements.counters import counters
+from django_semaphore.engine.statements.counters import Counters, counters
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.models import PermitRequest
 from django_semaphore.standby import held, learned_holds
@@ -169,7 +169,8 @@ def queued_here(alias: str, names: Iterable[str]) -> bool:
 
 def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> None:
     """Wait between two attempts of a poller: until it is woken, its probe
-    finds room, or its interval passed; see the module's docstring.
+    finds room for it and no ticket ahead of it, or its interval passed; see
+    the module's docstring.
 
     Args:
         waiter: the poller, with its standing as its last attempt left it.
@@ -179,13 +180,11 @@ def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> 
     place = waiter.place
     hold = _learned_hold(place.demand.names)
     now = time.monotonic()
-    if place.ticketed and (place.ahead or waiter.expected_room):
-        # Each capacity's worth ahead takes at least one round of holds. A
-        # waiter refused where its probe saw room for it and the tickets ahead
-        # (their waiters lack room elsewhere) waits as one a round of holds
-        # back: probing would attempt at once, again and again.
-        rounds = max(place.ahead, 1)
-        interval = min((hold or PROBE_EVERY) * rounds, POLL_CAP) * random.uniform(0.5, 1.0)
+    if waiter.expected_room:
+        # Refused where its probe saw room (a newcomer took it first): a
+        # round of holds before the next probe, or it would attempt at once
+        # again and again.
+        interval = min(hold or PROBE_EVERY, POLL_CAP) * random.uniform(0.5, 1.0)
         if waiter.woken.wait(max(min(interval, deadline - now), 0)) and not WAITERS.notified(
             waiter
         ):
@@ -200,10 +199,13 @@ def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> 
     every = max(waiter.every or base, base)
     window = 2 * hold if hold else NEXT_IN_LINE_ATTEMPT
     until = min(deadline, now + max(NEXT_IN_LINE_ATTEMPT, every) * random.uniform(0.5, 1.0))
-    waiter.expected_room, unclaimed = False, 0
+    waiter.expected_room = False
+    # Each capacity's worth of permits queued ahead of it (as its attempt or
+    # its probe last saw them) takes a round of holds at least.
+    interval = max(every, min((hold or PROBE_EVERY) * place.ahead, POLL_CAP))
     try:
         while (now := time.monotonic()) < until:
-            if waiter.woken.wait(min(every * random.uniform(0.5, 1.0), until - now)):
+            if waiter.woken.wait(min(interval * random.uniform(0.5, 1.0), until - now)):
                 every = base
                 if not WAITERS.notified(waiter):
                     return
@@ -211,48 +213,61 @@ def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> 
                     # Every process's poller heard it: spread their probes,
                     # the first to see the room takes it.
                     time.sleep(random.uniform(0, min(NOTIFY_SPREAD, until - now)))
-            free, grants = _probe(connection, place)
-            if _fits(place, free, ahead_too=True):
+            found = _probe(connection, place)
+            if found is None or _fits(place, found):
                 waiter.expected_room = True
                 return
+            grants = sum(c.grants for c in found.values())
             if grants != waiter.grants:  # others are granted: keep alert
                 waiter.passed |= waiter.grants is not None
                 waiter.grants, waiter.changed, every = grants, now, base
             elif now > waiter.changed + window:
                 every = min(2 * every, POLL_CAP)
-            # Room for it alone, left unclaimed over two probes: the tickets it
-            # saw ahead were granted meanwhile (or their waiters are slow).
-            unclaimed = unclaimed + 1 if _fits(place, free, ahead_too=False) else 0
-            if unclaimed >= 2:
-                return
+            place.ahead = _rounds(place, found)
+            interval = max(every, min((hold or PROBE_EVERY) * _holds_away(place, found), POLL_CAP))
     finally:
         waiter.every = every
 
 
-def _probe(
-    connection: BaseDatabaseWrapper, place: Place
-) -> tuple[dict[int, int] | None, int | None]:
-    """(semaphore id -> permits free now, grants made there so far: the sum
-    of their fencing counters), by one plain read of the counters (no lock,
-    no transaction); (None, None) when it failed (the attempt tells why) or
-    no attempt has read the semaphores yet."""
+def _probe(connection: BaseDatabaseWrapper, place: Place) -> dict[int, Counters] | None:
+    """Its semaphores' counters and the tickets ahead of it there, by one
+    plain read (no lock, no transaction); None when it failed (the attempt
+    tells why) or no attempt has read the semaphores yet."""
     if not place.semaphores:
-        return None, None
+        return None
     try:
-        found = counters(connection, [id for id, _, _ in place.semaphores])
+        return counters(connection, [id for id, _, _ in place.semaphores], place.key)
     except DatabaseError:
-        return None, None
-    return {id: c.free for id, c in found.items()}, sum(c.grants for c in found.values())
+        return None
 
 
-def _fits(place: Place, free: dict[int, int] | None, *, ahead_too: bool) -> bool:
-    """Whether ``place`` fits in ``free`` (with the permits of the older
-    tickets it saw ahead: ``ahead_too``); yes when nothing could be read."""
-    if free is None:
-        return True
+def _fits(place: Place, found: dict[int, Counters]) -> bool:
+    """Whether an attempt would be granted as ``found`` says: room on each
+    of its semaphores beside what the tickets ahead of it ask for there."""
     return all(
-        place.demand.counts[name] + (place.before.get(id, 0) if ahead_too else 0) <= free[id]
+        id not in found or found[id].ahead + place.demand.counts[name] <= found[id].free
         for id, name, _ in place.semaphores
+    )
+
+
+def _holds_away(place: Place, found: dict[int, Counters]) -> float:
+    """Holds until enough permits were released for it and the tickets
+    ahead of it, on the semaphore where that takes longest: each hold
+    releases a capacity's worth."""
+    return max(
+        (found[id].ahead + place.demand.counts[name] - found[id].free) / max(capacity, 1)
+        if id in found
+        else 0
+        for id, name, capacity in place.semaphores
+    )
+
+
+def _rounds(place: Place, found: dict[int, Counters]) -> int:
+    """Capacities' worth of permits that must be granted before it: 0 when
+    it is next in line."""
+    return max(
+        (found[id].ahead + place.demand.counts[name] - 1) // max(capacity, 1) if id in found else 0
+        for id, name, capacity in place.semaphores
     )
 
 

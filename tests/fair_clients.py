@@ -11,6 +11,7 @@ from django.db import connections, transaction
 
 from django_semaphore import acquire, release
 from django_semaphore.engine import fairness
+from django_semaphore.engine.statements import Statements
 from django_semaphore.exceptions import SemaphoreExhausted
 from tests.children import Outbox
 
@@ -36,10 +37,13 @@ def stream(name: str, stop: Any, errors: Outbox) -> None:
 
 
 def record_tickets(history: Outbox) -> None:
-    """Make this process record each ticket it takes, once committed:
-    (key, semaphore id, ticket id, the semaphore's fencing counter when it
-    came to hold back there, None while it does not)."""
+    """Make this process record each ticket it takes, once committed: (key,
+    semaphore id, ticket id, the semaphore's fencing counter when it came to
+    hold back there (None while it does not), the permits it asks there);
+    and each grant's usage: (None, semaphore id, fencing token, permits in
+    use once granted, None)."""
     take = fairness._insert_tickets
+    count_grant = Statements.count_grant
 
     from django_semaphore.models import Ticket
 
@@ -53,13 +57,31 @@ def record_tickets(history: Outbox) -> None:
         # The counter was read under the row lock this ticket is marked under:
         # every grant with a higher token comes after it holds back.
         rows = [
-            ("ticket", place.key, s.id, ids[s.id], s.fencing_counter if s.id in short else None)
+            (
+                "ticket",
+                place.key,
+                s.id,
+                ids[s.id],
+                s.fencing_counter if s.id in short else None,
+                place.demand.counts[s.name],
+            )
             for s in locked
             if (s.id in short and s.id not in place.held) or not place.ticketed
         ]
         transaction.on_commit(lambda: [history.put(row) for row in rows], using=connection.alias)
 
+    def counting(self, cursor, locked, added, now) -> None:
+        count_grant(self, cursor, locked, added, now)
+        rows = [
+            ("usage", None, s.id, s.fencing_counter + 1, max(s.in_use, 0) + added[s.id], None)
+            for s in locked
+        ]
+        transaction.on_commit(
+            lambda: [history.put(row) for row in rows], using=self.connection.alias
+        )
+
     fairness._insert_tickets = recording  # type: ignore[assignment]
+    Statements.count_grant = counting  # type: ignore[method-assign]
 
 
 def fair_traffic(
@@ -80,7 +102,7 @@ def fair_traffic(
             key = uuid.uuid4().hex
             request = acquire(demand, external_id=key, owner="fifo", timeout=30, fair=True)
             for name in demand:
-                history.put(("grant", key, ids[name], request.token(name), None))
+                history.put(("grant", key, ids[name], request.token(name), None, None))
             time.sleep(random.uniform(0.005, 0.02))
             release(key)
     except Exception as exc:

@@ -1,5 +1,6 @@
-"""Fair mode across processes: no starvation, first come first served from
-the recorded history, and a killed waiter that stops blocking at its deadline.
+"""Fair mode across processes: no starvation, the room of older waiters kept
+from the recorded history, and a killed waiter that stops blocking at its
+deadline.
 
 Meant for MariaDB and PostgreSQL (row locks across processes); SQLite runs
 them too, its writers serialized on the file.
@@ -11,6 +12,7 @@ import os
 import signal
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import timedelta
 
 import pytest
@@ -83,8 +85,9 @@ def test_a_big_request_is_granted_in_fair_mode_and_after_its_starving_bound_with
 
 
 @pytest.mark.slow
-def test_grants_follow_ticket_order_per_semaphore(make_semaphore):
+def test_a_younger_grant_never_takes_the_room_of_an_older_ticket(make_semaphore):
     a, b = make_semaphore(2), make_semaphore(3)
+    capacity = {a.pk: 2, b.pk: 3}
     demands = [{a.name: 1}, {a.name: 2}, {b.name: 1}, {b.name: 3}, {a.name: 1, b.name: 1}]
     history, errors = Outbox.create(), Outbox.create()
     # Rounds of traffic until enough waiting was seen: a busy machine makes
@@ -98,42 +101,65 @@ def test_grants_follow_ticket_order_per_semaphore(make_semaphore):
         start.wait(timeout=60)
         join(clients, within=90)
         assert errors.items() == []
-        tickets, grants = _tickets_and_grants(history.items())
-        queued = [k for k, (_, counter) in tickets.items() if counter is not None]
+        tickets, grants, usage = _history(history.items())
+        queued = [k for k, ticket in tickets.items() if ticket.counter is not None]
         if len(queued) > 100:
             break
     assert len(queued) > 100, "too little waiting to tell an order"
     violations = []
-    for (key, semaphore), (ticket, counter) in tickets.items():
-        if counter is None:
-            continue  # it never lacked room there: it held back nobody
-        token = grants[semaphore][key]
-        # Every grant after this ticket came to hold back and before its own
-        # grant must have had an older ticket on this semaphore.
-        for other, other_token in grants[semaphore].items():
-            if counter < other_token < token:
-                other_ticket = tickets.get((other, semaphore), (None, None))[0]
-                if other_ticket is None or other_ticket > ticket:
-                    violations.append((semaphore, key, other))
-    print(f"\n{len(queued)} queued grants checked, {sum(map(len, grants.values()))} grants")
+    younger = 0
+    for semaphore, granted in grants.items():
+        for key, token in granted.items():
+            mine = tickets.get((key, semaphore))
+            # The older tickets waiting there, lacking room, when it was granted.
+            older = [
+                ticket
+                for (other, held), ticket in tickets.items()
+                if held == semaphore
+                and other != key
+                and ticket.counter is not None
+                and ticket.counter < token < grants[semaphore][other]
+                and (mine is None or ticket.id < mine.id)
+            ]
+            younger += bool(older)
+            # Granted past them only beside the room they ask for.
+            if usage[semaphore][token] + sum(t.count for t in older) > capacity[semaphore]:
+                violations.append((semaphore, key, [t.id for t in older]))
+    print(
+        f"\n{len(queued)} queued grants checked, {sum(map(len, grants.values()))} grants,"
+        f" {younger} granted past older waiters"
+    )
     assert violations == []
 
 
-def _tickets_and_grants(
-    history: list[tuple[str, str, int, int, int | None]],
-) -> tuple[dict[tuple[str, int], tuple[int, int | None]], dict[int, dict[str, int]]]:
-    """(key, semaphore) -> (ticket, the grant counter from when it held
-    back), and semaphore -> key -> fencing token of its grant."""
-    tickets: dict[tuple[str, int], tuple[int, int | None]] = {}
+@dataclass
+class _Ticket:
+    id: int
+    counter: int | None  # the grant counter from when it held back; None: it never did
+    count: int
+
+
+def _history(
+    history: list[tuple[str, str, int, int, int | None, int | None]],
+) -> tuple[dict[tuple[str, int], _Ticket], dict[int, dict[str, int]], dict[int, dict[int, int]]]:
+    """(key, semaphore) -> its ticket; semaphore -> key -> fencing token of
+    its grant; semaphore -> fencing token -> permits in use once granted."""
+    tickets: dict[tuple[str, int], _Ticket] = {}
     grants: dict[int, dict[str, int]] = defaultdict(dict)
-    for kind, key, semaphore, number, counter in history:
+    usage: dict[int, dict[int, int]] = defaultdict(dict)
+    for kind, key, semaphore, number, counter, count in history:
         if kind == "ticket":
             # A ticket holds back from when its waiter lacked room there.
-            held_since = tickets.get((key, semaphore), (None, None))[1]
-            tickets[key, semaphore] = (number, counter if held_since is None else held_since)
+            known = tickets.get((key, semaphore))
+            held_since = None if known is None else known.counter
+            tickets[key, semaphore] = _Ticket(
+                number, counter if held_since is None else held_since, int(count or 0)
+            )
+        elif kind == "usage":
+            usage[semaphore][number] = int(counter or 0)
         else:
             grants[semaphore][key] = number
-    return tickets, grants
+    return tickets, grants, usage
 
 
 def test_a_killed_waiter_stops_blocking_at_its_deadline(make_semaphore):

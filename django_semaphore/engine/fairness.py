@@ -78,12 +78,6 @@ class Place:
     # Ids of the semaphores where its tickets lacked room (and hold back others).
     held: set[int] = field(default_factory=set)
     ahead: int = 0  # capacities' worth of older tickets seen; 0: next in line
-    # Semaphore id -> permits asked for by the older tickets there, as the
-    # last attempt saw them: a waiter's probe wants room for them too.
-    before: dict[int, int] = field(default_factory=dict)
-    # The last refusal found a semaphore without room (not only older tickets,
-    # which a probe of the counters cannot tell gone).
-    short: bool = False
     # This process's order of waiters in a line. A ticket's is assigned when
     # its transaction commits, still under the in-process pre-lock, so in a
     # line of ticketed waiters (one demand) it follows their tickets' order.
@@ -97,7 +91,6 @@ class Place:
         cursor: CursorWrapper,
         locked: Sequence[LockedSemaphore],
         now: datetime,
-        lacking: list[str],
         lock_wait: float,
     ) -> list[str]:
         """Under the row locks: the names that keep this call waiting (empty:
@@ -105,23 +98,27 @@ class Place:
         those where it newly lacks room."""
         live = [s for s in locked if _after(connection, s.queued_until, now)]
         ahead = _older_tickets(connection, cursor, live, self.key, now, lock_wait) if live else {}
+        # What the older tickets that lacked room ask for stays theirs: this
+        # call lacks room where it does not fit beside them.
+        reserved = {id: permits for id, (_, permits) in ahead.items()}
+        short = {
+            s.id
+            for s in locked
+            if s.in_use + self.demand.counts[s.name] + reserved.get(s.id, 0) > s.capacity
+        }
         # How many permit grants must come before this waiter's, in units of
         # its semaphores' capacity: 0 when it is next in line.
         self.ahead = max(
-            (ahead.get(s.id, (0, 0))[1] + self.demand.counts[s.name] - 1) // max(s.capacity, 1)
+            (reserved.get(s.id, 0) + self.demand.counts[s.name] - 1) // max(s.capacity, 1)
             for s in locked
         )
-        self.before = {id: permits for id, (_, permits) in ahead.items()}
         self.semaphores = [(s.id, s.name, s.capacity) for s in locked]
-        blocked = sorted(set(lacking) | {s.name for s in live if s.id in ahead})
-        self.short = bool(lacking)
-        if not blocked:
+        if not short:
             # This key's tickets, this call's or an earlier call's with the
             # same key (a retry): granted, they must stop blocking others.
             if self.ticketed or (live and self._queues(locked)):
                 _delete_tickets(connection, cursor, [s.id for s in locked], self.key, lock_wait)
             return []
-        short = {s.id for s in locked if s.name in lacking}
         if (
             self.deadline is not None
             and self._queues(locked)
@@ -130,7 +127,7 @@ class Place:
             self._queue(connection, locked, short, now, self.deadline, lock_wait)
         elif self.seq == 0:
             self.seq = next(_sequence)
-        return blocked
+        return sorted(s.name for s in locked if s.id in short)
 
     def _queues(self, locked: Sequence[LockedSemaphore]) -> bool:
         """Whether this call takes a ticket when it has to wait."""

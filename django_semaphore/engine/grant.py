@@ -214,10 +214,7 @@ def refusal(
     lacking = _lacking_room(locked, demand)
     if lacking and usage.expired and _reclaim_expired(connection, lacking, usage.now, lock_wait):
         sql.read_released(cursor, locked)
-        lacking = _lacking_room(locked, demand)
-    waiting_on = place.admit(
-        connection, cursor, locked, usage.now, [s.name for s in lacking], lock_wait
-    )
+    waiting_on = place.admit(connection, cursor, locked, usage.now, lock_wait)
     return SemaphoreExhausted(waiting_on) if waiting_on else None
 
 

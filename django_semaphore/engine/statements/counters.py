@@ -1,5 +1,6 @@
-"""The waiters' read of the counters: what is free and what was granted, by
-one plain read (no lock, no transaction), for deciding when to attempt."""
+"""The waiters' read of the counters: what is free, what was granted and
+what waits ahead, by one plain read (no lock, no transaction), for deciding
+when to attempt."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from dataclasses import dataclass
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from django_semaphore.backends import StatementNow
 from django_semaphore.engine.statements import SQL, built, placeholders
+from django_semaphore.models import Ticket
 
 
 class CounterStatements(SQL):
@@ -18,12 +21,23 @@ class CounterStatements(SQL):
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
         super().__init__(connection)
         q = self.q
+        now, _ = self.compiler.compile(StatementNow())
+        tickets = q(Ticket._meta.db_table)
         # What each semaphore's releases added up to (a plain read: no
-        # release waits for it), and what its row counts.
+        # release waits for it), what its row counts, and while its queue is
+        # live the permits that the tickets holding a key back ask for (as
+        # the grant's ``TicketStatements.older`` counts them).
         self.counters_sql = (
             f"SELECT s.{q('id')}, s.{q('capacity')}, s.{q('fencing_counter')},"
-            f" s.{q('in_use_counter')}, s.{q('released_folded')},"
-            f" c.{q('released')} FROM {self.semaphore} s"
+            f" s.{q('in_use_counter')}, s.{q('released_folded')}, c.{q('released')},"
+            f" CASE WHEN s.{q('queued_until')} > {now} THEN"
+            f" (SELECT SUM(t.{q('count')}) FROM {tickets} t"
+            f" WHERE t.{q('semaphore_id')} = s.{q('id')} AND t.{q('lacked')} = %s"
+            f" AND t.{q('expires_at')} > {now} AND t.{q('external_id')} <> %s"
+            f" AND NOT EXISTS (SELECT 1 FROM {tickets} m"
+            f" WHERE m.{q('semaphore_id')} = t.{q('semaphore_id')}"
+            f" AND m.{q('external_id')} = %s AND m.{q('id')} < t.{q('id')}))"
+            f" END FROM {self.semaphore} s"
             f" JOIN {self.counter} c ON c.{q('semaphore_id')} = s.{q('id')}"
             f" WHERE s.{q('id')} IN ({{ids}})"
         )
@@ -50,23 +64,32 @@ class Counters:
     capacity: int
     in_use: int  # the permits held
     grants: int  # the fencing counter: grants made so far
+    ahead: int  # permits asked for by the live tickets that hold the key back
 
     @property
     def free(self) -> int:
         return self.capacity - self.in_use
 
 
-def counters(connection: BaseDatabaseWrapper, semaphore_ids: Sequence[int]) -> dict[int, Counters]:
+def counters(
+    connection: BaseDatabaseWrapper, semaphore_ids: Sequence[int], key: str = ""
+) -> dict[int, Counters]:
     """These semaphores' counters, by one plain read (no lock, no
-    transaction): for waiters deciding when to attempt."""
+    transaction): for waiters deciding when to attempt. ``key``: the waiter
+    whose tickets' place says which tickets are ahead (every live one when
+    it has none)."""
     sql = built(CounterStatements, connection)
     with connection.cursor() as cursor:
-        cursor.execute(sql.counters_sql.format(ids=placeholders(len(semaphore_ids))), semaphore_ids)
+        cursor.execute(
+            sql.counters_sql.format(ids=placeholders(len(semaphore_ids))),
+            [True, key, key, *semaphore_ids],
+        )
         return {
             int(id): Counters(
                 int(capacity),
                 max(int(counted) + int(folded) - int(released), 0),
                 int(grants),
+                int(ahead or 0),
             )
-            for id, capacity, grants, counted, folded, released in cursor.fetchall()
+            for id, capacity, grants, counted, folded, released, ahead in cursor.fetchall()
         }
