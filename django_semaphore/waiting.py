@@ -32,12 +32,12 @@ Probes remain the fallback (MariaDB has no notify).
 **The pace of probes** is learned from the holds this process observed
 (``granted`` then ``released``, as a parking task's are through
 ``standby.held``).
-A ticketed poller next in line probes the counters (one plain read, no
-lock: what is free, and the grants made) every ``PROBES_PER_HOLD``-th of a
-hold, within ``PROBE_BOUNDS``, and attempts when there is room for it and
-the tickets it saw ahead of it, or when room for it alone stays unclaimed
-over two probes; further back it first waits a hold per capacity's worth
-of tickets ahead. A waiter without a ticket probes once a hold. While the
+A ticketed poller probes the counters (one plain read, no lock: what is
+free, the grants made, and what the tickets ahead of it ask for) every
+``PROBES_PER_HOLD``-th of a hold, within ``PROBE_BOUNDS``, and attempts when
+the grant would say yes: room for it beside those tickets. Further back it
+waits as many holds as the capacity takes to release what it and those
+ahead need. A waiter without a ticket probes once a hold. While the
 counters show no grant for two holds the pace doubles, up to ``POLL_CAP``;
 an attempt comes at least every ``NEXT_IN_LINE_ATTEMPT`` or pace (a reclaim
 of expired permits needs one).

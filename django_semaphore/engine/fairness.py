@@ -15,8 +15,11 @@ order on every semaphore they share: nobody waits for anybody in a circle.
 waiters only where its waiter lacked room (``Ticket.lacked``: on the
 semaphores where the ticketing attempt lacked room, and on each one where a
 later attempt came to lack it); elsewhere it only keeps its waiter's place.
-An attempt is granted when it has room and no older ticket that lacked room
-waits on any of its semaphores. So tenant A's waiters at A's own cap, that
+An attempt is granted when it fits beside what the older tickets that lacked
+room ask for on each of its semaphores: their room is kept for them, and a
+younger waiter is served first only from room beyond theirs (it need not
+wait for them to notice). Where it does not fit, it lacks room there too,
+and holds back younger ones in turn. So tenant A's waiters at A's own cap, that
 found room on the shared ``exports``, never keep tenant B from ``exports``.
 A ticket that lacked room keeps holding back until its waiter is granted or
 leaves, so its semaphores cannot take turns at denying it
