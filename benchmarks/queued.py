@@ -114,8 +114,9 @@ def _lines(waiting: Any, shared: bool) -> Iterator[None]:
     if shared:
         yield
         return
-    if hasattr(waiting, "WAITERS"):
-        with _patched(waiting.WAITERS, "has_turn", lambda waiter: True):
+    queues = _queues(waiting)
+    if queues is not None:
+        with _patched(queues, "has_turn", lambda waiter: True):
             yield
         return
 
@@ -126,6 +127,16 @@ def _lines(waiting: Any, shared: bool) -> Iterator[None]:
     # Before issue 26 (an A/B against an older checkout): one line per demand.
     with _patched(waiting, "waiting_line", alone):
         yield
+
+
+def _queues(waiting: Any) -> Any:
+    """This process's queues of waiters: in ``waiters``, in ``waiting``
+    before it was split, None before issue 26 (one line per demand)."""
+    try:
+        from django_semaphore.waiters import WAITERS
+    except ImportError:
+        return getattr(waiting, "WAITERS", None)
+    return WAITERS
 
 
 class _AlwaysFirst:

@@ -10,15 +10,10 @@ or refuses at once. Whatever waits for room between two attempts is here:
 Every sleep is taken with no transaction open and no row locked.
 
 **One poller per process and semaphore.** This process's waiters on a
-semaphore form its queue (``_Waiters``), first come first served: ticketed
-waiters first, in their tickets' order (their tickets hold the others back
-anyway), then the others in the order they came. A waiter wants the
-semaphores its last refusal named; it holds back the waiters behind it only
-on those, so one short on its own tenant's cap never keeps a neighbour from
-a shared semaphore that has room. A waiter whose turn it is (nobody ahead of
-it wants what it wants) is its semaphores' poller; the others sleep until
-their turn. A newcomer with a timeout that finds this process's waiters
-wanting its semaphores queues behind them instead of passing them.
+semaphore form its queue (``waiters``), first come first served; the one
+whose turn it is polls, the others sleep until their turn. A newcomer with
+a timeout that finds this process's waiters wanting its semaphores queues
+behind them instead of passing them.
 
 **Woken at once.** A release in this process (``released``: ``release()``,
 ``permit()``'s exit, a task's or a view's end) wakes the poller of each
@@ -26,7 +21,7 @@ semaphore it freed at once: no database statement, and none at all when this
 process has no waiter there. On PostgreSQL the release also sends a
 ``NOTIFY`` after its commit when this process saw waiting on those
 semaphores lately, and each process with waiters there ``LISTEN``\\s on one
-daemon connection (``_Listener``), so a release anywhere wakes them.
+daemon connection (``listening``), so a release anywhere wakes them.
 Probes remain the fallback (MariaDB has no notify).
 
 **The pace of probes** is learned from the holds this process observed
@@ -54,27 +49,23 @@ full (nobody granted) never makes a waiter take one.
 
 from __future__ import annotations
 
-import itertools
-import logging
 import os
 import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 
-from django.db import DatabaseError, connections
+from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore.engine.fairness import Place
 from django_semaphore.engine.statements.counters import Counters, counters
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
+from django_semaphore.listening import LISTENER, notifies, notify
 from django_semaphore.models import PermitRequest
 from django_semaphore.standby import held, learned_holds
-
-logger = logging.getLogger("django_semaphore")
+from django_semaphore.waiters import WAITERS, Waiter
 
 # Seconds. A ticketed poller probes PROBES_PER_HOLD times a hold it learned,
 # within PROBE_BOUNDS (every PROBE_EVERY while it knows none; one without a
@@ -95,14 +86,9 @@ STARVING_BOUNDS = (0.05, 0.5)
 # A release sends NOTIFY (PostgreSQL) when this process saw a wait on one of
 # its semaphores within so many seconds: elsewhere it is sent to nobody.
 NOTIFY_AFTER_WAIT = 10.0
-CHANNEL = "django_semaphore_room"
 # The grants of this process whose release it may see (``granted``): at most
 # so many, the oldest forgotten first (a key released elsewhere never comes back).
 GRANTS_KEPT = 10_000
-# Seconds a listener waits for a notification before it checks that it is
-# still wanted, after a failed connection before it tries again, and with no
-# waiter before it closes its connection (waiters come and go between holds).
-LISTEN_CHECK, LISTEN_RETRY, LISTEN_IDLE = 1.0, 2.0, 2.0
 
 
 # --- an acquire's wait ---------------------------------------------------------------
@@ -140,6 +126,7 @@ def wait_for_room(
     alias = connection.alias
     _saw_wait(alias, place.demand.names)
     with WAITERS.queued(alias, place, refused.names) as waiter:
+        LISTENER.wanted(alias)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not WAITERS.wait_turn(waiter, remaining):
@@ -167,7 +154,7 @@ def queued_here(alias: str, names: Iterable[str]) -> bool:
     return WAITERS.wanted(alias, names)
 
 
-def pause(waiter: _Waiter, connection: BaseDatabaseWrapper, deadline: float) -> None:
+def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> None:
     """Wait between two attempts of a poller: until it is woken, its probe
     finds room for it and no ticket ahead of it, or its interval passed; see
     the module's docstring.
@@ -271,7 +258,7 @@ def _rounds(place: Place, found: dict[int, Counters]) -> int:
     )
 
 
-def _starving(waiter: _Waiter) -> bool:
+def _starving(waiter: Waiter) -> bool:
     """Whether a waiter without a ticket was passed by others for longer
     than ``STARVING_HOLDS`` holds (within ``STARVING_BOUNDS``)."""
     place = waiter.place
@@ -320,8 +307,8 @@ def released(connection: BaseDatabaseWrapper, key: str) -> None:
     alias, names, since = grant
     held(dict.fromkeys(names, 1), time.monotonic() - since)
     WAITERS.wake(alias, names)
-    if _notifies(connection) and _waited_lately(alias, names):
-        _notify(connection, names)
+    if notifies(connection) and _waited_lately(alias, names):
+        notify(connection, names)
 
 
 def _saw_wait(alias: str, names: Iterable[str]) -> None:
@@ -337,275 +324,9 @@ def _waited_lately(alias: str, names: Iterable[str]) -> bool:
         return any(_waits.get((alias, name), since) > since for name in names)
 
 
-def _notifies(connection: BaseDatabaseWrapper) -> bool:
-    """Whether the alias can notify listeners: PostgreSQL through psycopg 3."""
-    driver = getattr(connection, "Database", None)
-    return connection.vendor == "postgresql" and getattr(driver, "__name__", "") == "psycopg"
-
-
-def _notify(connection: BaseDatabaseWrapper, names: list[str]) -> None:
-    """``NOTIFY`` the freed semaphores' names, best effort (the listeners'
-    probes are the fallback); outside any transaction of the release."""
-    payload = "\n".join(names)
-    if len(payload.encode()) >= 7900:  # NOTIFY's payload limit is 8000 bytes
-        payload = ""  # wakes every poller of the alias
-    with suppress(DatabaseError), connection.cursor() as cursor:
-        cursor.execute("SELECT pg_notify(%s, %s)", [CHANNEL, payload])
-
-
-# --- this process's waiters: one poller per semaphore --------------------------------
-
-
-@dataclass(eq=False)
-class _Waiter:
-    """One acquire call of this process waiting for room."""
-
-    alias: str
-    place: Place
-    came: int  # this process's arrival order
-    wants: set[str]  # the names its last refusal named
-    since: float = field(default_factory=time.monotonic)
-    # Set to attempt at once: a release made room, or its poller left; with
-    # ``probe_now``, to probe at once: a release in another process (NOTIFY).
-    woken: threading.Event = field(default_factory=threading.Event)
-    probe_now: bool = False
-    # Its last attempt came because a probe saw room for it (and the tickets
-    # ahead of it): refused all the same, it does not probe again at once.
-    expected_room: bool = False
-    # Others were granted while it waited, or took room it saw (or was woken
-    # for): one never passed (nothing granted) has no reason to take a ticket.
-    passed: bool = False
-    every: float | None = None  # its probes' interval, kept between pauses
-    grants: int | None = None  # the grants its last probe counted
-    changed: float = field(default_factory=time.monotonic)  # when that last changed
-
-    def order(self) -> tuple[int, int]:
-        """Its place in the queues: ticketed first, in their tickets' order
-        (``Place.seq`` is taken when a ticket commits), then by arrival."""
-        return (0, self.place.seq) if self.place.ticketed else (1, self.came)
-
-
-class _Waiters:
-    """This process's queues: (alias, semaphore name) -> its waiters."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget every waiter: in a forked child, the parent's are not its own."""
-        self.changed = threading.Condition()
-        self.queues: dict[tuple[str, str], list[_Waiter]] = {}
-        self._came = itertools.count(1)
-
-    @contextmanager
-    def queued(self, alias: str, place: Place, wants: Iterable[str]) -> Iterator[_Waiter]:
-        """``place``'s waiter in the queue of each of its semaphores."""
-        with self.changed:
-            waiter = _Waiter(alias, place, next(self._came), set(wants))
-            for name in place.demand.names:
-                self.queues.setdefault((alias, name), []).append(waiter)
-            self.changed.notify_all()
-        LISTENER.wanted(alias)
-        granted_here = False
-        try:
-            yield waiter
-            granted_here = True
-        finally:
-            self._leave(waiter, granted_here)
-
-    def _leave(self, waiter: _Waiter, granted_here: bool) -> None:
-        with self.changed:
-            for name in waiter.place.demand.names:
-                queue = self.queues[(waiter.alias, name)]
-                queue.remove(waiter)
-                if not queue:
-                    del self.queues[(waiter.alias, name)]
-            if not granted_here:
-                # It may have been a poller: its successors attempt at once.
-                self._wake_pollers(waiter.alias, waiter.place.demand.names)
-            self.changed.notify_all()
-
-    def has_turn(self, waiter: _Waiter) -> bool:
-        """Whether nobody ahead of ``waiter`` wants what it wants (the lock held)."""
-        mine = waiter.order()
-        return not any(
-            other is not waiter and name in other.wants and other.order() < mine
-            for name in waiter.wants
-            for other in self.queues.get((waiter.alias, name), ())
-        )
-
-    def wait_turn(self, waiter: _Waiter, timeout: float) -> bool:
-        """Block until it is ``waiter``'s turn; ``False`` if ``timeout`` ran out first."""
-        with self.changed:
-            return self.changed.wait_for(lambda: self.has_turn(waiter), timeout=timeout)
-
-    def refused(self, waiter: _Waiter, names: Iterable[str]) -> None:
-        """Its attempt was refused for want of ``names``: whom it holds back now."""
-        with self.changed:
-            waiter.wants = set(names) & set(waiter.place.demand.names) or waiter.wants
-            self.changed.notify_all()
-
-    def wanted(self, alias: str, names: Iterable[str]) -> bool:
-        """Whether waiters want one of ``names``, none of them ticketed."""
-        with self.changed:
-            wanting = [
-                waiter
-                for name in names
-                for waiter in self.queues.get((alias, name), ())
-                if name in waiter.wants
-            ]
-        return bool(wanting) and not any(waiter.place.ticketed for waiter in wanting)
-
-    def waiting_on(self, alias: str) -> bool:
-        """Whether this process waits on ``alias`` (the lock held)."""
-        return any(key[0] == alias for key in self.queues)
-
-    def wake(self, alias: str, names: Iterable[str] | None, *, here: bool = True) -> None:
-        """A release made room on ``names`` (None: on any of the alias): in
-        this process (``here``: its poller attempts at once), or in another
-        (a notification: its poller probes, unless it has tickets a
-        capacity's worth ahead -- every process hears it, and those would
-        only add a herd of reads; one without a ticket after a random part
-        of its pace, so that they do not all attempt together)."""
-        with self.changed:
-            self._wake_pollers(alias, names, here=here)
-
-    def notified(self, waiter: _Waiter) -> bool:
-        """Whether ``waiter`` was woken by a notification only (then it is
-        not any more: it probes)."""
-        with self.changed:
-            if not waiter.probe_now:
-                return False
-            waiter.probe_now = False
-            waiter.woken.clear()
-            return True
-
-    def _wake_pollers(self, alias: str, names: Iterable[str] | None, *, here: bool = True) -> None:
-        """Wake the first waiter wanting each of ``names``, when it is its turn."""
-        if names is None:
-            names = [name for key_alias, name in self.queues if key_alias == alias]
-        for name in names:
-            wanting = [w for w in self.queues.get((alias, name), ()) if name in w.wants]
-            if not wanting:
-                continue
-            first = min(wanting, key=_Waiter.order)
-            if not self.has_turn(first):
-                continue
-            if here:
-                first.probe_now = False
-                first.woken.set()
-            elif not first.place.ahead and not first.woken.is_set():
-                first.probe_now = True
-                first.woken.set()
-
-
-WAITERS = _Waiters()
-
-
-# --- PostgreSQL: a release elsewhere wakes this process's pollers --------------------
-
-
-class _Listener:
-    """One daemon thread per PostgreSQL alias that this process waits on: it
-    ``LISTEN``\\s on its own connection while this process has waiters there,
-    wakes their pollers on each notification, and closes its connection (and
-    sleeps) while it has none."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        """No thread: in a forked child, the parent's did not survive the fork."""
-        self._threads: dict[str, threading.Thread] = {}
-        self._lock = threading.Lock()
-        self._listening: set[str] = set()
-        self._stopping = False
-
-    def stop(self) -> None:
-        """End every listener of this process, each closing its connection
-        (a test run's teardown drops the database only once nobody is
-        connected); a later waiter starts one again."""
-        with WAITERS.changed:
-            self._stopping = True
-            WAITERS.changed.notify_all()
-        with self._lock:
-            threads, self._threads = list(self._threads.values()), {}
-        for thread in threads:
-            thread.join(LISTEN_CHECK + LISTEN_RETRY + 1)
-        with WAITERS.changed:
-            self._stopping = False
-
-    def listening(self, alias: str) -> bool:
-        """Whether this process listens on ``alias`` now."""
-        return alias in self._listening
-
-    def wanted(self, alias: str) -> None:
-        """Make sure a listener runs for ``alias``, if it can notify."""
-        if not _notifies(connections[alias]):
-            return
-        with self._lock:
-            thread = self._threads.get(alias)
-            if thread is None or not thread.is_alive():
-                thread = threading.Thread(
-                    target=self._run, args=(alias,), name=f"semaphore-listener-{alias}", daemon=True
-                )
-                self._threads[alias] = thread
-                thread.start()
-
-    def _run(self, alias: str) -> None:
-        try:
-            while self._wanted(alias):
-                self._listen_or_retry(alias)
-        finally:
-            self._listening.discard(alias)
-            connections[alias].close()  # this thread's own connection
-
-    def _wanted(self, alias: str) -> bool:
-        """Until this process waits on ``alias`` (closing the connection after
-        ``LISTEN_IDLE`` without a waiter): False when stopped."""
-        with WAITERS.changed:
-            waiting = lambda: WAITERS.waiting_on(alias) or self._stopping  # noqa: E731
-            if not WAITERS.changed.wait_for(waiting, timeout=LISTEN_IDLE):
-                self._listening.discard(alias)
-                connections[alias].close()
-                WAITERS.changed.wait_for(waiting)
-            return not self._stopping
-
-    def _listen_or_retry(self, alias: str) -> None:
-        try:
-            self._listen(alias)
-        except Exception as exc:  # a lost connection: the probes carry on meanwhile
-            logger.info("Listening for releases on %r failed, will retry: %s", alias, exc)
-            self._listening.discard(alias)
-            with suppress(Exception):
-                connections[alias].close()
-            time.sleep(LISTEN_RETRY)
-
-    def _listen(self, alias: str) -> None:
-        """Listen while this process waits on ``alias``; wake on each notification."""
-        connection = connections[alias]
-        if connection.connection is None or not connection.is_usable():
-            connection.close()
-            connection.ensure_connection()
-            connection.connection.execute(f"LISTEN {CHANNEL}")
-            self._listening.add(alias)
-        while True:
-            for notice in connection.connection.notifies(timeout=LISTEN_CHECK):
-                names = notice.payload.split("\n") if notice.payload else None
-                WAITERS.wake(alias, names, here=False)
-            with WAITERS.changed:
-                if self._stopping or not WAITERS.waiting_on(alias):
-                    return
-
-
-LISTENER = _Listener()
-
-
 def _forget_after_fork() -> None:
-    """A forked child (a Celery prefork pool process) starts with no waiter,
-    no listener and no grant of its own."""
-    WAITERS.reset()
-    LISTENER.reset()
+    """A forked child (a Celery prefork pool process) starts with no grant
+    of its own."""
     global _grants_lock
     _grants_lock = threading.Lock()
     _grants.clear()

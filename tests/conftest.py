@@ -19,7 +19,7 @@ from django.db import connection, connections
 from django.db.models import DurationField, OuterRef, Subquery, Sum, Value
 from django.db.models.functions import Coalesce
 
-from django_semaphore import acquire, parking, release, set_capacity, standby, waiting, wake
+from django_semaphore import acquire, listening, parking, release, set_capacity, standby, wake
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.guards import engine_writes
 from django_semaphore.models import CapacityChange, ParkedTask, Permit, PermitRequest, Semaphore
@@ -87,7 +87,7 @@ def _report_database(django_db_setup, django_db_blocker):
     yield
     # Before the test database is dropped: PostgreSQL refuses while the
     # waiting listener (a daemon thread's connection) is still connected.
-    waiting.LISTENER.stop()
+    listening.LISTENER.stop()
 
 
 @pytest.fixture

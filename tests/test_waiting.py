@@ -17,7 +17,7 @@ import pytest
 from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 
-from django_semaphore import acquire, release, waiting
+from django_semaphore import acquire, release, waiters, waiting
 from django_semaphore.exceptions import AcquireTimeout
 from tests.children import SPAWN, Outbox, join, spawn
 from tests.waiting_clients import SLOW, cycle, wait_slowly
@@ -47,7 +47,7 @@ def slow_probes(monkeypatch, holds):
 def queued(count: int, within: float = 10.0) -> None:
     """Until this process has ``count`` waiters."""
     deadline = time.monotonic() + within
-    while len({id(w) for q in waiting.WAITERS.queues.values() for w in q}) < count:
+    while len({id(w) for q in waiters.WAITERS.queues.values() for w in q}) < count:
         assert time.monotonic() < deadline, f"{count} waiters never queued"
         time.sleep(0.005)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.db import connections
 
-from django_semaphore import acquire, release, waiting
+from django_semaphore import acquire, listening, release, waiters, waiting
 from django_semaphore.exceptions import AcquireTimeout
 from tests.children import Outbox
 
@@ -55,17 +55,17 @@ def wait_slowly(name: str, ready: Any, waited: Outbox) -> None:
     def queued() -> None:
         # Told once this process waits and listens.
         deadline = time.monotonic() + 30
-        while not waiting.LISTENER.listening("default") and time.monotonic() < deadline:
+        while not listening.LISTENER.listening("default") and time.monotonic() < deadline:
             time.sleep(0.01)
         ready.set()
 
-    real = waiting.WAITERS.wait_turn
+    real = waiters.WAITERS.wait_turn
 
     def turn(waiter: Any, timeout: float) -> bool:
         queued()
         return real(waiter, timeout)
 
-    waiting.WAITERS.wait_turn = turn  # type: ignore[method-assign]
+    waiters.WAITERS.wait_turn = turn  # type: ignore[method-assign]
     try:
         acquire(name, external_id=key, owner="slow", timeout=30)
         waited.put(time.monotonic() - started)

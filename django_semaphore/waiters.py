@@ -1,0 +1,172 @@
+"""This process's waiters for room, in one queue per alias and semaphore:
+whose turn it is to poll, and whom a release wakes.
+
+A process's waiters on a semaphore are first come, first served: ticketed
+waiters first, in their tickets' order (their tickets hold the others back
+anyway), then the others in the order they came. A waiter wants the
+semaphores its last refusal named and holds back the waiters behind it only
+on those, so one short on its own tenant's cap never keeps a neighbour from
+a shared semaphore that has room. A waiter whose turn it is (nobody ahead of
+it wants what it wants) is its semaphores' poller (``waiting``); the others
+sleep until their turn. No database here: only memory and a condition.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from django_semaphore.engine.fairness import Place
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One acquire call of this process waiting for room."""
+
+    alias: str
+    place: Place
+    came: int  # this process's arrival order
+    wants: set[str]  # the names its last refusal named
+    since: float = field(default_factory=time.monotonic)
+    # Set to attempt at once: a release made room, or its poller left; with
+    # ``probe_now``, to probe at once: a release in another process (NOTIFY).
+    woken: threading.Event = field(default_factory=threading.Event)
+    probe_now: bool = False
+    # Its last attempt came because a probe saw room for it (and the tickets
+    # ahead of it): refused all the same, it does not probe again at once.
+    expected_room: bool = False
+    # Others were granted while it waited, or took room it saw (or was woken
+    # for): one never passed (nothing granted) has no reason to take a ticket.
+    passed: bool = False
+    every: float | None = None  # its probes' interval, kept between pauses
+    grants: int | None = None  # the grants its last probe counted
+    changed: float = field(default_factory=time.monotonic)  # when that last changed
+
+    def order(self) -> tuple[int, int]:
+        """Its place in the queues: ticketed first, in their tickets' order
+        (``Place.seq`` is taken when a ticket commits), then by arrival."""
+        return (0, self.place.seq) if self.place.ticketed else (1, self.came)
+
+
+class Waiters:
+    """This process's queues: (alias, semaphore name) -> its waiters."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every waiter: in a forked child, the parent's are not its own."""
+        self.changed = threading.Condition()
+        self.queues: dict[tuple[str, str], list[Waiter]] = {}
+        self._came = itertools.count(1)
+
+    @contextmanager
+    def queued(self, alias: str, place: Place, wants: Iterable[str]) -> Iterator[Waiter]:
+        """``place``'s waiter in the queue of each of its semaphores."""
+        with self.changed:
+            waiter = Waiter(alias, place, next(self._came), set(wants))
+            for name in place.demand.names:
+                self.queues.setdefault((alias, name), []).append(waiter)
+            self.changed.notify_all()
+        granted_here = False
+        try:
+            yield waiter
+            granted_here = True
+        finally:
+            self._leave(waiter, granted_here)
+
+    def _leave(self, waiter: Waiter, granted_here: bool) -> None:
+        with self.changed:
+            for name in waiter.place.demand.names:
+                queue = self.queues[(waiter.alias, name)]
+                queue.remove(waiter)
+                if not queue:
+                    del self.queues[(waiter.alias, name)]
+            if not granted_here:
+                # It may have been a poller: its successors attempt at once.
+                self._wake_pollers(waiter.alias, waiter.place.demand.names)
+            self.changed.notify_all()
+
+    def has_turn(self, waiter: Waiter) -> bool:
+        """Whether nobody ahead of ``waiter`` wants what it wants (the lock held)."""
+        mine = waiter.order()
+        return not any(
+            other is not waiter and name in other.wants and other.order() < mine
+            for name in waiter.wants
+            for other in self.queues.get((waiter.alias, name), ())
+        )
+
+    def wait_turn(self, waiter: Waiter, timeout: float) -> bool:
+        """Block until it is ``waiter``'s turn; ``False`` if ``timeout`` ran out first."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.has_turn(waiter), timeout=timeout)
+
+    def refused(self, waiter: Waiter, names: Iterable[str]) -> None:
+        """Its attempt was refused for want of ``names``: whom it holds back now."""
+        with self.changed:
+            waiter.wants = set(names) & set(waiter.place.demand.names) or waiter.wants
+            self.changed.notify_all()
+
+    def wanted(self, alias: str, names: Iterable[str]) -> bool:
+        """Whether waiters want one of ``names``, none of them ticketed."""
+        with self.changed:
+            wanting = [
+                waiter
+                for name in names
+                for waiter in self.queues.get((alias, name), ())
+                if name in waiter.wants
+            ]
+        return bool(wanting) and not any(waiter.place.ticketed for waiter in wanting)
+
+    def waiting_on(self, alias: str) -> bool:
+        """Whether this process waits on ``alias`` (the lock held)."""
+        return any(key[0] == alias for key in self.queues)
+
+    def wake(self, alias: str, names: Iterable[str] | None, *, here: bool = True) -> None:
+        """A release made room on ``names`` (None: on any of the alias): in
+        this process (``here``: its poller attempts at once), or in another
+        (a notification: its poller probes, unless it has tickets a
+        capacity's worth ahead -- every process hears it, and those would
+        only add a herd of reads; one without a ticket after a random part
+        of its pace, so that they do not all attempt together)."""
+        with self.changed:
+            self._wake_pollers(alias, names, here=here)
+
+    def notified(self, waiter: Waiter) -> bool:
+        """Whether ``waiter`` was woken by a notification only (then it is
+        not any more: it probes)."""
+        with self.changed:
+            if not waiter.probe_now:
+                return False
+            waiter.probe_now = False
+            waiter.woken.clear()
+            return True
+
+    def _wake_pollers(self, alias: str, names: Iterable[str] | None, *, here: bool = True) -> None:
+        """Wake the first waiter wanting each of ``names``, when it is its turn."""
+        if names is None:
+            names = [name for key_alias, name in self.queues if key_alias == alias]
+        for name in names:
+            wanting = [w for w in self.queues.get((alias, name), ()) if name in w.wants]
+            if not wanting:
+                continue
+            first = min(wanting, key=Waiter.order)
+            if not self.has_turn(first):
+                continue
+            if here:
+                first.probe_now = False
+                first.woken.set()
+            elif not first.place.ahead and not first.woken.is_set():
+                first.probe_now = True
+                first.woken.set()
+
+
+WAITERS = Waiters()
+
+
+os.register_at_fork(after_in_child=WAITERS.reset)
