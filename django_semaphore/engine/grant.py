@@ -153,7 +153,7 @@ def grant(
             return CapacityExceeded(
                 "Asked for more permits than the capacity of: " + ", ".join(too_big)
             )
-        if _lacking_room(locked, demand):
+        if _lacking_room(locked, demand) and not sql.fresh_with_the_lock(locked):
             # The release totals read with the lock may predate the wait for
             # a second row (MariaDB) or not be read at all (PostgreSQL): read
             # them again before saying no.

@@ -149,6 +149,7 @@ class Statements(SQL):
         q, compiler, now = self.q, self.compiler, self.now
         semaphore, request, permit = self.semaphore, self.request, self.permit
         self.locks: dict[int, str] = {}
+        self.total_with_the_lock = connection.vendor != "postgresql"
         self.returning = connection.features.can_return_columns_from_insert
         # The request's insert reads the clock once: when it starts, every row
         # it depends on is locked already.
@@ -263,10 +264,16 @@ class Statements(SQL):
         matters, it would miss the releases of the wait: there the total
         counts as nothing until ``read_released`` reads it.
         """
-        if self.connection.vendor == "postgresql":
+        if not self.total_with_the_lock:
             return {}
         counter = ReleaseCounter.objects.filter(semaphore=OuterRef("pk"))
         return {"released": Subquery(counter.values("released"))}
+
+    def fresh_with_the_lock(self, locked: Sequence[LockedSemaphore]) -> bool:
+        """Whether the release totals the locking read returned are as fresh
+        as a second read would be: one row, whose total was read once its
+        lock was granted, with no wait after it (see above)."""
+        return len(locked) == 1 and self.total_with_the_lock
 
     def usage(self, cursor: CursorWrapper, key: str, semaphore_ids: list[int]) -> Usage:
         """The clock, whether ``key`` is taken, and whether expired permits
