@@ -156,8 +156,8 @@ def queued_here(alias: str, names: Iterable[str]) -> bool:
 
 def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> None:
     """Wait between two attempts of a poller: until it is woken, its probe
-    finds room for it and no ticket ahead of it, or its interval passed; see
-    the module's docstring.
+    finds room for it beside the tickets ahead of it, or its interval
+    passed; see the module's docstring.
 
     Args:
         waiter: the poller, with its standing as its last attempt left it.
