@@ -166,6 +166,8 @@ class Seed(RawClient):
         return True
 
     def release(self) -> None:
+        if self.spec.hold:
+            time.sleep(self.spec.hold)
         # Two idempotent UPDATEs, committed together (the cheapest correct way).
         self.begin()
         self.execute(
