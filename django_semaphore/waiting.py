@@ -29,7 +29,8 @@ Probes remain the fallback (MariaDB has no notify).
 ``standby.held``).
 A ticketed poller probes the counters (one plain read, no lock: what is
 free, the grants made, and what the tickets ahead of it ask for) every
-``PROBES_PER_HOLD``-th of a hold, within ``PROBE_BOUNDS``, and attempts when
+``PROBES_PER_HOLD``-th of a hold, within ``PROBE_BOUNDS`` (once a hold while
+it listens for notifications), and attempts when
 the grant would say yes: room for it beside those tickets. Further back it
 waits as many holds as the capacity takes to release what it and those
 ahead need. A waiter without a ticket probes once a hold. While the
@@ -181,6 +182,9 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
     if not place.ticketed:
         # Newcomers may pass it: probing fast would mostly see room taken.
         base = min(hold, POLL_CAP) if hold else UNTICKETED_PROBE
+    if hold and LISTENER.listening(waiter.alias):
+        # A release anywhere notifies: probes are only the fallback.
+        base = max(base, min(hold, POLL_CAP))
     # The pace is kept from one pause to the next: a semaphore that stays
     # full (nothing released, its counters unchanged) is probed less and less.
     every = max(waiter.every or base, base)
