@@ -44,16 +44,18 @@ class CounterStatements(SQL):
 
 
 def room_for(connection: BaseDatabaseWrapper, wanted: Sequence[tuple[int, int, int]]) -> bool:
-    """Whether every (semaphore id, count, capacity) fits now, by one plain
-    read of the counters: no lock, no transaction, for waiters deciding
-    when to attempt (the attempt decides; a read that failed answers yes,
-    and the attempt, with its retries, tells what went wrong)."""
+    """Whether every (semaphore id, count, capacity) fits now, beside what
+    fair waiters ask for there, by one plain read of the counters: no lock,
+    no transaction, for waiters deciding when to attempt (the attempt
+    decides; a read that failed answers yes, and the attempt, with its
+    retries, tells what went wrong)."""
     try:
         now = counters(connection, [id for id, _, _ in wanted])
     except DatabaseError:
         return True
     return all(
-        id not in now or now[id].in_use + count <= capacity for id, count, capacity in wanted
+        id not in now or now[id].in_use + now[id].ahead + count <= capacity
+        for id, count, capacity in wanted
     )
 
 
