@@ -57,7 +57,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
 from django_semaphore import backends
-from django_semaphore.engine.statements import LockedSemaphore
+from django_semaphore.engine.statements.rows import LockedSemaphore
 from django_semaphore.engine.statements.tickets import ticket_statements
 from django_semaphore.models import Ticket
 from django_semaphore.validation import Demand

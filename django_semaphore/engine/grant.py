@@ -32,7 +32,8 @@ from django_semaphore import backends, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.engine import fairness, families, prelock
 from django_semaphore.engine.releasing import release_requests
-from django_semaphore.engine.statements import LockedSemaphore, Statements, statements
+from django_semaphore.engine.statements import Statements, statements
+from django_semaphore.engine.statements.rows import LockedSemaphore
 from django_semaphore.exceptions import (
     CapacityExceeded,
     IdempotencyConflict,

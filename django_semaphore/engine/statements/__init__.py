@@ -9,14 +9,14 @@ are short, fixed SQL on the models' own table and column names.
 
 Nothing here decides anything: ``grant.py`` and ``releasing.py`` say which
 statement runs when. This module has the grant's (and the verifier's);
-``release.py`` has release's, ``tickets.py`` fair mode's.
+``release.py`` has release's, ``tickets.py`` fair mode's, ``counters.py``
+the waiters' probe; ``rows.py`` what the grant's reads return.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 from weakref import WeakKeyDictionary
@@ -40,60 +40,9 @@ from django.db.models.sql import Query
 
 from django_semaphore import backends
 from django_semaphore.backends import DatabaseNow, StatementNow
+from django_semaphore.engine.statements.rows import LOCKED_COLUMNS, LockedSemaphore, Usage
 from django_semaphore.models import Permit, PermitRequest, ReleaseCounter, Semaphore
 from django_semaphore.states import State
-
-
-@dataclass
-class LockedSemaphore:
-    """A semaphore row as the grant's locking read returned it."""
-
-    id: int
-    name: str
-    capacity: int
-    in_use_counter: int
-    released_folded: int
-    fencing_counter: int
-    fair: bool
-    queued_until: Any  # as the driver returns it; fairness converts it if it is set
-    queue_live: Any  # queued_until is ahead of the database's clock (true, false or NULL)
-    # Its ReleaseCounter's total, as read with the lock (MariaDB reads it
-    # once the lock is granted; PostgreSQL: 0, see ``_released_with_the_lock``)
-    # or again by ``read_released``.
-    released: int = 0
-
-    @property
-    def in_use(self) -> int:
-        """The permits held, or more: a release total read before the last
-        fold (a stale one) counts nothing."""
-        return self.in_use_counter - max(self.released - self.released_folded, 0)
-
-    @property
-    def folded(self) -> int:
-        """What ``released_folded`` becomes when the grant writes the row."""
-        return max(self.released, self.released_folded)
-
-
-@dataclass
-class Usage:
-    """What the grant reads, only when there is no room, to say why."""
-
-    now: datetime  # the database's clock
-    key_taken: bool  # a request has the key (or one the collation calls equal)
-    expired: bool  # an expired request holds one of the semaphores
-
-
-LOCKED_COLUMNS = (
-    "id",
-    "name",
-    "capacity",
-    "in_use_counter",
-    "released_folded",
-    "fencing_counter",
-    "fair",
-    "queued_until",
-    "queue_live",
-)
 
 
 class SQL:

@@ -1,0 +1,59 @@
+"""What the grant's reads return: the locked rows, and why there is no room."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+
+@dataclass
+class LockedSemaphore:
+    """A semaphore row as the grant's locking read returned it."""
+
+    id: int
+    name: str
+    capacity: int
+    in_use_counter: int
+    released_folded: int
+    fencing_counter: int
+    fair: bool
+    queued_until: Any  # as the driver returns it; fairness converts it if it is set
+    queue_live: Any  # queued_until is ahead of the database's clock (true, false or NULL)
+    # Its ReleaseCounter's total, as read with the lock (MariaDB reads it
+    # once the lock is granted; PostgreSQL: 0, see ``_released_with_the_lock``)
+    # or again by ``read_released``.
+    released: int = 0
+
+    @property
+    def in_use(self) -> int:
+        """The permits held, or more: a release total read before the last
+        fold (a stale one) counts nothing."""
+        return self.in_use_counter - max(self.released - self.released_folded, 0)
+
+    @property
+    def folded(self) -> int:
+        """What ``released_folded`` becomes when the grant writes the row."""
+        return max(self.released, self.released_folded)
+
+
+@dataclass
+class Usage:
+    """What the grant reads, only when there is no room, to say why."""
+
+    now: datetime  # the database's clock
+    key_taken: bool  # a request has the key (or one the collation calls equal)
+    expired: bool  # an expired request holds one of the semaphores
+
+
+LOCKED_COLUMNS = (
+    "id",
+    "name",
+    "capacity",
+    "in_use_counter",
+    "released_folded",
+    "fencing_counter",
+    "fair",
+    "queued_until",
+    "queue_live",
+)
