@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from django_semaphore.api import release as release
     from django_semaphore.api import renew as renew
     from django_semaphore.api import set_capacity as set_capacity
+    from django_semaphore.api import set_window as set_window
     from django_semaphore.context import permit as permit
     from django_semaphore.decorators import holds_permit as holds_permit
     from django_semaphore.states import ReleaseOutcome as ReleaseOutcome
@@ -31,6 +32,7 @@ _HOMES = {
     "release": "django_semaphore.api",
     "renew": "django_semaphore.api",
     "set_capacity": "django_semaphore.api",
+    "set_window": "django_semaphore.api",
 }
 __all__ = sorted(_HOMES)
 

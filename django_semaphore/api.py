@@ -1,5 +1,5 @@
 """The public operations, one function each: acquire, release, renew,
-set_capacity and force_release (the admin and the commands call them too).
+set_capacity, set_window and force_release (the admin and the commands call them too).
 
 A thin layer over the engine: it validates the arguments (nothing is written
 for a malformed call), picks the database alias, waits for room when asked
@@ -25,7 +25,7 @@ from django_semaphore import routing, signals, waiting
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import fairness, families, grant
-from django_semaphore.engine.capacity import change as capacity_change
+from django_semaphore.engine.capacity import Limits, change_limits
 from django_semaphore.engine.releasing import release_key, release_requests
 from django_semaphore.exceptions import (
     InvalidRequest,
@@ -49,6 +49,7 @@ from django_semaphore.validation import (
     validate_owner,
     validate_timeout,
     validate_ttl,
+    validate_window,
 )
 
 if TYPE_CHECKING:
@@ -296,10 +297,40 @@ def set_capacity(
             ``changed_by`` that is not a saved user; nothing is changed.
         SemaphoreNotFound: no semaphore has this name.
     """
+    return _change(name, {"capacity": validate_capacity(capacity)}, changed_by, reason)
+
+
+def set_window(
+    name: str,
+    window: int | timedelta | None,
+    *,
+    changed_by: AbstractBaseUser | None = None,
+    reason: str = "",
+) -> Semaphore:
+    """Make a semaphore a rate limit -- at most ``capacity`` grants in any
+    ``window`` seconds -- or, with ``None``, a concurrency limit again;
+    under its row lock, recorded in its capacity history.
+
+    A window set or changed counts the grants made from then on (each slot
+    keeps the end it was granted with); removed, it ends every slot and
+    the holders count again. Runs in the caller's transaction if there is
+    one; family members and defaults as for ``set_capacity``.
+
+    Raises:
+        InvalidRequest: a malformed name or reason, a window that is not
+            whole seconds from 1 to a day (or ``None``), or a
+            ``changed_by`` that is not a saved user; nothing is changed.
+        SemaphoreNotFound: no semaphore has this name.
+    """
+    return _change(name, {"window": validate_window(window)}, changed_by, reason)
+
+
+def _change(
+    name: str, limits: Limits, changed_by: AbstractBaseUser | None, reason: Any
+) -> Semaphore:
     from django.contrib.auth import get_user_model
 
     name = validate_name(name)
-    capacity = validate_capacity(capacity)
     reason = validate_owner(reason, field="reason")
     if changed_by is not None and not (
         isinstance(changed_by, get_user_model()) and changed_by.pk is not None
@@ -308,7 +339,7 @@ def set_capacity(
     connection = connections[routing.alias_for_name(name)]
     semaphore = run_with_retries(
         connection,
-        lambda: capacity_change(connection.alias, name, capacity, changed_by, reason),
+        lambda: change_limits(connection.alias, name, limits, changed_by, reason),
     )
     if families.is_family_default(name):
         changed_by_id = None if changed_by is None else changed_by.pk

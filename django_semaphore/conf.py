@@ -18,7 +18,8 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-from django_semaphore.validation import MAX_COUNT, MAX_LENGTH, MAX_TTL, is_int, is_pattern
+from django_semaphore.exceptions import InvalidRequest
+from django_semaphore.validation import MAX_COUNT, MAX_TTL, is_int, is_pattern, validate_declared
 
 DEFAULTS: dict[str, Any] = {
     # Database alias holding the semaphore tables; all reads go to it. None:
@@ -45,9 +46,11 @@ DEFAULTS: dict[str, Any] = {
     "LIVENESS_CHECKERS": [],
     # Status of a view response when its semaphore is exhausted.
     "VIEW_STATUS_CODE": 429,
-    # Declared semaphores, name -> initial capacity, created after migrate. A
-    # name with wildcards is a family: its members are created on first use
-    # (a capacity, or {"capacity": n, "max_members": m}; see families.py).
+    # Declared semaphores, name -> initial capacity, created after migrate:
+    # 3, {"capacity": 3}, or a rate limit, {"rate": "100/s"} or
+    # {"capacity": 100, "window": 1} (docs/rates.md). A name with wildcards
+    # is a family: its members are created on first use, and it may add
+    # "max_members" (see families.py).
     "SEMAPHORES": {},
     # Family members not granted for this long, with nothing held or queued,
     # are deleted by the clean-up (the family's pattern creates them again).
@@ -288,17 +291,13 @@ def _checker_problems(value: Any) -> list[str]:
 def _declared_problems(value: Any) -> list[str]:
     if not isinstance(value, Mapping):
         return [f"DJANGO_SEMAPHORE['SEMAPHORES'] must map names to capacities, not {value!r}."]
-    return [
-        f"DJANGO_SEMAPHORE['SEMAPHORES'] must map names of 1 to {MAX_LENGTH} characters to "
-        f"capacities from 0 to {MAX_COUNT} (a family's pattern also to "
-        f"{{'capacity': n, 'max_members': m}}), not {name!r} to {capacity!r}."
-        for name, capacity in value.items()
-        if not (
-            isinstance(name, str)
-            and 0 < len(name) <= MAX_LENGTH
-            and (_is_capacity(capacity) or (is_pattern(name) and _is_family(capacity)))
-        )
-    ]
+    problems = []
+    for name, declared in value.items():
+        try:
+            validate_declared(name, declared)
+        except InvalidRequest as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def _per_member_problems(value: Any) -> list[str]:
@@ -322,15 +321,3 @@ def _per_member_problems(value: Any) -> list[str]:
         for pattern in value
         if not isinstance(pattern, str) or pattern not in families
     ]
-
-
-def _is_capacity(value: Any) -> bool:
-    return is_int(value, 0, MAX_COUNT)
-
-
-def _is_family(value: Any) -> bool:
-    """``{"capacity": n}`` with an optional ``"max_members"`` of at least 1."""
-    if not isinstance(value, Mapping) or not set(value) <= {"capacity", "max_members"}:
-        return False
-    bound = value.get("max_members")
-    return _is_capacity(value.get("capacity")) and (bound is None or is_int(bound, 1, MAX_COUNT))

@@ -1,6 +1,7 @@
 """Semaphores declared in settings, created after ``migrate``.
 
-Only missing ones are created: from then on capacity belongs to the admin and
+Only missing ones are created: from then on capacity (and a rate limit's
+window) belongs to the admin and
 the capacity API, where every change is recorded, so settings never overwrite it.
 The same holds for a family's default capacity, kept in the row named by its
 pattern (see ``engine/families.py``).
@@ -14,8 +15,8 @@ from django.db import router
 
 from django_semaphore import routing
 from django_semaphore.conf import app_settings
-from django_semaphore.engine.families import declared_capacity
 from django_semaphore.models import Semaphore
+from django_semaphore.validation import validate_declared
 
 
 def create_declared_semaphores(using: str, **kwargs: Any) -> None:
@@ -24,7 +25,7 @@ def create_declared_semaphores(using: str, **kwargs: Any) -> None:
         return
     # A family's pattern is created too: its row holds the family default.
     declared = {
-        name: declared_capacity(value)
+        name: validate_declared(name, value)
         for name, value in app_settings.SEMAPHORES.items()
         if routing.alias_for_name(name) == using
     }
@@ -35,8 +36,8 @@ def create_declared_semaphores(using: str, **kwargs: Any) -> None:
     )
     Semaphore.objects.using(using).bulk_create(
         [
-            Semaphore(name=name, capacity=capacity)
-            for name, capacity in sorted(declared.items())
+            Semaphore(name=name, capacity=limits.capacity, window=limits.window)
+            for name, limits in sorted(declared.items())
             if name not in existing
         ],
         ignore_conflicts=True,

@@ -31,11 +31,22 @@ class SemaphoreNotFound(SemaphoreError, LookupError):
 
 
 class SemaphoreExhausted(SemaphoreError):
-    """No room right now; ``names`` lists the semaphores lacking capacity."""
+    """No room right now; ``names`` lists the semaphores lacking capacity.
 
-    def __init__(self, names: Iterable[str], message: str = "") -> None:
+    ``retry_after``: seconds until the next slot of the rate limits
+    (windowed semaphores) that refused frees, when that is all that was
+    lacking and known (``None`` otherwise: a concurrency limit frees room
+    when its holders release, which nobody can tell in advance).
+    """
+
+    def __init__(
+        self, names: Iterable[str], message: str = "", retry_after: float | None = None
+    ) -> None:
         self.names = sorted(names)
+        self.retry_after = retry_after
         self.message = message or f"No capacity left on: {', '.join(self.names)}"
+        if retry_after is not None and not message:
+            self.message += f" (the next slot frees in {retry_after:.3g}s)"
         super().__init__()
         # Set, not passed up: OSError, a base of AcquireTimeout, would take two
         # arguments for errno and strerror.

@@ -9,15 +9,20 @@ from typing import TYPE_CHECKING, Any, cast
 from django.db import models
 from django.db.models import (
     BigIntegerField,
+    Case,
     Count,
     DurationField,
     ExpressionWrapper,
     F,
     Min,
     OuterRef,
+    Q,
     Subquery,
+    Sum,
+    When,
 )
 from django.db.models.functions import Cast, Coalesce, Greatest
+from django.db.models.lookups import IsNull
 
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.guards import GuardedQuerySet
@@ -125,13 +130,22 @@ class SemaphoreManager(_SemaphoreManager["Semaphore"]):
 
     def get_queryset(self) -> SemaphoreQuerySet:
         queryset = super().get_queryset()
-        counter = queryset.model._meta.get_field("release_counter").related_model
+        meta = queryset.model._meta
+        counter = meta.get_field("release_counter").related_model
+        permit = meta.get_field("permits").related_model
         # Splatted: the type checker takes the model's declared ``in_use`` as it.
-        annotated = queryset.annotate(**{"in_use": in_use(counter)})
+        annotated = queryset.annotate(**{"in_use": in_use(counter, permit)})
         return cast(SemaphoreQuerySet, annotated)
 
 
-def in_use(counter: type[models.Model]) -> Greatest:
+def in_use(counter: type[models.Model], permit: type[models.Model]) -> Case:
+    """What counts against a semaphore's capacity: the permits held
+    (``held``), or on a windowed semaphore (a rate limit) the permits
+    granted in the current window, released or not (``in_window``)."""
+    return Case(When(window__isnull=True, then=held(counter)), default=in_window(permit))
+
+
+def held(counter: type[models.Model]) -> Greatest:
     """The permits held on a semaphore: its ``in_use_counter`` less the
     releases counted on its ``ReleaseCounter`` and not yet folded in.
 
@@ -146,6 +160,31 @@ def in_use(counter: type[models.Model]) -> Greatest:
         Cast("in_use_counter", BigIntegerField())
         + Cast("released_folded", BigIntegerField())
         - Coalesce(Cast(released, BigIntegerField()), 0),
+        0,
+        output_field=BigIntegerField(),
+    )
+
+
+def in_window(permit: type[models.Model]) -> Greatest:
+    """The permits a windowed semaphore granted in the current window: its
+    ``slots_open`` less the slots that ended since a grant last closed them
+    (``slots_closed_until``), by a range of the permits' (semaphore,
+    slot_ends) index: about a window's grants at most (the grant closes
+    them once a window), never the slots of past windows."""
+    ended = (
+        permit._default_manager.filter(
+            Q(slot_ends__gt=OuterRef("slots_closed_until"))
+            | IsNull(OuterRef("slots_closed_until"), True),
+            semaphore=OuterRef("pk"),
+            slot_ends__lte=DatabaseNow(),
+        )
+        .order_by()
+        .values("semaphore")
+        .annotate(total=Sum("count"))
+        .values("total")
+    )
+    return Greatest(
+        Cast("slots_open", BigIntegerField()) - Coalesce(Subquery(ended), 0),
         0,
         output_field=BigIntegerField(),
     )

@@ -22,6 +22,12 @@ MAX_COUNT = 2**31 - 1
 # PostgreSQL and SQLite (MySQL's unsigned column holds more), so one rule
 # holds on every backend.
 MAX_TOKEN = BaseDatabaseOperations.integer_field_ranges["PositiveBigIntegerField"][1]
+# The longest window of a rate limit: a day. Released requests, and the
+# slots their permits keep, are deleted no sooner than RELEASED_RETENTION
+# after their release, which the system check keeps longer than this.
+MAX_WINDOW = 86_400
+# "100/s": a rate's units, in seconds.
+RATE_UNITS = {"s": 1, "m": 60, "h": 3600}
 # A family's pattern is a declared name with fnmatch wildcards (families.py).
 WILDCARDS = frozenset("*?[")
 
@@ -184,6 +190,91 @@ def validate_capacity(capacity: Any) -> int:
     if not 0 <= capacity <= MAX_COUNT:
         raise InvalidRequest(f"capacity must be between 0 and {MAX_COUNT}, not {capacity}.")
     return capacity
+
+
+def validate_window(window: Any) -> int | None:
+    """Whole seconds from 1 to ``MAX_WINDOW`` (an int or a timedelta of
+    whole seconds), or ``None``: no window."""
+    return None if window is None else _window_seconds(window)
+
+
+def _window_seconds(window: Any) -> int:
+    seconds = _seconds(window, "window")
+    if seconds != int(seconds) or not 1 <= seconds <= MAX_WINDOW:
+        raise InvalidRequest(
+            f"window must be whole seconds from 1 to {MAX_WINDOW}, or None, not {window!r}."
+        )
+    return int(seconds)
+
+
+def parse_rate(rate: Any) -> tuple[int, int]:
+    """``"100/s"``, ``"5/m"``, ``"1000/h"`` (also ``"100/2s"``): (capacity, window).
+
+    Raises:
+        InvalidRequest: not such a string, or out of range.
+    """
+    count, _, per = rate.partition("/") if isinstance(rate, str) else ("", "", "")
+    multiple, unit = per[:-1], per[-1:]
+    if not (
+        count.isascii()
+        and count.isdigit()
+        and unit in RATE_UNITS
+        and (multiple == "" or (multiple.isascii() and multiple.isdigit()))
+    ):
+        raise InvalidRequest(
+            f"A rate is a count per second, minute or hour, like '100/s', '5/m' or "
+            f"'1000/h', not {rate!r}."
+        )
+    window = int(multiple or 1) * RATE_UNITS[unit]
+    return validate_capacity(int(count)), _window_seconds(window)
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A ``SEMAPHORES`` value: ``3``, ``{"capacity": 3}``, ``{"rate": "100/s"}``,
+    ``{"capacity": 100, "window": 1}``; a family's pattern may add
+    ``"max_members"``."""
+
+    capacity: int
+    window: int | None = None
+    max_members: int | None = None
+
+
+def validate_declared(name: Any, value: Any) -> Declared:
+    """One ``SEMAPHORES`` entry, as the system check and the app read it.
+
+    Raises:
+        InvalidRequest: says what is wrong with it.
+    """
+    where = f"DJANGO_SEMAPHORE['SEMAPHORES'][{name!r}]"
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_LENGTH:
+        raise InvalidRequest(f"{where}: a name is a str of 1 to {MAX_LENGTH} characters.")
+    if not isinstance(value, Mapping):
+        try:
+            return Declared(validate_capacity(value))
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{where}: {exc}") from None
+    keys = {"capacity", "window", "rate"} | ({"max_members"} if is_pattern(name) else set())
+    try:
+        if not set(value) <= keys or ("rate" in value) == ("capacity" in value):
+            raise InvalidRequest(
+                f"give a capacity (with an optional window) or a rate, and only "
+                f"{sorted(keys)}, not {dict(value)!r}."
+            )
+        window: int | None
+        if "rate" in value:
+            if "window" in value:
+                raise InvalidRequest("a rate has its window already ('100/s').")
+            capacity, window = parse_rate(value["rate"])
+        else:
+            capacity = validate_capacity(value["capacity"])
+            window = validate_window(value.get("window"))
+        bound = value.get("max_members")
+        if bound is not None and not is_int(bound, 1, MAX_COUNT):
+            raise InvalidRequest(f"max_members must be an int from 1 to {MAX_COUNT}.")
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{where}: {exc}") from None
+    return Declared(capacity, window, bound)
 
 
 def _seconds(value: Any, what: str) -> float:

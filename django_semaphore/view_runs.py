@@ -9,6 +9,7 @@ view is not called: the answer is ``DJANGO_SEMAPHORE["VIEW_STATUS_CODE"]``
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, cast
@@ -99,7 +100,10 @@ def _acquire_for_view(options: Options, request: HttpRequest) -> PermitRequest |
         )
     except SemaphoreExhausted as exc:
         logger.info("%s refused: %s", options.label, exc)
-        return _refusal(app_settings.VIEW_STATUS_CODE, options.retry_after)
+        # A rate limit knows when its next slot frees; a concurrency limit
+        # frees room when its holders release, which the option guesses.
+        wait = options.retry_after if exc.retry_after is None else math.ceil(exc.retry_after)
+        return _refusal(app_settings.VIEW_STATUS_CODE, wait)
     except SemaphoreError as exc:
         logger.error("%s refused, the semaphore could not be reached: %s", options.label, exc)
         return _refusal(503, options.retry_after)

@@ -38,6 +38,10 @@ counters show no grant for two holds the pace doubles, up to ``POLL_CAP``;
 an attempt comes at least every ``NEXT_IN_LINE_ATTEMPT`` or pace (a reclaim
 of expired permits needs one).
 
+**Rate limits.** A rate limit (a windowed semaphore) gains room when a
+slot's window ends, not at a release: a poller whose probe finds it lacks
+room on one sleeps until its next slot ends, then attempts.
+
 **No starvation without fair mode.** A waiter that did not ask for fair mode
 may be passed by newcomers (the client that just released asks again at
 once). Once others were granted while it waited ``STARVING_HOLDS`` holds
@@ -131,7 +135,9 @@ def wait_for_room(
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not WAITERS.wait_turn(waiter, remaining):
-                raise AcquireTimeout(refused.names, f"{refused} (waited {wait:g}s)")
+                raise AcquireTimeout(
+                    refused.names, f"{refused} (waited {wait:g}s)", refused.retry_after
+                )
             woken = waiter.woken.is_set() and not waiter.probe_now
             if not woken:
                 # The last attempt may come at the deadline, never after it.
@@ -208,6 +214,13 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
             if found is None or _fits(place, found):
                 waiter.expected_room = True
                 return
+            slot = _next_slot_in(place, found)
+            if slot is not None:
+                # A rate limit it lacks room on frees a slot when its window
+                # ends, not at a release: attempt then.
+                waiter.woken.wait(max(min(slot, deadline - time.monotonic()), 0))
+                waiter.expected_room = True
+                return
             grants = sum(c.grants for c in found.values())
             if grants != waiter.grants:  # others are granted: keep alert
                 waiter.passed |= waiter.grants is not None
@@ -239,6 +252,19 @@ def _fits(place: Place, found: dict[int, Counters]) -> bool:
         id not in found or found[id].ahead + place.demand.counts[name] <= found[id].free
         for id, name, _ in place.semaphores
     )
+
+
+def _next_slot_in(place: Place, found: dict[int, Counters]) -> float | None:
+    """Seconds until the next slot ends on the rate limits where it lacks
+    room (``None``: it lacks room on none): no attempt succeeds before."""
+    ends = []
+    for id, name, _ in place.semaphores:
+        counters = found.get(id)
+        if counters is None or counters.next_slot_in is None:
+            continue
+        if counters.ahead + place.demand.counts[name] > counters.free:
+            ends.append(counters.next_slot_in)
+    return max(ends, default=None)
 
 
 def _holds_away(place: Place, found: dict[int, Counters]) -> float:

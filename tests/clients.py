@@ -110,6 +110,25 @@ def never_refused(oracle: Oracle, demand: dict[str, int], duration: float) -> No
         connections.close_all()
 
 
+def take_slots(demand: dict[str, int], duration: float, errors: Outbox) -> None:
+    """Take and release at once, waiting up to half a second for room,
+    until ``duration`` is over: a rate limit's clients (its grants are
+    checked afterwards, by their requests' stamps)."""
+    deadline = time.monotonic() + duration
+    try:
+        while time.monotonic() < deadline:
+            try:
+                key = uuid.uuid4().hex
+                acquire(demand, external_id=key, owner="take-slots", timeout=0.5)
+                release(key)
+            except SemaphoreExhausted:
+                pass
+    except Exception as exc:
+        errors.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        connections.close_all()
+
+
 def run_clients(mode: str, target: Callable[..., None], args: tuple[Any, ...]) -> None:
     """``CLIENTS`` threads or spawned processes running ``target(*args)``, until
     all are done (a hung one fails the test)."""

@@ -19,10 +19,26 @@ from django.db import connection, connections
 from django.db.models import DurationField, OuterRef, Subquery, Sum, Value
 from django.db.models.functions import Coalesce
 
-from django_semaphore import acquire, listening, parking, release, set_capacity, standby, wake
+from django_semaphore import (
+    acquire,
+    listening,
+    managers,
+    parking,
+    release,
+    set_capacity,
+    standby,
+    wake,
+)
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.guards import engine_writes
-from django_semaphore.models import CapacityChange, ParkedTask, Permit, PermitRequest, Semaphore
+from django_semaphore.models import (
+    CapacityChange,
+    ParkedTask,
+    Permit,
+    PermitRequest,
+    ReleaseCounter,
+    Semaphore,
+)
 from django_semaphore.states import State
 from tests.children import RUNTIME, STACKS_VARIABLE, dump_stacks_on_signal, stop
 
@@ -117,12 +133,31 @@ def counter_drift(using: str = "default") -> dict[str, tuple[int, int]]:
         .annotate(total=Sum("count"))
         .values("total")
     )
+    in_window = (
+        Permit.objects.using(using)
+        .filter(semaphore=OuterRef("pk"), slot_ends__gt=DatabaseNow())
+        .order_by()
+        .values("semaphore")
+        .annotate(total=Sum("count"))
+        .values("total")
+    )
     rows = (
         Semaphore.objects.using(using)
-        .annotate(held=Coalesce(Subquery(held), 0))
-        .values_list("name", "in_use", "held")
+        .annotate(
+            counted=managers.held(ReleaseCounter),
+            held=Coalesce(Subquery(held), 0),
+            counted_slots=managers.in_window(Permit),
+            slots=Coalesce(Subquery(in_window), 0),
+        )
+        .values_list("name", "counted", "held", "window", "counted_slots", "slots")
     )
-    return {name: (in_use, int(held)) for name, in_use, held in rows if in_use != int(held)}
+    drift = {}
+    for name, counted, held_now, window, counted_slots, slots in rows:
+        if counted != int(held_now):
+            drift[name] = (counted, int(held_now))
+        elif window is not None and counted_slots != int(slots):
+            drift[f"{name} (slots)"] = (counted_slots, int(slots))
+    return drift
 
 
 @pytest.fixture(autouse=True)

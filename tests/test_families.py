@@ -369,7 +369,7 @@ def test_a_function_computes_its_semaphore_from_its_arguments(family):
         ({"a:*": {"capacity": -1}}, "django_semaphore.E009"),
         ({"a:*": {"capacity": 1, "max_members": 0}}, "django_semaphore.E009"),
         ({"a:*": {"capacity": 1, "typo": 3}}, "django_semaphore.E009"),
-        ({"a": {"capacity": 1}}, "django_semaphore.E009"),  # only a family takes a dict
+        ({"a": {"capacity": 1, "max_members": 3}}, "django_semaphore.E009"),  # families only
         ({"a:*": 1, "a:b:*": 1}, "django_semaphore.W006"),  # shadowed
     ],
 )

@@ -9,6 +9,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("metrics/", include("django_semaphore.metrics.urls")),
     path("plain/", views.plain),
+    path("rated/", views.rated),
     path("slow/", views.slow),
     path("failing/", views.failing),
     path("streaming/", views.streaming),

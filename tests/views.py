@@ -51,6 +51,14 @@ def plain(request: HttpRequest) -> HttpResponse:
         return HttpResponse(str(in_use()))
 
 
+RATED = "views-rated"  # a rate limit, taken with VIEWS by ``rated``
+
+
+@holds_permit({VIEWS: 1, RATED: 1}, retry_after=7)
+def rated(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("done")
+
+
 @holds_permit(VIEWS, retry_after=7)
 def slow(request: HttpRequest) -> HttpResponse:
     with inside:

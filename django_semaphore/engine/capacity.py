@@ -1,10 +1,10 @@
-"""Changing a semaphore's capacity from ``set_capacity``: its row locked,
-then ``Semaphore.record_capacity_change``, the one home of a change (which
-``Semaphore.save()`` uses too)."""
+"""Changing a semaphore's capacity or window from ``set_capacity`` and
+``set_window``: its row locked, then ``Semaphore.record_change``, the one
+home of a change (which ``Semaphore.save()`` uses too)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from django.db import transaction
 
@@ -15,19 +15,31 @@ if TYPE_CHECKING:
     from django.contrib.auth.base_user import AbstractBaseUser
 
 
-def change(
+class Limits(TypedDict, total=False):
+    """What a change sets; what it leaves out stays as it is."""
+
+    capacity: int
+    window: int | None
+
+
+def change_limits(
     alias: str,
     name: str,
-    capacity: int,
+    limits: Limits,
     changed_by: AbstractBaseUser | None,
     reason: str,
 ) -> Semaphore:
-    """``set_capacity``'s transaction (or its part of the caller's)."""
+    """``set_capacity``'s or ``set_window``'s transaction (or its part of the
+    caller's)."""
     with transaction.atomic(using=alias):
         semaphore = Semaphore.objects.using(alias).filter(name=name).locked().first()
         if semaphore is None:
             raise SemaphoreNotFound([name])
-        semaphore.record_capacity_change(
-            capacity, changed_by=changed_by, reason=reason, using=alias
+        semaphore.record_change(
+            capacity=limits.get("capacity", semaphore.capacity),
+            window=limits.get("window", semaphore.window),
+            changed_by=changed_by,
+            reason=reason,
+            using=alias,
         )
     return semaphore

@@ -6,6 +6,7 @@
         "exports": 3,                                      # declared
         "export:customer:*": 2,                            # a family: default capacity 2
         "sync:*": {"capacity": 1, "max_members": 10_000},  # at most 10,000 live members
+        "stripe:account:*": {"rate": "25/s"},              # a rate limit per account
     }}
 
 A declared name with ``fnmatch`` wildcards (``*``, ``?``, ``[``) is a
@@ -36,7 +37,7 @@ name no pattern matches still raises ``SemaphoreNotFound``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from fnmatch import fnmatchcase
@@ -52,7 +53,8 @@ from django_semaphore.exceptions import FamilyFull, InvalidRequest, SemaphoreNot
 from django_semaphore.guards import engine_writes
 from django_semaphore.managers import SemaphoreQuerySet
 from django_semaphore.models import CapacityChange, Semaphore
-from django_semaphore.validation import is_pattern
+from django_semaphore.models.semaphore import close_every_slot
+from django_semaphore.validation import is_pattern, validate_declared
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -62,26 +64,22 @@ class Family:
     """A pattern declared in ``SEMAPHORES``, as settings give it."""
 
     pattern: str
-    capacity: int  # the template's first capacity; the row's rules once it exists
+    # The template's first capacity and window; the row's rules once it exists.
+    capacity: int
+    window: int | None
     max_members: int | None
-
-
-def declared_capacity(value: Any) -> int:
-    """The capacity of a ``SEMAPHORES`` value: ``2`` or ``{"capacity": 2, ...}``."""
-    return int(value["capacity"] if isinstance(value, Mapping) else value)
 
 
 def families() -> list[Family]:
     """The declared families, in settings order (the order names are matched in)."""
-    return [
-        Family(
-            pattern,
-            declared_capacity(value),
-            value.get("max_members") if isinstance(value, Mapping) else None,
-        )
-        for pattern, value in app_settings.SEMAPHORES.items()
-        if is_pattern(pattern)
-    ]
+    families = []
+    for pattern, value in app_settings.SEMAPHORES.items():
+        if is_pattern(pattern):
+            declared = validate_declared(pattern, value)
+            families.append(
+                Family(pattern, declared.capacity, declared.window, declared.max_members)
+            )
+    return families
 
 
 def family_of(name: str) -> Family | None:
@@ -137,6 +135,7 @@ def create_members(
 @dataclass(frozen=True)
 class _Template:
     capacity: int
+    window: int | None
     fair: bool
     now: datetime  # the database's clock, read with the lock
 
@@ -150,18 +149,25 @@ def _lock_templates(alias: str, wanted: list[Family]) -> dict[str, _Template]:
         .filter(name__in=patterns)
         .locked()
         .annotate(db_now=DatabaseNow())
-        .values_list("name", "capacity", "fair", "db_now")
+        .values_list("name", "capacity", "window", "fair", "db_now")
     )
-    locked = {name: _Template(capacity, fair, now) for name, capacity, fair, now in locking}
+    locked = {
+        name: _Template(capacity, window, fair, now)
+        for name, capacity, window, fair, now in locking
+    }
     absent = [family for family in wanted if family.pattern not in locked]
     if absent:
         Semaphore.objects.using(alias).bulk_create(
-            [Semaphore(name=family.pattern, capacity=family.capacity) for family in absent],
+            [
+                Semaphore(name=family.pattern, capacity=family.capacity, window=family.window)
+                for family in absent
+            ],
             ignore_conflicts=True,
         )
         # Again, not from the first read's cache: every template exists now.
         locked = {
-            name: _Template(capacity, fair, now) for name, capacity, fair, now in locking.all()
+            name: _Template(capacity, window, fair, now)
+            for name, capacity, window, fair, now in locking.all()
         }
     return locked
 
@@ -189,6 +195,7 @@ def _create(alias: str, family: Family, template: _Template, names: list[str]) -
             Semaphore(
                 name=name,
                 capacity=template.capacity,
+                window=template.window,
                 fair=template.fair,
                 family=family.pattern,
                 fencing_counter=start,
@@ -227,40 +234,45 @@ def follow_default(alias: str, pattern: str, changed_by_id: Any, reason: str) ->
 
 def _follow_batch(alias: str, pattern: str, changed_by_id: Any, reason: str) -> int:
     with transaction.atomic(using=alias):
-        capacity = (
+        default = (
             Semaphore.objects.using(alias)
             .filter(name=pattern)
             .locked()
-            .values_list("capacity", flat=True)
+            .values_list("capacity", "window")
             .first()
         )
-        if capacity is None:
+        if default is None:
             return 0
+        capacity, window = default
         batch = list(
             followers(alias, pattern)
-            .exclude(capacity=capacity)
+            .exclude(capacity=capacity, window=window)
             .locked()
-            .values_list("pk", "capacity")[: app_settings.CLEANUP_BATCH_SIZE]
+            .values_list("pk", "capacity", "window")[: app_settings.CLEANUP_BATCH_SIZE]
         )
         if not batch:
             return 0
         CapacityChange.objects.using(alias).bulk_create(
             CapacityChange(
                 semaphore_id=pk,
-                old_capacity=old,
+                old_capacity=old_capacity,
                 new_capacity=capacity,
+                old_window=old_window,
+                new_window=window,
                 changed_by_id=changed_by_id,
                 reason=reason,
             )
-            for pk, old in batch
+            for pk, old_capacity, old_window in batch
         )
-        with engine_writes():  # capacity, under the rows' locks, recorded above
-            Semaphore.objects.using(alias).filter(pk__in=[pk for pk, _ in batch]).update(
-                capacity=capacity
+        if window is None:
+            close_every_slot(alias, [pk for pk, _, old in batch if old is not None])
+        with engine_writes():  # capacity and window, under the rows' locks, recorded above
+            Semaphore.objects.using(alias).filter(pk__in=[pk for pk, *_ in batch]).update(
+                capacity=capacity, window=window
             )
         return len(batch)
 
 
 def followers(alias: str, pattern: str) -> SemaphoreQuerySet:
-    """The members of ``pattern`` whose capacity is the family default's."""
+    """The members of ``pattern`` whose capacity and window are the family default's."""
     return Semaphore.objects.using(alias).filter(family=pattern, own_capacity=False)

@@ -51,13 +51,17 @@ class Ticket(models.Model):
 
 
 class CapacityChange(models.Model):
-    """Audit trail: every capacity change, from the admin or from code."""
+    """Audit trail: every capacity (and window) change, from the admin or from code."""
 
     semaphore = models.ForeignKey(
         "django_semaphore.Semaphore", on_delete=models.CASCADE, related_name="capacity_changes"
     )
     old_capacity = models.PositiveIntegerField(_("old capacity"))
     new_capacity = models.PositiveIntegerField(_("new capacity"))
+    # A windowed semaphore's window, seconds (None: no window), before and
+    # after; equal when only the capacity changed.
+    old_window = models.PositiveIntegerField(_("old window"), null=True, blank=True)
+    new_window = models.PositiveIntegerField(_("new window"), null=True, blank=True)
     changed_by = models.ForeignKey(
         settings.AUTH_USER_MODEL,
         on_delete=models.SET_NULL,

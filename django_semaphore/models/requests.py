@@ -97,6 +97,7 @@ class Permit(GuardedModel):
         "count",
         "state",
         "fencing_token",
+        "slot_ends",
     )
     ORM_REFUSED: ClassVar[dict[str, str]] = dict.fromkeys(
         ENGINE_OWNED_FIELDS, "permits are written only by acquire and release; " + USE_RELEASE
@@ -110,6 +111,9 @@ class Permit(GuardedModel):
         _("state"), max_length=8, choices=State.choices, default=State.ACQUIRED
     )
     fencing_token = models.PositiveBigIntegerField(_("fencing token"))
+    # On a windowed semaphore (a rate limit): when this grant stops counting
+    # against it, released or not. NULL elsewhere.
+    slot_ends = models.DateTimeField(_("slot ends"), null=True, blank=True)
 
     objects = PermitManager()
 
@@ -120,6 +124,10 @@ class Permit(GuardedModel):
             # Covers the in-use sum (semaphore, state) -> SUM(count) so it reads
             # the index alone and never the history of released permits.
             models.Index(fields=["semaphore", "state", "count"], name="semaphore_permit_in_use"),
+            # A windowed semaphore's slots by their end: the grant closes the
+            # slots that ended, and ``in_use`` counts those not closed yet,
+            # each by a range of this index (never the slots of past windows).
+            models.Index(fields=["semaphore", "slot_ends", "count"], name="semaphore_permit_slots"),
         ]
         constraints = [
             models.CheckConstraint(condition=Q(count__gte=1), name="semaphore_permit_count_gte_1"),

@@ -10,11 +10,12 @@ from django.db.models import F, Q
 from django.utils.translation import gettext_lazy as _
 
 from django_semaphore import signals
+from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.guards import GuardedModel, engine_is_writing, engine_writes
 from django_semaphore.managers import ReleaseCounterManager, SemaphoreManager
 from django_semaphore.models.records import CapacityChange
-from django_semaphore.validation import MAX_LENGTH, validate_capacity
+from django_semaphore.validation import MAX_LENGTH, validate_capacity, validate_window
 
 if TYPE_CHECKING:
     from django.contrib.auth.base_user import AbstractBaseUser
@@ -24,6 +25,10 @@ ENGINE_ONLY = "only the engine writes it, under the semaphore's row lock."
 USE_SET_CAPACITY = (
     "change capacity with set_capacity(name, capacity), which locks "
     "the row and records a CapacityChange (or load the row, set capacity and save() it)."
+)
+USE_SET_WINDOW = (
+    "change the window with set_window(name, window), which locks "
+    "the row and records a CapacityChange (or load the row, set window and save() it)."
 )
 USE_ACQUIRE = "acquire(), which grants a request and its permits together"
 USE_RELEASE = (
@@ -37,7 +42,8 @@ class Semaphore(GuardedModel):
 
     Safe to use with the ORM: ``objects.create()`` (or ``save()`` of a new
     instance) creates one; ``save()`` of a loaded one writes back ``name``,
-    ``fair`` and a changed ``capacity`` (recorded as ``set_capacity`` does),
+    ``fair`` and a changed ``capacity`` or ``window`` (recorded as
+    ``set_capacity`` and ``set_window`` do),
     never the engine-owned columns. Bulk writes of those columns or of
     ``capacity`` are refused (``UnsafeWrite``), and so is deleting a held
     semaphore (``PermitHeld``). See docs/concepts.md, "Using the models".
@@ -50,10 +56,13 @@ class Semaphore(GuardedModel):
         "released_folded",
         "fencing_counter",
         "queued_until",
+        "slots_open",
+        "slots_closed_until",
     )
     ORM_REFUSED: ClassVar[dict[str, str]] = {
         **dict.fromkeys(ENGINE_OWNED_FIELDS, ENGINE_ONLY),
         "capacity": USE_SET_CAPACITY,
+        "window": USE_SET_WINDOW,
         # Set when a family creates the member: only members are ever deleted
         # by the clean-up, so marking a declared semaphore one would lose it.
         "family": "only a family's first use sets it (see families.py).",
@@ -79,6 +88,26 @@ class Semaphore(GuardedModel):
         _("releases folded in"), default=0, editable=False
     )
     in_use: int  # annotated by every query of Semaphore.objects
+    # A rate limit (docs/rates.md): with a window, at most ``capacity``
+    # permits are granted in any ``window`` seconds, and ``in_use`` counts
+    # the permits granted in the current window, released or not. Each such
+    # grant's permit keeps the end of its slot (``Permit.slot_ends``).
+    window = models.PositiveIntegerField(
+        _("window (seconds)"),
+        null=True,
+        blank=True,
+        editable=False,
+        help_text=_("A rate limit: at most capacity grants in any window of this many seconds."),
+    )
+    # The slots counted on a windowed semaphore: raised by grants, lowered
+    # by the grant that finds no room, by the slots that ended since
+    # ``slots_closed_until`` (an index range of Permit.slot_ends), so a grant
+    # never reads the slots of past windows. ``in_use`` is exact meanwhile:
+    # it subtracts the slots that ended and were not closed yet.
+    slots_open = models.PositiveIntegerField(_("slots open"), default=0, editable=False)
+    slots_closed_until = models.DateTimeField(
+        _("slots closed until"), null=True, blank=True, editable=False
+    )
     fair = models.BooleanField(
         _("fair (first come, first served)"),
         default=False,
@@ -138,15 +167,15 @@ class Semaphore(GuardedModel):
 
         On an existing row the engine-owned columns are never written (the
         instance's copy of them is stale the moment a grant commits), and a
-        capacity changed since the instance was loaded is changed as
-        ``set_capacity`` does it: under the row lock, with a
-        ``CapacityChange`` (no user, no reason). A capacity the instance did
+        capacity or window changed since the instance was loaded is changed
+        as ``set_capacity`` and ``set_window`` do it: under the row lock,
+        with a ``CapacityChange`` (no user, no reason). One the instance did
         not change is not written back, so a stale instance never undoes
         someone else's change.
 
         Raises:
             UnsafeWrite: an engine-owned column was changed on the instance.
-            InvalidRequest: the new capacity is out of range.
+            InvalidRequest: the new capacity or window is out of range.
             SemaphoreNotFound: ``update_fields`` or ``force_update`` was given
                 and the row is gone (Django would raise ``DatabaseError``).
         """
@@ -164,12 +193,15 @@ class Semaphore(GuardedModel):
             return
         using = using or router.db_for_write(Semaphore, instance=self)
         names = self._writable_fields(update_fields)
-        capacity = None
-        if "capacity" in names:
-            names.discard("capacity")
-            if self._changed("capacity"):
-                capacity = validate_capacity(self.capacity)
-                names.add("updated_at")  # and so pre_save/post_save are sent
+        # A changed capacity or window is changed as set_capacity and
+        # set_window change it; an unchanged one is not written back.
+        limits: dict[str, Any] = {}
+        for name, validate in (("capacity", validate_capacity), ("window", validate_window)):
+            if name in names:
+                names.discard(name)
+                if self._changed(name):
+                    limits[name] = validate(getattr(self, name))
+                    names.add("updated_at")  # and so pre_save/post_save are sent
         with transaction.atomic(using=using):
             locked = Semaphore.objects.using(using).filter(pk=self.pk).locked().first()
             if locked is None:
@@ -179,8 +211,14 @@ class Semaphore(GuardedModel):
                 super().save(using=using, force_insert=True)
                 ReleaseCounter.objects.using(using).create(semaphore=self)
             else:
-                if capacity is not None:
-                    locked.record_capacity_change(capacity, changed_by=None, reason="", using=using)
+                if limits:
+                    locked.record_change(
+                        capacity=limits.get("capacity", locked.capacity),
+                        window=limits.get("window", locked.window),
+                        changed_by=None,
+                        reason="",
+                        using=using,
+                    )
                 if names:
                     super().save(using=using, update_fields=names)
         self._remember_loaded()
@@ -201,42 +239,74 @@ class Semaphore(GuardedModel):
             .get(pk=self.pk)
         )
 
-    def record_capacity_change(
+    def record_change(
         self,
-        capacity: int,
         *,
+        capacity: int,
+        window: int | None,
         changed_by: AbstractBaseUser | None,
         reason: str,
         using: str,
     ) -> None:
-        """Change the capacity of this row, which the caller's transaction
-        holds locked, and record it in ``CapacityChange``: the one home of a
-        capacity change, for ``set_capacity`` and ``save()`` alike."""
-        if self.capacity == capacity:
+        """Change the capacity and window of this row, which the caller's
+        transaction holds locked, and record it in ``CapacityChange``: the
+        one home of such a change, for ``set_capacity``, ``set_window`` and
+        ``save()`` alike.
+
+        A window removed ends the slots still counted (the semaphore limits
+        concurrency from then on, and its holders count); a window set or
+        changed counts the grants made from then on, each slot keeping the
+        end it was granted with.
+        """
+        if (self.capacity, self.window) == (capacity, window):
             return
         CapacityChange.objects.using(using).create(
             semaphore=self,
             old_capacity=self.capacity,
             new_capacity=capacity,
+            old_window=self.window,
+            new_window=window,
             changed_by_id=None if changed_by is None else changed_by.pk,
             reason=reason,
         )
-        raised = capacity - self.capacity
-        self.capacity = capacity
+        # Room may be made by a raise, and by a window set or removed (what
+        # counts against the capacity changes: holders, or grants in the
+        # window): parked tasks that fit then are woken once this commits.
+        room_made = capacity > self.capacity or window != self.window
+        if self.window is not None and window is None:
+            close_every_slot(using, [self.pk])
+        self.capacity, self.window = capacity, window
         # A family member changed on its own no longer follows its family
         # default (engine/families.py), and the clean-up keeps it.
         self.own_capacity = bool(self.family)
         with engine_writes():
-            self.save(using=using, update_fields=["capacity", "own_capacity", "updated_at"])
-        if raised > 0 and signals.permits_freed.has_listeners(Semaphore):
-            # Room made: parked tasks that fit now are woken once this commits.
-            freed = {self.pk: raised}
+            self.save(
+                using=using, update_fields=["capacity", "window", "own_capacity", "updated_at"]
+            )
+        if room_made and signals.permits_freed.has_listeners(Semaphore):
+            freed = {self.pk: max(capacity - self.capacity, 0)}
             transaction.on_commit(
                 lambda: signals.permits_freed.send_robust(
                     sender=Semaphore, freed=freed, using=using
                 ),
                 using=using,
             )
+
+
+def close_every_slot(using: str, semaphore_ids: list[int]) -> None:
+    """End the slots these windowed semaphores (locked by the caller's
+    transaction) still count, as their window is removed: their permits
+    forget their slot, and the counters start again from nothing, so a
+    window set again later counts only the grants made from then on."""
+    if not semaphore_ids:
+        return
+    now = Semaphore.objects.using(using).values_list(DatabaseNow(), flat=True)[:1].get()
+    permits = Semaphore.permits.rel.related_model._default_manager.using(using)
+    with engine_writes():
+        permits.filter(semaphore_id__in=semaphore_ids, slot_ends__gt=now).update(slot_ends=None)
+        Semaphore.objects.using(using).filter(pk__in=semaphore_ids).update(
+            slots_open=0, slots_closed_until=now
+        )
 
 
 class ReleaseCounter(GuardedModel):

@@ -150,12 +150,30 @@ class Statements(SQL):
         self.grant_sql = (
             f"UPDATE {semaphore} SET {q('fencing_counter')} = {q('fencing_counter')} + 1,"
             f" {q('in_use_counter')} = {{counted}}, {q('released_folded')} = {{folded}},"
-            f" {q('updated_at')} = %s WHERE {q('id')} IN ({{ids}})"
+            f"{{slots}} {q('updated_at')} = %s WHERE {q('id')} IN ({{ids}})"
+        )
+        self.slots_sql = f" {q('slots_open')} = {q('slots_open')} + {{added}},"
+        # A rate limit's slots that ended since it last closed them: a range
+        # of the (semaphore, slot_ends) index, never the slots of past windows.
+        ended = (
+            f"SELECT COALESCE(SUM({q('count')}), 0) FROM {permit}"
+            f" WHERE {q('semaphore_id')} = %s AND {q('slot_ends')} <= %s"
+        )
+        self.ended_sql = {True: ended, False: ended + f" AND {q('slot_ends')} > %s"}
+        self.close_slots_sql = (
+            f"UPDATE {semaphore} SET {q('slots_open')} = {q('slots_open')} - %s,"
+            f" {q('slots_closed_until')} = %s WHERE {q('id')} = %s"
+        )
+        # The slots that end first, for saying when the next one frees.
+        self.next_slots_sql = (
+            f"SELECT {q('slot_ends')}, {q('count')} FROM {permit}"
+            f" WHERE {q('semaphore_id')} = %s AND {q('slot_ends')} > %s"
+            f" ORDER BY {q('slot_ends')} LIMIT %s"
         )
         self.case_sql = f"WHEN {q('id')} = %s THEN %s"
         self.insert_permits_sql = (
             f"INSERT INTO {permit} ({q('semaphore_id')}, {q('request_id')}, {q('count')},"
-            f" {q('fencing_token')}, {q('state')}) VALUES {{rows}}"
+            f" {q('fencing_token')}, {q('slot_ends')}, {q('state')}) VALUES {{rows}}"
         )
         self.set_counted_sql = (
             f"UPDATE {semaphore} SET {q('in_use_counter')} = %s, {q('released_folded')} = %s"
@@ -181,7 +199,13 @@ class Statements(SQL):
         if sql is None:
             sql = self.locks[len(names)] = self._compile_lock(len(names))
         cursor.execute(self.bounded(sql, lock_wait), list(names))
-        return [LockedSemaphore(*row) for row in cursor.fetchall()]
+        locked = [LockedSemaphore(*row) for row in cursor.fetchall()]
+        for s in locked:
+            if s.slots_closed_until is not None:
+                s.slots_closed_until = backends.datetime_from_db(
+                    self.connection, s.slots_closed_until
+                )
+        return locked
 
     def _compile_lock(self, count: int) -> str:
         names = [f"name-{i}" for i in range(count)]
@@ -284,33 +308,77 @@ class Statements(SQL):
         releases read (``read_released``)."""
         # Never below zero: a counter written behind the engine's back must
         # not make a grant fail (the verifier reports and corrects it).
-        counted = {s.id: max(s.in_use, 0) + added[s.id] for s in locked}
+        counted = {s.id: max(s.held, 0) + added[s.id] for s in locked}
         folded = {s.id: s.folded for s in locked}
+        # A rate limit's slots: what it grants counts until its window ends,
+        # released or not (the release counter counts its holders).
+        slots = {s.id: added[s.id] if s.window is not None else 0 for s in locked}
+        if not any(slots.values()):
+            slots = {}
         # No lock wait to bound: the rows are this transaction's already.
         cursor.execute(
             self.grant_sql.format(
                 counted=self.case_placeholders(len(counted)),
                 folded=self.case_placeholders(len(folded)),
+                slots=self.slots_sql.format(added=self.case_placeholders(len(slots)))
+                if slots
+                else "",
                 ids=placeholders(len(locked)),
             ),
             [
                 *_case_params(counted),
                 *_case_params(folded),
+                *_case_params(slots),
                 self.connection.ops.adapt_datetimefield_value(now),
                 *counted,
             ],
         )
 
-    def insert_permits(self, cursor: CursorWrapper, rows: list[tuple[int, int, int, int]]) -> None:
-        """``rows``: (semaphore id, request id, count, fencing token) each."""
+    def insert_permits(
+        self, cursor: CursorWrapper, rows: list[tuple[int, int, int, int, datetime | None]]
+    ) -> None:
+        """``rows``: (semaphore id, request id, count, fencing token, end of
+        its slot on a rate limit) each."""
         # No lock wait to bound: the rows its keys refer to (the request, the
         # semaphores) are this transaction's, and no other can insert a token
         # of these semaphores while it holds them.
-        values = ", ".join(["(%s, %s, %s, %s, %s)"] * len(rows))
+        values = ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(rows))
+        adapt = self.connection.ops.adapt_datetimefield_value
         cursor.execute(
             self.insert_permits_sql.format(rows=values),
-            [value for row in rows for value in (*row, self.acquired)],
+            [value for *row, ends in rows for value in (*row, adapt(ends), self.acquired)],
         )
+
+    def close_slots(self, cursor: CursorWrapper, s: LockedSemaphore, now: datetime) -> None:
+        """Stop counting the slots of the rate limit ``s`` (its row locked by
+        this transaction) that ended by ``now``: those since it last closed
+        them."""
+        closed = s.slots_closed_until
+        adapt = self.connection.ops.adapt_datetimefield_value
+        cursor.execute(
+            self.ended_sql[closed is None],
+            [s.id, adapt(now)] + ([] if closed is None else [adapt(closed)]),
+        )
+        (ended,) = cursor.fetchone()
+        cursor.execute(self.close_slots_sql, [int(ended), adapt(now), s.id])
+        s.slots_open -= int(ended)
+        s.slots_closed_until = now
+
+    def next_slot(
+        self, cursor: CursorWrapper, s: LockedSemaphore, wanted: int, now: datetime
+    ) -> datetime | None:
+        """When enough of the open slots of the rate limit ``s`` will have
+        ended for ``wanted`` more permits (``None``: the slots do not add
+        up, a counter written behind the engine's back)."""
+        needed = s.in_use + wanted - s.capacity
+        adapt = self.connection.ops.adapt_datetimefield_value
+        cursor.execute(self.next_slots_sql, [s.id, adapt(now), needed])
+        for ends, count in cursor.fetchall():
+            needed -= int(count)
+            if needed <= 0:
+                at: datetime = backends.datetime_from_db(self.connection, ends)
+                return at
+        return None
 
     def case_placeholders(self, count: int) -> str:
         """A value per row by its id, for ``count`` rows (``_case_params``):

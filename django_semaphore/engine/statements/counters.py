@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from django_semaphore import backends
 from django_semaphore.backends import StatementNow
 from django_semaphore.engine.statements import SQL, built, placeholders
 from django_semaphore.models import Ticket
@@ -23,6 +24,7 @@ class CounterStatements(SQL):
         q = self.q
         now, _ = self.compiler.compile(StatementNow())
         tickets = q(Ticket._meta.db_table)
+        permit = self.permit
         # What each semaphore's releases added up to (a plain read: no
         # release waits for it), what its row counts, and while its queue is
         # live the permits that the tickets holding a key back ask for (as
@@ -37,7 +39,19 @@ class CounterStatements(SQL):
             f" AND NOT EXISTS (SELECT 1 FROM {tickets} m"
             f" WHERE m.{q('semaphore_id')} = t.{q('semaphore_id')}"
             f" AND m.{q('external_id')} = %s AND m.{q('id')} < t.{q('id')}))"
-            f" END FROM {self.semaphore} s"
+            f" END,"
+            # A rate limit's slots: those open, those that ended and are not
+            # closed yet, and when the next one ends.
+            f" s.{q('window')}, s.{q('slots_open')},"
+            f" CASE WHEN s.{q('window')} IS NOT NULL THEN"
+            f" (SELECT SUM(p.{q('count')}) FROM {permit} p"
+            f" WHERE p.{q('semaphore_id')} = s.{q('id')} AND p.{q('slot_ends')} <= {now}"
+            f" AND (s.{q('slots_closed_until')} IS NULL"
+            f" OR p.{q('slot_ends')} > s.{q('slots_closed_until')})) END,"
+            f" CASE WHEN s.{q('window')} IS NOT NULL THEN"
+            f" (SELECT MIN(p.{q('slot_ends')}) FROM {permit} p"
+            f" WHERE p.{q('semaphore_id')} = s.{q('id')} AND p.{q('slot_ends')} > {now}) END,"
+            f" {now} FROM {self.semaphore} s"
             f" JOIN {self.counter} c ON c.{q('semaphore_id')} = s.{q('id')}"
             f" WHERE s.{q('id')} IN ({{ids}})"
         )
@@ -64,9 +78,12 @@ class Counters:
     """A semaphore's counters, as a plain read found them."""
 
     capacity: int
-    in_use: int  # the permits held
+    in_use: int  # the permits held; on a rate limit, granted in the window
     grants: int  # the fencing counter: grants made so far
     ahead: int  # permits asked for by the live tickets that hold the key back
+    # On a rate limit: seconds until its next slot ends (None: none is open,
+    # or a concurrency limit, which its holders' releases free).
+    next_slot_in: float | None = None
 
     @property
     def free(self) -> int:
@@ -86,12 +103,16 @@ def counters(
             sql.counters_sql.format(ids=placeholders(len(semaphore_ids))),
             [True, key, key, *semaphore_ids],
         )
-        return {
-            int(id): Counters(
-                int(capacity),
-                max(int(counted) + int(folded) - int(released), 0),
-                int(grants),
-                int(ahead or 0),
-            )
-            for id, capacity, grants, counted, folded, released, ahead in cursor.fetchall()
-        }
+        rows = cursor.fetchall()
+    found = {}
+    for id, capacity, grants, counted, folded, released, ahead, *slots in rows:
+        in_use = max(int(counted) + int(folded) - int(released), 0)
+        window, open_, ended, next_ends, now = slots
+        next_slot_in = None
+        if window is not None:
+            in_use = max(int(open_) - int(ended or 0), 0)
+            if next_ends is not None:
+                at, now = (backends.datetime_from_db(connection, t) for t in (next_ends, now))
+                next_slot_in = max((at - now).total_seconds(), 0.0)
+        found[int(id)] = Counters(int(capacity), in_use, int(grants), int(ahead or 0), next_slot_in)
+    return found

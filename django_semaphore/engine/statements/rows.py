@@ -20,16 +20,26 @@ class LockedSemaphore:
     fair: bool
     queued_until: Any  # as the driver returns it; fairness converts it if it is set
     queue_live: Any  # queued_until is ahead of the database's clock (true, false or NULL)
+    window: int | None  # seconds: a rate limit (see ``in_use``)
+    slots_open: int
+    slots_closed_until: datetime | None  # when the slots that ended were last closed
     # Its ReleaseCounter's total, as read with the lock (MariaDB reads it
     # once the lock is granted; PostgreSQL: 0, see ``_released_with_the_lock``)
     # or again by ``read_released``.
     released: int = 0
 
     @property
-    def in_use(self) -> int:
+    def held(self) -> int:
         """The permits held, or more: a release total read before the last
         fold (a stale one) counts nothing."""
         return self.in_use_counter - max(self.released - self.released_folded, 0)
+
+    @property
+    def in_use(self) -> int:
+        """What counts against the capacity: the permits held, or on a rate
+        limit the slots open, or more (the grant closes those that ended
+        when it finds no room, and once a window)."""
+        return self.held if self.window is None else self.slots_open
 
     @property
     def folded(self) -> int:
@@ -56,4 +66,7 @@ LOCKED_COLUMNS = (
     "fair",
     "queued_until",
     "queue_live",
+    "window",
+    "slots_open",
+    "slots_closed_until",
 )
