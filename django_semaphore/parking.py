@@ -121,6 +121,7 @@ def park(task: Any, demand: Mapping[str, int]) -> None:
     )
     _set_state(task, demand)
     wake.wake(alias, semaphore_ids)
+    wake.schedule_slots(alias, set(semaphore_ids))
 
 
 @dataclass(frozen=True)
@@ -210,8 +211,16 @@ def started(task_id: str, demand: Mapping[str, int]) -> None:
     # run that was not parked pays one indexed read.
     ids = list(ParkedTask.objects.using(alias).filter(task_id=task_id).values_list("id", flat=True))
     if ids:
-        _raw_delete(ParkedDemand.objects.using(alias).filter(task_id__in=ids))
+        demands = ParkedDemand.objects.using(alias).filter(task_id__in=ids)
+        rate_limits = set(
+            demands.filter(semaphore__window__isnull=False).values_list("semaphore_id", flat=True)
+        )
+        _raw_delete(demands)
         _raw_delete(ParkedTask.objects.using(alias).filter(id__in=ids))
+        if rate_limits:
+            # It took a slot there: the tasks parked behind it are woken
+            # when that slot, or an earlier one, ends.
+            wake.schedule_slots(alias, rate_limits)
 
 
 def _raw_delete(queryset: QuerySet[Any]) -> int:

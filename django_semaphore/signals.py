@@ -32,10 +32,13 @@ class Drift:
 
     semaphore: str
     recorded: int  # what the counter said
-    actual: int  # the sum of the ACQUIRED permits' counts, now the counter's value
+    actual: int  # the sum of the permits' counts it counts, now the counter's value
+    # "in_use": the permits held; "slots": a rate limit's slots not closed yet.
+    counter: str = "in_use"
 
     def __str__(self) -> str:
-        return f"{self.semaphore}: in_use was {self.recorded}, permits held {self.actual}"
+        counted = "permits held" if self.counter == "in_use" else "slots granted"
+        return f"{self.semaphore}: {self.counter} was {self.recorded}, {counted} {self.actual}"
 
 
 # The signals; the payload types above are what two of them carry.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from django_semaphore import sweep
+from django_semaphore import sweep, wake
 
 
 @shared_task(name="django_semaphore.release_orphans", ignore_result=True)  # type: ignore[untyped-decorator]
@@ -39,3 +39,12 @@ def wake_parked() -> None:
     """The backstop of parked tasks' wake-ups: drop expired ones, publish
     again those whose woken run never started, wake what fits."""
     sweep.sweep_parked()
+
+
+@shared_task(name=wake.WAKE_SLOTS, ignore_result=True)  # type: ignore[untyped-decorator]
+def wake_slots(alias: str, semaphore_ids: list[int]) -> None:
+    """A rate limit's next slot has ended: wake the parked tasks that fit
+    (published by ``wake.schedule_slots`` with a countdown), and publish the
+    next wake-up while tasks still wait."""
+    wake.wake(alias, semaphore_ids)
+    wake.schedule_slots(alias, set(semaphore_ids))

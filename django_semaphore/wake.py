@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from django.db import connections
+from django.db import DatabaseError, connections
 
 from django_semaphore.engine import wakeups
 from django_semaphore.exceptions import SemaphoreError
@@ -20,6 +23,13 @@ from django_semaphore.models import ParkedTask
 from django_semaphore.retry import run_with_retries
 
 logger = logging.getLogger("django_semaphore")
+
+
+# The task a rate limit's wake-up is published as, for when its next slot ends.
+WAKE_SLOTS = "django_semaphore.wake_slots"
+# A wake-up this process published for a slot's end that comes no later
+# than SLOT_SLACK seconds after a newer one's makes the newer one needless.
+SLOT_SLACK = 0.05
 
 
 def wake(alias: str, semaphore_ids: Iterable[int]) -> int:
@@ -39,6 +49,51 @@ def wake(alias: str, semaphore_ids: Iterable[int]) -> int:
     except SemaphoreError:
         logger.exception("Could not wake parked tasks of semaphores %s", sorted(ids))
         return 0
+
+
+# (alias, semaphore id) -> time.monotonic() when the wake-up this process
+# published last for it is due.
+_scheduled: dict[tuple[str, int], float] = {}
+_scheduled_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    """A forked child (a Celery prefork pool process) published nothing."""
+    global _scheduled_lock
+    _scheduled_lock = threading.Lock()
+    _scheduled.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def schedule_slots(alias: str, semaphore_ids: set[int]) -> None:
+    """Publish a wake-up (``WAKE_SLOTS``) for when the next slot ends on each
+    rate limit among these that parked tasks wait on: a rate limit gains
+    room when its window moves on, and no release says so. Called where a
+    task parks, by that wake-up itself (so they follow one another while
+    tasks wait) and by the beat sweep (the backstop of one lost); one a
+    process per slot's end."""
+    from celery import current_app
+
+    try:
+        due = wakeups.next_slots(alias, semaphore_ids)
+    except DatabaseError:
+        logger.warning("Could not read when the rate limits %s free a slot", sorted(semaphore_ids))
+        return
+    now = time.monotonic()
+    for id, seconds in due.items():
+        with _scheduled_lock:
+            earlier = _scheduled.get((alias, id), 0.0)
+            if now < earlier <= now + seconds + SLOT_SLACK:
+                continue
+            _scheduled[(alias, id)] = now + seconds
+        try:
+            current_app.send_task(WAKE_SLOTS, args=(alias, [id]), countdown=seconds)
+        except Exception:  # the broker's errors are as varied as brokers
+            logger.exception("Could not publish the wake-up of rate limit %s", id)
+            with _scheduled_lock:
+                _scheduled.pop((alias, id), None)
 
 
 def publish(alias: str, parked_ids: list[int]) -> int:

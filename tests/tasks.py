@@ -174,6 +174,15 @@ def parked_on_two(self: Any, label: str, hold: float) -> int:
     return _work_on(PARK, label, hold, self)
 
 
+RATE_PARK = "celery-rate-park"  # a rate limit, created by test_rates
+
+
+@shared_task(bind=True, max_retries=0)
+@holds_permit(RATE_PARK, park=True)
+def rate_limited(self: Any, label: str) -> int:
+    return _work_on(RATE_PARK, label, 0.0, self)
+
+
 # Two tenants sharing one semaphore, each under its own cap (test_tenants).
 SHARED = "celery-exports"
 TENANT_A = "celery-export:customer:A"

@@ -3,8 +3,10 @@ database with real time, committed grants and concurrent clients."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -20,12 +22,13 @@ from django_semaphore.exceptions import (
     SemaphoreExhausted,
     UnsafeWrite,
 )
-from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore
+from django_semaphore.models import CapacityChange, ParkedTask, Permit, PermitRequest, Semaphore
 from django_semaphore.validation import parse_rate
-from tests import views
+from tests import tasks, views
 from tests.children import Outbox
 from tests.clients import run_clients, take_slots
-from tests.conftest import unique
+from tests.conftest import behind_the_engine, unique
+from tests.testapp.models import RunLog
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -217,6 +220,47 @@ def test_the_context_manager_holds_a_slot_like_any_permit():
     assert in_use(stripe.name) == 1
 
 
+@pytest.mark.slow
+def test_parked_tasks_are_woken_at_each_slot_in_order_without_a_release(celery_worker, wakes):
+    """Tasks refused by a rate limit park; no release frees a slot, yet each
+    runs as soon as a slot ends (a wake-up published for then, not the beat
+    sweep), first in, first out, and none fails or runs early. The window
+    outlasts a refused task's stand-by in its worker (``STANDBY_WAIT``):
+    they park."""
+    rate_limit(1, window=3, name=tasks.RATE_PARK)
+    acquire(tasks.RATE_PARK, external_id=unique())  # the window's one slot
+    results = []
+    for n in range(3):
+        results.append(tasks.rate_limited.delay("rated"))
+        eventually(lambda n=n: ParkedTask.objects.count() + ran() >= n + 1, f"task {n} parked")
+
+    for result in results:
+        result.get(timeout=30, propagate=False)
+
+    assert [r.state for r in results] == ["SUCCESS"] * 3, [r.traceback for r in results]
+    runs = list(RunLog.objects.filter(label="rated").order_by("started_at"))
+    assert [run.task_id for run in runs] == [r.id for r in results]  # first in, first out
+    grants = sorted(
+        PermitRequest.objects.filter(permits__semaphore__name=tasks.RATE_PARK).values_list(
+            "created_at", flat=True
+        )
+    )
+    gaps = [later - earlier for earlier, later in itertools.pairwise(grants)]
+    assert all(gap >= timedelta(seconds=3) for gap in gaps), gaps  # never two in a window
+    assert all(gap < timedelta(seconds=4.5) for gap in gaps), gaps  # woken at the slot's end
+
+
+def ran() -> int:
+    return RunLog.objects.filter(label="rated").count()
+
+
+def eventually(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
 # --- declared, families, changes ------------------------------------------------------------
 
 
@@ -376,3 +420,37 @@ def test_concurrent_clients_never_exceed_the_rate_in_any_window(mode):
         at for i, at in enumerate(grants) if sum(at <= g < at + window for g in grants[i:]) > 10
     ]
     assert over == []
+
+
+# --- the sweeps ------------------------------------------------------------------------------
+
+
+@pytest.mark.counter_drift_expected
+def test_the_verifier_corrects_a_rate_limits_slot_counter():
+    from django_semaphore.engine.counter import verify
+
+    stripe = rate_limit(5, window=60)
+    acquire({stripe.name: 2}, external_id=unique())
+    with behind_the_engine():
+        Semaphore.objects.filter(pk=stripe.pk).update(slots_open=5)
+
+    drifts = verify([stripe.name])
+
+    assert [(d.counter, d.recorded, d.actual) for d in drifts] == [("slots", 5, 2)]
+    assert in_use(stripe.name) == 2
+
+
+def test_the_clean_up_keeps_released_requests_whose_slots_still_count(settings):
+    from django_semaphore import sweep
+
+    settings.DJANGO_SEMAPHORE = {"RELEASED_RETENTION": timedelta(seconds=1)}
+    stripe = rate_limit(2, window=60)
+    plain = Semaphore.objects.create(name=unique(), capacity=2)
+    for name in (stripe.name, plain.name):
+        release(acquire(name, external_id=unique()).external_id)
+    time.sleep(1.1)
+
+    sweep.clean_released()
+
+    assert list(PermitRequest.objects.values_list("permits__semaphore", flat=True)) == [stripe.pk]
+    assert in_use(stripe.name) == 1

@@ -1,4 +1,4 @@
-"""The verifier of the exact in-use counter.
+"""The verifier of the exact in-use counter (and of a rate limit's slots).
 
 What a semaphore holds -- ``in_use_counter`` less the releases counted on
 its ``ReleaseCounter`` and not yet folded in (``Semaphore.in_use``) -- is
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Max
+from django.db.models import F, Max, Q, Sum
 
 from django_semaphore import backends, routing, signals
 from django_semaphore.conf import app_settings
@@ -109,7 +109,36 @@ def _verify_batch(
                     cursor,
                     {id: (drift.actual, released.get(id, 0)) for id, drift in drifts.items()},
                 )
-    return list(drifts.values())
+        slot_drifts = _verify_slots(alias, semaphore_ids, correct)
+    return [*drifts.values(), *slot_drifts]
+
+
+def _verify_slots(alias: str, semaphore_ids: Sequence[int], correct: bool) -> list[signals.Drift]:
+    """In the caller's transaction, the rows locked: each rate limit's
+    ``slots_open`` against the slots it counts (those of its permits that
+    end after ``slots_closed_until``), corrected where they differ."""
+    semaphores = Semaphore.objects.using(alias).filter(id__in=semaphore_ids, window__isnull=False)
+    counted = dict(
+        Permit.objects.using(alias)
+        .filter(semaphore__in=semaphores, slot_ends__isnull=False)
+        .filter(
+            Q(semaphore__slots_closed_until__isnull=True)
+            | Q(slot_ends__gt=F("semaphore__slots_closed_until"))
+        )
+        .order_by()
+        .values("semaphore_id")
+        .annotate(total=Sum("count"))
+        .values_list("semaphore_id", "total")
+    )
+    drifts = []
+    for id, name, recorded in semaphores.values_list("id", "name", "slots_open"):
+        actual = int(counted.get(id) or 0)
+        if recorded != actual:
+            drifts.append(signals.Drift(name, recorded, actual, counter="slots"))
+            if correct:
+                with engine_writes():
+                    Semaphore.objects.using(alias).filter(pk=id).update(slots_open=actual)
+    return drifts
 
 
 def _report(alias: str, drift: signals.Drift, *, corrected: bool) -> None:

@@ -25,13 +25,13 @@ from typing import Any
 
 from django.db import transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import F, Min, Q, QuerySet, Sum
+from django.db.models import Exists, F, Min, OuterRef, Q, QuerySet, Subquery, Sum
 from django.utils import timezone
 
 from django_semaphore import backends
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
-from django_semaphore.models import ParkedDemand, ParkedTask, Semaphore, Ticket
+from django_semaphore.models import ParkedDemand, ParkedTask, Permit, Semaphore, Ticket
 
 # Parked tasks read per semaphore and kind by one wake: more than any
 # capacity frees at once in practice; the rest wait for the next release.
@@ -65,6 +65,28 @@ def _waiting(alias: str) -> QuerySet[Any]:
     sweep drops those; they are never published)."""
     live = Q(task__expires_at__isnull=True) | Q(task__expires_at__gt=timezone.now())
     return ParkedDemand.objects.using(alias).filter(live, task__woken_at__isnull=True)
+
+
+def next_slots(alias: str, semaphore_ids: set[int]) -> dict[int, float]:
+    """Semaphore id -> seconds until the next slot ends, for the rate limits
+    (windowed semaphores) among these that parked tasks wait on: they gain
+    room then, and no release will say so. By plain reads, no lock."""
+    slots = Permit.objects.using(alias).filter(
+        semaphore=OuterRef("pk"), slot_ends__gt=DatabaseNow()
+    )
+    rows = (
+        Semaphore.objects.using(alias)
+        .filter(id__in=semaphore_ids, window__isnull=False)
+        .filter(Exists(_waiting(alias).filter(semaphore=OuterRef("pk"))))
+        .annotate(
+            next_ends=Subquery(slots.order_by("slot_ends").values("slot_ends")[:1]),
+            db_now=DatabaseNow(),
+        )
+        .values_list("id", "next_ends", "db_now")
+    )
+    return {
+        id: max((ends - now).total_seconds(), 0.0) for id, ends, now in rows if ends is not None
+    }
 
 
 def wake_once(

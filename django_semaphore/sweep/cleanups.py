@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import Exists, F, OuterRef, Q
 
 from django_semaphore import routing
 from django_semaphore.backends import DatabaseNow
@@ -43,8 +43,9 @@ def clean_released(
     progress: Callable[[CleanupReport], None] | None = None,
 ) -> CleanupReport:
     """Delete requests released longer ago than ``RELEASED_RETENTION``, with
-    their permits, ``batch_size`` requests per short transaction, until none
-    are left or ``time_budget`` seconds are spent.
+    their permits (but none whose slot a rate limit still counts),
+    ``batch_size`` requests per short transaction, until none are left or
+    ``time_budget`` seconds are spent.
 
     Args:
         batch_size: requests per batch (default ``CLEANUP_BATCH_SIZE``).
@@ -60,6 +61,13 @@ def clean_released(
     old = PermitRequest.objects.using(alias).filter(
         state=State.RELEASED, released_at__lte=_ago(app_settings.RELEASED_RETENTION)
     )
+    # A permit whose slot a rate limit still counts (open, or ended and not
+    # closed yet) stays: its slot is closed by its end, read from the row.
+    counted_slots = Permit.objects.filter(request=OuterRef("pk"), slot_ends__isnull=False).filter(
+        Q(semaphore__slots_closed_until__isnull=True)
+        | Q(slot_ends__gt=F("semaphore__slots_closed_until"))
+    )
+    old = old.filter(~Exists(counted_slots))
     report = CleanupReport("released requests", dry_run=dry_run)
     if dry_run:
         report.deleted = old.count()

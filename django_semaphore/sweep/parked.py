@@ -33,7 +33,8 @@ def sweep_parked() -> ParkedReport:
     """The backstop of the wake-ups: drop expired rows, publish again woken
     rows whose run has not started within ``PARKED_REPUBLISH_AFTER``, and
     wake what fits on every semaphore with parked tasks (releases made by a
-    process that does not park tasks send no wake-up)."""
+    process that does not park tasks send no wake-up), and on rate limits
+    publish the wake-up of their next slot."""
     report = ParkedReport()
     for alias in routing.aliases():
         tasks = ParkedTask.objects.using(alias)
@@ -54,6 +55,8 @@ def sweep_parked() -> ParkedReport:
             .distinct()
         )
         report.woken += wake.wake(alias, semaphore_ids)
+        # A rate limit's wake-up at its next slot, published again if lost.
+        wake.schedule_slots(alias, semaphore_ids)
     if report.republished or report.woken or report.dropped:
         logger.info("%s", report)
     return report
