@@ -4,7 +4,10 @@ Nothing is sampled or stored for the chart. Every grant is a ``PermitRequest``
 (``created_at``, ``released_at``) with a ``Permit`` (``count``) on the
 semaphore, so replaying grants as +count and releases as -count gives the
 exact in-use step function; replaying the ``CapacityChange`` rows backwards
-from today's capacity gives the capacity line. The clean-up sweeps keep
+from today's capacity gives the capacity line. On a rate limit (a windowed
+semaphore) a grant counts from its grant until its slot ends
+(``Permit.slot_ends``), released or not, so that span is replayed instead:
+the chart then plots the grants in the window, as ``in_use`` counts them. The clean-up sweeps keep
 released requests for 7 days and capacity history for 30 by default, so the
 last 24 hours are complete unless ``RELEASED_RETENTION`` is set below a day.
 
@@ -39,13 +42,15 @@ class Span:
 
 @dataclass(frozen=True)
 class CapacityMark:
-    """A capacity change, as drawn on the chart."""
+    """A change of capacity or window, as drawn on the chart."""
 
     at: datetime
     old: int
     new: int
     changed_by: str
     reason: str
+    old_window: int | None = None
+    new_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -64,12 +69,15 @@ class Segment:
 
 @dataclass(frozen=True)
 class Utilization:
-    """In use and capacity over ``[start, end]``, as consecutive segments."""
+    """In use and capacity over ``[start, end]``, as consecutive segments;
+    ``windowed``: a rate limit at ``end``, whose "in use" is its grants in
+    the window."""
 
     start: datetime
     end: datetime
     segments: list[Segment]
     changes: list[CapacityMark]
+    windowed: bool = False
 
     @property
     def peak(self) -> Segment:
@@ -96,6 +104,8 @@ def build_utilization(
     changes: Sequence[CapacityMark],
     start: datetime,
     end: datetime,
+    *,
+    windowed: bool = False,
 ) -> Utilization:
     """Replay grants and capacity changes into segments covering ``[start, end]``.
 
@@ -105,6 +115,8 @@ def build_utilization(
         capacity_now: the semaphore's capacity at ``end``.
         changes: the capacity changes made inside the window, oldest first.
         start, end: the window.
+        windowed: the semaphore is a rate limit at ``end`` (its grants' spans
+            end with their slots).
 
     Returns:
         The window as consecutive segments; adjacent equal ones are merged.
@@ -139,7 +151,7 @@ def build_utilization(
         capacity = capacity_at.get(moment, capacity)
         cursor = moment
     _append(segments, Segment(cursor, end, in_use, capacity))
-    return Utilization(start=start, end=end, segments=segments, changes=inside)
+    return Utilization(start=start, end=end, segments=segments, changes=inside, windowed=windowed)
 
 
 def _append(segments: list[Segment], segment: Segment) -> None:
@@ -161,32 +173,38 @@ def load_utilization(semaphore: Semaphore, *, window: timedelta = WINDOW) -> Uti
     ``released_at``. Permits count exactly as in the admin's "in use" column:
     a permit is in use while its own state is ACQUIRED (a request whose
     permits were released but whose own row was not yet, after a crash, is
-    not in use; the sweep completes it).
+    not in use; the sweep completes it), and a rate limit's permit while its
+    slot lasts.
     """
     using = routing.current_alias()
-    capacity_now, end = (
+    capacity_now, window_now, end = (
         Semaphore.objects.using(using)
         .filter(pk=semaphore.pk)
         .annotate(db_now=DatabaseNow())
-        .values_list("capacity", "db_now")
+        .values_list("capacity", "window", "db_now")
         .get()
     )
     start = end - window
     permits = Permit.objects.using(using).filter(semaphore_id=semaphore.pk)
     fields = ("count", "request__created_at", "request__released_at")
-    # Two queries, each on an index: what is held now (semaphore, state), and
-    # what was released inside the window (state, released_at). One OR-ed
-    # query would scan the semaphore's whole retained history instead.
-    held = permits.filter(state=State.ACQUIRED).values_list(*fields)
-    released = permits.filter(
+    # Three queries, each on an index: what is held now (semaphore, state),
+    # what was released inside the window (state, released_at), and the
+    # slots of a rate limit that ended inside it or last beyond it
+    # (semaphore, slot_ends). One OR-ed query would scan the semaphore's
+    # whole retained history instead.
+    unslotted = permits.filter(slot_ends__isnull=True)
+    held = unslotted.filter(state=State.ACQUIRED).values_list(*fields)
+    released = unslotted.filter(
         state=State.RELEASED,
         request__state=State.RELEASED,
         request__released_at__gt=start,
         request__created_at__lt=end,
     ).values_list(*fields)
+    slots = permits.filter(slot_ends__gt=start, request__created_at__lt=end).values_list(
+        "count", "request__created_at", "slot_ends"
+    )
     grants = [
-        Span(count, created_at, released_at)
-        for count, created_at, released_at in [*held, *released]
+        Span(count, created_at, ends) for count, created_at, ends in [*held, *released, *slots]
     ]
     changes = [
         CapacityMark(
@@ -195,10 +213,14 @@ def load_utilization(semaphore: Semaphore, *, window: timedelta = WINDOW) -> Uti
             new=change.new_capacity,
             changed_by="" if change.changed_by is None else str(change.changed_by),
             reason=change.reason,
+            old_window=change.old_window,
+            new_window=change.new_window,
         )
         for change in CapacityChange.objects.using(using)
         .filter(semaphore_id=semaphore.pk, changed_at__gt=start)
         .select_related("changed_by")
         .order_by("changed_at", "id")
     ]
-    return build_utilization(grants, capacity_now, changes, start, end)
+    return build_utilization(
+        grants, capacity_now, changes, start, end, windowed=window_now is not None
+    )

@@ -1,6 +1,7 @@
-"""The utilization chart of the semaphore page: in use against capacity
-over the last day (``utilization``), drawn as inline SVG with a text
-description: no JavaScript, no extra table."""
+"""The utilization chart of the semaphore page: in use (on a rate limit, the
+grants in its window) against capacity over the last day
+(``utilization``), drawn as inline SVG with a text description: no
+JavaScript, no extra table."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
+from django_semaphore.admin.display import limit_of
 from django_semaphore.utilization import CapacityMark, Utilization
 
 WIDTH = 760
@@ -122,8 +124,8 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
                 "width": _number(max(float(scale.x(s.end)) - float(scale.x(s.start)), 1.0)),
                 "height": _number(float(scale.y(s.capacity)) - float(scale.y(s.in_use))),
                 "color": OVER,
-                "text": _("%(in_use)d in use, capacity %(capacity)d")
-                % {"in_use": s.in_use, "capacity": s.capacity},
+                "text": _("%(in_use)d %(counted)s, capacity %(capacity)d")
+                % {"in_use": s.in_use, "counted": _counted(utilization), "capacity": s.capacity},
             }
             for s in segments
             if s.over_capacity
@@ -181,7 +183,7 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
         markers=markers,
         left=LEFT,
         legend_y=HEIGHT - 12,
-        in_use_label=_("in use"),
+        in_use_label=_("in window") if utilization.windowed else _("in use"),
         capacity_label=_("capacity"),
         over_color=OVER,
         over_label=_("over capacity"),
@@ -202,11 +204,16 @@ def _hour_marks(start: datetime, end: datetime, every: int = 3) -> list[datetime
     return marks
 
 
+def _counted(utilization: Utilization) -> str:
+    """What the area counts: permits held, or a rate limit's grants in its window."""
+    return _("in a window") if utilization.windowed else _("in use")
+
+
 def _describe_change(change: CapacityMark) -> str:
-    text = _("%(time)s: capacity %(old)d → %(new)d") % {
+    text = _("%(time)s: capacity %(old)s → %(new)s") % {
         "time": timezone.localtime(change.at).strftime("%H:%M"),
-        "old": change.old,
-        "new": change.new,
+        "old": limit_of(change.old, change.old_window),
+        "new": limit_of(change.new, change.new_window),
     }
     if change.changed_by:
         text += " " + _("by %(user)s") % {"user": change.changed_by}
@@ -219,13 +226,18 @@ def describe(utilization: Utilization) -> str:
     """One sentence for people who cannot see the chart (and for its ``<desc>``)."""
     peak, current = utilization.peak, utilization.current
     if peak.in_use == 0:
-        text = _("Nothing was in use; capacity is %(capacity)d.") % {"capacity": current.capacity}
+        idle = _("Nothing was granted") if utilization.windowed else _("Nothing was in use")
+        text = _("%(idle)s; capacity is %(capacity)d.") % {
+            "idle": idle,
+            "capacity": current.capacity,
+        }
     else:
         text = _(
-            "Peak %(peak)d in use (capacity %(peak_capacity)d) at %(peak_time)s; "
+            "Peak %(peak)d %(counted)s (capacity %(peak_capacity)d) at %(peak_time)s; "
             "now %(now)d of %(capacity)d."
         ) % {
             "peak": peak.in_use,
+            "counted": _counted(utilization),
             "peak_capacity": peak.capacity,
             "peak_time": timezone.localtime(peak.start).strftime("%H:%M"),
             "now": current.in_use,

@@ -1,14 +1,13 @@
-"""Capacity history: read-only, written by every capacity change with its user
-and reason."""
+"""Capacity history: read-only, written by every change of capacity or window
+with its user and reason."""
 
 from __future__ import annotations
 
 from django.contrib import admin
-from django.utils.html import format_html
-from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 
 from django_semaphore.admin.base import ReadOnlyAdmin
+from django_semaphore.admin.display import limit_change
 from django_semaphore.models import CapacityChange
 
 
@@ -19,12 +18,18 @@ class CapacityChangeAdmin(ReadOnlyAdmin):
     list_select_related = ["semaphore", "changed_by"]
     search_fields = ["semaphore__name", "reason"]
     ordering = ["-changed_at", "-id"]
-    fields = ["semaphore", "old_capacity", "new_capacity", "changed_by", "changed_at", "reason"]
+    fields = [
+        "semaphore",
+        "old_capacity",
+        "new_capacity",
+        "old_window",
+        "new_window",
+        "changed_by",
+        "changed_at",
+        "reason",
+    ]
 
     @admin.display(description=_("change"))
-    def change(self, obj: CapacityChange) -> SafeString:
-        return format_html(
-            "{} → {}",
-            obj.old_capacity,
-            obj.new_capacity,
-        )
+    def change(self, obj: CapacityChange) -> str:
+        """Old → new limit: a capacity, or a rate ("5/min") while there is a window."""
+        return limit_change(obj)

@@ -1,17 +1,19 @@
 """Semaphores: the list with usage and waiters, and the change page, where
-capacity is edited through the same capacity API as code (row lock +
-``CapacityChange`` with the user) and fair mode switched on or off; below the
-form, the 24-hour chart, current holders, the queue of fair waiters and
-capacity history."""
+capacity and a rate limit's window are edited through the same API as code
+(row lock + ``CapacityChange`` with the user) and fair mode switched on or
+off; below the form, the 24-hour chart, current holders, the queue of fair
+waiters and capacity history."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any, cast
 
 from django import forms
 from django.contrib import admin
+from django.contrib.admin.utils import flatten_fieldsets
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest, HttpResponse
@@ -25,9 +27,17 @@ from django.utils.translation import gettext_lazy as _
 from django_semaphore import parking, routing
 from django_semaphore.admin.base import OperatorAdmin
 from django_semaphore.admin.chart import describe, render_svg
-from django_semaphore.admin.display import duration, elapsed, expiry, usage_bar
+from django_semaphore.admin.display import (
+    duration,
+    elapsed,
+    expiry,
+    limit_change,
+    rate_of,
+    usage_bar,
+)
 from django_semaphore.admin.usage import UsageFilter, annotated, with_changelist_columns
-from django_semaphore.api import set_capacity
+from django_semaphore.api import set_capacity, set_window
+from django_semaphore.backends import DatabaseNow
 from django_semaphore.engine import families
 from django_semaphore.managers import SemaphoreQuerySet
 from django_semaphore.models import (
@@ -40,7 +50,7 @@ from django_semaphore.models import (
 )
 from django_semaphore.states import State
 from django_semaphore.utilization import load_utilization
-from django_semaphore.validation import MAX_COUNT, MAX_LENGTH
+from django_semaphore.validation import MAX_COUNT, MAX_LENGTH, MAX_WINDOW
 
 # The semaphore page lists at most this many holders and capacity changes;
 # links lead to the full, filtered lists.
@@ -74,6 +84,18 @@ class SemaphoreForm(forms.ModelForm):
             "and nothing new is granted until usage falls below it."
         ),
     )
+    # Declared, not taken from the model: the column is not editable there
+    # (only set_window changes it, under the row lock).
+    window = forms.IntegerField(
+        label=_("Window (seconds)"),
+        min_value=1,
+        max_value=MAX_WINDOW,
+        required=False,
+        help_text=_(
+            "Empty: at most capacity permits held at once. Set: a rate limit, at most "
+            "capacity grants in any window of this many seconds, released or not."
+        ),
+    )
     reason = forms.CharField(
         label=_("Reason for the change"),
         max_length=MAX_LENGTH,
@@ -85,12 +107,17 @@ class SemaphoreForm(forms.ModelForm):
         model = Semaphore
         fields = ["name", "capacity", "fair"]
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A model form fills in only the model's editable fields.
+        self.initial.setdefault("window", self.instance.window)
+
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}
-        if cleaned.get("reason") and "capacity" not in self.changed_data:
+        if cleaned.get("reason") and not {"capacity", "window"} & set(self.changed_data):
             self.add_error(
                 "reason",
-                _("A reason is recorded with a capacity change, but the capacity is unchanged."),
+                _("A reason is recorded with a change of capacity or window, but neither changed."),
             )
         return cleaned
 
@@ -101,6 +128,7 @@ class SemaphoreAdmin(OperatorAdmin):
     list_display = [
         "name",
         "capacity",
+        "rate",
         "in_use",
         "available",
         "utilization",
@@ -115,7 +143,9 @@ class SemaphoreAdmin(OperatorAdmin):
     search_fields = ["name"]
     ordering = ["name"]
     readonly_fields = [
+        "rate",
         "in_use",
+        "next_slot",
         "available",
         "utilization",
         "holders",
@@ -135,8 +165,8 @@ class SemaphoreAdmin(OperatorAdmin):
 
     def get_fieldsets(self, request: HttpRequest, obj: Semaphore | None = None) -> Any:
         if obj is None:
-            return [(None, {"fields": ["name", "capacity", "fair"]})]
-        settings = ["name", "capacity", "fair"]
+            return [(None, {"fields": ["name", "capacity", "window", "fair"]})]
+        settings = ["name", "capacity", "window", "fair"]
         if self.has_change_permission(request, obj):
             settings.append("reason")
         if obj.family or families.is_family_default(obj.name):
@@ -148,6 +178,7 @@ class SemaphoreAdmin(OperatorAdmin):
                 {
                     "fields": [
                         "in_use",
+                        *(["next_slot"] if obj.window is not None else []),
                         "available",
                         "utilization",
                         "holders",
@@ -166,6 +197,19 @@ class SemaphoreAdmin(OperatorAdmin):
                 },
             ),
         ]
+
+    def get_form(
+        self,
+        request: HttpRequest,
+        obj: Semaphore | None = None,
+        change: bool = False,
+        **kwargs: Any,
+    ) -> type[forms.ModelForm]:
+        # The form declares ``window``; a model form asked for the model's
+        # non-editable column of that name would refuse to be built.
+        fields = kwargs.pop("fields", None) or flatten_fieldsets(self.get_fieldsets(request, obj))
+        kwargs["fields"] = [name for name in fields if name != "window"]
+        return super().get_form(request, obj, change, **kwargs)
 
     def get_readonly_fields(
         self, request: HttpRequest, obj: Semaphore | None = None
@@ -196,9 +240,51 @@ class SemaphoreAdmin(OperatorAdmin):
             "Member of %(family)s, following its default; deleted by the clean-up when idle."
         ) % {"family": obj.family}
 
+    @admin.display(description=_("rate"), ordering="window")
+    def rate(self, obj: Semaphore) -> str:
+        """A rate limit's capacity per window ("5/min"); nothing for a concurrency limit."""
+        if obj.window is None:
+            return self.get_empty_value_display()
+        return rate_of(obj.capacity, obj.window)
+
     @admin.display(description=_("in use"), ordering="in_use")
-    def in_use(self, obj: Semaphore) -> int:
-        return annotated(obj, "in_use")
+    def in_use(self, obj: Semaphore) -> SafeString | int:
+        """The permits held, or on a rate limit the grants in its current window."""
+        count = annotated(obj, "in_use")
+        if obj.window is None:
+            return count
+        return format_html(
+            '<span class="in-window" title="{}">{}</span>',
+            gettext("granted in the last %(seconds)d seconds, released or not")
+            % {"seconds": obj.window},
+            gettext("%(count)d in window") % {"count": count},
+        )
+
+    @admin.display(description=_("next slot"))
+    def next_slot(self, obj: Semaphore) -> str:
+        """When a rate limit has room for one more grant, by the database's
+        clock: now, or when enough of its slots have ended (the earliest one,
+        unless the capacity was lowered below what the window holds)."""
+        needed = annotated(obj, "in_use") + 1 - obj.capacity
+        if needed <= 0:
+            return gettext("now")
+        if obj.capacity == 0:
+            return gettext("never (capacity 0)")
+        slots = (
+            Permit.objects.using(routing.current_alias())
+            .filter(semaphore=obj, slot_ends__gt=DatabaseNow())
+            .annotate(now=DatabaseNow())
+            .order_by("slot_ends")
+            .values_list("slot_ends", "count", "now")
+        )
+        for ends, count, now in slots[:needed]:
+            needed -= count
+            if needed <= 0:
+                # Rounded up: "in 0 seconds" would promise room that is not there yet.
+                seconds = math.ceil((cast(datetime, ends) - now).total_seconds())
+                return gettext("in %(time)s") % {"time": elapsed(timedelta(seconds=seconds))}
+        # The window ended between reading usage and its slots.
+        return gettext("now")
 
     @admin.display(description=_("available"), ordering="available")
     def available(self, obj: Semaphore) -> int:
@@ -271,6 +357,7 @@ class SemaphoreAdmin(OperatorAdmin):
         self, request: HttpRequest, obj: Semaphore, form: forms.ModelForm, change: bool
     ) -> None:
         if not change:
+            obj.window = form.cleaned_data.get("window")
             obj.save(using=routing.current_alias())
             return
         if "fair" in form.changed_data:
@@ -278,16 +365,18 @@ class SemaphoreAdmin(OperatorAdmin):
             Semaphore.objects.using(routing.current_alias()).filter(pk=obj.pk).update(
                 fair=obj.fair, updated_at=timezone.now()
             )
-        if "capacity" not in form.changed_data:
-            return
-        # The same path as code: under the row lock, recorded with the user.
-        saved = set_capacity(
-            obj.name,
-            form.cleaned_data["capacity"],
-            changed_by=cast(AbstractBaseUser, request.user),
-            reason=form.cleaned_data.get("reason", ""),
-        )
-        obj.capacity, obj.updated_at = saved.capacity, saved.updated_at
+        # The same path as code: under the row lock, recorded with the user
+        # (both changed: two records, each with the reason).
+        who = cast(AbstractBaseUser, request.user)
+        reason = form.cleaned_data.get("reason", "")
+        if "capacity" in form.changed_data:
+            saved = set_capacity(
+                obj.name, form.cleaned_data["capacity"], changed_by=who, reason=reason
+            )
+            obj.capacity, obj.updated_at = saved.capacity, saved.updated_at
+        if "window" in form.changed_data:
+            saved = set_window(obj.name, form.cleaned_data["window"], changed_by=who, reason=reason)
+            obj.window, obj.updated_at = saved.window, saved.updated_at
 
     def get_deleted_objects(
         self, objs: Sequence[Any] | QuerySet[Any], request: HttpRequest
@@ -389,7 +478,15 @@ class SemaphoreAdmin(OperatorAdmin):
                 for ticket in waiting
             ],
             "queue_total": queue.count() if len(waiting) == HOLDERS_SHOWN else len(waiting),
-            "history": list(history.select_related("changed_by")[:HISTORY_SHOWN]),
+            "history": [
+                {
+                    "changed_at": change.changed_at,
+                    "change": limit_change(change),
+                    "changed_by": change.changed_by,
+                    "reason": change.reason,
+                }
+                for change in history.select_related("changed_by")[:HISTORY_SHOWN]
+            ],
             "history_total": history.count(),
             "history_url": (
                 self.admin_url(CapacityChange, "changelist", semaphore__id__exact=obj.pk)

@@ -13,6 +13,7 @@ from django.db.models import (
     FloatField,
     Model,
     OuterRef,
+    Q,
     QuerySet,
     Subquery,
     Value,
@@ -80,7 +81,11 @@ class UsageFilter(admin.SimpleListFilter):
         # The annotations come from SemaphoreAdmin.get_queryset().
         match self.value():
             case "idle":
-                return queryset.filter(~Exists(held_permits()))
+                # A rate limit is idle when its window holds no grant, released or not.
+                return queryset.filter(
+                    Q(window__isnull=True) & ~Exists(held_permits())
+                    | Q(window__isnull=False, in_use=0)
+                )
             case "room":
                 return queryset.filter(in_use__gt=0, available__gt=0)
             case "full":
