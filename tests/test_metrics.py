@@ -23,7 +23,7 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 
 import django_semaphore.metrics
-from django_semaphore import acquire, force_release, release, set_capacity, sweep
+from django_semaphore import acquire, force_release, release, set_capacity, set_window, sweep
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.metrics import checks
 from django_semaphore.metrics.views import metrics
@@ -361,4 +361,24 @@ def test_a_scrape_reads_no_permit_only_what_it_reports(client, family):
         client.get("/metrics/")
 
     (read,) = [q["sql"] for q in queries if Semaphore._meta.db_table in q["sql"]]
-    assert Permit._meta.db_table not in read
+    # Permits are read only where a rate limit's in-use is its grants in the
+    # window (the slots not closed yet, by the (semaphore, slot_ends) index);
+    # never the held permits (no holders' subquery).
+    assert read.count(Permit._meta.db_table) == 1
+    assert "slot_ends" in read.partition(Permit._meta.db_table)[2]
+
+
+def test_a_rate_limits_window_is_a_gauge_beside_its_grants_in_the_window(client, make_semaphore):
+    rate_limit, plain = make_semaphore(capacity=5), make_semaphore(capacity=2)
+    set_window(rate_limit.name, 60)
+    release(acquire({rate_limit.name: 2}, external_id=unique()).external_id)
+    acquire(plain.name, external_id=unique())
+
+    samples = parse(client.get("/metrics/").content.decode())
+
+    assert at(samples, "django_semaphore_window_seconds", semaphore=rate_limit.name) == 60
+    assert (
+        at(samples, "django_semaphore_in_use", semaphore=rate_limit.name) == 2
+    )  # released, in its window
+    assert at(samples, "django_semaphore_capacity", semaphore=rate_limit.name) == 5
+    assert at(samples, "django_semaphore_window_seconds", semaphore=plain.name) == 0

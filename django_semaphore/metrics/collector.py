@@ -26,8 +26,8 @@ logger = logging.getLogger("django_semaphore")
 
 
 class SemaphoreCollector(Collector):
-    """Capacity, permits in use, fair-mode waiters, the longest wait, parked
-    tasks and the oldest of them, of every semaphore (a family's members
+    """Capacity, a rate limit's window, permits in use, fair-mode waiters,
+    the longest wait, parked tasks and the oldest of them, of every semaphore (a family's members
     together, see ``series``), and whether the database answered."""
 
     def describe(self) -> Iterable[Metric]:
@@ -35,7 +35,7 @@ class SemaphoreCollector(Collector):
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
-        capacity, in_use, waiters, longest_wait, parked, oldest_parked, up = families = (
+        capacity, window, in_use, waiters, longest_wait, parked, oldest_parked, up = families = (
             self._families()
         )
         try:
@@ -53,6 +53,7 @@ class SemaphoreCollector(Collector):
         for label in sorted(gauges):
             of = gauges[label]
             capacity.add_metric([label], of.capacity)
+            window.add_metric([label], of.window)
             in_use.add_metric([label], of.in_use)
             waiters.add_metric([label], of.waiters)
             longest_wait.add_metric([label], of.longest_wait)
@@ -69,8 +70,15 @@ class SemaphoreCollector(Collector):
                 labels=["semaphore"],
             ),
             GaugeMetricFamily(
+                "django_semaphore_window_seconds",
+                "A rate limit's window: at most capacity grants in this many seconds; "
+                "0 for a concurrency limit.",
+                labels=["semaphore"],
+            ),
+            GaugeMetricFamily(
                 "django_semaphore_in_use",
-                "Permits held now (above capacity after capacity was lowered).",
+                "Permits held now, or on a rate limit granted in its current window "
+                "(above capacity after capacity was lowered).",
                 labels=["semaphore"],
             ),
             GaugeMetricFamily(

@@ -23,6 +23,7 @@ COLUMNS = (
     "name",
     "family",
     "capacity",
+    "window",
     "in_use",
     "waiters",
     "longest_wait",
@@ -51,10 +52,13 @@ class Gauges:
 
     Capacity, permits in use, waiters and parked tasks add up over the
     members; the longest wait and the oldest parked task are the worst of
-    them (what an alert on a queue that does not move wants).
+    them (what an alert on a queue that does not move wants). The window
+    (seconds; 0 for a concurrency limit) is the longest of them: members
+    share their family's unless one was changed on its own.
     """
 
     capacity: int = 0
+    window: int = 0
     in_use: int = 0
     waiters: int = 0
     longest_wait: float = 0.0
@@ -64,6 +68,7 @@ class Gauges:
     def add(self, row: Mapping[str, Any], *, with_capacity: bool = True) -> None:
         # MySQL returns the annotated counts as Decimal.
         self.capacity += int(row["capacity"]) if with_capacity else 0
+        self.window = max(self.window, row["window"] or 0)
         self.in_use += int(row["in_use"])
         self.waiters += int(row["waiters"])
         self.longest_wait = max(self.longest_wait, _seconds(row["longest_wait"]))
