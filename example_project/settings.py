@@ -74,11 +74,14 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 DJANGO_SEMAPHORE = {
     # "export:customer:*" is a family: one semaphore per customer, capacity 2,
     # created on the customer's first export (see docs/families.md).
+    # "mirror-syncs" is a rate limit: at most 5 mirror syncs started in any
+    # minute, however short each one is (see docs/rates.md).
     "SEMAPHORES": {
         "exports": 3,
         "backups": 1,
         "network": 2,
         "reports": 2,
+        "mirror-syncs": {"rate": "5/m"},
         "export:customer:*": 2,
     },
     # The demo's idle customers are deleted by the clean-up after 10 minutes.

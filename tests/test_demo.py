@@ -1,6 +1,7 @@
 """The README's first command, run as a new user would: on a clean checkout,
-non-interactively, until the admin answers, a demo task has completed and
-the metrics view shows what the Celery worker's processes granted."""
+non-interactively, until the admin answers, a demo task has completed, the
+rate-limited mirror syncs have started, and the metrics view shows what the
+Celery worker's processes granted."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -77,6 +79,23 @@ def demo_tasks_done(database: Path) -> int:
     return int(count)
 
 
+def mirror_sync_slots(database: Path) -> list[datetime]:
+    """When the slots of the demo's rate limit (5 mirror syncs a minute) end,
+    oldest first: one per sync it granted."""
+    if not database.exists():
+        return []
+    with sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=5) as db:
+        try:
+            rows = db.execute(
+                "SELECT p.slot_ends FROM django_semaphore_permit p"
+                " JOIN django_semaphore_semaphore s ON s.id = p.semaphore_id"
+                " WHERE s.name = 'mirror-syncs' ORDER BY p.slot_ends"
+            ).fetchall()
+        except sqlite3.OperationalError:  # not migrated yet, or busy
+            return []
+    return [datetime.fromisoformat(ends) for (ends,) in rows]
+
+
 def test_first_readme_command_on_a_clean_checkout(tmp_path):
     checkout = tmp_path / "checkout"
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(checkout)], check=True)
@@ -100,9 +119,11 @@ def test_first_readme_command_on_a_clean_checkout(tmp_path):
     )
     try:
         deadline = time.monotonic() + 600  # a fresh virtualenv is installed first
+        database = checkout / "example_project" / "db.sqlite3"
         while not (
             admin_login_answers(port)
-            and demo_tasks_done(checkout / "example_project" / "db.sqlite3")
+            and demo_tasks_done(database)
+            and mirror_sync_slots(database)
             and worker_grants_exposed(port)
         ):
             assert demo.poll() is None, (tmp_path / "demo.log").read_text()[-3000:]
@@ -112,10 +133,17 @@ def test_first_readme_command_on_a_clean_checkout(tmp_path):
         # with a day of history on its chart.
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as page:
             assert "/admin/django_semaphore/semaphore/" in page.url
-        database = checkout / "example_project" / "db.sqlite3"
         with sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=5) as db:
             (changes,) = db.execute("SELECT COUNT(*) FROM django_semaphore_capacitychange")
+            mirrors = db.execute(
+                'SELECT capacity, "window" FROM django_semaphore_semaphore'
+                " WHERE name = 'mirror-syncs'"
+            ).fetchall()
         assert changes == (2,)
+        # The rate limit declared in settings: never six syncs in a minute.
+        assert mirrors == [(5, 60)]
+        slots = mirror_sync_slots(database)
+        assert all(b - a >= timedelta(seconds=60) for a, b in zip(slots, slots[5:], strict=False))
         # No surprises for a new user: the traffic generator waited for the
         # web server, and nothing failed.
         traffic = (checkout / ".runtime" / "example" / "traffic.log").read_text()

@@ -29,8 +29,11 @@ def run_backup(self: Any, host: str) -> str:
 
 
 @shared_task(bind=True)
-@holds_permit("network", ttl=60)
+@holds_permit({"network": 1, "mirror-syncs": 1}, ttl=60)
 def sync_mirror(self: Any, mirror: str) -> str:
+    """One of the two network slots while it runs, and one of the five syncs
+    a minute the mirrors accept (a rate limit): a sixth in a minute is
+    parked until the first of them is a minute old."""
     time.sleep(random.uniform(1, 3))
     return f"{mirror} synced"
 

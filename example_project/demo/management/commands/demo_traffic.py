@@ -51,8 +51,12 @@ class Command(BaseCommand):
                 build_export.delay(n)
                 if n % 3 == 0:
                     run_backup.delay(random.choice(["db-1", "db-2", "files"]))
-                if n % 2 == 0:
-                    sync_mirror.delay(random.choice(["eu", "us", "asia"]))
+                if n % 60 == 2:
+                    # Every mirror twice, about every 90 s: the rate limit
+                    # (5 a minute) starts five and parks the sixth until
+                    # the first one's minute is over.
+                    for mirror in ["eu", "us", "asia"] * 2:
+                        sync_mirror.delay(mirror)
                 if n % 20 == 1:
                     # A burst: a backlog of parked tasks draining, two at a time.
                     for page in range(12):
