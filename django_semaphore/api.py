@@ -76,6 +76,10 @@ def acquire(
 ) -> PermitRequest:
     """Grant permits on every named semaphore, or on none of them.
 
+    A rate limit (a semaphore with a ``window``) among them is granted like
+    any other, in the same transaction; its permits count against it until
+    their window ends, released or not (docs/rates.md).
+
     Args:
         names: ``"exports"``, ``["exports", "network"]`` or ``{"exports": 2}``.
         external_id: the caller's idempotency key (job id, task id, UUID). A
@@ -103,7 +107,8 @@ def acquire(
             matches it (a name one matches is created on first use).
         FamilyFull: creating a member would exceed its family's ``max_members``.
         CapacityExceeded: a count larger than the semaphore's capacity.
-        SemaphoreExhausted: no room now (``AcquireTimeout`` once ``timeout`` ran out).
+        SemaphoreExhausted: no room now (``AcquireTimeout`` once ``timeout`` ran out);
+            its ``retry_after`` says when a rate limit's next slot frees.
         IdempotencyConflict: the key was used with other names or counts.
         PermitAlreadyReleased: the key's request was released or expired.
         NestedTransactionError: called inside ``atomic()`` on the app's alias.

@@ -128,10 +128,14 @@ def _parks_for(refusal: SemaphoreExhausted) -> bool:
 
 
 def _retry(task: Any, exc: SemaphoreExhausted) -> Exception:
-    """Retry the task with a jittered countdown (``retry()`` raises; past
-    ``max_retries`` it raises ``exc``: the task fails with it)."""
+    """Retry the task with a jittered countdown, no sooner than a rate
+    limit's next slot (``retry()`` raises; past ``max_retries`` it raises
+    ``exc``: the task fails with it)."""
     retries = task.request.retries
     countdown = min(60.0, 2.0**retries) * random.uniform(0.5, 1.5)
+    if exc.retry_after is not None:
+        # A retry before the slot frees would only spend a retry.
+        countdown = max(countdown, exc.retry_after * random.uniform(1.0, 1.1))
     logger.info(
         "Task %s[%s] deferred %.1fs (retry %d): %s",
         task.name,

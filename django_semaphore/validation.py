@@ -22,9 +22,9 @@ MAX_COUNT = 2**31 - 1
 # PostgreSQL and SQLite (MySQL's unsigned column holds more), so one rule
 # holds on every backend.
 MAX_TOKEN = BaseDatabaseOperations.integer_field_ranges["PositiveBigIntegerField"][1]
-# The longest window of a rate limit: a day. Released requests, and the
-# slots their permits keep, are deleted no sooner than RELEASED_RETENTION
-# after their release, which the system check keeps longer than this.
+# The longest window of a rate limit: a day. The slots of its grants are
+# kept on their permits until the grant closes them, whatever the
+# retention of released requests (sweep.clean_released keeps them).
 MAX_WINDOW = 86_400
 # "100/s": a rate's units, in seconds.
 RATE_UNITS = {"s": 1, "m": 60, "h": 3600}

@@ -117,12 +117,31 @@ def test_create_then_set_capacity_is_recorded_as_by_command():
     ]
 
 
+def test_a_rate_makes_a_rate_limit_and_no_window_a_concurrency_limit_again():
+    name = unique()
+    run("semaphore_create", name, "3")
+
+    assert "capacity 3 -> 100 per 1s" in run("semaphore_capacity", name, "100/s")
+    assert "capacity 100 per 1s -> 4" in run("semaphore_capacity", name, "4", "--no-window")
+
+    changes = CapacityChange.objects.filter(semaphore__name=name).order_by("id")
+    assert [(c.old_capacity, c.new_capacity, c.old_window, c.new_window) for c in changes] == [
+        (3, 100, None, None),
+        (100, 100, None, 1),
+        (100, 4, 1, 1),
+        (4, 4, 1, None),
+    ]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["semaphore_create", "", "3"], "name"),
         (["semaphore_create", "x", "-1"], "apacity"),
         (["semaphore_capacity", "no-such-semaphore", "3"], "no-such-semaphore"),
+        (["semaphore_capacity", "x", "5/d"], "rate"),
+        (["semaphore_capacity", "x", "five"], "CAPACITY"),
+        (["semaphore_capacity", "x", "5/s", "--no-window"], "window"),
         (["semaphore_capacity", "x", "-1"], "apacity"),
         (["semaphore_capacity", "a\x00b", "3"], "name"),
         (["semaphore_capacity", "x", "3", "--reason", "r" * 300], "reason"),

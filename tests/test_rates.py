@@ -14,7 +14,15 @@ from django.contrib.auth import get_user_model
 from django.core.checks import Tags, run_checks
 from django.db import connections
 
-from django_semaphore import ReleaseOutcome, acquire, permit, release, set_capacity, set_window
+from django_semaphore import (
+    ReleaseOutcome,
+    acquire,
+    permit,
+    release,
+    set_capacity,
+    set_window,
+    wake,
+)
 from django_semaphore.declared import create_declared_semaphores
 from django_semaphore.exceptions import (
     AcquireTimeout,
@@ -28,6 +36,7 @@ from tests import tasks, views
 from tests.children import Outbox
 from tests.clients import run_clients, take_slots
 from tests.conftest import behind_the_engine, unique
+from tests.test_parked import park_row
 from tests.testapp.models import RunLog
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -248,6 +257,24 @@ def test_parked_tasks_are_woken_at_each_slot_in_order_without_a_release(celery_w
     gaps = [later - earlier for earlier, later in itertools.pairwise(grants)]
     assert all(gap >= timedelta(seconds=3) for gap in gaps), gaps  # never two in a window
     assert all(gap < timedelta(seconds=4.5) for gap in gaps), gaps  # woken at the slot's end
+
+
+def test_a_tenant_at_its_rate_never_holds_back_another_on_the_shared_semaphore(published):
+    """Tenant A's tasks parked for want of A's own rate leave the shared
+    concurrency limit to tenant B's, and a release of the shared one wakes
+    none of A's: its slot has not ended."""
+    exports = Semaphore.objects.create(name=unique("exports"), capacity=3)
+    a, b = rate_limit(1, window=60), rate_limit(1, window=60)
+    acquire({exports.name: 1, a.name: 1}, external_id="a-runs")  # A's slot for a minute
+    [park_row({exports.name: 1, a.name: 1}) for _ in range(3)]
+    acquire({exports.name: 2}, external_id="fill")
+    b_task = park_row({exports.name: 1, b.name: 1})  # exports is full now
+
+    release("fill")
+    release("a-runs")
+
+    assert wake.wake("default", [exports.pk, a.pk]) == 1
+    assert published == [b_task]
 
 
 def ran() -> int:

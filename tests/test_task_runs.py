@@ -24,7 +24,7 @@ from django_semaphore.exceptions import (
 from django_semaphore.models import PermitRequest
 from django_semaphore.owners import NO_PROCESS, TaskOwner
 from django_semaphore.runs import Options
-from django_semaphore.task_runs import _park_task, _parks_for, _take_over
+from django_semaphore.task_runs import _park_task, _parks_for, _retry, _take_over
 from tests.conftest import unique
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -128,3 +128,15 @@ def _raise(error: Exception) -> None:
 
 def _options() -> Options:
     return Options({"s": 1}, None, 0, 1, "app.tasks.job", False, None, 1, None)
+
+
+@pytest.mark.parametrize(("retry_after", "least"), [(None, 0), (30.0, 30)])
+def test_a_retry_without_parking_comes_no_sooner_than_the_next_slot(retry_after, least):
+    task = Refused()
+    task.request.retries = 0
+    asked: list[float] = []
+    task.retry = lambda exc, countdown: asked.append(countdown) or exc
+
+    _retry(task, SemaphoreExhausted(["stripe"], retry_after=retry_after))
+
+    assert least <= asked[0] <= max(least * 1.1 + 1, 2)

@@ -1,4 +1,9 @@
-"""``manage.py semaphore_capacity NAME CAPACITY``: recorded in the history."""
+"""``manage.py semaphore_capacity NAME CAPACITY``: recorded in the history.
+
+``CAPACITY`` may be a rate (``100/s``, ``5/m``): the semaphore becomes a
+rate limit with that window; ``--no-window`` makes it a concurrency limit
+again.
+"""
 
 from __future__ import annotations
 
@@ -7,38 +12,69 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_semaphore import routing
-from django_semaphore.api import set_capacity
-from django_semaphore.exceptions import SemaphoreError
+from django_semaphore.api import set_capacity, set_window
+from django_semaphore.exceptions import InvalidRequest, SemaphoreError
 from django_semaphore.models import Semaphore
-from django_semaphore.validation import validate_name
+from django_semaphore.validation import parse_rate, validate_name
 
 BY_COMMAND = "by command"
 
 
 class Command(BaseCommand):
     help = (
-        "Set a semaphore's capacity under its row lock; the change is recorded in "
-        "its capacity history as made by command. Held permits are never revoked."
+        "Set a semaphore's capacity, or its rate (100/s, 5/m, 1000/h), under its row "
+        "lock; the change is recorded in its capacity history as made by command. Held "
+        "permits are never revoked."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name")
-        parser.add_argument("capacity", type=int)
+        parser.add_argument(
+            "capacity", help="A capacity (3), or a rate (100/s): a rate limit's capacity, window."
+        )
+        parser.add_argument(
+            "--no-window",
+            action="store_true",
+            help="Remove the window: a concurrency limit again.",
+        )
         parser.add_argument("--reason", default="", help="Why, for the capacity history.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         reason = f"{BY_COMMAND}: {options['reason']}" if options["reason"] else BY_COMMAND
         try:
-            name = validate_name(options["name"])  # before the read of its capacity
+            name = validate_name(options["name"])  # before the read of its limits
+            capacity, windows = _limits(options["capacity"], options["no_window"])
             previous = (
                 Semaphore.objects.using(routing.alias_for_name(name))
                 .filter(name=name)
-                .values_list("capacity", flat=True)
+                .values_list("capacity", "window")
                 .first()
             )
-            semaphore = set_capacity(name, options["capacity"], reason=reason)
+            semaphore = set_capacity(name, capacity, reason=reason)
+            for window in windows:
+                semaphore = set_window(name, window, reason=reason)
         except SemaphoreError as exc:
             raise CommandError(str(exc)) from exc
-        self.stdout.write(
-            f"Semaphore {semaphore.name!r}: capacity {previous} -> {semaphore.capacity}."
-        )
+        before = "?" if previous is None else _limit(*previous)
+        after = _limit(semaphore.capacity, semaphore.window)
+        self.stdout.write(f"Semaphore {semaphore.name!r}: capacity {before} -> {after}.")
+
+
+def _limits(given: str, no_window: bool) -> tuple[int, list[int | None]]:
+    """The capacity, and the window to set (none: leave it as it is)."""
+    if "/" in given:
+        if no_window:
+            raise InvalidRequest("A rate has a window: give a capacity with --no-window.")
+        capacity, window = parse_rate(given)
+        return capacity, [window]
+    try:
+        capacity = int(given)
+    except ValueError:
+        raise InvalidRequest(
+            f"CAPACITY must be a whole number or a rate (100/s), not {given!r}."
+        ) from None
+    return capacity, [None] if no_window else []
+
+
+def _limit(capacity: int, window: int | None) -> str:
+    return str(capacity) if window is None else f"{capacity} per {window}s"
