@@ -277,6 +277,16 @@ def validate_declared(name: Any, value: Any) -> Declared:
     return Declared(capacity, window, bound)
 
 
+def parse_limit(text: str) -> tuple[int, int | None]:
+    """A capacity or a rate as written on a command line: ``"3"`` (no
+    window) or ``"100/s"``: (capacity, window)."""
+    if "/" in text:
+        return parse_rate(text)
+    if not (text.isascii() and text.isdigit()):
+        raise InvalidRequest(f"Give a capacity (3) or a rate (100/s), not {text!r}.")
+    return validate_capacity(int(text)), None
+
+
 def _seconds(value: Any, what: str) -> float:
     if isinstance(value, timedelta):
         return value.total_seconds()

@@ -118,8 +118,10 @@ def test_create_then_set_capacity_is_recorded_as_by_command():
 
 
 def test_a_rate_makes_a_rate_limit_and_no_window_a_concurrency_limit_again():
-    name = unique()
+    name, rated = unique(), unique()
     run("semaphore_create", name, "3")
+    assert "capacity 5 per 60s" in run("semaphore_create", rated, "5/m")
+    assert Semaphore.objects.filter(name=rated, capacity=5, window=60).exists()
 
     assert "capacity 3 -> 100 per 1s" in run("semaphore_capacity", name, "100/s")
     assert "capacity 100 per 1s -> 4" in run("semaphore_capacity", name, "4", "--no-window")
@@ -140,7 +142,8 @@ def test_a_rate_makes_a_rate_limit_and_no_window_a_concurrency_limit_again():
         (["semaphore_create", "x", "-1"], "apacity"),
         (["semaphore_capacity", "no-such-semaphore", "3"], "no-such-semaphore"),
         (["semaphore_capacity", "x", "5/d"], "rate"),
-        (["semaphore_capacity", "x", "five"], "CAPACITY"),
+        (["semaphore_capacity", "x", "five"], "capacity"),
+        (["semaphore_create", "x", "5/d"], "rate"),
         (["semaphore_capacity", "x", "5/s", "--no-window"], "window"),
         (["semaphore_capacity", "x", "-1"], "apacity"),
         (["semaphore_capacity", "a\x00b", "3"], "name"),

@@ -15,7 +15,7 @@ from django_semaphore import routing
 from django_semaphore.api import set_capacity, set_window
 from django_semaphore.exceptions import InvalidRequest, SemaphoreError
 from django_semaphore.models import Semaphore
-from django_semaphore.validation import parse_rate, validate_name
+from django_semaphore.validation import parse_limit, validate_name
 
 BY_COMMAND = "by command"
 
@@ -62,18 +62,10 @@ class Command(BaseCommand):
 
 def _limits(given: str, no_window: bool) -> tuple[int, list[int | None]]:
     """The capacity, and the window to set (none: leave it as it is)."""
-    if "/" in given:
-        if no_window:
-            raise InvalidRequest("A rate has a window: give a capacity with --no-window.")
-        capacity, window = parse_rate(given)
-        return capacity, [window]
-    try:
-        capacity = int(given)
-    except ValueError:
-        raise InvalidRequest(
-            f"CAPACITY must be a whole number or a rate (100/s), not {given!r}."
-        ) from None
-    return capacity, [None] if no_window else []
+    capacity, window = parse_limit(given)
+    if window is not None and no_window:
+        raise InvalidRequest("A rate has a window: give a capacity with --no-window.")
+    return capacity, [window] if window is not None or no_window else []
 
 
 def _limit(capacity: int, window: int | None) -> str:

@@ -1,4 +1,4 @@
-"""``manage.py semaphore_create NAME CAPACITY``."""
+"""``manage.py semaphore_create NAME CAPACITY``: a capacity, or a rate (``100/s``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_semaphore import routing
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.models import Semaphore
-from django_semaphore.validation import validate_capacity, validate_demand
+from django_semaphore.validation import parse_limit, validate_demand
 
 
 class Command(BaseCommand):
@@ -17,20 +17,21 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name")
-        parser.add_argument("capacity", type=int)
+        parser.add_argument("capacity", help="A capacity (3), or a rate (100/s): a rate limit.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             (name,) = validate_demand(options["name"]).names
-            capacity = validate_capacity(options["capacity"])
+            capacity, window = parse_limit(options["capacity"])
         except InvalidRequest as exc:
             raise CommandError(str(exc)) from exc
         semaphore, created = Semaphore.objects.using(routing.alias_for_name(name)).get_or_create(
-            name=name, defaults={"capacity": capacity}
+            name=name, defaults={"capacity": capacity, "window": window}
         )
         if not created:
             raise CommandError(
                 f"Semaphore {name!r} exists (capacity {semaphore.capacity}); "
                 "change it with semaphore_capacity."
             )
-        self.stdout.write(f"Created semaphore {name!r} with capacity {capacity}.")
+        per = "" if window is None else f" per {window}s"
+        self.stdout.write(f"Created semaphore {name!r} with capacity {capacity}{per}.")
