@@ -33,11 +33,13 @@ WINDOW = timedelta(hours=24)
 
 @dataclass(frozen=True)
 class Span:
-    """A permit's life on the semaphore: ``count`` held from ``start`` to ``end``."""
+    """A permit's life on the semaphore: ``count`` held from ``start`` to
+    ``end``; or, ``slot``, a rate limit's grant counted until its slot ends."""
 
     count: int
     start: datetime
     end: datetime | None  # None: still held
+    slot: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,9 +125,13 @@ def build_utilization(
     """
     if end <= start:
         raise ValueError("The window must end after it starts.")
+    inside = [change for change in changes if start < change.at < end]
+    # A permit held counts only while the semaphore has no window (a rate
+    # limit counts its grants' slots instead), as ``in_use`` counts it.
+    plain = _plain_periods(inside, start, end, windowed)
     deltas: dict[datetime, int] = defaultdict(int)
     in_use = 0
-    for grant in grants:
+    for grant in (piece for g in grants for piece in ([g] if g.slot else _clip(g, plain))):
         if grant.start >= end or (grant.end is not None and grant.end <= start):
             continue
         if grant.start <= start:
@@ -135,7 +141,6 @@ def build_utilization(
         if grant.end is not None and grant.end < end:
             deltas[grant.end] -= grant.count
 
-    inside = [change for change in changes if start < change.at < end]
     # The capacity before the first change is that change's old value;
     # without changes it never moved.
     capacity = inside[0].old if inside else capacity_now
@@ -152,6 +157,32 @@ def build_utilization(
         cursor = moment
     _append(segments, Segment(cursor, end, in_use, capacity))
     return Utilization(start=start, end=end, segments=segments, changes=inside, windowed=windowed)
+
+
+def _plain_periods(
+    changes: Sequence[CapacityMark], start: datetime, end: datetime, windowed: bool
+) -> list[tuple[datetime, datetime]]:
+    """When, inside ``[start, end]``, the semaphore had no window."""
+    periods = []
+    since = start if (changes[0].old_window is None if changes else not windowed) else None
+    for change in changes:
+        if change.new_window is None and since is None:
+            since = change.at
+        elif change.new_window is not None and since is not None:
+            periods.append((since, change.at))
+            since = None
+    if since is not None:
+        periods.append((since, end))
+    return periods
+
+
+def _clip(grant: Span, periods: list[tuple[datetime, datetime]]) -> list[Span]:
+    """The parts of a held permit's span inside ``periods``."""
+    return [
+        Span(grant.count, max(grant.start, begin), min(grant.end or finish, finish))
+        for begin, finish in periods
+        if grant.start < finish and (grant.end is None or grant.end > begin)
+    ]
 
 
 def _append(segments: list[Segment], segment: Segment) -> None:
@@ -203,9 +234,8 @@ def load_utilization(semaphore: Semaphore, *, window: timedelta = WINDOW) -> Uti
     slots = permits.filter(slot_ends__gt=start, request__created_at__lt=end).values_list(
         "count", "request__created_at", "slot_ends"
     )
-    grants = [
-        Span(count, created_at, ends) for count, created_at, ends in [*held, *released, *slots]
-    ]
+    grants = [Span(count, created_at, ends) for count, created_at, ends in [*held, *released]]
+    grants += [Span(count, created_at, ends, slot=True) for count, created_at, ends in slots]
     changes = [
         CapacityMark(
             at=change.changed_at,

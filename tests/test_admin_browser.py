@@ -354,6 +354,40 @@ def test_capacity_change_with_a_reason_appears_in_the_history(browser, server, h
     screenshot(browser, "admin-semaphore-page")
 
 
+def test_window_change_with_a_reason_makes_a_rate_limit(browser, server, holder):
+    sem = Semaphore.objects.create(name=unique("mirrors"), capacity=5)
+    holder({sem.name: 2})
+    username = log_in(browser, server, "view_semaphore", "change_semaphore")
+
+    browser.get(f"{server}/admin/django_semaphore/semaphore/{sem.pk}/change/")
+    wait_for(browser, "#id_window").send_keys("60")
+    browser.find_element(By.ID, "id_reason").send_keys("Mirrors accept 5 syncs a minute")
+    follow(browser, browser.find_element(By.NAME, "_continue"))
+
+    wait_for(browser, ".messagelist .success")
+    history = browser.find_element(By.ID, "history-group").text
+    assert "5 → 5/min" in history
+    assert username in history
+    assert "Mirrors accept 5 syncs a minute" in history
+    change = CapacityChange.objects.get(semaphore=sem)
+    assert change.changed_by is not None
+    assert change.changed_by.get_username() == username
+    assert (change.old_window, change.new_window) == (None, 60)
+    # A rate limit now: what was held before counts no more, a new grant does.
+    acquire(sem.name, external_id=unique("job"))
+    browser.refresh()
+    wait_for(browser, ".field-next_slot")
+    assert browser.find_element(By.CSS_SELECTOR, ".field-in_use .readonly").text == "1 in window"
+    assert browser.find_element(By.CSS_SELECTOR, ".field-next_slot .readonly").text == "now"
+    assert browser.find_element(By.ID, "id_window").get_attribute("value") == "60"
+    screenshot(browser, "admin-rate-limit-page")
+
+    browser.get(f"{server}/admin/django_semaphore/semaphore/?q={sem.name}")
+    row = row_of(browser, sem.name)
+    assert (cell(row, "rate"), cell(row, "in_use")) == ("5/min", "1 in window")
+    screenshot(browser, "admin-rate-limit")
+
+
 def test_force_release_a_holder(browser, server, holder):
     sem = Semaphore.objects.create(name=unique("backups"), capacity=2)
     stuck, other = holder({sem.name: 1}), holder({sem.name: 1})

@@ -6,14 +6,17 @@ through ``set_window``."""
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.urls import reverse
 
 from django_semaphore import acquire, release, set_capacity, set_window
+from django_semaphore.admin.chart import describe
 from django_semaphore.admin.display import rate_of
 from django_semaphore.models import CapacityChange, Semaphore
+from django_semaphore.utilization import CapacityMark, Span, build_utilization
 from tests.conftest import unique
 from tests.test_admin import HISTORY, SEMAPHORES, VIEW_ALL, semaphore_url, staff
 
@@ -240,3 +243,28 @@ def test_the_chart_marks_window_changes(client):
 
     assert "capacity 5 → 5/min" in chart
     assert "capacity 5/min → 6/min" in chart
+
+
+def test_the_chart_counts_holders_while_plain_and_slots_while_a_rate_limit():
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    hour = timedelta(hours=1)
+    held = Span(2, start + hour, None)  # held since 01:00, still held
+    slot = Span(1, start + 3 * hour, start + 3 * hour + timedelta(minutes=1), slot=True)
+    windowed = CapacityMark(
+        at=start + 2 * hour, old=5, new=5, changed_by="", reason="", new_window=60
+    )
+
+    utilization = build_utilization(
+        [held, slot], 5, [windowed], start, start + 24 * hour, windowed=True
+    )
+
+    # Held counts until the window is set (then grants in the window count,
+    # as in_use counts them): none after it but the one slot's minute.
+    assert [(s.start.hour, s.start.minute, s.in_use) for s in utilization.segments] == [
+        (0, 0, 0),
+        (1, 0, 2),
+        (2, 0, 0),
+        (3, 0, 1),
+        (3, 1, 0),
+    ]
+    assert "now 0 of 5" in describe(utilization)

@@ -254,7 +254,7 @@ class SemaphoreAdmin(OperatorAdmin):
         if obj.window is None:
             return count
         return format_html(
-            '<span class="in-window" title="{}">{}</span>',
+            '<span class="in-window" title="{}" style="white-space: nowrap">{}</span>',
             gettext("granted in the last %(seconds)d seconds, released or not")
             % {"seconds": obj.window},
             gettext("%(count)d in window") % {"count": count},
