@@ -107,3 +107,77 @@ def test_parked_benchmark_smoke_mode_drains_without_failures(tmp_path):
     family = results["family"]  # stand-by learned per family: one wait a process at most
     assert (family["ran"], family["failed"]) == (20, 0), family
     assert family["standby_waits_per_process_max"] <= 1, family
+
+
+def test_rates_checker_counts_every_window_over_the_limit():
+    from benchmarks.rates import SECOND, windows_over
+
+    # A window starts at every grant and ends before the grant a second
+    # later: [0, 1 s) and [1 us, 1 s + 1 us) hold 2 each, [1 s, 2 s) holds 3.
+    times = [0, 1, SECOND, SECOND + 1, SECOND + 2]
+    assert windows_over(times, 2) == {"grants": 5, "windows_over": 1, "max_in_window": 3}
+    assert windows_over(times, 3)["windows_over"] == 0
+    assert windows_over([], 1) == {"grants": 0, "windows_over": 0, "max_in_window": 0}
+
+
+def rates_database_url(tmp_path: Path) -> str:
+    """A database of its own: the main smoke may empty its own meanwhile."""
+    return smoke_database_url(tmp_path).replace("_bench_smoke", "_bench_rates_smoke")
+
+
+def test_rates_benchmark_smoke_mode_keeps_its_limits(tmp_path):
+    """``python -m benchmarks.rates --smoke``, the app's figures: the grant
+    log never holds more than the rate in a window (an invariant, not a
+    timing), and every cell ran without errors."""
+    output = tmp_path / "rates.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    command = [
+        sys.executable, "-m", "benchmarks.rates", "--smoke", "--figures", "limit,pair,history",
+        "--database-url", rates_database_url(tmp_path), "--json", str(output),
+    ]  # fmt: skip
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    figures = json.loads(output.read_text())["figures"]
+    limit = figures["limit"]
+    assert limit["grants"] > 0, limit
+    assert (limit["windows_over"], limit["errors"]) == (0, 0), limit
+    assert limit["max_in_window"] <= limit["rate"], limit
+    for side in ("mine", "base"):
+        assert figures["pair"][side]["cycles_per_s"] > 0, figures["pair"]
+        assert figures["pair"][side]["errors"] == 0, figures["pair"]
+    history = figures["history"]
+    assert history["seeded"]["slots"] == history["history"], history
+    for part in ("wide", "limited"):
+        assert history[part]["mine"]["errors"] == history[part]["base"]["errors"] == 0, history
+    assert history["wide"]["mine"]["cycles_per_s"] > 0, history
+    for counted in history["limited"]["windows"].values():
+        assert counted["grants"] > 0, history
+        assert counted["windows_over"] == 0, history
+
+
+@pytest.mark.once
+def test_rates_benchmark_celery_smoke_mode_runs_real_workers(tmp_path):
+    """The Celery figure of ``python -m benchmarks.rates --smoke``: two real
+    worker nodes with ``rate_limit`` on the test Redis ran tasks, and left
+    nothing of theirs in Redis. Marked ``once``: it touches no database."""
+    import redis
+    from django.conf import settings
+
+    output = tmp_path / "rates-celery.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    redis_url = settings.CELERY_BROKER_URL.rsplit("/", 1)[0] + "/7"
+    command = [
+        sys.executable, "-m", "benchmarks.rates", "--smoke", "--figures", "celery",
+        "--database-url", rates_database_url(tmp_path), "--redis-url", redis_url,
+        "--json", str(output),
+    ]  # fmt: skip
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    (celery,) = json.loads(output.read_text())["figures"]["celery"]
+    assert celery["grants"] > 0, celery
+    left = redis.Redis.from_url(redis_url).keys("*bench-rates*")
+    assert left == [], left
