@@ -122,7 +122,9 @@ _SemaphoreManager = models.Manager.from_queryset(SemaphoreQuerySet)
 
 
 class SemaphoreManager(_SemaphoreManager["Semaphore"]):
-    """Every query annotates ``in_use``, the permits held (see ``in_use``).
+    """Every query annotates ``in_use``, what counts against the capacity:
+    the permits held, or on a rate limit the grants of its window (see
+    ``in_use``).
 
     The type checker knows only the model's fields: the code names the
     annotation through ``F("in_use")`` or ``Q(in_use=...)``.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,8 +27,9 @@ MAX_TOKEN = BaseDatabaseOperations.integer_field_ranges["PositiveBigIntegerField
 # kept on their permits until the grant closes them, whatever the
 # retention of released requests (sweep.clean_released keeps them).
 MAX_WINDOW = 86_400
-# "100/s": a rate's units, in seconds.
-RATE_UNITS = {"s": 1, "m": 60, "h": 3600}
+# "100/s": a rate's units, in seconds ("min" is how format_rate writes a minute).
+RATE_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600}
+RATE = re.compile(r"(?P<count>[0-9]+)/(?P<multiple>[0-9]*)(?P<unit>s|m|min|h)", re.ASCII)
 # A family's pattern is a declared name with fnmatch wildcards (families.py).
 WILDCARDS = frozenset("*?[")
 
@@ -208,25 +210,33 @@ def _window_seconds(window: Any) -> int:
 
 
 def parse_rate(rate: Any) -> tuple[int, int]:
-    """``"100/s"``, ``"5/m"``, ``"1000/h"`` (also ``"100/2s"``): (capacity, window).
+    """``"100/s"``, ``"5/m"`` (or ``"5/min"``), ``"1000/h"``, also
+    ``"3/10s"``: (capacity, window).
 
     Raises:
         InvalidRequest: not such a string, or out of range.
     """
-    count, _, per = rate.partition("/") if isinstance(rate, str) else ("", "", "")
-    multiple, unit = per[:-1], per[-1:]
-    if not (
-        count.isascii()
-        and count.isdigit()
-        and unit in RATE_UNITS
-        and (multiple == "" or (multiple.isascii() and multiple.isdigit()))
-    ):
+    found = RATE.fullmatch(rate) if isinstance(rate, str) else None
+    if found is None:
         raise InvalidRequest(
             f"A rate is a count per second, minute or hour, like '100/s', '5/m' or "
             f"'1000/h', not {rate!r}."
         )
-    window = int(multiple or 1) * RATE_UNITS[unit]
-    return validate_capacity(int(count)), _window_seconds(window)
+    window = int(found["multiple"] or 1) * RATE_UNITS[found["unit"]]
+    return validate_capacity(int(found["count"])), _window_seconds(window)
+
+
+def format_rate(capacity: int, window: int) -> str:
+    """A rate as people write it (and ``parse_rate`` reads it), in the
+    window's largest whole unit: "100/s", "5/min", "3/10s", "1000/2h"."""
+    unit, seconds = next((u, s) for u, s in (("h", 3600), ("min", 60), ("s", 1)) if window % s == 0)
+    multiple = window // seconds
+    return f"{capacity}/{multiple if multiple > 1 else ''}{unit}"
+
+
+def format_limit(capacity: int, window: int | None) -> str:
+    """A semaphore's limit: its capacity, or its rate when it has a window."""
+    return str(capacity) if window is None else format_rate(capacity, window)
 
 
 @dataclass(frozen=True)

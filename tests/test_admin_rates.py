@@ -14,9 +14,9 @@ from django.urls import reverse
 
 from django_semaphore import acquire, release, set_capacity, set_window
 from django_semaphore.admin.chart import describe
-from django_semaphore.admin.display import rate_of
 from django_semaphore.models import CapacityChange, Semaphore
 from django_semaphore.utilization import CapacityMark, Span, build_utilization
+from django_semaphore.validation import format_rate, parse_rate
 from tests.conftest import unique
 from tests.test_admin import HISTORY, SEMAPHORES, VIEW_ALL, semaphore_url, staff
 
@@ -54,7 +54,8 @@ def limits_form(capacity: int, window: int | None, reason: str = "") -> dict[str
     ],
 )
 def test_a_rate_reads_in_its_largest_whole_unit(capacity, window, text):
-    assert rate_of(capacity, window) == text
+    assert format_rate(capacity, window) == text
+    assert parse_rate(text) == (capacity, window)
 
 
 def test_the_list_shows_the_rate_and_the_grants_in_the_window(client, make_semaphore):

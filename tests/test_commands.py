@@ -117,6 +117,16 @@ def test_create_then_set_capacity_is_recorded_as_by_command():
     ]
 
 
+def test_status_shows_a_rate_limits_rate_and_its_grants_in_the_window():
+    rated = unique()
+    run("semaphore_create", rated, "5/m")
+    acquire({rated: 2}, external_id=unique())
+
+    (line,) = [line for line in run("semaphore_status", rated).splitlines() if rated in line]
+
+    assert line.split()[1:4] == ["5/min", "2", "3"]
+
+
 def test_a_rate_makes_a_rate_limit_and_no_window_a_concurrency_limit_again():
     name, rated = unique(), unique()
     run("semaphore_create", name, "3")

@@ -10,11 +10,10 @@ from django.utils.safestring import SafeString
 from django.utils.timesince import timesince
 from django.utils.translation import gettext, ngettext
 
+from django_semaphore.validation import format_limit
+
 if TYPE_CHECKING:
     from django_semaphore.models import CapacityChange
-
-# A rate limit's window in its largest whole unit: "5/min", not "5/60s".
-RATE_UNITS = (("h", 3600), ("min", 60), ("s", 1))
 
 # Bar colors, the admin's own palette: readable on its light and dark themes.
 BAR_IN_USE = "#79aec8"
@@ -61,23 +60,11 @@ def usage_bar(in_use: int, capacity: int) -> SafeString:
     )
 
 
-def rate_of(capacity: int, window: int) -> str:
-    """A rate limit as people write it: "100/s", "5/min", "3/10s", "1000/2h"."""
-    unit, seconds = next((u, s) for u, s in RATE_UNITS if window % s == 0)
-    multiple = window // seconds
-    return f"{capacity}/{multiple if multiple > 1 else ''}{unit}"
-
-
-def limit_of(capacity: int, window: int | None) -> str:
-    """A semaphore's limit: its capacity, or its rate when it has a window."""
-    return str(capacity) if window is None else rate_of(capacity, window)
-
-
 def limit_change(change: CapacityChange) -> str:
     """A capacity history row as old → new limit: "4 → 6", "5/min → 10/min",
     "5 → 5/min" (a window set), "5/min → 5" (removed)."""
-    old = limit_of(change.old_capacity, change.old_window)
-    return f"{old} → {limit_of(change.new_capacity, change.new_window)}"
+    old = format_limit(change.old_capacity, change.old_window)
+    return f"{old} → {format_limit(change.new_capacity, change.new_window)}"
 
 
 def expiry(expires_at: datetime | None, now: datetime) -> str:

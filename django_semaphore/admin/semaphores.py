@@ -32,7 +32,6 @@ from django_semaphore.admin.display import (
     elapsed,
     expiry,
     limit_change,
-    rate_of,
     usage_bar,
 )
 from django_semaphore.admin.usage import UsageFilter, annotated, with_changelist_columns
@@ -50,7 +49,7 @@ from django_semaphore.models import (
 )
 from django_semaphore.states import State
 from django_semaphore.utilization import load_utilization
-from django_semaphore.validation import MAX_COUNT, MAX_LENGTH, MAX_WINDOW
+from django_semaphore.validation import MAX_COUNT, MAX_LENGTH, MAX_WINDOW, format_rate
 
 # The semaphore page lists at most this many holders and capacity changes;
 # links lead to the full, filtered lists.
@@ -245,7 +244,7 @@ class SemaphoreAdmin(OperatorAdmin):
         """A rate limit's capacity per window ("5/min"); nothing for a concurrency limit."""
         if obj.window is None:
             return self.get_empty_value_display()
-        return rate_of(obj.capacity, obj.window)
+        return format_rate(obj.capacity, obj.window)
 
     @admin.display(description=_("in use"), ordering="in_use")
     def in_use(self, obj: Semaphore) -> SafeString | int:

@@ -9,11 +9,18 @@ semaphore, or on none.
    behind grants), read with the lock and again, fresh, only when there
    seems to be no room; the grant folds it into the row. The check is O(1)
    however many permits are held.
-3. Only if some semaphore lacks room: reclaim expired permits holding it, and
-   let a fair queue say whether this call must wait behind older tickets.
+   On a rate limit (a semaphore with a window) what counts is its slots,
+   ``slots_open``: every grant of the window, released or not.
+3. Only if some semaphore lacks room: close the rate limits' slots that
+   ended (one index range of ``Permit.slot_ends``, never past windows),
+   reclaim expired permits holding the concurrency limits, and let a fair
+   queue say whether this call must wait behind older tickets. A refusal
+   says when a rate limit's next slot frees.
 4. Insert the request (its unique key settles repeated and concurrent first
    calls), raise the counters and advance the fencing counters in one
-   update, insert the permits with their tokens. Commit.
+   update, insert the permits with their tokens (and the end of their slot
+   on a rate limit, whose ended slots are also closed once a window).
+   Commit.
 
 From the lock to the commit every other caller of these semaphores waits, so
 each step is one precompiled statement (``statements/``).
@@ -215,8 +222,9 @@ def refusal(
     if usage.key_taken:
         # A repeated call is answered with its request even when full.
         return KeyTaken()
-    for s in _lacking_room(locked, demand):
+    for s in locked:
         if s.window is not None:
+            # Exact before anything is decided: the fair queue reads it too.
             sql.close_slots(cursor, s, usage.now)
     # Expired holders free room on concurrency limits only: a rate limit's
     # slots end with their window, released or not.

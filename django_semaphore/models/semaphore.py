@@ -273,6 +273,7 @@ class Semaphore(GuardedModel):
         # counts against the capacity changes: holders, or grants in the
         # window): parked tasks that fit then are woken once this commits.
         room_made = capacity > self.capacity or window != self.window
+        freed = {self.pk: max(capacity - self.capacity, 0)}
         if self.window is not None and window is None:
             close_every_slot(using, [self.pk])
         self.capacity, self.window = capacity, window
@@ -284,7 +285,6 @@ class Semaphore(GuardedModel):
                 using=using, update_fields=["capacity", "window", "own_capacity", "updated_at"]
             )
         if room_made and signals.permits_freed.has_listeners(Semaphore):
-            freed = {self.pk: max(capacity - self.capacity, 0)}
             transaction.on_commit(
                 lambda: signals.permits_freed.send_robust(
                     sender=Semaphore, freed=freed, using=using

@@ -17,14 +17,15 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.engine import counter
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.models import Semaphore, Ticket
-from django_semaphore.validation import validate_keys
+from django_semaphore.validation import format_limit, validate_keys
 
 QUEUE_SHOWN = 20
 
 
 class Command(BaseCommand):
     help = (
-        "Show each semaphore: capacity, in use, available, holders, waiters, the "
+        "Show each semaphore: capacity (a rate limit's rate), in use (its grants in "
+        "the window), available, holders, waiters, the "
         "longest wait, parked tasks and how long the first of them has waited; then "
         "who waits in line on each (fair mode)."
     )
@@ -71,7 +72,7 @@ class Command(BaseCommand):
             rows.append(
                 (
                     name,
-                    str(s.capacity),
+                    format_limit(s.capacity, s.window),
                     str(in_use),
                     available,
                     str(s.holders),  # type: ignore[attr-defined]
