@@ -36,7 +36,9 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name="semaphore",
             name="slots_open",
-            field=models.PositiveIntegerField(default=0, editable=False, verbose_name="slots open"),
+            field=models.PositiveIntegerField(
+                db_default=0, default=0, editable=False, verbose_name="slots open"
+            ),
         ),
         migrations.AddField(
             model_name="semaphore",

@@ -104,7 +104,11 @@ class Semaphore(GuardedModel):
     # ``slots_closed_until`` (an index range of Permit.slot_ends), so a grant
     # never reads the slots of past windows. ``in_use`` is exact meanwhile:
     # it subtracts the slots that ended and were not closed yet.
-    slots_open = models.PositiveIntegerField(_("slots open"), default=0, editable=False)
+    # A database default too: rows inserted by code that predates the
+    # column (an older release during a rolling deploy, raw SQL) count none.
+    slots_open = models.PositiveIntegerField(
+        _("slots open"), default=0, db_default=0, editable=False
+    )
     slots_closed_until = models.DateTimeField(
         _("slots closed until"), null=True, blank=True, editable=False
     )

@@ -150,9 +150,9 @@ class Statements(SQL):
         self.grant_sql = (
             f"UPDATE {semaphore} SET {q('fencing_counter')} = {q('fencing_counter')} + 1,"
             f" {q('in_use_counter')} = {{counted}}, {q('released_folded')} = {{folded}},"
-            f"{{slots}} {q('updated_at')} = %s WHERE {q('id')} IN ({{ids}})"
+            f" {q('slots_open')} = {q('slots_open')} + {{slots}},"
+            f" {q('updated_at')} = %s WHERE {q('id')} IN ({{ids}})"
         )
-        self.slots_sql = f" {q('slots_open')} = {q('slots_open')} + {{added}},"
         # A rate limit's slots that ended since it last closed them: a range
         # of the (semaphore, slot_ends) index, never the slots of past windows.
         ended = (
@@ -313,16 +313,12 @@ class Statements(SQL):
         # A rate limit's slots: what it grants counts until its window ends,
         # released or not (the release counter counts its holders).
         slots = {s.id: added[s.id] if s.window is not None else 0 for s in locked}
-        if not any(slots.values()):
-            slots = {}
         # No lock wait to bound: the rows are this transaction's already.
         cursor.execute(
             self.grant_sql.format(
                 counted=self.case_placeholders(len(counted)),
                 folded=self.case_placeholders(len(folded)),
-                slots=self.slots_sql.format(added=self.case_placeholders(len(slots)))
-                if slots
-                else "",
+                slots=self.case_placeholders(len(slots)),
                 ids=placeholders(len(locked)),
             ),
             [
