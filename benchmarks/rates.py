@@ -137,6 +137,9 @@ def limiter(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         "clients": args.clients,
         "duration_s": args.duration,
         **windows_over(times, args.rate),
+        # How bursty within the window: a sliding limit lets a window's
+        # grants come at once (each slot frees a window after its grant).
+        "max_in_100ms": windows_over(times, args.rate, SECOND // 10)["max_in_window"],
         "cycles_per_s": round(cell.cycles_per_s, 1),
         "throughput_over_rate": round(cell.cycles_per_s / args.rate, 3),
         # From the log: the last duration's grants (the warm-up's burst left out).
@@ -325,7 +328,9 @@ def _medians(cells: list[Cell]) -> dict[str, Any]:
         "cycles_per_s": median(lambda c: c.cycles_per_s),
         "runs_cycles_per_s": [round(c.cycles_per_s) for c in cells],
         "server_cpu_ms": median(lambda c: c.server_cpu_ms),
+        "runs_server_cpu_ms": [_round(c.server_cpu_ms) for c in cells],
         "client_cpu_ms": median(lambda c: c.client_cpu_ms),
+        "runs_client_cpu_ms": [_round(c.client_cpu_ms) for c in cells],
         "p50_ms": median(lambda c: c.p50_ms),
         "p99_ms": median(lambda c: c.p99_ms),
         "rejections": sum(c.rejections for c in cells),
@@ -408,6 +413,7 @@ def celery_figure(args: argparse.Namespace, layout: str) -> dict[str, Any]:
         "backlog": backlog,
         "publish_s": round(published_s, 1),
         **windows_over(times, args.rate),
+        "max_in_100ms": windows_over(times, args.rate, SECOND // 10)["max_in_window"],
         "starts_per_s": round(rate_of(times, counted_from, stopped), 1),
         "throughput_over_rate": round(rate_of(times, counted_from, stopped) / args.rate, 3),
         "load_before": load,
@@ -496,6 +502,10 @@ def checks(figures: dict[str, Any]) -> list[dict[str, Any]]:
             f"{f['rate']}/s limiter: throughput / rate", f["throughput_over_rate"], ">= 0.95",
             f["throughput_over_rate"] >= 0.95,
         )  # fmt: skip
+        check(
+            f"{f['rate']}/s limiter: most grants in 100 ms", f.get("max_in_100ms"),
+            "(for reference)", None,
+        )  # fmt: skip
     for run in figures.get("celery", []):
         check(
             f"Celery rate_limit, {run['layout']}: 1 s windows over the limit",
@@ -504,6 +514,10 @@ def checks(figures: dict[str, Any]) -> list[dict[str, Any]]:
         check(
             f"Celery rate_limit, {run['layout']}: most starts in a 1 s window",
             run["max_in_window"], "(for reference)", None,
+        )  # fmt: skip
+        check(
+            f"Celery rate_limit, {run['layout']}: starts per second / rate",
+            run["throughput_over_rate"], "(for reference)", None,
         )  # fmt: skip
     if "pair" in figures:
         for side, cost in figures["pair"]["cost"].items():
