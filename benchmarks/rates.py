@@ -20,7 +20,7 @@ client's own, and the database server's from ``/proc``):
    one node of two (``--pool=prefork``).
 3. **pair**: ``{plain: 1, windowed: 1}`` (a rate of 1,000,000/s: never
    refused) against ``{plain: 1, plain: 1}`` (capacity 100: never refused),
-   ``--repeat`` (3) runs each, interleaved, ``--cost-duration`` (5) seconds
+   ``--repeat`` (3) runs each, interleaved (A B, B A, ...), ``--cost-duration`` (5) seconds
    a run: cost per cycle as ratios -- wall time (the inverse of cycles/s),
    server CPU and client CPU per cycle -- of the medians; target <= 1.2.
 4. **history**: ``--history`` (1,000,000) expired slots (released
@@ -54,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from benchmarks import db, systems
 from benchmarks.fixtures import CHUNK, Data
@@ -68,6 +68,7 @@ PLAIN_CAPACITY = 100  # above any client count: never refused
 WAIT = 5.0  # the limited clients' acquire(timeout=)
 SECOND = 1_000_000  # microseconds
 HISTORY_STEP = 5_000  # microseconds between two seeded grants (200/s)
+T = TypeVar("T")
 CELERY_LAYOUTS = {"2x1": (2, "solo", 1), "1x2": (1, "prefork", 2)}
 
 
@@ -163,8 +164,8 @@ def pair(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     }
     runs: dict[str, list[Cell]] = {shape: [] for shape in shapes}
     load = _load()
-    for _ in range(args.repeat):
-        for shape, names in shapes.items():
+    for round_ in range(args.repeat):
+        for shape, names in _in_turn(list(shapes.items()), round_):
             bench.fresh(names, PLAIN_CAPACITY)
             if "pair-w" in names:
                 _limited("pair-w", WIDE)
@@ -197,8 +198,8 @@ def history(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     result["seeded"]["seconds"] = round(time.monotonic() - started, 1)
     bench.say(f"   seeded {args.history:,} expired slots in {result['seeded']['seconds']}s")
     wide: dict[str, list[Cell]] = {fresh: [], full: []}
-    for _ in range(args.repeat):
-        for name in wide:
+    for round_ in range(args.repeat):
+        for name in _in_turn(list(wide), round_):
             label = f"4 history {args.history:,}" if name == full else "4 history none"
             wide[name].append(_measure(bench, label, args, [name], WIDE, args.cost_duration))
     result["wide"] = _compare(wide[full], wide[fresh])
@@ -211,8 +212,8 @@ def history(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     # Two windows at least: the first one's grants come at once, in the warm-up.
     limited_for = max(args.cost_duration, 2.0)
     since = {name: _micros(datetime.now(UTC)) for name in limited}
-    for _ in range(args.repeat):
-        for name in limited:
+    for round_ in range(args.repeat):
+        for name in _in_turn(list(limited), round_):
             label = f"4 limited, history {args.history:,}" if name == full else "4 limited, none"
             limited[name].append(_measure(bench, label, args, [name], args.rate, limited_for, WAIT))
     result["limited"] = _compare(limited[full], limited[fresh])
@@ -222,6 +223,12 @@ def history(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     }
     result["load_after"] = _load()
     return result
+
+
+def _in_turn(sides: list[T], round_: int) -> list[T]:
+    """A B, then B A, ...: a load that drifts during a round weighs on
+    neither side more than the other."""
+    return sides if round_ % 2 == 0 else sides[::-1]
 
 
 def seed_expired_slots(data: Data, name: str, count: int) -> dict[str, Any]:
@@ -677,7 +684,10 @@ def main(argv: list[str]) -> int:
     import django
 
     django.setup()
-    say = lambda line: print(line, flush=True)  # noqa: E731
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
     say(f"rate limits on {db.server_version(target)}, {args.clients} client processes")
     started = time.monotonic()
     figures: dict[str, Any] = {}

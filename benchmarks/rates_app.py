@@ -27,6 +27,6 @@ log = redis.Redis.from_url(os.environ["BENCH_REDIS_URL"])
 
 
 # Celery's limit is a token bucket per worker (each node, whatever its pool).
-@app.task(rate_limit=f"{RATE}/s")
+@app.task(rate_limit=f"{RATE}/s")  # type: ignore[untyped-decorator]  # Celery has no hints
 def tick() -> None:
     log.rpush(STARTS, repr(time.time()))
