@@ -13,7 +13,6 @@ from typing import Any, cast
 
 from django import forms
 from django.contrib import admin
-from django.contrib.admin.utils import flatten_fieldsets
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest, HttpResponse
@@ -49,7 +48,7 @@ from django_semaphore.models import (
 )
 from django_semaphore.states import State
 from django_semaphore.utilization import load_utilization
-from django_semaphore.validation import MAX_COUNT, MAX_LENGTH, MAX_WINDOW, format_rate
+from django_semaphore.validation import MAX_COUNT, MAX_LENGTH, format_rate
 
 # The semaphore page lists at most this many holders and capacity changes;
 # links lead to the full, filtered lists.
@@ -83,18 +82,6 @@ class SemaphoreForm(forms.ModelForm):
             "and nothing new is granted until usage falls below it."
         ),
     )
-    # Declared, not taken from the model: the column is not editable there
-    # (only set_window changes it, under the row lock).
-    window = forms.IntegerField(
-        label=_("Window (seconds)"),
-        min_value=1,
-        max_value=MAX_WINDOW,
-        required=False,
-        help_text=_(
-            "Empty: at most capacity permits held at once. Set: a rate limit, at most "
-            "capacity grants in any window of this many seconds, released or not."
-        ),
-    )
     reason = forms.CharField(
         label=_("Reason for the change"),
         max_length=MAX_LENGTH,
@@ -104,12 +91,7 @@ class SemaphoreForm(forms.ModelForm):
 
     class Meta:
         model = Semaphore
-        fields = ["name", "capacity", "fair"]
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # A model form fills in only the model's editable fields.
-        self.initial.setdefault("window", self.instance.window)
+        fields = ["name", "capacity", "window", "fair"]
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}
@@ -196,19 +178,6 @@ class SemaphoreAdmin(OperatorAdmin):
                 },
             ),
         ]
-
-    def get_form(
-        self,
-        request: HttpRequest,
-        obj: Semaphore | None = None,
-        change: bool = False,
-        **kwargs: Any,
-    ) -> type[forms.ModelForm]:
-        # The form declares ``window``; a model form asked for the model's
-        # non-editable column of that name would refuse to be built.
-        fields = kwargs.pop("fields", None) or flatten_fieldsets(self.get_fieldsets(request, obj))
-        kwargs["fields"] = [name for name in fields if name != "window"]
-        return super().get_form(request, obj, change, **kwargs)
 
     def get_readonly_fields(
         self, request: HttpRequest, obj: Semaphore | None = None
@@ -356,7 +325,6 @@ class SemaphoreAdmin(OperatorAdmin):
         self, request: HttpRequest, obj: Semaphore, form: forms.ModelForm, change: bool
     ) -> None:
         if not change:
-            obj.window = form.cleaned_data.get("window")
             obj.save(using=routing.current_alias())
             return
         if "fair" in form.changed_data:

@@ -2,6 +2,7 @@
 one keeps the end of its slot on its permit, and the audit trail records
 window changes beside capacity changes."""
 
+import django.core.validators
 from django.db import migrations, models
 
 
@@ -45,9 +46,12 @@ class Migration(migrations.Migration):
             name="window",
             field=models.PositiveIntegerField(
                 blank=True,
-                editable=False,
-                help_text="A rate limit: at most capacity grants in any window of this many seconds.",
+                help_text="Empty: at most capacity permits held at once. Set: a rate limit, at most capacity grants in any window of this many seconds, released or not.",
                 null=True,
+                validators=[
+                    django.core.validators.MinValueValidator(1),
+                    django.core.validators.MaxValueValidator(86400),
+                ],
                 verbose_name="window (seconds)",
             ),
         ),

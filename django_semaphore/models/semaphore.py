@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models, router, transaction
 from django.db.models import F, Q
 from django.utils.translation import gettext_lazy as _
@@ -15,7 +16,12 @@ from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.guards import GuardedModel, engine_is_writing, engine_writes
 from django_semaphore.managers import ReleaseCounterManager, SemaphoreManager
 from django_semaphore.models.records import CapacityChange
-from django_semaphore.validation import MAX_LENGTH, validate_capacity, validate_window
+from django_semaphore.validation import (
+    MAX_LENGTH,
+    MAX_WINDOW,
+    validate_capacity,
+    validate_window,
+)
 
 if TYPE_CHECKING:
     from django.contrib.auth.base_user import AbstractBaseUser
@@ -96,8 +102,11 @@ class Semaphore(GuardedModel):
         _("window (seconds)"),
         null=True,
         blank=True,
-        editable=False,
-        help_text=_("A rate limit: at most capacity grants in any window of this many seconds."),
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_WINDOW)],
+        help_text=_(
+            "Empty: at most capacity permits held at once. Set: a rate limit, at most "
+            "capacity grants in any window of this many seconds, released or not."
+        ),
     )
     # The slots counted on a windowed semaphore: raised by grants, lowered
     # by the grant that finds no room, by the slots that ended since
