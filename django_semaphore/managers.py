@@ -16,13 +16,11 @@ from django.db.models import (
     F,
     Min,
     OuterRef,
-    Q,
     Subquery,
     Sum,
     When,
 )
 from django.db.models.functions import Cast, Coalesce, Greatest
-from django.db.models.lookups import IsNull
 
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.guards import GuardedQuerySet
@@ -174,19 +172,21 @@ def in_window(permit: type[models.Model]) -> Greatest:
     slot_ends) index: about a window's grants at most (the grant closes
     them once a window), never the slots of past windows."""
     ended = (
-        permit._default_manager.filter(
-            Q(slot_ends__gt=OuterRef("slots_closed_until"))
-            | IsNull(OuterRef("slots_closed_until"), True),
-            semaphore=OuterRef("pk"),
-            slot_ends__lte=DatabaseNow(),
-        )
+        permit._default_manager.filter(semaphore=OuterRef("pk"), slot_ends__lte=DatabaseNow())
         .order_by()
         .values("semaphore")
         .annotate(total=Sum("count"))
         .values("total")
     )
+    # Two ranges of the index, not one filter with an OR on the outer row's
+    # column: PostgreSQL makes no bound of that, and reads every slot the
+    # semaphore ever had. (NULL: nothing closed yet, before a first grant.)
+    not_closed = Case(
+        When(slots_closed_until__isnull=True, then=Subquery(ended)),
+        default=Subquery(ended.filter(slot_ends__gt=OuterRef("slots_closed_until"))),
+    )
     return Greatest(
-        Cast("slots_open", BigIntegerField()) - Coalesce(Subquery(ended), 0),
+        Cast("slots_open", BigIntegerField()) - Coalesce(not_closed, 0),
         0,
         output_field=BigIntegerField(),
     )

@@ -19,7 +19,8 @@ from collections.abc import Iterable, Sequence
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import F, Max, Q, Sum
+from django.db.models import Case, Max, OuterRef, Subquery, Sum, When
+from django.db.models.functions import Coalesce
 
 from django_semaphore import backends, routing, signals
 from django_semaphore.conf import app_settings
@@ -116,23 +117,28 @@ def _verify_batch(
 def _verify_slots(alias: str, semaphore_ids: Sequence[int], correct: bool) -> list[signals.Drift]:
     """In the caller's transaction, the rows locked: each rate limit's
     ``slots_open`` against the slots it counts (those of its permits that
-    end after ``slots_closed_until``), corrected where they differ."""
-    semaphores = Semaphore.objects.using(alias).filter(id__in=semaphore_ids, window__isnull=False)
-    counted = dict(
+    end after ``slots_closed_until``: a range of the slots index, never the
+    history), corrected where they differ."""
+    slots = (
         Permit.objects.using(alias)
-        .filter(semaphore__in=semaphores, slot_ends__isnull=False)
-        .filter(
-            Q(semaphore__slots_closed_until__isnull=True)
-            | Q(slot_ends__gt=F("semaphore__slots_closed_until"))
-        )
+        .filter(semaphore=OuterRef("pk"), slot_ends__isnull=False)
         .order_by()
-        .values("semaphore_id")
+        .values("semaphore")
         .annotate(total=Sum("count"))
-        .values_list("semaphore_id", "total")
+        .values("total")
+    )
+    counted = Case(
+        When(slots_closed_until__isnull=True, then=Subquery(slots)),
+        default=Subquery(slots.filter(slot_ends__gt=OuterRef("slots_closed_until"))),
+    )
+    rows = (
+        Semaphore.objects.using(alias)
+        .filter(id__in=semaphore_ids, window__isnull=False)
+        .annotate(counted=Coalesce(counted, 0))
+        .values_list("id", "name", "slots_open", "counted")
     )
     drifts = []
-    for id, name, recorded in semaphores.values_list("id", "name", "slots_open"):
-        actual = int(counted.get(id) or 0)
+    for id, name, recorded, actual in rows:
         if recorded != actual:
             drifts.append(signals.Drift(name, recorded, actual, counter="slots"))
             if correct:

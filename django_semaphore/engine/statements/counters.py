@@ -43,11 +43,16 @@ class CounterStatements(SQL):
             # A rate limit's slots: those open, those that ended and are not
             # closed yet, and when the next one ends.
             f" s.{q('window')}, s.{q('slots_open')},"
-            f" CASE WHEN s.{q('window')} IS NOT NULL THEN"
+            # Each an index range of (semaphore, slot_ends): PostgreSQL makes
+            # none of a bound that an OR on the outer row's column guards,
+            # and reads every slot the semaphore ever had.
+            f" CASE WHEN s.{q('window')} IS NULL THEN NULL"
+            f" WHEN s.{q('slots_closed_until')} IS NULL THEN"
             f" (SELECT SUM(p.{q('count')}) FROM {permit} p"
+            f" WHERE p.{q('semaphore_id')} = s.{q('id')} AND p.{q('slot_ends')} <= {now})"
+            f" ELSE (SELECT SUM(p.{q('count')}) FROM {permit} p"
             f" WHERE p.{q('semaphore_id')} = s.{q('id')} AND p.{q('slot_ends')} <= {now}"
-            f" AND (s.{q('slots_closed_until')} IS NULL"
-            f" OR p.{q('slot_ends')} > s.{q('slots_closed_until')})) END,"
+            f" AND p.{q('slot_ends')} > s.{q('slots_closed_until')}) END,"
             f" CASE WHEN s.{q('window')} IS NOT NULL THEN"
             f" (SELECT MIN(p.{q('slot_ends')}) FROM {permit} p"
             f" WHERE p.{q('semaphore_id')} = s.{q('id')} AND p.{q('slot_ends')} > {now}) END,"
