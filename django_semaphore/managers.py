@@ -167,28 +167,39 @@ def held(counter: type[models.Model]) -> Greatest:
 
 def in_window(permit: type[models.Model]) -> Greatest:
     """The permits a windowed semaphore granted in the current window: its
-    ``slots_open`` less the slots that ended since a grant last closed them
-    (``slots_closed_until``), by a range of the permits' (semaphore,
-    slot_ends) index: about a window's grants at most (the grant closes
-    them once a window), never the slots of past windows."""
-    ended = (
-        permit._default_manager.filter(semaphore=OuterRef("pk"), slot_ends__lte=DatabaseNow())
+    ``slots_open`` less the slots that ended since a grant last closed them,
+    by a range of the permits' (semaphore, slot_ends) index: about a
+    window's grants at most (the grant closes them once a window), never
+    the slots of past windows."""
+    return Greatest(
+        Cast("slots_open", BigIntegerField())
+        - Coalesce(not_closed(permit, slot_ends__lte=DatabaseNow()), 0),
+        0,
+        output_field=BigIntegerField(),
+    )
+
+
+def not_closed(permit: type[models.Model], **slots: Any) -> Case:
+    """The sum of a semaphore's slots (``slots`` filters them further) that
+    end after ``slots_closed_until``, the last close of its slots: what its
+    ``slots_open`` counts (the verifier's), or of those the slots that ended
+    (``in_window``'s).
+
+    Two ranges of the index chosen by a CASE, not one filter with an OR on
+    the outer row's column: PostgreSQL makes no bound of that, and reads
+    every slot the semaphore ever had. (NULL: nothing closed yet, before a
+    first grant.)
+    """
+    total = (
+        permit._default_manager.filter(semaphore=OuterRef("pk"), slot_ends__isnull=False, **slots)
         .order_by()
         .values("semaphore")
         .annotate(total=Sum("count"))
         .values("total")
     )
-    # Two ranges of the index, not one filter with an OR on the outer row's
-    # column: PostgreSQL makes no bound of that, and reads every slot the
-    # semaphore ever had. (NULL: nothing closed yet, before a first grant.)
-    not_closed = Case(
-        When(slots_closed_until__isnull=True, then=Subquery(ended)),
-        default=Subquery(ended.filter(slot_ends__gt=OuterRef("slots_closed_until"))),
-    )
-    return Greatest(
-        Cast("slots_open", BigIntegerField()) - Coalesce(not_closed, 0),
-        0,
-        output_field=BigIntegerField(),
+    return Case(
+        When(slots_closed_until__isnull=True, then=Subquery(total)),
+        default=Subquery(total.filter(slot_ends__gt=OuterRef("slots_closed_until"))),
     )
 
 

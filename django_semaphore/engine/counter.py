@@ -19,13 +19,14 @@ from collections.abc import Iterable, Sequence
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Case, Max, OuterRef, Subquery, Sum, When
+from django.db.models import Max, Sum
 from django.db.models.functions import Coalesce
 
 from django_semaphore import backends, routing, signals
 from django_semaphore.conf import app_settings
 from django_semaphore.engine.statements import statements
 from django_semaphore.guards import engine_writes
+from django_semaphore.managers import not_closed
 from django_semaphore.models import Permit, ReleaseCounter, Semaphore
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import State
@@ -66,7 +67,6 @@ def verify(
 def _verify_batch(
     connection: BaseDatabaseWrapper, semaphore_ids: Sequence[int], correct: bool
 ) -> list[signals.Drift]:
-    from django.db.models import Sum
 
     alias = connection.alias
     wait = app_settings.LOCK_WAIT_TIMEOUT
@@ -119,22 +119,10 @@ def _verify_slots(alias: str, semaphore_ids: Sequence[int], correct: bool) -> li
     ``slots_open`` against the slots it counts (those of its permits that
     end after ``slots_closed_until``: a range of the slots index, never the
     history), corrected where they differ."""
-    slots = (
-        Permit.objects.using(alias)
-        .filter(semaphore=OuterRef("pk"), slot_ends__isnull=False)
-        .order_by()
-        .values("semaphore")
-        .annotate(total=Sum("count"))
-        .values("total")
-    )
-    counted = Case(
-        When(slots_closed_until__isnull=True, then=Subquery(slots)),
-        default=Subquery(slots.filter(slot_ends__gt=OuterRef("slots_closed_until"))),
-    )
     rows = (
         Semaphore.objects.using(alias)
         .filter(id__in=semaphore_ids, window__isnull=False)
-        .annotate(counted=Coalesce(counted, 0))
+        .annotate(counted=Coalesce(not_closed(Permit), 0))
         .values_list("id", "name", "slots_open", "counted")
     )
     drifts = []
