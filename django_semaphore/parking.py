@@ -116,12 +116,14 @@ def park(task: Any, demand: Mapping[str, int]) -> None:
     alias = routing.alias_for_names(list(demand))
     connection = connections[alias]
     row = _Row(request.id, task.name, bytes(body), content_type, encoding, _expiry(request))
-    semaphore_ids = run_with_retries(
+    semaphore_ids, rate_limits = run_with_retries(
         connection, functools.partial(_insert, connection, row, dict(demand))
     )
     _set_state(task, demand)
     wake.wake(alias, semaphore_ids)
-    wake.schedule_slots(alias, set(semaphore_ids))
+    if rate_limits:
+        # No release frees a slot: a wake-up for when the next one ends.
+        wake.schedule_slots(alias, rate_limits)
 
 
 @dataclass(frozen=True)
@@ -144,17 +146,22 @@ def _expiry(request: Any) -> datetime | None:
     return moment if timezone.is_aware(moment) else timezone.make_aware(moment, UTC)
 
 
-def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) -> list[int]:
-    """The row and its demands in one transaction; the semaphores' ids."""
+def _insert(
+    connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]
+) -> tuple[list[int], set[int]]:
+    """The row and its demands in one transaction; the semaphores' ids, and
+    those of the rate limits among them."""
     alias = connection.alias
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
         rows = Semaphore.objects.using(alias).filter(name__in=demand)
-        room = {
-            name: (id, capacity - in_use)
-            for name, id, capacity, in_use in rows.values_list(
-                "name", "id", "capacity", F("in_use")
-            )
-        }
+        room: dict[str, tuple[int, int]] = {}
+        rate_limits: set[int] = set()
+        for name, id, capacity, in_use, window in rows.values_list(
+            "name", "id", "capacity", F("in_use"), "window"
+        ):
+            room[name] = (id, capacity - in_use)
+            if window is not None:
+                rate_limits.add(id)
         if len(room) != len(demand):
             raise SemaphoreNotFound(set(demand) - set(room))
         ids = {name: id for name, (id, _) in room.items()}
@@ -165,7 +172,7 @@ def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) 
         if parked_id := parked_before.values_list("id", flat=True).first():
             parked_before.update(woken_at=None)
             wakeups.mark_lacked(alias, parked_id, lacking)
-            return list(ids.values())
+            return list(ids.values()), rate_limits
         try:
             with transaction.atomic(using=alias):
                 parked = ParkedTask.objects.using(alias).create(
@@ -180,7 +187,7 @@ def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) 
                     expires_at=row.expires_at,
                 )
         except IntegrityError:
-            return list(ids.values())  # another copy of this task parked it first
+            return list(ids.values()), rate_limits  # another copy of this task parked it first
         ParkedDemand.objects.using(alias).bulk_create(
             ParkedDemand(
                 task=parked,
@@ -191,7 +198,7 @@ def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) 
             )
             for name, count in demand.items()
         )
-    return list(ids.values())
+    return list(ids.values()), rate_limits
 
 
 def _set_state(task: Any, demand: Mapping[str, int]) -> None:
