@@ -135,8 +135,8 @@ def _remove_semaphore_row_write(statements: Any) -> None:
 
     def insert_uncoordinated(self: Any, cursor: Any, rows: Any) -> None:
         rows = [
-            (semaphore, request, count, random.getrandbits(62))
-            for semaphore, request, count, _ in rows
+            (semaphore, request, count, random.getrandbits(62), slot_ends)
+            for semaphore, request, count, _, slot_ends in rows
         ]
         insert_permits(self, cursor, rows)
 

@@ -125,6 +125,7 @@ def rates_database_url(tmp_path: Path) -> str:
     return smoke_database_url(tmp_path).replace("_bench_smoke", "_bench_rates_smoke")
 
 
+@pytest.mark.once  # test_rates checks the same limit on every database
 def test_rates_benchmark_smoke_mode_keeps_its_limits(tmp_path):
     """``python -m benchmarks.rates --smoke``, the app's figures: the grant
     log never holds more than the rate in a window (an invariant, not a

@@ -35,7 +35,7 @@ from django_semaphore.validation import parse_rate
 from tests import tasks, views
 from tests.children import Outbox
 from tests.clients import run_clients, take_slots
-from tests.conftest import behind_the_engine, unique
+from tests.conftest import ago, behind_the_engine, unique
 from tests.test_parked import park_row
 from tests.testapp.models import RunLog
 
@@ -84,11 +84,11 @@ def test_a_slot_frees_when_its_window_ends_not_before():
 
 
 def test_the_window_slides_with_each_grant():
-    stripe = rate_limit(3, window=2)
+    stripe = rate_limit(3, window=1)
     acquire({stripe.name: 2}, external_id=unique())
-    time.sleep(1)
+    time.sleep(0.5)
     acquire(stripe.name, external_id=unique())
-    time.sleep(1.1)
+    time.sleep(0.6)
 
     # The first two slots ended, the third has not: room for two, not three.
     assert in_use(stripe.name) == 1
@@ -424,7 +424,7 @@ def test_set_window_refuses_malformed_windows_and_writes_nothing(window):
 # --- under load ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["threads", "processes"])
+@pytest.mark.parametrize("mode", ["threads", pytest.param("processes", marks=pytest.mark.slow)])
 def test_concurrent_clients_never_exceed_the_rate_in_any_window(mode):
     """Eight clients (threads or processes, each on its own connection) take
     slots of a 10/s limit, mixed with a concurrency limit, for three
@@ -467,17 +467,37 @@ def test_the_verifier_corrects_a_rate_limits_slot_counter():
     assert in_use(stripe.name) == 2
 
 
+def test_the_orphan_sweep_closes_the_slots_a_rate_limit_nobody_acquires_left(settings):
+    from django_semaphore import sweep
+
+    stripe = rate_limit(2, window=1)
+    release(acquire({stripe.name: 2}, external_id=unique()).external_id)
+    time.sleep(1.1)
+
+    sweep.release_orphans()
+
+    closed = Semaphore.objects.get(pk=stripe.pk)
+    assert (closed.slots_open, closed.in_use) == (0, 0)
+    assert closed.slots_closed_until > Permit.objects.get(semaphore=stripe).slot_ends
+
+
 def test_the_clean_up_keeps_released_requests_whose_slots_still_count(settings):
     from django_semaphore import sweep
 
     settings.DJANGO_SEMAPHORE = {"RELEASED_RETENTION": timedelta(seconds=1)}
     stripe = rate_limit(2, window=60)
     plain = Semaphore.objects.create(name=unique(), capacity=2)
-    for name in (stripe.name, plain.name):
-        release(acquire(name, external_id=unique()).external_id)
+    counted, recent, old = unique(), unique(), unique()
+    for key, name in ((counted, stripe.name), (recent, plain.name), (old, plain.name)):
+        acquire(name, external_id=key)
+        release(key)
+    # Granted two days ago: no slot of it can count, whatever the window.
+    PermitRequest.objects.filter(external_id=old).update(created_at=ago(days=2))
     time.sleep(1.1)
 
     sweep.clean_released()
 
-    assert list(PermitRequest.objects.values_list("permits__semaphore", flat=True)) == [stripe.pk]
+    # The request whose slot counts stays, and so does one granted within a
+    # day (a window at most) of the rate limit's last close; the old one goes.
+    assert set(PermitRequest.objects.values_list("external_id", flat=True)) == {counted, recent}
     assert in_use(stripe.name) == 1

@@ -23,6 +23,7 @@ from django.db.models import Max, Sum
 from django.db.models.functions import Coalesce
 
 from django_semaphore import backends, routing, signals
+from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.engine.statements import statements
 from django_semaphore.guards import engine_writes
@@ -118,20 +119,31 @@ def _verify_slots(alias: str, semaphore_ids: Sequence[int], correct: bool) -> li
     """In the caller's transaction, the rows locked: each rate limit's
     ``slots_open`` against the slots it counts (those of its permits that
     end after ``slots_closed_until``: a range of the slots index, never the
-    history), corrected where they differ."""
+    history), corrected where they differ. Correcting, it also closes the
+    slots that ended, as a grant does: a rate limit nobody acquires keeps
+    its last close recent, which the clean-up of released requests waits
+    for (``sweep.clean_released``)."""
+    now = Semaphore.objects.using(alias).values_list(DatabaseNow(), flat=True)[:1].get()
     rows = (
         Semaphore.objects.using(alias)
         .filter(id__in=semaphore_ids, window__isnull=False)
-        .annotate(counted=Coalesce(not_closed(Permit), 0))
-        .values_list("id", "name", "slots_open", "counted")
+        .annotate(
+            counted=Coalesce(not_closed(Permit), 0),
+            ended=Coalesce(not_closed(Permit, slot_ends__lte=now), 0),
+        )
+        .values_list("id", "name", "slots_open", "counted", "ended")
     )
     drifts = []
-    for id, name, recorded, actual in rows:
+    for id, name, recorded, actual, ended in rows:
         if recorded != actual:
             drifts.append(signals.Drift(name, recorded, actual, counter="slots"))
-            if correct:
-                with engine_writes():
-                    Semaphore.objects.using(alias).filter(pk=id).update(slots_open=actual)
+        if correct and (recorded != actual or ended):
+            # Some slot ended after the last close: ``now`` is past it.
+            closed = {"slots_closed_until": now} if ended else {}
+            with engine_writes():
+                Semaphore.objects.using(alias).filter(pk=id).update(
+                    slots_open=actual - ended, **closed
+                )
     return drifts
 
 

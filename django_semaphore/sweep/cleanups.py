@@ -7,8 +7,10 @@ fair-mode tickets past their deadline."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 
-from django.db.models import Exists, F, OuterRef, Q
+from django.db.models import Exists, Min, OuterRef, Q
+from django.db.models.functions import Coalesce
 
 from django_semaphore import routing
 from django_semaphore.backends import DatabaseNow
@@ -32,6 +34,7 @@ from django_semaphore.sweep.batches import (
     _raw_delete,
 )
 from django_semaphore.sweep.reports import CleanupReport
+from django_semaphore.validation import MAX_WINDOW
 
 
 @_on_every_alias
@@ -43,7 +46,8 @@ def clean_released(
     progress: Callable[[CleanupReport], None] | None = None,
 ) -> CleanupReport:
     """Delete requests released longer ago than ``RELEASED_RETENTION``, with
-    their permits (but none whose slot a rate limit still counts),
+    their permits (but none whose slot a rate limit may still count: none
+    granted within a day of the oldest last close of a rate limit's slots),
     ``batch_size`` requests per short transaction, until none are left or
     ``time_budget`` seconds are spent.
 
@@ -63,11 +67,17 @@ def clean_released(
     )
     # A permit whose slot a rate limit still counts (open, or ended and not
     # closed yet) stays: its slot is closed by its end, read from the row.
-    counted_slots = Permit.objects.filter(request=OuterRef("pk"), slot_ends__isnull=False).filter(
-        Q(semaphore__slots_closed_until__isnull=True)
-        | Q(slot_ends__gt=F("semaphore__slots_closed_until"))
+    # Such a slot ends after its semaphore's last close, so its request was
+    # granted less than a window (a day at most) before the oldest last
+    # close of a rate limit that counts slots: a bound on the request's own
+    # row, where a look at its permits would cost every batch a scan.
+    oldest_close = (
+        Semaphore.objects.using(alias)
+        .filter(window__isnull=False, slots_open__gt=0)
+        .aggregate(at=Min(Coalesce("slots_closed_until", DatabaseNow())))["at"]
     )
-    old = old.filter(~Exists(counted_slots))
+    if oldest_close is not None:
+        old = old.filter(created_at__lte=oldest_close - timedelta(seconds=MAX_WINDOW))
     report = CleanupReport("released requests", dry_run=dry_run)
     if dry_run:
         report.deleted = old.count()
