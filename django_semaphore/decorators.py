@@ -3,7 +3,8 @@ functions. The decorated body never runs without its permit: when none can be
 had, a view answers 429/503, a task waits (parked), a function raises.
 
 This module picks the door: a view's permit is held by ``view_runs``, a task
-run's by ``task_runs``, a plain function's by ``permit()`` here.
+run's by ``task_runs``, a plain function's by ``permit()`` here. Whether a
+function is a view is decided once, when it is decorated.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
-from django.http import HttpRequest
+from django.db import connections
 
 from django_semaphore.context import permit
 from django_semaphore.exceptions import InvalidRequest
@@ -46,15 +47,20 @@ def holds_permit(
     retry_after: int = 1,
     fair: bool = False,
     park: bool | None = None,
+    view: bool | None = None,
 ) -> Callable[[F], F]:
     """Hold permits while a view, Celery task or function runs.
 
-    - **Views** (function views, ``dispatch`` of class-based views, sync and
-      async): the permit is held until the response has been sent, for a
-      streaming response until streaming ends or the client goes away. When
-      exhausted the view is not called: the answer is
-      ``DJANGO_SEMAPHORE["VIEW_STATUS_CODE"]`` (429) with ``Retry-After``;
-      when the database fails, 503.
+    - **Views** (function views, ``dispatch`` or a handler of class-based
+      views, sync and async): the permit is taken and committed before the
+      view runs, and held until the response has been sent, for a streaming
+      response until streaming ends or the client goes away. With
+      ``ATOMIC_REQUESTS`` the view body still runs in the transaction the
+      project asked for, opened after the permit committed. When there is no
+      room the view is not called: ``DJANGO_SEMAPHORE["REFUSED_VIEW"]``
+      answers (by default ``VIEW_STATUS_CODE``, 429, with ``Retry-After``);
+      when the database cannot be reached or stays locked, it answers 503.
+      Any other error (an unknown name, a bad demand) raises, as any bug does.
     - **Celery tasks** (placed under ``@shared_task``/``@app.task``, bound or
       not): the key is the task id, so a redelivered or retried run re-attaches
       to its permit instead of taking a second one; the permit is kept across
@@ -84,12 +90,17 @@ def holds_permit(
         fair: wait in first-come, first-served order (see ``acquire``); a
             task, which never waits, is refused while older waiters queue.
         park: Celery tasks only: whether a task that finds no room is parked
-            (``True``) or retried (``False``, as 0.1 did by default);
-            ``None``: ``DJANGO_SEMAPHORE["PARK_TASKS"]``, on by default.
+            (``True``) or retried (``False``); ``None``:
+            ``DJANGO_SEMAPHORE["PARK_TASKS"]``, on by default.
+        view: whether the function is a Django view. ``None``: it is when its
+            first parameter (after ``self``) is named ``request``; pass
+            ``False`` for a helper that takes a request but must raise, not
+            answer, when refused.
 
     Raises:
         InvalidRequest: when decorating, for any malformed argument (computed
-            names are checked on each call, as ``acquire`` checks them).
+            names are checked on each call, as ``acquire`` checks them), or
+            when placed above a task decorator instead of under it.
     """
     # Every argument is checked now, so a typo fails at import rather than
     # on the first request (where a view would answer it with a 503).
@@ -109,16 +120,27 @@ def holds_permit(
             f"retry_after must be an int of seconds from 0 to {MAX_TTL}, not {retry_after!r}."
         )
     validate_flag(fair, "fair")
-    if park is not None:
-        validate_flag(park, "park")
+    for flag, name in ((park, "park"), (view, "view")):
+        if flag is not None:
+            validate_flag(flag, name)
 
     def decorate(func: F) -> F:
+        _refuse_task_object(func)
         options = Options(
             demand, lease, timeout, retry_after, _label(func), fair, park, count, names_of
         )
+        request_at = _request_position(func, view)
         if inspect.iscoroutinefunction(func):
-            return cast(F, _async_wrapper(func, options))
-        return cast(F, _sync_wrapper(func, options))
+            return cast(F, _async_wrapper(func, options, request_at))
+        wrapper = _sync_wrapper(func, options, request_at)
+        if view is not False:
+            # Django's handler must not open ATOMIC_REQUESTS' transaction
+            # around the wrapper: the permit is committed first, then
+            # view_runs opens the same transaction around the view itself.
+            # Set even when this function looks like no view: method_decorator
+            # copies the attribute from a decorated (*args, **kwargs) dummy.
+            wrapper._non_atomic_requests = set(connections)  # type: ignore[attr-defined]
+        return cast(F, wrapper)
 
     return decorate
 
@@ -140,15 +162,59 @@ def _for_call(options: Options, *args: Any, **kwargs: Any) -> Options:
 
 
 def _label(func: Callable[..., Any]) -> str:
+    # method_decorator hands over the bound method as a partial named after
+    # the class that defines it (View.dispatch): name the view's own class.
+    view = getattr(getattr(func, "func", None), "__self__", None)
+    if view is not None:
+        return f"{type(view).__module__}.{type(view).__qualname__}.{func.__name__}"
     return f"{func.__module__}.{func.__qualname__}"
 
 
-def _find_request(args: tuple[Any, ...]) -> HttpRequest | None:
-    """A view's request: first argument, or second for a method (``dispatch``)."""
-    for arg in args[:2]:
-        if isinstance(arg, HttpRequest):
-            return arg
-    return None
+def _request_position(func: Callable[..., Any], view: bool | None) -> int | None:
+    """Where a view's request is among its arguments (after ``self`` for a
+    method); ``None`` for a function that is not a view."""
+    try:
+        # method_decorator's partial of a bound method is wrapped as the
+        # unbound method: its own signature, without self, is the true one.
+        signature = inspect.signature(func, follow_wrapped=not isinstance(func, functools.partial))
+    except (TypeError, ValueError):  # a callable Python cannot read
+        parameters = []
+    else:
+        parameters = list(signature.parameters)
+    skip = 1 if parameters[:1] == ["self"] else 0
+    if view is None:
+        view = parameters[skip : skip + 1] == ["request"]
+    return skip if view else None
+
+
+def _refuse_task_object(func: Any) -> None:
+    """Above ``@shared_task`` the decorator would wrap the task object, and
+    ``.delay`` would no longer exist; under it, it wraps the task's body."""
+    kinds = _task_classes()
+    # type(), not isinstance(): shared_task's proxy would build the task to answer.
+    if kinds and issubclass(type(func), kinds):
+        raise InvalidRequest(
+            f"@holds_permit is placed above the task decorator of {func!r}: place it "
+            "under @shared_task / @app.task / @task, right above the function."
+        )
+
+
+def _task_classes() -> tuple[type, ...]:
+    classes: list[type] = []
+    try:
+        from celery import Task
+        from celery.local import Proxy
+    except ImportError:
+        pass
+    else:
+        classes += [Task, Proxy]
+    try:
+        from django.tasks import Task as DjangoTask  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:  # before Django 6
+        pass
+    else:
+        classes.append(DjangoTask)
+    return tuple(classes)
 
 
 def _running_task_of(body: Callable[..., Any]) -> Any:
@@ -170,11 +236,11 @@ def _running_task_of(body: Callable[..., Any]) -> Any:
     return None
 
 
-def _sync_wrapper(func: F, options: Options) -> Callable[..., Any]:
+def _sync_wrapper(func: F, options: Options, request_at: int | None) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        request = _find_request(args)
-        if request is not None:
+        if request_at is not None:
+            request = args[request_at]
             return run_view(func, _for_call(options, request), request, args, kwargs)
         task = _running_task_of(wrapper)
         if task is not None:
@@ -195,11 +261,10 @@ def _sync_wrapper(func: F, options: Options) -> Callable[..., Any]:
     return wrapper
 
 
-def _async_wrapper(func: F, options: Options) -> Callable[..., Any]:
+def _async_wrapper(func: F, options: Options, request_at: int | None) -> Callable[..., Any]:
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        request = _find_request(args)
-        if request is None:
+        if request_at is None:
             call = _for_call(options, *args, **kwargs)
             async with permit(
                 call.demand,
@@ -209,6 +274,7 @@ def _async_wrapper(func: F, options: Options) -> Callable[..., Any]:
                 fair=call.fair,
             ):
                 return await func(*args, **kwargs)
+        request = args[request_at]
         return await run_async_view(func, _for_call(options, request), request, args, kwargs)
 
     return wrapper

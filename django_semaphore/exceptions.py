@@ -65,6 +65,28 @@ class FamilyFull(SemaphoreExhausted):
     created (idle members are deleted by the clean-up, making room)."""
 
 
+class PermitRefused(SemaphoreError):
+    """A view's request got no permit: what ``DJANGO_SEMAPHORE["REFUSED_VIEW"]``
+    is called with, ``view(request, exception)``, to render the answer. Never
+    raised; its ``__cause__`` is the error that refused it.
+
+    ``status``: ``VIEW_STATUS_CODE`` (429) when ``names`` lacked room, 503
+    when the database could not be reached or stayed locked (``names`` empty).
+    ``retry_after``: whole seconds the client is told to wait.
+    """
+
+    def __init__(self, status: int, retry_after: int, names: Iterable[str] = ()) -> None:
+        self.status = status
+        self.retry_after = retry_after
+        self.names = sorted(names)
+        super().__init__(status, retry_after, self.names)
+
+    def __str__(self) -> str:
+        if self.names:
+            return f"No room on {', '.join(self.names)}: retry after {self.retry_after}s"
+        return f"The semaphores could not be reached: retry after {self.retry_after}s"
+
+
 class CrossShardRequest(InvalidRequest):
     """A request names semaphores placed on different database aliases."""
 
@@ -145,3 +167,22 @@ class PrelockTimeout(Exception):
     """This process's pre-lock was not had in time. Never reaches callers:
     ``retry`` retries it as contention and raises ``LockContention`` at the
     end, which is why it is not a ``SemaphoreError``."""
+
+
+class NameNotHeld(SemaphoreError, KeyError):
+    """``token(name)`` of a name the request holds no permit on; ``held``
+    lists the names it does hold."""
+
+    def __init__(self, external_id: str, name: str, held: Iterable[str]) -> None:
+        self.external_id = external_id
+        self.name = name
+        self.held = sorted(held)
+        super().__init__(external_id, name, self.held)
+
+    def __str__(self) -> str:
+        held = ", ".join(repr(name) for name in self.held) or "nothing"
+        return f"Request {self.external_id!r} holds no permit on {self.name!r}; it holds {held}."
+
+
+class PermitNotEntered(SemaphoreError, RuntimeError):
+    """A ``permit()`` used outside its ``with`` block: nothing is held yet."""

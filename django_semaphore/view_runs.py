@@ -1,9 +1,13 @@
 """How a Django view holds permits (``@holds_permit`` on a view).
 
-The permit is held until the response has been sent, for a streaming response
-until streaming ends or the client goes away. When no permit can be had the
-view is not called: the answer is ``DJANGO_SEMAPHORE["VIEW_STATUS_CODE"]``
-(429) with ``Retry-After``; when the database fails, 503.
+The permit is granted and committed before the view runs, then the view runs
+in the transactions ``ATOMIC_REQUESTS`` asks for, and the permit is held until
+the response has been sent (for a streaming response, until streaming ends or
+the client goes away). When no permit can be had the view is not called:
+``DJANGO_SEMAPHORE["REFUSED_VIEW"]`` answers, given a ``PermitRefused`` — 429
+for no room, 503 when the database cannot be reached or stays locked. Every
+other error (an unknown name, a bad demand, a nested transaction) is a bug of
+the caller's and raises.
 """
 
 from __future__ import annotations
@@ -12,14 +16,21 @@ import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import ExitStack
 from typing import Any, cast
 
 from asgiref.sync import sync_to_async
-from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
+from django.db import connections, transaction
+from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
 
 from django_semaphore import api
 from django_semaphore.conf import app_settings
-from django_semaphore.exceptions import SemaphoreError, SemaphoreExhausted
+from django_semaphore.exceptions import (
+    DatabaseUnavailable,
+    LockContention,
+    PermitRefused,
+    SemaphoreExhausted,
+)
 from django_semaphore.leases import Lease, hold
 from django_semaphore.models import PermitRequest
 from django_semaphore.owners import process_owner
@@ -39,11 +50,12 @@ def run_view(
     """Call the view holding a permit taken for this request, or answer
     429/503 without calling it; the permit ends once the response is sent."""
     held = _acquire_for_view(options, request)
-    if isinstance(held, HttpResponse):
+    if isinstance(held, HttpResponseBase):
         return held
     lease = _hold_lease(held)
     try:
-        response = func(*args, **kwargs)
+        with _requested_transactions(func):
+            response = func(*args, **kwargs)
     except BaseException:
         _finish(held.external_id, lease)
         raise
@@ -58,8 +70,11 @@ async def run_async_view(
     kwargs: dict[str, Any],
 ) -> Any:
     """``run_view`` for an async view: the database calls run in a thread."""
+    if _atomic_aliases(func):
+        # What Django's handler says of an async view it would wrap itself.
+        raise RuntimeError("You cannot use ATOMIC_REQUESTS with async views.")
     held = await sync_to_async(_acquire_for_view)(options, request)
-    if isinstance(held, HttpResponse):
+    if isinstance(held, HttpResponseBase):
         return held
     lease = _hold_lease(held)
     try:
@@ -68,6 +83,28 @@ async def run_async_view(
         await sync_to_async(_finish)(held.external_id, lease)
         raise
     return _release_when_sent(response, held.external_id, lease)
+
+
+def _atomic_aliases(view: Callable[..., Any]) -> list[str]:
+    """The aliases whose ``ATOMIC_REQUESTS`` Django's handler would have
+    applied to the view: every one but those the view itself opts out of
+    (``@transaction.non_atomic_requests`` under ``@holds_permit``)."""
+    opted_out: set[str] = getattr(view, "_non_atomic_requests", set())
+    return [
+        alias
+        for alias, database in connections.settings.items()
+        if database["ATOMIC_REQUESTS"] and alias not in opted_out
+    ]
+
+
+def _requested_transactions(view: Callable[..., Any]) -> ExitStack:
+    """The transactions ``ATOMIC_REQUESTS`` asks for around the view, opened
+    once the permit has committed (inside them it would stay uncommitted and
+    its row locked until the view returned)."""
+    stack = ExitStack()
+    for alias in _atomic_aliases(view):
+        stack.enter_context(transaction.atomic(using=alias))
+    return stack
 
 
 def _hold_lease(held: PermitRequest) -> Lease | None:
@@ -86,7 +123,7 @@ def _view_owner(options: Options, request: HttpRequest) -> str:
     ].strip()
 
 
-def _acquire_for_view(options: Options, request: HttpRequest) -> PermitRequest | HttpResponse:
+def _acquire_for_view(options: Options, request: HttpRequest) -> PermitRequest | HttpResponseBase:
     """Acquire for a view, under a fresh key: the request held, or the
     refusal to send instead."""
     try:
@@ -103,16 +140,16 @@ def _acquire_for_view(options: Options, request: HttpRequest) -> PermitRequest |
         # A rate limit knows when its next slot frees; a concurrency limit
         # frees room when its holders release, which the option guesses.
         wait = options.retry_after if exc.retry_after is None else math.ceil(exc.retry_after)
-        return _refusal(app_settings.VIEW_STATUS_CODE, wait)
-    except SemaphoreError as exc:
+        refusal = PermitRefused(app_settings.VIEW_STATUS_CODE, wait, exc.names)
+        return _render(request, refusal, exc)
+    except (LockContention, DatabaseUnavailable) as exc:
         logger.error("%s refused, the semaphore could not be reached: %s", options.label, exc)
-        return _refusal(503, options.retry_after)
+        return _render(request, PermitRefused(503, options.retry_after), exc)
 
 
-def _refusal(status: int, retry_after: int) -> HttpResponse:
-    response = HttpResponse(status=status)
-    response["Retry-After"] = str(retry_after)
-    return response
+def _render(request: HttpRequest, refusal: PermitRefused, cause: Exception) -> HttpResponseBase:
+    refusal.__cause__ = cause
+    return cast(HttpResponseBase, app_settings.REFUSED_VIEW(request, refusal))
 
 
 def _finish(key: str, lease: Lease | None) -> None:

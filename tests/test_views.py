@@ -6,16 +6,27 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
+from celery import shared_task
 from django.contrib.auth import get_user_model
-from django.db import connections
+from django.db import connections, transaction
 
-from django_semaphore import acquire, release, set_capacity
+from django_semaphore import acquire, holds_permit, release, set_capacity
+from django_semaphore.exceptions import (
+    CapacityExceeded,
+    DatabaseUnavailable,
+    InvalidRequest,
+    NestedTransactionError,
+    SemaphoreExhausted,
+    SemaphoreNotFound,
+)
 from django_semaphore.models import PermitRequest, Semaphore
 from tests import views
 from tests.test_backends import row_locked_elsewhere
+from tests.testapp.models import RunLog
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -161,11 +172,165 @@ def test_real_server_under_concurrent_load(live_server, semaphore):
 
 @pytest.mark.parametrize(
     "arguments",
-    [{"names": []}, {"names": "x", "count": 0}, {"names": ["a", "a"]}, {"names": {"a": -1}}],
+    [
+        {"names": []},
+        {"names": "x", "count": 0},
+        {"names": ["a", "a"]},
+        {"names": {"a": -1}},
+        {"names": "x", "view": "yes"},
+    ],
 )
 def test_bad_decorator_arguments_fail_at_decoration(arguments):
-    from django_semaphore import holds_permit
-    from django_semaphore.exceptions import InvalidRequest
-
     with pytest.raises(InvalidRequest):
         holds_permit(**arguments)
+
+
+@pytest.fixture
+def atomic_requests(monkeypatch):
+    """ATOMIC_REQUESTS = True on the database under test, as a project sets it."""
+    monkeypatch.setitem(connections["default"].settings_dict, "ATOMIC_REQUESTS", True)
+
+
+@pytest.mark.usefixtures("atomic_requests")
+def test_atomic_requests_view_runs_in_its_transaction_after_the_permit_committed(client, semaphore):
+    response = client.get("/writes/")
+
+    # In the request's transaction, its permit committed (seen elsewhere) first.
+    assert (response.status_code, response.content) == (200, b"True 1")
+    assert RunLog.objects.filter(label="writes").count() == 1
+    assert in_use() == 0
+
+
+@pytest.mark.usefixtures("atomic_requests")
+def test_atomic_requests_view_writes_roll_back_with_the_view_and_the_permit_is_released(
+    client, semaphore
+):
+    with pytest.raises(RuntimeError, match="after writing"):
+        client.get("/writes/?fail=1")
+
+    assert not RunLog.objects.filter(label="writes").exists()
+    assert in_use() == 0
+    assert PermitRequest.objects.get().release_reason == "released"
+
+
+@pytest.mark.usefixtures("atomic_requests")
+@pytest.mark.parametrize("url", ["/writes/", "/class/", "/dispatch/"])
+def test_atomic_requests_refused_answers_429_and_granted_after_release(client, semaphore, url):
+    acquire(views.VIEWS, external_id="someone-else")
+    assert client.get(url).status_code == 429
+
+    release("someone-else")
+
+    assert client.get(url).status_code == 200
+    assert in_use() == 0
+
+
+@pytest.mark.usefixtures("atomic_requests")
+def test_atomic_requests_keeps_a_views_own_opt_out(client, semaphore):
+    assert client.get("/opted-out/").content == b"False"
+
+
+@pytest.mark.usefixtures("atomic_requests")
+async def test_atomic_requests_refuses_async_views_as_django_does(async_client, semaphore):
+    with pytest.raises(RuntimeError, match="ATOMIC_REQUESTS with async views"):
+        await async_client.get("/async/")
+
+
+@pytest.mark.parametrize(
+    ("url", "error"),
+    [
+        ("/unknown-name/", SemaphoreNotFound),
+        ("/too-many/", CapacityExceeded),
+        ("/undeclared-family/?key=1", SemaphoreNotFound),
+        ("/undeclared-family/?key=" + "x" * 300, InvalidRequest),
+    ],
+)
+def test_a_programming_error_raises_through_the_view(client, semaphore, url, error):
+    with pytest.raises(error):
+        client.get(url)
+
+
+def test_a_view_called_inside_an_open_transaction_raises(client, semaphore):
+    with transaction.atomic(), pytest.raises(NestedTransactionError):
+        client.get("/plain/")
+
+
+def test_an_unreachable_database_answers_503(client, semaphore, monkeypatch):
+    def unreachable(*args, **kwargs):
+        raise DatabaseUnavailable("connection refused")
+
+    monkeypatch.setattr("django_semaphore.api.acquire", unreachable)
+
+    response = client.get("/slow/")
+
+    assert (response.status_code, response["Retry-After"]) == (503, "7")
+
+
+def test_refused_view_renders_the_projects_own_page(client, semaphore, settings):
+    settings.DJANGO_SEMAPHORE = {"REFUSED_VIEW": "tests.views.busy_page"}
+    acquire(views.VIEWS, external_id="someone-else")
+
+    response = client.get("/slow/")
+
+    assert (response.status_code, response["Retry-After"]) == (429, "7")
+    assert response.content == f"busy: {views.VIEWS}".encode()
+    settings.DJANGO_SEMAPHORE = {"REFUSED_VIEW": "tests.views.busy_page", "LOCK_WAIT_TIMEOUT": 0.3}
+    with row_locked_elsewhere(views.VIEWS):
+        response = client.get("/plain/")
+    assert (response.status_code, response.content) == (503, b"busy: unreachable")
+
+
+def test_a_helper_taking_a_request_decided_not_a_view_raises(rf, semaphore):
+    @holds_permit(views.VIEWS, view=False)
+    def render_pdf(request):
+        return "pdf"
+
+    acquire(views.VIEWS, external_id="someone-else")
+    with pytest.raises(SemaphoreExhausted):
+        render_pdf(rf.get("/"))
+
+
+def test_a_view_is_decided_at_decoration_whatever_the_argument(rf, semaphore):
+    @holds_permit(views.VIEWS, view=True)
+    def handler(req):
+        return "ran"
+
+    @holds_permit(views.VIEWS)
+    def not_a_view(job):
+        return "ran"
+
+    acquire(views.VIEWS, external_id="someone-else")
+    assert handler(rf.get("/")).status_code == 429
+    with pytest.raises(SemaphoreExhausted):
+        not_a_view(rf.get("/"))
+
+
+def _task_decorators() -> list[Any]:
+    decorators: list[Any] = [
+        shared_task(name="tests.above-a-task"),
+        shared_task(bind=True, name="tests.above-a-bound-task"),
+    ]
+    try:
+        from django.tasks import task  # Django 6
+    except ImportError:
+        return decorators
+    return [*decorators, task]
+
+
+@pytest.mark.parametrize("task", _task_decorators())
+def test_placed_above_a_task_decorator_is_refused_at_decoration(task):
+    def body(*args):
+        return None
+
+    with pytest.raises(InvalidRequest, match="under @shared_task"):
+        holds_permit(views.VIEWS)(task(body))
+
+
+@pytest.mark.parametrize(
+    ("url", "label"),
+    [("/class/", "tests.views.DecoratedClass.dispatch"), ("/dispatch/", "DecoratedDispatch")],
+)
+def test_owner_of_a_class_based_view_names_its_class(client, semaphore, url, label):
+    client.get(url)
+
+    assert label in PermitRequest.objects.get().owner

@@ -17,4 +17,9 @@ urlpatterns = [
     path("async-streaming/", views.async_streaming),
     path("class/", views.DecoratedClass.as_view()),
     path("dispatch/", views.DecoratedDispatch.as_view()),
+    path("writes/", views.writes),
+    path("opted-out/", views.opted_out),
+    path("unknown-name/", views.unknown_name),
+    path("too-many/", views.too_many),
+    path("undeclared-family/", views.undeclared_family),
 ]

@@ -8,12 +8,16 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from django.db import connection, transaction
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.utils import timezone
 from django.utils.decorators import method_decorator
 from django.views import View
 
 from django_semaphore import holds_permit
-from django_semaphore.models import Semaphore
+from django_semaphore.exceptions import PermitRefused
+from django_semaphore.models import PermitRequest, Semaphore
+from tests.testapp.models import RunLog
 
 VIEWS = "views"  # the semaphore every view here uses; each test creates it
 
@@ -110,3 +114,61 @@ class DecoratedDispatch(View):
 
     def get(self, request: HttpRequest) -> HttpResponse:
         return HttpResponse(str(in_use()))
+
+
+@holds_permit(VIEWS)
+def writes(request: HttpRequest) -> HttpResponse:
+    """Writes a row, then fails when asked: with ATOMIC_REQUESTS the row must
+    go with the view's transaction, the permit must not."""
+    RunLog.objects.create(label="writes", pid=0, started_at=timezone.now())
+    if "fail" in request.GET:
+        raise RuntimeError("the view failed after writing")
+    # Seen from another connection: committed before the view ran.
+    held = committed_elsewhere(lambda: PermitRequest.objects.filter(state="ACQUIRED").count())
+    return HttpResponse(f"{connection.in_atomic_block} {held}")
+
+
+@holds_permit(VIEWS)
+@transaction.non_atomic_requests
+def opted_out(request: HttpRequest) -> HttpResponse:
+    return HttpResponse(str(connection.in_atomic_block))
+
+
+def committed_elsewhere(read: Any) -> Any:
+    """``read()`` on another thread, hence another connection: what is committed."""
+    answer: list[Any] = []
+
+    def run() -> None:
+        try:
+            answer.append(read())
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    return answer[0]
+
+
+@holds_permit("no-such-semaphore")
+def unknown_name(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("never")
+
+
+@holds_permit({VIEWS: 5})
+def too_many(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("never")
+
+
+@holds_permit(lambda request: f"family-nobody-declared:{request.GET['key']}")
+def undeclared_family(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("never")
+
+
+def busy_page(request: HttpRequest, exception: PermitRefused) -> HttpResponse:
+    """A project's own refusal page (REFUSED_VIEW)."""
+    return HttpResponse(
+        f"busy: {', '.join(exception.names) or 'unreachable'}",
+        status=exception.status,
+        headers={"Retry-After": str(exception.retry_after)},
+    )
