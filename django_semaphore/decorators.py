@@ -199,6 +199,7 @@ def _refuse_task_object(func: Any) -> None:
         )
 
 
+@functools.cache
 def _task_classes() -> tuple[type, ...]:
     classes: list[type] = []
     try:
