@@ -19,10 +19,14 @@ Helpers the invisible blocks find in the namespace:
 - ``declare(DJANGO_SEMAPHORE)``: the settings a page shows take effect for the
   rest of the page, and the semaphores they declare are created, as ``migrate``
   creates them (and again after each block's flush, as ``migrate`` would).
+- ``as_module("mysite.urls", urlpatterns=urlpatterns)``: a module made of
+  names the page defined, for the blocks that import it; returns its name.
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +37,7 @@ from sybil.parsers.markdown import ClearNamespaceParser, PythonCodeBlockParser, 
 
 _DOCUMENT_SETTINGS = "_docs_settings"
 _OWN_NAMES = "_docs_own_names"
+_MODULES = "_docs_modules"
 
 
 def _setup(namespace: dict[str, Any]) -> None:
@@ -44,6 +49,8 @@ def _setup(namespace: dict[str, Any]) -> None:
     # A task a block calls runs here, in this process, as a worker would run it.
     current_app.conf.task_always_eager = True
     namespace["declare"] = lambda declared: _declare(namespace, declared)
+    namespace[_MODULES] = []
+    namespace["as_module"] = lambda name, **attributes: _as_module(namespace, name, attributes)
 
 
 def _teardown(namespace: dict[str, Any]) -> None:
@@ -52,6 +59,8 @@ def _teardown(namespace: dict[str, Any]) -> None:
     current_app.conf.task_always_eager = namespace["_celery_eager"]
     for override in reversed(namespace[_DOCUMENT_SETTINGS]):
         override.disable()
+    for name in namespace[_MODULES]:
+        sys.modules.pop(name, None)
 
 
 def _declare(namespace: dict[str, Any], declared: dict[str, Any]) -> None:
@@ -69,6 +78,21 @@ def _declare(namespace: dict[str, Any], declared: dict[str, Any]) -> None:
     override.enable()
     namespace[_DOCUMENT_SETTINGS].append(override)
     create_declared_semaphores(using="default")
+
+
+def _as_module(namespace: dict[str, Any], name: str, attributes: dict[str, Any]) -> str:
+    """A module the page's blocks import (``from mysite import views``), made
+    of names the page defined; gone when the page ends."""
+    parent, _, child = name.rpartition(".")
+    if parent and parent not in sys.modules:
+        _as_module(namespace, parent, {})
+    module = sys.modules.get(name) or types.ModuleType(name)
+    module.__dict__.update(attributes)
+    sys.modules[name] = module
+    if parent:
+        setattr(sys.modules[parent], child, module)
+    namespace[_MODULES].append(name)
+    return name
 
 
 pytest_collect_file = Sybil(
