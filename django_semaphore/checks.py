@@ -12,8 +12,8 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections
 
-from django_semaphore import backends, beat, routing, sweep
-from django_semaphore.conf import DEFAULTS, DURATION_KEYS, app_settings, setting_problems
+from django_semaphore import backends, beat, declared, routing, sweep
+from django_semaphore.conf import DEFAULTS, app_settings, setting_problems
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.validation import is_pattern
 
@@ -24,19 +24,27 @@ def _error(id: int, msg: str, hint: str = DOCS) -> Error:
     return Error(msg, hint=hint, id=f"django_semaphore.E{id:03d}")
 
 
-# The id each key's problems are reported under (conf.setting_problems words them).
+# The id each key's problems are reported under (conf.setting_problems words
+# them): one per key, so silencing one never silences another. The ids a
+# key once shared (E004, E005, E006) stay with the first key that had them.
 SETTING_IDS = {
     "DATABASE": 3,
     "LOCK_WAIT_TIMEOUT": 4,
-    "PRELOCK_TIMEOUT": 4,
     "RETRY_ATTEMPTS": 5,
-    "CLEANUP_BATCH_SIZE": 5,
-    **dict.fromkeys(DURATION_KEYS, 6),
+    "STALENESS_LIMIT": 6,
     "LIVENESS_CHECKERS": 7,
     "VIEW_STATUS_CODE": 8,
     "SEMAPHORES": 9,
     "SHARDS": 10,
+    "PRELOCK_TIMEOUT": 11,
+    "CLEANUP_BATCH_SIZE": 12,
+    "RELEASED_RETENTION": 13,
+    "HISTORY_RETENTION": 14,
+    "MEMBER_IDLE_LIMIT": 15,
+    "LEASE": 16,
+    "REFUSED_VIEW": 17,
     "PARK_TASKS": 20,
+    "PARKED_REPUBLISH_AFTER": 21,
     "METRICS_PER_MEMBER": 30,
 }
 
@@ -242,7 +250,7 @@ def _server_warnings(alias: str, server: backends.ServerSettings) -> list[CheckM
                 f"The semaphore database {alias!r} is read-only ({server.read_only}): "
                 "a replica, or a demoted primary.",
                 hint="Point the alias at the primary (or the cluster's writer endpoint).",
-                id="django_semaphore.W003",
+                id="django_semaphore.W011",
             )
         )
     if server.galera and not server.causal_reads:
@@ -275,7 +283,7 @@ def _server_warnings(alias: str, server: backends.ServerSettings) -> list[CheckM
 # What check_data_consistency reports, by kind of repair (sweep.REPAIRS).
 INCONSISTENCIES = {
     "partly_released": (
-        6,
+        10,
         "{count} held permit request(s) on {alias!r} have released permits: a request is "
         "held all or nothing.",
     ),
@@ -326,4 +334,36 @@ def check_data_consistency(databases: Any = None, **kwargs: Any) -> list[CheckMe
                         id=f"django_semaphore.W{number:03d}",
                     )
                 )
+    return messages
+
+
+@register(Tags.database)
+def check_settings_drift(databases: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Declared semaphores whose row has other limits than ``SEMAPHORES``
+    says (``migrate`` creates missing ones but never changes existing ones).
+    Runs with ``check --database``, and in ``migrate``'s checks."""
+    if databases is None:
+        return []
+    messages: list[CheckMessage] = []
+    for alias in _app_aliases():
+        if alias not in databases:
+            continue
+        try:
+            found = declared.drift(alias, missing=False)
+        except ImproperlyConfigured:
+            return []  # check_settings reports it
+        except DatabaseError:
+            continue  # unreachable or not migrated: Django's own checks say so
+        messages.extend(
+            # A warning: migrate runs the database checks too, and must not
+            # be blocked by a difference it is documented to leave alone.
+            Warning(
+                each.describe(),
+                hint=f"Run {declared.APPLY_COMMAND} to apply the settings (recorded in the "
+                "capacity history; see what it would change without --apply), or change "
+                "SEMAPHORES to match. See docs/settings.md.",
+                id="django_semaphore.W012",
+            )
+            for each in found
+        )
     return messages

@@ -46,6 +46,9 @@ DEFAULTS: dict[str, Any] = {
     "LIVENESS_CHECKERS": [],
     # Status of a view response when its semaphore is exhausted.
     "VIEW_STATUS_CODE": 429,
+    # Dotted path of the view that answers a request @holds_permit refuses,
+    # called as view(request, exception) (docs/howto.md, "limit a view").
+    "REFUSED_VIEW": "django_semaphore.views.permit_refused",
     # Declared semaphores, name -> initial capacity, created after migrate:
     # 3, {"capacity": 3}, or a rate limit, {"rate": "100/s"} or
     # {"capacity": 100, "window": 1} (docs/rates.md). A name with wildcards
@@ -165,6 +168,12 @@ class Settings:
         return int(self._get("VIEW_STATUS_CODE"))
 
     @property
+    def REFUSED_VIEW(self) -> Callable[..., Any]:
+        """The view that answers a refused request, imported at each read (so
+        ``override_settings`` works, and nothing is imported before it is used)."""
+        return import_string(self._get("REFUSED_VIEW"))  # type: ignore[no-any-return]
+
+    @property
     def SEMAPHORES(self) -> dict[str, Any]:
         return dict(self._get("SEMAPHORES"))
 
@@ -205,6 +214,8 @@ def setting_problems(key: str, value: Any) -> list[str]:
         return _shard_problems(value)
     if key == "LIVENESS_CHECKERS":
         return _checker_problems(value)
+    if key == "REFUSED_VIEW":
+        return _refused_view_problems(value)
     if key == "SEMAPHORES":
         return _declared_problems(value)
     if key == "METRICS_PER_MEMBER":
@@ -286,6 +297,20 @@ def _checker_problems(value: Any) -> list[str]:
                 f"DJANGO_SEMAPHORE['LIVENESS_CHECKERS']: {path!r} cannot be imported: {exc}"
             )
     return problems
+
+
+def _refused_view_problems(value: Any) -> list[str]:
+    """A dotted path to a callable. Only a value the project gives is
+    imported by the check: the default's module is the app's own."""
+    if not isinstance(value, str):
+        return [f"DJANGO_SEMAPHORE['REFUSED_VIEW'] must be a dotted path, not {value!r}."]
+    try:
+        view = import_string(value)
+    except ImportError as exc:
+        return [f"DJANGO_SEMAPHORE['REFUSED_VIEW']: {value!r} cannot be imported: {exc}"]
+    if not callable(view):
+        return [f"DJANGO_SEMAPHORE['REFUSED_VIEW']: {value!r} is not callable."]
+    return []
 
 
 def _declared_problems(value: Any) -> list[str]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from asgiref.sync import sync_to_async
 
 from django_semaphore import api
-from django_semaphore.exceptions import PermitLost
+from django_semaphore.exceptions import PermitLost, PermitNotEntered
 from django_semaphore.leases import LEASE, DefaultLease, Lease, hold, lease_seconds
 from django_semaphore.owners import caller_owner
 from django_semaphore.validation import validate_flag, validate_key
@@ -56,9 +56,14 @@ class HeldPermit:
         return self._lease is not None and self._lease.lost
 
     def token(self, name: str) -> int:
-        """The fencing token of the permit on ``name``."""
+        """The fencing token of the permit on ``name``.
+
+        Raises:
+            NameNotHeld: no permit on ``name`` is held (also a ``KeyError``).
+            PermitNotEntered: called before the ``with`` block was entered.
+        """
         if self.request is None:
-            raise RuntimeError("The permit is not held: use it inside its with block.")
+            raise PermitNotEntered("The permit is not held: use it inside its with block.")
         return self.request.token(name)
 
     def _acquire(self) -> None:

@@ -1,34 +1,122 @@
-"""Semaphores declared in settings, created after ``migrate``.
+"""Semaphores declared in settings: created after ``migrate``, and compared
+with the database.
 
 Only missing ones are created: from then on capacity (and a rate limit's
-window) belongs to the admin and
-the capacity API, where every change is recorded, so settings never overwrite it.
-The same holds for a family's default capacity, kept in the row named by its
-pattern (see ``engine/families.py``).
+window) belongs to the admin and the capacity API, where every change is
+recorded, so ``migrate`` never overwrites it. The same holds for a family's
+default capacity, kept in the row named by its pattern (see
+``engine/families.py``).
+
+When settings and an existing row disagree (``"exports": 3`` became ``10``,
+a ``rate`` was added), that is *drift*: ``migrate`` says so, the database
+check ``django_semaphore.W012`` reports it, and ``manage.py semaphore_sync
+--apply`` applies the settings on purpose, through ``set_capacity`` and
+``set_window`` (recorded in the capacity history). A family is compared by
+its pattern's row, the family default; its members are not compared (those
+that follow the default follow it when it changes, those changed on their
+own keep their capacity).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TextIO
 
 from django.db import router
 
 from django_semaphore import routing
 from django_semaphore.conf import app_settings
 from django_semaphore.models import Semaphore
-from django_semaphore.validation import validate_declared
+from django_semaphore.validation import Declared, format_limit, is_pattern, validate_declared
+
+APPLY_COMMAND = "manage.py semaphore_sync --apply"
 
 
-def create_declared_semaphores(using: str, **kwargs: Any) -> None:
-    """Each declared semaphore is created on the alias its name is placed on."""
-    if not router.allow_migrate_model(using, Semaphore):
-        return
-    # A family's pattern is created too: its row holds the family default.
-    declared = {
+@dataclass(frozen=True)
+class Drift:
+    """A declared semaphore whose row is missing (``stored`` is ``None``)
+    or has other limits than the settings declare."""
+
+    name: str
+    alias: str
+    declared: Declared
+    # (capacity, window) of the row; None: no row.
+    stored: tuple[int, int | None] | None
+
+    @property
+    def settings_say(self) -> str:
+        return format_limit(self.declared.capacity, self.declared.window)
+
+    @property
+    def database_has(self) -> str:
+        return "nothing" if self.stored is None else format_limit(*self.stored)
+
+    @property
+    def changes_capacity(self) -> bool:
+        return self.stored is not None and self.stored[0] != self.declared.capacity
+
+    @property
+    def changes_window(self) -> bool:
+        return self.stored is not None and self.stored[1] != self.declared.window
+
+    def describe(self) -> str:
+        what = "family default " if is_pattern(self.name) else ""
+        return (
+            f"Semaphore {what}{self.name!r} on {self.alias!r}: settings say "
+            f"{self.settings_say}, the database has {self.database_has}."
+        )
+
+
+def declared_on(using: str) -> dict[str, Declared]:
+    """The declared semaphores (and family patterns) placed on ``using``.
+
+    Raises:
+        ImproperlyConfigured: ``SEMAPHORES`` (or the routing settings) is malformed.
+    """
+    return {
         name: validate_declared(name, value)
         for name, value in app_settings.SEMAPHORES.items()
         if routing.alias_for_name(name) == using
     }
+
+
+def drift(using: str, *, missing: bool = True) -> list[Drift]:
+    """The declared semaphores on ``using`` whose row differs from settings
+    (and, with ``missing``, those with no row), in name order.
+
+    Raises:
+        ImproperlyConfigured: the settings are malformed.
+        DatabaseError: the tables cannot be read (not migrated, unreachable).
+    """
+    declared = declared_on(using)
+    if not declared:
+        return []
+    stored = {
+        name: (capacity, window)
+        for name, capacity, window in Semaphore.objects.using(using)
+        .filter(name__in=declared)
+        .values_list("name", "capacity", "window")
+    }
+    found = []
+    for name, limits in sorted(declared.items()):
+        row = stored.get(name)
+        if row is None and not missing:
+            continue
+        if row != (limits.capacity, limits.window):
+            found.append(Drift(name, using, limits, row))
+    return found
+
+
+def create_declared_semaphores(
+    using: str, verbosity: int = 1, stdout: TextIO | None = None, **kwargs: Any
+) -> None:
+    """Each declared semaphore is created on the alias its name is placed on
+    (``post_migrate``); existing ones are left alone, and where their limits
+    differ from settings, ``migrate`` says so (at verbosity 1 and up)."""
+    if not router.allow_migrate_model(using, Semaphore):
+        return
+    # A family's pattern is created too: its row holds the family default.
+    declared = declared_on(using)
     if not declared:
         return
     existing = set(
@@ -42,3 +130,9 @@ def create_declared_semaphores(using: str, **kwargs: Any) -> None:
         ],
         ignore_conflicts=True,
     )
+    if verbosity >= 1 and stdout is not None:
+        for found in drift(using, missing=False):
+            stdout.write(
+                f"  {found.describe()} migrate leaves an existing semaphore's limits alone: "
+                f"{APPLY_COMMAND} applies the settings.\n"
+            )

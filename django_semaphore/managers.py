@@ -25,6 +25,7 @@ from django.db.models.functions import Cast, Coalesce, Greatest
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.guards import GuardedQuerySet
 from django_semaphore.states import State
+from django_semaphore.validation import validate_name
 
 if TYPE_CHECKING:
     from django_semaphore.models import (  # noqa: F401
@@ -50,7 +51,15 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
         return self.select_for_update().order_by("name")
 
     def bulk_create(self, objs: Any, *args: Any, **kwargs: Any) -> list[Semaphore]:
-        """Create the semaphores and their release counters (``ReleaseCounter``)."""
+        """Create the semaphores and their release counters (``ReleaseCounter``).
+
+        Raises:
+            InvalidRequest: a name, capacity or window ``set_capacity`` or
+                ``set_window`` would refuse; nothing is written.
+        """
+        objs = list(objs)
+        for semaphore in objs:
+            semaphore.validate_limits()
         created = super().bulk_create(objs, *args, **kwargs)
         counter = self._related("release_counter").model
         missing = (
@@ -64,6 +73,13 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
         for semaphore in created:
             semaphore.in_use = semaphore.in_use_counter
         return created
+
+    def update(self, **kwargs: Any) -> int:
+        """As Django's, refusing a ``name`` no semaphore may have (the
+        capacity and window are refused whatever their value: see guards.py)."""
+        if "name" in kwargs and not hasattr(kwargs["name"], "resolve_expression"):
+            validate_name(kwargs["name"])
+        return super().update(**kwargs)
 
     def with_usage(self) -> SemaphoreQuerySet:
         """Annotate what holds and waits on each semaphore (what is held is

@@ -11,7 +11,12 @@ import pytest
 from celery import Celery
 
 from django_semaphore import exceptions
-from django_semaphore.exceptions import SemaphoreExhausted, SemaphoreNotFound, StaleFencingToken
+from django_semaphore.exceptions import (
+    NameNotHeld,
+    SemaphoreExhausted,
+    SemaphoreNotFound,
+    StaleFencingToken,
+)
 
 # Found, not listed: an error added to the module is tested without being named here.
 ERRORS = sorted(
@@ -31,6 +36,7 @@ ARGUMENTS: dict[type[BaseException], list[tuple[Any, ...]]] = {
     SemaphoreNotFound: [(["b", "a"],)],
     SemaphoreExhausted: [(["b", "a"],), (["b", "a"], "No room on a, b (waited 2s)")],
     StaleFencingToken: [("invoice:42", 6, 7)],
+    NameNotHeld: [("key-1", "b", ["c", "a"]), ("key-2", "b", [])],
 }
 MESSAGE_ONLY = [("Something is wrong with 'a'.",)]
 

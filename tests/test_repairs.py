@@ -94,7 +94,7 @@ def test_an_acquired_request_with_a_released_permit_is_completed(make_semaphore,
     request = grant(one, two)
     with behind_the_engine():
         Permit.objects.filter(request=request, semaphore=one).update(state=State.RELEASED)
-    assert "django_semaphore.W006" in reported()
+    assert "django_semaphore.W010" in reported()
 
     report = sweep.release_orphans()
 

@@ -172,7 +172,7 @@ def test_a_read_only_or_lagging_server_is_warned():
             read_only="read_only", galera=True, causal_reads=False, isolation="read committed"
         ),
     )
-    assert [w.id for w in warnings] == ["django_semaphore.W003", "django_semaphore.W004"]
+    assert [w.id for w in warnings] == ["django_semaphore.W011", "django_semaphore.W004"]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -9,6 +9,7 @@ from django.db.models import Q
 from django.utils.functional import cached_property
 from django.utils.translation import gettext_lazy as _
 
+from django_semaphore.exceptions import NameNotHeld
 from django_semaphore.guards import GuardedModel
 from django_semaphore.managers import PermitManager, PermitRequestManager
 from django_semaphore.models.semaphore import USE_ACQUIRE, USE_RELEASE, Semaphore
@@ -78,11 +79,16 @@ class PermitRequest(GuardedModel):
         return dict(self.permits.values_list("semaphore__name", "fencing_token"))
 
     def token(self, name: str) -> int:
-        """The fencing token to hand to downstream writes guarded by ``name``."""
-        try:
-            return self.fencing_tokens[name]
-        except KeyError:
-            raise KeyError(f"Request {self.external_id!r} holds no permit on {name!r}.") from None
+        """The fencing token to hand to downstream writes guarded by ``name``.
+
+        Raises:
+            NameNotHeld: the request holds no permit on ``name`` (also a
+                ``KeyError``); the error lists the names it holds.
+        """
+        held = self.fencing_tokens
+        if not isinstance(name, str) or name not in held:
+            raise NameNotHeld(self.external_id, str(name), held)
+        return held[name]
 
 
 class Permit(GuardedModel):

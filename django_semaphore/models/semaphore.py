@@ -20,6 +20,7 @@ from django_semaphore.validation import (
     MAX_LENGTH,
     MAX_WINDOW,
     validate_capacity,
+    validate_name,
     validate_window,
 )
 
@@ -188,11 +189,14 @@ class Semaphore(GuardedModel):
 
         Raises:
             UnsafeWrite: an engine-owned column was changed on the instance.
-            InvalidRequest: the new capacity or window is out of range.
+            InvalidRequest: the name, or the new capacity or window, is
+                malformed or out of range (checked before anything is written,
+                on a new row too).
             SemaphoreNotFound: ``update_fields`` or ``force_update`` was given
                 and the row is gone (Django would raise ``DatabaseError``).
         """
         if self.pk is None or force_insert:
+            self.validate_limits()
             using = using or router.db_for_write(Semaphore, instance=self)
             with transaction.atomic(using=using):
                 super().save(force_insert=True, using=using)
@@ -206,6 +210,8 @@ class Semaphore(GuardedModel):
             return
         using = using or router.db_for_write(Semaphore, instance=self)
         names = self._writable_fields(update_fields)
+        if "name" in names:
+            self.name = validate_name(self.name)
         # A changed capacity or window is changed as set_capacity and
         # set_window change it; an unchanged one is not written back.
         limits: dict[str, Any] = {}
@@ -235,6 +241,19 @@ class Semaphore(GuardedModel):
                 if names:
                     super().save(using=using, update_fields=names)
         self._remember_loaded()
+
+    def validate_limits(self) -> None:
+        """Refuse a name, capacity or window that ``set_capacity`` and
+        ``set_window`` would refuse, before a new row is written (else a
+        window of 0 is stored and limits nothing, 1.5 is stored as 1, and -1
+        fails in the driver). A window may be given as a ``timedelta``.
+
+        Raises:
+            InvalidRequest: says which value is out of range.
+        """
+        self.name = validate_name(self.name)
+        self.capacity = validate_capacity(self.capacity)
+        self.window = validate_window(self.window)
 
     def refresh_from_db(
         self,
