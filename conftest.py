@@ -43,7 +43,6 @@ _MODULES = "_docs_modules"
 def _setup(namespace: dict[str, Any]) -> None:
     from celery import current_app
 
-    namespace["__name__"] = "docs"
     namespace[_DOCUMENT_SETTINGS] = []
     namespace["_celery_eager"] = current_app.conf.task_always_eager
     # A task a block calls runs here, in this process, as a worker would run it.
@@ -113,6 +112,8 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     if not isinstance(item, SybilItem):
         return (yield)
     namespace = item.example.namespace
+    # The module the page's functions and Celery tasks say they are in.
+    namespace["__name__"] = f"docs.{item.path.stem.lower()}"
     own = namespace.setdefault(_OWN_NAMES, {})
     result = yield
     for name, value in item.funcargs.items():
