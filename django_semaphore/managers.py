@@ -4,6 +4,7 @@ calls them, so the models sit below everything that does."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from django.db import models
@@ -25,7 +26,7 @@ from django.db.models.functions import Cast, Coalesce, Greatest
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.guards import GuardedQuerySet
 from django_semaphore.states import State
-from django_semaphore.validation import validate_name
+from django_semaphore.validation import validate_flag, validate_name
 
 if TYPE_CHECKING:
     from django_semaphore.models import (  # noqa: F401
@@ -34,6 +35,16 @@ if TYPE_CHECKING:
         ReleaseCounter,
         Semaphore,
     )
+
+
+def _validate_fair(fair: Any) -> bool:
+    return validate_flag(fair, "fair")
+
+
+def _validate_looked_up_name(lookups: dict[str, Any]) -> None:
+    name = lookups.get("name")
+    if name is not None and not hasattr(name, "resolve_expression"):
+        validate_name(name)
 
 
 class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
@@ -75,11 +86,31 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
         return created
 
     def update(self, **kwargs: Any) -> int:
-        """As Django's, refusing a ``name`` no semaphore may have (the
-        capacity and window are refused whatever their value: see guards.py)."""
-        if "name" in kwargs and not hasattr(kwargs["name"], "resolve_expression"):
-            validate_name(kwargs["name"])
+        """As Django's, refusing a ``name`` or ``fair`` no semaphore may have
+        with ``InvalidRequest`` before the driver sees it (the capacity and
+        window are refused whatever their value: see guards.py)."""
+        for field, validate in (("name", validate_name), ("fair", _validate_fair)):
+            if field in kwargs and not hasattr(kwargs[field], "resolve_expression"):
+                validate(kwargs[field])
         return super().update(**kwargs)
+
+    def get_or_create(
+        self, defaults: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> tuple[Semaphore, bool]:
+        """As Django's; a ``name`` no semaphore may have is refused before
+        the look-up (whose driver may fail on it first)."""
+        _validate_looked_up_name(kwargs)
+        return super().get_or_create(defaults, **kwargs)
+
+    def update_or_create(
+        self,
+        defaults: Mapping[str, Any] | None = None,
+        create_defaults: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> tuple[Semaphore, bool]:
+        """As ``get_or_create``."""
+        _validate_looked_up_name(kwargs)
+        return super().update_or_create(defaults, create_defaults, **kwargs)
 
     def with_usage(self) -> SemaphoreQuerySet:
         """Annotate what holds and waits on each semaphore (what is held is

@@ -20,6 +20,7 @@ from django_semaphore.validation import (
     MAX_LENGTH,
     MAX_WINDOW,
     validate_capacity,
+    validate_flag,
     validate_name,
     validate_window,
 )
@@ -212,6 +213,8 @@ class Semaphore(GuardedModel):
         names = self._writable_fields(update_fields)
         if "name" in names:
             self.name = validate_name(self.name)
+        if "fair" in names:
+            self.fair = validate_flag(self.fair, "fair")
         # A changed capacity or window is changed as set_capacity and
         # set_window change it; an unchanged one is not written back.
         limits: dict[str, Any] = {}
@@ -243,17 +246,19 @@ class Semaphore(GuardedModel):
         self._remember_loaded()
 
     def validate_limits(self) -> None:
-        """Refuse a name, capacity or window that ``set_capacity`` and
-        ``set_window`` would refuse, before a new row is written (else a
-        window of 0 is stored and limits nothing, 1.5 is stored as 1, and -1
-        fails in the driver). A window may be given as a ``timedelta``.
+        """Refuse a name, capacity or window that ``acquire``, ``set_capacity``
+        and ``set_window`` would refuse (and a ``fair`` that is not a bool),
+        before a new row is written: else a window of 0 is stored and limits
+        nothing, 1.5 is stored as 1, and -1 fails in the driver. A window may
+        be given as a ``timedelta``.
 
         Raises:
-            InvalidRequest: says which value is out of range.
+            InvalidRequest: says which value is wrong.
         """
         self.name = validate_name(self.name)
         self.capacity = validate_capacity(self.capacity)
         self.window = validate_window(self.window)
+        self.fair = validate_flag(self.fair, "fair")
 
     def refresh_from_db(
         self,
