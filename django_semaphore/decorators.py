@@ -194,8 +194,8 @@ def _refuse_task_object(func: Any) -> None:
     # type(), not isinstance(): shared_task's proxy would build the task to answer.
     if kinds and issubclass(type(func), kinds):
         raise InvalidRequest(
-            f"@holds_permit is placed above the task decorator of {func!r}: place it "
-            "under @shared_task / @app.task / @task, right above the function."
+            "@holds_permit is placed above a task decorator: place it under "
+            "@shared_task / @app.task / @task, right above the function."
         )
 
 
