@@ -95,7 +95,13 @@ def _as_module(namespace: dict[str, Any], name: str, attributes: dict[str, Any])
 
 
 pytest_collect_file = Sybil(
-    parsers=[PythonCodeBlockParser(), SkipParser(), ClearNamespaceParser()],
+    # Annotations stay text, as in the package: the API reference's
+    # signatures name types its blocks do not import.
+    parsers=[
+        PythonCodeBlockParser(future_imports=["annotations"]),
+        SkipParser(),
+        ClearNamespaceParser(),
+    ],
     patterns=["README.md", "docs/*.md", "docs/*/*.md"],
     fixtures=["transactional_db"],
     setup=_setup,
