@@ -1,0 +1,149 @@
+"""The settings checks speak before anything breaks: malformed settings are
+reported by ``check``, never a traceback at start-up; each check id has one
+meaning, and every id is documented; REFUSED_VIEW is validated when given."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.core.checks import run_checks
+
+from django_semaphore import checks
+from django_semaphore.conf import DEFAULTS, app_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+START_UP = """
+import tests.settings as base
+from django.conf import settings
+values = {{key: getattr(base, key) for key in dir(base) if key.isupper()}}
+settings.configure(**{{**values, "DJANGO_SEMAPHORE": {value}}})
+import django
+django.setup()
+print("started")
+from django.core.management import call_command
+call_command("check")
+"""
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ('"not a dict"', "django_semaphore.E001"),
+        ('["PARK_TASKS"]', "django_semaphore.E001"),
+        ('{"PARK_TASKS": "yes"}', "django_semaphore.E020"),
+        ('{"PARK_TASKS": None}', "django_semaphore.E020"),
+        ('{"DATABASE": "nope", "SHARDS": 3}', "django_semaphore.E003"),
+        ('{"SEMAPHORES": {"exports": -1}}', "django_semaphore.E009"),
+        ('{"REFUSED_VIEW": "no.such.view"}', "django_semaphore.E017"),
+    ],
+)
+def test_malformed_settings_are_reported_by_check_not_at_start_up(value, expected):
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", START_UP.format(value=value)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.stdout.strip() == "started", result.stderr  # ready() did not raise
+    assert result.returncode != 0
+    assert expected in result.stderr
+    # Only the check's own SystemCheckError, no other traceback.
+    assert result.stderr.count("Traceback") == 1
+    assert "SystemCheckError" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "value", ["not a dict", {"PARK_TASKS": "yes"}, {"LEASE": -1, "SEMAPHORES": ["x"]}]
+)
+def test_ready_goes_on_with_malformed_settings(settings, value):
+    from django.apps import apps
+
+    settings.DJANGO_SEMAPHORE = value
+    apps.get_app_config("django_semaphore").ready()  # no ImproperlyConfigured
+
+    assert [m.id for m in run_checks() if m.id.startswith("django_semaphore.E")]
+
+
+# --- one id per meaning -------------------------------------------------------------------
+
+
+def emitted_ids() -> set[str]:
+    """Every id checks.py can report."""
+    source = (ROOT / "django_semaphore" / "checks.py").read_text()
+    literal = set(re.findall(r'id="(django_semaphore\.[EW]\d{3})"', source))
+    numbered = {f"django_semaphore.E{n:03d}" for n in (1, 2, *checks.SETTING_IDS.values())}
+    repairs = {f"django_semaphore.W{n:03d}" for n, _ in checks.INCONSISTENCIES.values()}
+    return literal | numbered | repairs
+
+
+def test_each_setting_has_its_own_error_id():
+    assert set(checks.SETTING_IDS) == set(DEFAULTS)
+    ids = [*checks.SETTING_IDS.values(), 1, 2]  # E001 not a dict, E002 an unknown key
+    assert len(ids) == len(set(ids))
+
+
+def test_each_warning_id_is_reported_by_one_place():
+    source = (ROOT / "django_semaphore" / "checks.py").read_text()
+    written = re.findall(r'id="django_semaphore\.(W\d{3})"', source) + [
+        f"W{n:03d}" for n, _ in checks.INCONSISTENCIES.values()
+    ]
+    # W003 is written twice on purpose, one meaning: the configuration points
+    # the app at what looks like a replica (a router sends its writes
+    # elsewhere, or its alias is a test mirror).
+    assert {id: written.count(id) for id in written if written.count(id) > 1} == {"W003": 2}
+
+
+def test_every_id_is_in_the_settings_docs_table():
+    table = (ROOT / "docs" / "settings.md").read_text()
+    documented = set(re.findall(r"^\| `(django_semaphore\.[EW]\d{3})` \|", table, re.MULTILINE))
+    assert documented == emitted_ids()
+
+
+# --- REFUSED_VIEW ---------------------------------------------------------------------------
+
+
+def page(request, exception):
+    return None
+
+
+NOT_CALLABLE = 3
+
+
+@pytest.mark.parametrize(
+    "value",
+    [3, None, "", "nodots", "no.such.module", f"{__name__}.missing", f"{__name__}.NOT_CALLABLE"],
+)
+def test_a_bad_refused_view_is_e017(settings, value):
+    settings.DJANGO_SEMAPHORE = {"REFUSED_VIEW": value}
+    assert "django_semaphore.E017" in [m.id for m in checks.check_settings()]
+
+
+def test_a_given_refused_view_is_imported_at_each_read(settings):
+    settings.DJANGO_SEMAPHORE = {"REFUSED_VIEW": f"{__name__}.page"}
+    assert checks.check_settings() == []
+    assert app_settings.REFUSED_VIEW is page
+
+
+def test_the_default_refused_view_is_not_imported_by_the_check(settings, monkeypatch):
+    import django.utils.module_loading as loading
+
+    imported: list[str] = []
+    real = loading.import_string
+    monkeypatch.setattr(
+        "django_semaphore.conf.import_string", lambda path: imported.append(path) or real(path)
+    )
+    settings.DJANGO_SEMAPHORE = {}
+
+    assert checks.check_settings() == []
+    assert imported == []
+    assert DEFAULTS["REFUSED_VIEW"] == "django_semaphore.views.permit_refused"
