@@ -13,6 +13,7 @@ from celery import Celery
 from django_semaphore import exceptions
 from django_semaphore.exceptions import (
     NameNotHeld,
+    PermitRefused,
     SemaphoreExhausted,
     SemaphoreNotFound,
     StaleFencingToken,
@@ -37,6 +38,7 @@ ARGUMENTS: dict[type[BaseException], list[tuple[Any, ...]]] = {
     SemaphoreExhausted: [(["b", "a"],), (["b", "a"], "No room on a, b (waited 2s)")],
     StaleFencingToken: [("invoice:42", 6, 7)],
     NameNotHeld: [("key-1", "b", ["c", "a"]), ("key-2", "b", [])],
+    PermitRefused: [(429, 7, ["b", "a"]), (503, 1)],
 }
 MESSAGE_ONLY = [("Something is wrong with 'a'.",)]
 
