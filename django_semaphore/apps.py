@@ -1,14 +1,9 @@
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from django.apps import AppConfig
 from django.core.exceptions import ImproperlyConfigured
 from django.db.models.signals import post_migrate, pre_delete
 from django.utils.translation import gettext_lazy as _
-
-if TYPE_CHECKING:
-    from django_semaphore.conf import Settings
 
 
 class DjangoSemaphoreConfig(AppConfig):
@@ -49,17 +44,13 @@ class DjangoSemaphoreConfig(AppConfig):
             task_runs.on_before_task_publish, dispatch_uid="django_semaphore.publish"
         )
         task_revoked.connect(parking.on_task_revoked, dispatch_uid="django_semaphore.revoked")
-        if _parking_configured(app_settings):
+        try:
+            parks = app_settings.PARK_TASKS
+        except ImproperlyConfigured:
+            # Start-up goes on, so that manage.py check reports the settings
+            # (E001, E020) rather than a traceback here.
+            parks = False
+        if parks:
             # Parking is the default: a release in any process (a web
             # request's permit() too) wakes the tasks parked for its room.
             parking.enable()
-
-
-def _parking_configured(app_settings: Settings) -> bool:
-    """``PARK_TASKS``, or ``False`` while the settings are malformed: start-up
-    goes on so that ``manage.py check`` can report them (E001, E020) rather
-    than a traceback here; every later read raises ``ImproperlyConfigured``."""
-    try:
-        return app_settings.PARK_TASKS
-    except ImproperlyConfigured:
-        return False
