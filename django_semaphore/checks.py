@@ -223,17 +223,21 @@ def _routed_writes() -> set[str]:
     return chosen
 
 
+def _asked_aliases(databases: Any) -> list[str]:
+    """The app's aliases that ``check --database`` asks about; none unless
+    asked, as Django's own database checks."""
+    if databases is None:
+        return []
+    return [alias for alias in _app_aliases() if alias in databases]
+
+
 @register(Tags.database)
 def check_database_servers(databases: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """What only the connected server can tell: a read-only server (a replica),
     Galera reads that may not see the other nodes' latest writes, an isolation
     level the grant was not designed for. Runs with ``check --database``."""
-    if databases is None:  # as Django's own database checks: only when asked
-        return []
     warnings: list[CheckMessage] = []
-    for alias in _app_aliases():
-        if alias not in databases:
-            continue
+    for alias in _asked_aliases(databases):
         try:
             server = backends.server_settings(connections[alias])
         except DatabaseError:
@@ -311,12 +315,8 @@ def check_data_consistency(databases: Any = None, **kwargs: Any) -> list[CheckMe
     """States the engine never writes (a manual edit, a restore, a crash, raw
     SQL): reported, not changed; the orphan sweep repairs them. Runs with
     ``check --database``."""
-    if databases is None:
-        return []
     messages: list[CheckMessage] = []
-    for alias in _app_aliases():
-        if alias not in databases:
-            continue
+    for alias in _asked_aliases(databases):
         try:
             found = sweep.inconsistencies(alias)
         except DatabaseError:
@@ -342,12 +342,8 @@ def check_settings_drift(databases: Any = None, **kwargs: Any) -> list[CheckMess
     """Declared semaphores whose row has other limits than ``SEMAPHORES``
     says (``migrate`` creates missing ones but never changes existing ones).
     Runs with ``check --database``, and in ``migrate``'s checks."""
-    if databases is None:
-        return []
     messages: list[CheckMessage] = []
-    for alias in _app_aliases():
-        if alias not in databases:
-            continue
+    for alias in _asked_aliases(databases):
         try:
             found = declared.drift(alias, missing=False)
         except ImproperlyConfigured:
