@@ -5,6 +5,7 @@ python -m benchmarks --postgres             # the same on PostgreSQL
 python -m benchmarks --postgres --prepared  # ... with prepared statements
 python -m benchmarks --mode threads         # clients as threads of one process
 python -m benchmarks --smoke                # a few seconds: does it still run?
+python -m benchmarks --fast-commit          # commits that do not wait for the disk
 """
 
 from __future__ import annotations
@@ -51,6 +52,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="PostgreSQL: Django's server_side_binding with prepare_threshold 5, as psycopg "
         "runs the raw clients",
+    )
+    commit = parser.add_mutually_exclusive_group()
+    commit.add_argument(
+        "--fast-commit",
+        action="store_const",
+        const="fast",
+        dest="commit",
+        help="a measuring mode, never a recommendation: commits that do not wait for the "
+        "disk (PostgreSQL synchronous_commit=off per session; MariaDB "
+        "innodb_flush_log_at_trx_commit=2, a global set for the run and restored after)",
+    )
+    commit.add_argument(
+        "--durable",
+        action="store_const",
+        const="durable",
+        dest="commit",
+        help="commits that wait for the log to be written (synchronous_commit=on; "
+        "innodb_flush_log_at_trx_commit=1); default: the server's own settings",
     )
     parser.add_argument("--repeat", type=int, default=1, help="runs per cell (median kept)")
     parser.add_argument("--smoke", action="store_true", help="tiny, a few seconds in all")
@@ -100,7 +119,17 @@ def main(argv: list[str]) -> int:
         return 0
     options = options_from(args)
     target = db.Target.parse(options.url)
+    # Before any connection: the workers and Django's settings read it too.
+    os.environ["BENCH_COMMIT"] = args.commit or ""
     db.ensure_database(target)
+    commit_set_by, restore_commit = db.apply_commit_mode(target)
+    try:
+        return _run(args, options, target, commit_set_by)
+    finally:
+        restore_commit()
+
+
+def _run(args: argparse.Namespace, options: Options, target: db.Target, commit_set_by: str) -> int:
     os.environ["BENCH_DATABASE_URL"] = options.url
     if args.cleanup_batch:
         os.environ["BENCH_CLEANUP_BATCH"] = str(args.cleanup_batch)
@@ -114,7 +143,11 @@ def main(argv: list[str]) -> int:
     load_before = os.getloadavg()
     started = time.monotonic()
     say = lambda line: print(line, flush=True)  # noqa: E731
-    say(f"benchmark on {db.server_version(target)} ({target.vendor}), {options.mode}")
+    commit = db.commit_settings(target)
+    say(
+        f"benchmark on {db.server_version(target)} ({target.vendor}), {options.mode},"
+        f" commits: {args.commit or 'server settings'} {commit}"
+    )
     bench = Bench(options, say)
     try:
         cells = bench.run()
@@ -130,6 +163,9 @@ def main(argv: list[str]) -> int:
         "options": {k: v for k, v in asdict(options).items() if k not in {"url", "redis_url"}},
         "label": args.label,
         "prepared": args.prepared,
+        "commit_mode": args.commit or "server",
+        "commit_settings": commit,
+        "commit_set_by": commit_set_by,
         "smoke": args.smoke,
         "commit": _git_commit(),
         "python": platform.python_version(),

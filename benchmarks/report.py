@@ -36,7 +36,21 @@ def add_ratios(cells: list[Cell]) -> None:
         if limit is None or cell.scenario.startswith("1"):
             limit = find(cells, "1", systems.LIMIT_HOT, cell.clients)
         cell.extra["x_seed"] = _round(ratio(cell.cycles_per_s, seed and seed.cycles_per_s))
+        # The costs as ratios too (above 1: the cell costs more than the seed).
+        for key, field in SEED_RATIOS.items():
+            theirs = None if seed is None else getattr(seed, field)
+            cell.extra[key] = _round(ratio(getattr(cell, field), theirs))
         cell.extra["x_limit"] = _round(ratio(cell.cycles_per_s, limit and limit.cycles_per_s))
+
+
+# extra's key -> the Cell field it divides by the seed's, in the same cell.
+SEED_RATIOS = {
+    "x_seed_p50": "p50_ms",
+    "x_seed_p99": "p99_ms",
+    "x_seed_client_cpu": "client_cpu_ms",
+    "x_seed_server_cpu": "server_cpu_ms",
+    "x_seed_round_trips": "round_trips",
+}
 
 
 def _round(x: float | None) -> float | None:
@@ -47,7 +61,8 @@ def table(cells: list[Cell]) -> str:
     header = (
         f"{'scenario':<20} {'system':<28} {'clients':<22} {'cycles/s':>9} {'p50 ms':>7}"
         f" {'p99 ms':>7} {'max ms':>7} {'reject':>7} {'err':>4} {'x seed':>6} {'x limit':>7}"
-        f" {'fair':>5} {'cpu ms client':>13} {'server':>6}"
+        f" {'fair':>5} {'cpu ms client':>13} {'server':>6} {'trips':>5}"
+        f" {'x seed: p99 client server trips':>31}"
     )
     lines = [header, "-" * len(header)]
     for c in cells:
@@ -56,6 +71,9 @@ def table(cells: list[Cell]) -> str:
             f" {_ms(c.p50_ms):>7} {_ms(c.p99_ms):>7} {_ms(c.max_ms):>7} {c.rejections:>7}"
             f" {c.errors:>4} {_x(c.extra.get('x_seed')):>6} {_x(c.extra.get('x_limit')):>7}"
             f" {_x(c.jain):>5} {_ms(c.client_cpu_ms):>13} {_ms(c.server_cpu_ms):>6}"
+            f" {_x(c.round_trips):>5} {_x(c.extra.get('x_seed_p99')):>13}"
+            f" {_x(c.extra.get('x_seed_client_cpu')):>6} {_x(c.extra.get('x_seed_server_cpu')):>6}"
+            f" {_x(c.extra.get('x_seed_round_trips')):>5}"
         )
         notes = {k: v for k, v in c.extra.items() if not k.startswith("x_")}
         if notes:
@@ -174,19 +192,31 @@ def checks_text(results: list[dict[str, Any]]) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     """A results file as the Markdown tables of benchmarks/README.md."""
-    lines = [
+    meta = results.get("meta", {})
+    lines = []
+    if meta.get("commit_settings") is not None:
+        lines += [
+            f"Commits: {meta.get('commit_mode', 'server')} {meta['commit_settings']}"
+            f" ({meta.get('database', '')}). The x seed columns divide by the seed's"
+            " figure in the same scenario with the same clients.",
+            "",
+        ]
+    lines += [
         "| scenario | system | clients | cycles/s | p50 ms | p99 ms | max ms | rejected"
-        " | errors | x seed | x limit | client CPU ms | server CPU ms |",
-        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        " | errors | client CPU ms | server CPU ms | round trips | x seed cycles/s"
+        " | x seed p50 | x seed p99 | x seed client CPU | x seed server CPU | x seed round trips"
+        " | x limit |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for c in results["cells"]:
         extra = c["extra"]
+        seed = " | ".join(_x(extra.get(key)) for key in ("x_seed", *SEED_RATIOS))
         lines.append(
             f"| {c['scenario']} | {c['system']} | {c['layout']} | {c['cycles_per_s']:,.0f}"
             f" | {_ms(c['p50_ms'])} | {_ms(c['p99_ms'])} | {_ms(c['max_ms'])}"
-            f" | {c['rejections']:,} | {c['errors']} | {_x(extra.get('x_seed'))}"
-            f" | {_x(extra.get('x_limit'))} | {_ms(c.get('client_cpu_ms'))}"
-            f" | {_ms(c.get('server_cpu_ms'))} |"
+            f" | {c['rejections']:,} | {c['errors']} | {_ms(c.get('client_cpu_ms'))}"
+            f" | {_ms(c.get('server_cpu_ms'))} | {_x(c.get('round_trips'))} | {seed}"
+            f" | {_x(extra.get('x_limit'))} |"
         )
     lines += ["", "| figure | measured | target | met |", "|---|--:|---|---|"]
     marks = {True: "yes", False: "**no**", None: ""}

@@ -18,6 +18,7 @@ from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks import roundtrips
 from benchmarks.systems import APP_NO_PRELOCK, Client, ClientSpec, make_client
 
 # Spawned, not forked: a forked child of a threaded parent can deadlock.
@@ -35,6 +36,7 @@ class ClientResult:
     latencies: list[float] = field(default_factory=list)  # seconds, granted acquires
     elapsed: float = 0.0
     cpu: float = 0.0  # this client's thread's CPU seconds over the measured window
+    round_trips: int = 0  # statements this client's thread sent over the measured window
 
 
 def client_loop(client: Client, warm: float, start: float, end: float) -> ClientResult:
@@ -53,7 +55,7 @@ def client_loop(client: Client, warm: float, start: float, end: float) -> Client
             pass  # counted only in the measured window
     result = ClientResult(index=client.spec.index)
     errors: Counter[str] = Counter()
-    began, cpu = time.perf_counter(), time.thread_time()
+    began, cpu, sent = time.perf_counter(), time.thread_time(), roundtrips.count()
     while time.time() < end:
         t0 = time.perf_counter()
         try:
@@ -74,6 +76,7 @@ def client_loop(client: Client, warm: float, start: float, end: float) -> Client
         result.cycles += 1
     result.elapsed = time.perf_counter() - began
     result.cpu = time.thread_time() - cpu
+    result.round_trips = roundtrips.count() - sent
     result.errors = dict(errors)
     return result
 
@@ -91,6 +94,7 @@ def worker_main(url: str, worker: int, inbox: Any, outbox: Any) -> None:
     import django
 
     django.setup()
+    roundtrips.install()
     while (specs := inbox.get()) is not None:
         outbox.put(("done", worker, run_clients(specs, worker, inbox, outbox)))
 

@@ -65,6 +65,7 @@ class Cell:
     jain: float | None = None
     client_cpu_ms: float | None = None  # client CPU per completed cycle
     server_cpu_ms: float | None = None  # database server CPU per completed cycle
+    round_trips: float | None = None  # statements sent per completed cycle (client-counted)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -89,6 +90,7 @@ def summarize(cell: Cell, results: list[ClientResult]) -> Cell:
     cell.errors = sum(cell.error_kinds.values())
     if cell.cycles:
         cell.client_cpu_ms = sum(r.cpu for r in results) / cell.cycles * 1000
+        cell.round_trips = sum(r.round_trips for r in results) / cell.cycles
     per_client = [r.cycles for r in results]
     if sum(per_client):
         # Jain's fairness index: 1 = every client got the same share.

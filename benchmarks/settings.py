@@ -10,6 +10,8 @@ import os
 
 import environ
 
+from benchmarks import db
+
 SECRET_KEY = "benchmark-only"
 USE_TZ = True
 TIME_ZONE = "UTC"
@@ -25,6 +27,9 @@ elif _default["ENGINE"] == "django.db.backends.postgresql" and os.environ.get("B
     # PostgreSQL as the seed's psycopg clients run: parameters bound by the
     # server, statements prepared after a few runs (python -m benchmarks --prepared).
     _default["OPTIONS"] = {"server_side_binding": True, "prepare_threshold": 5}
+if _default["ENGINE"] == "django.db.backends.postgresql" and db.postgres_options():
+    # --fast-commit / --durable: synchronous_commit for this session, as the raw clients'.
+    _default.setdefault("OPTIONS", {})["options"] = db.postgres_options()
 
 INSTALLED_APPS = [
     "django.contrib.auth",

@@ -65,6 +65,8 @@ def test_smoke_mode_produces_sane_results(tmp_path):
             assert cell["cycles"] > 0, cell
             assert cell["p50_ms"] <= cell["p99_ms"] <= cell["max_ms"], cell
             assert cell["client_cpu_ms"] > 0, cell
+            # Statements per cycle, counted at the driver (benchmarks/roundtrips.py).
+            assert cell["round_trips"] >= 2, cell
             # The test command's servers run on this machine: /proc has them.
             if connection.vendor != "sqlite":
                 assert cell["server_cpu_ms"] is not None, cell
