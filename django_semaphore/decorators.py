@@ -103,7 +103,7 @@ def holds_permit(
             when placed above a task decorator instead of under it.
     """
     # Every argument is checked now, so a typo fails at import rather than
-    # on the first request (where a view would answer it with a 503).
+    # on the first request.
     names_of: Callable[..., Any] | None = None
     if not is_int(count, 1, MAX_COUNT):
         raise InvalidRequest(f"count must be an int from 1 to {MAX_COUNT}, not {count!r}.")

@@ -1,9 +1,8 @@
-"""Every public name has a docstring: the API reference (docs/reference/) is
-generated from them, so a name without one would be a blank in the docs.
+"""Every public name has a docstring: what ``help()`` and an editor show, and
+what the API reference (docs/reference/) says in its own words.
 
-Read statically with griffe, as mkdocstrings reads them for the site, so the
-docstrings of module attributes (signals, beat's names) count, which no
-runtime ``__doc__`` holds. A new public function, class, method, signal or
+Read statically with griffe, so the docstrings of module attributes
+(signals, beat's names) count, which no runtime ``__doc__`` holds. A new public function, class, method, signal or
 schedule name without a docstring fails here.
 """
 
