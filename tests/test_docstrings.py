@@ -2,8 +2,9 @@
 what the API reference (docs/reference/) says in its own words.
 
 Read statically with griffe, so the docstrings of module attributes
-(signals, beat's names) count, which no runtime ``__doc__`` holds. A new public function, class, method, signal or
-schedule name without a docstring fails here.
+(signals, beat's names) count, which no runtime ``__doc__`` holds. A new
+public function, class, method, signal or schedule name without a docstring
+fails here.
 """
 
 from __future__ import annotations
