@@ -101,7 +101,8 @@ def classify(connection: BaseDatabaseWrapper, exc: DatabaseError) -> Failure | N
 
 # A table or column of the app is missing: its migrations are not applied.
 MYSQL_SCHEMA = frozenset({1146, 1054})  # ER_NO_SUCH_TABLE, ER_BAD_FIELD_ERROR
-POSTGRES_SCHEMA = frozenset({"42P01", "42703"})  # undefined_table, undefined_column
+# undefined_table, undefined_column, undefined_function (the grant's, engine/statements/one_trip.py)
+POSTGRES_SCHEMA = frozenset({"42P01", "42703", "42883"})
 SQLITE_SCHEMA = ("no such table", "no such column")
 
 

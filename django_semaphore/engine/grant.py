@@ -28,6 +28,7 @@ each step is one precompiled statement (``statements/``).
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from datetime import datetime, timedelta
 
@@ -40,6 +41,7 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.engine import fairness, families, prelock
 from django_semaphore.engine.releasing import release_requests
 from django_semaphore.engine.statements import Statements, statements
+from django_semaphore.engine.statements.one_trip import one_trip_statements
 from django_semaphore.engine.statements.rows import LockedSemaphore
 from django_semaphore.exceptions import (
     CapacityExceeded,
@@ -90,10 +92,14 @@ def acquire_once(
     # says why).
     with prelock.prelocked(demand.names):
         try:
-            with backends.bounded_transaction(
-                connection, lock_wait, statements_bounded=True, durable=True
-            ):
-                outcome = grant(connection, demand, key, owner, ttl, lock_wait, place)
+            outcome: PermitRequest | SemaphoreError | KeyTaken | None = grant_in_one_trip(
+                connection, demand, key, owner, ttl, lock_wait, place
+            )
+            if outcome is None:
+                with backends.bounded_transaction(
+                    connection, lock_wait, statements_bounded=True, durable=True
+                ):
+                    outcome = grant(connection, demand, key, owner, ttl, lock_wait, place)
         except IntegrityError:
             # The key has a request already: a repeated call, or two first
             # calls at once where the other's insert won.
@@ -187,21 +193,75 @@ def grant(
                 for s in sorted(locked, key=lambda s: s.id)
             ],
         )
-    # The row as inserted: what Django would build had it read the row back.
+    request = _granted(alias, request_id, key, owner, ttl, expires_at, now, tokens)
+    if signals.permit_acquired.has_listeners(PermitRequest):
+        transaction.on_commit(functools.partial(_announce, request), using=alias)
+    return request
+
+
+def grant_in_one_trip(
+    connection: BaseDatabaseWrapper,
+    demand: Demand,
+    key: str,
+    owner: str,
+    ttl: int | None,
+    lock_wait: float,
+    place: fairness.Place,
+) -> PermitRequest | None:
+    """The common grant -- one semaphore with room, nobody queued -- in one
+    round trip and its own transaction, where the database can
+    (``statements/one_trip.py``); ``None``, nothing written, when the call
+    needs the general grant: more names, tickets of its own to delete, no
+    room, a rate limit, a fair queue, a missing name."""
+    if len(demand.counts) != 1 or place.ticketed or connection.in_atomic_block:
+        return None
+    sql = one_trip_statements(connection)
+    if not sql.applies():
+        return None
+    ((name, count),) = demand.counts.items()
+    granted = sql.grant(name, count, key, owner, ttl, lock_wait)
+    if granted is None:
+        return None
+    request = _granted(
+        connection.alias,
+        granted.request_id,
+        key,
+        owner,
+        ttl,
+        granted.expires_at,
+        granted.granted_at,
+        {name: granted.fencing_token},
+    )
+    if signals.permit_acquired.has_listeners(PermitRequest):
+        _announce(request)
+    return request
+
+
+def _granted(
+    alias: str,
+    request_id: int,
+    key: str,
+    owner: str,
+    ttl: int | None,
+    expires_at: datetime | None,
+    now: datetime,
+    tokens: dict[str, int],
+) -> PermitRequest:
+    """The request as inserted: what Django would build had it read the row back."""
     request = PermitRequest.from_db(
         alias,
         REQUEST_COLUMNS,
         [request_id, key, owner, State.ACQUIRED, ttl, expires_at, now, now, None, ""],
     )
     request.__dict__["fencing_tokens"] = tokens
-    if signals.permit_acquired.has_listeners(PermitRequest):
-        transaction.on_commit(
-            lambda: signals.permit_acquired.send_robust(
-                sender=PermitRequest, request=request, using=alias
-            ),
-            using=alias,
-        )
     return request
+
+
+def _announce(request: PermitRequest) -> None:
+    """``permit_acquired``, once the grant committed."""
+    signals.permit_acquired.send_robust(
+        sender=PermitRequest, request=request, using=request._state.db
+    )
 
 
 def refusal(

@@ -23,7 +23,11 @@ from django.db.backends.utils import CursorWrapper
 from django_semaphore import backends, signals
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import holds
-from django_semaphore.engine.statements.release import ReleaseStatements, release_statements
+from django_semaphore.engine.statements.release import (
+    ReleasedPermit,
+    ReleaseStatements,
+    release_statements,
+)
 from django_semaphore.models import PermitRequest, Semaphore
 from django_semaphore.states import ReleaseOutcome, ReleaseReason, State
 
@@ -36,12 +40,15 @@ def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     # One statement where the database can say it, the same whoever listens
     # (metrics, signals, parked tasks): what they need is read once it has
     # committed, off the release's critical path (``announce_key``).
-    if sql.releases_by_key() and sql.release_by_key(
-        key, ReleaseReason.RELEASED, app_settings.LOCK_WAIT_TIMEOUT
-    ):
-        if anyone_listens():
-            announce_key(connection, key)
-        return ReleaseOutcome.RELEASED
+    if sql.releases_by_key():
+        listens = anyone_listens()
+        ended, released = sql.release_by_key(
+            key, ReleaseReason.RELEASED, app_settings.LOCK_WAIT_TIMEOUT, read=listens
+        )
+        if ended:
+            if listens:
+                announce_key(connection, key, released)
+            return ReleaseOutcome.RELEASED
     row = sql.find_request(key)
     if row is None:
         return ReleaseOutcome.NOT_FOUND
@@ -53,9 +60,12 @@ def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     return ReleaseOutcome.ALREADY_RELEASED
 
 
-def announce_key(connection: BaseDatabaseWrapper, key: str) -> None:
-    """Tell receivers what the one-statement release of ``key`` ended, by
-    one plain read once it committed.
+def announce_key(
+    connection: BaseDatabaseWrapper, key: str, released: list[ReleasedPermit] | None
+) -> None:
+    """Tell receivers what the one-statement release of ``key`` ended
+    (``released``, when the release read it in the same trip), by one plain
+    read once it committed.
 
     A request's permits only ever go from ACQUIRED to RELEASED, so what the
     read finds is what the statement freed. A task that parked before the
@@ -65,11 +75,12 @@ def announce_key(connection: BaseDatabaseWrapper, key: str) -> None:
     here: a failed read is logged, and the beat sweep wakes parked tasks.
     """
     alias = connection.alias
-    try:
-        released = release_statements(connection).released_on_key(key)
-    except DatabaseError:
-        logger.warning("Could not read what the release of %r freed.", key, exc_info=True)
-        return
+    if released is None:
+        try:
+            released = release_statements(connection).released_on_key(key)
+        except DatabaseError:
+            logger.warning("Could not read what the release of %r freed.", key, exc_info=True)
+            return
     if not released:
         return
     reason = ReleaseReason.RELEASED.value

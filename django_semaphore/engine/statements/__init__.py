@@ -195,10 +195,7 @@ class Statements(SQL):
         self, cursor: CursorWrapper, names: Sequence[str], lock_wait: float
     ) -> list[LockedSemaphore]:
         """Lock the semaphore rows in name order."""
-        sql = self.locks.get(len(names))
-        if sql is None:
-            sql = self.locks[len(names)] = self._compile_lock(len(names))
-        cursor.execute(self.bounded(sql, lock_wait), list(names))
+        cursor.execute(self.bounded(self.lock_sql(len(names)), lock_wait), list(names))
         locked = [LockedSemaphore(*row) for row in cursor.fetchall()]
         for s in locked:
             if s.slots_closed_until is not None:
@@ -206,6 +203,13 @@ class Statements(SQL):
                     self.connection, s.slots_closed_until
                 )
         return locked
+
+    def lock_sql(self, count: int) -> str:
+        """The locking read of ``count`` names, compiled once."""
+        sql = self.locks.get(count)
+        if sql is None:
+            sql = self.locks[count] = self._compile_lock(count)
+        return sql
 
     def _compile_lock(self, count: int) -> str:
         names = [f"name-{i}" for i in range(count)]

@@ -97,6 +97,16 @@ class ReleaseStatements(SQL):
             f" JOIN {semaphore} s ON s.{q('id')} = p.{q('semaphore_id')}"
             f" WHERE r.{q('external_id')} = %s"
         )
+        # MariaDB: the release by key and that read in one trip, as a block
+        # whose statements commit one by one (autocommit): the read follows
+        # the release's commit, as it would by itself.
+        self.by_key_read_sql = ""
+        if self.by_key_sql and self.connection.vendor == "mysql":
+            self.by_key_read_sql = (
+                "BEGIN NOT ATOMIC DECLARE v_released BIGINT;"
+                f" {{by_key}}; SET v_released = ROW_COUNT(); SELECT v_released;"
+                f" IF v_released > 0 THEN {self.released_on_key_sql}; END IF; END"
+            )
 
     def _by_key_sql(self) -> str:
         """Release by key in one statement where the database can update
@@ -177,8 +187,12 @@ class ReleaseStatements(SQL):
         release committed; see ``released_on_key_sql``)."""
         with self.connection.cursor() as cursor:
             cursor.execute(self.released_on_key_sql, [key])
-            rows = cursor.fetchall()
-        # Not another key that only the collation calls equal.
+            return self._exactly(key, cursor.fetchall())
+
+    @staticmethod
+    def _exactly(key: str, rows: Sequence[Sequence[Any]]) -> list[ReleasedPermit]:
+        """The rows of ``released_on_key_sql`` of exactly this key, not of
+        another that only the collation calls equal."""
         return [ReleasedPermit(*row) for stored, *row in rows if stored == key]
 
     def releases_by_key(self) -> bool:
@@ -190,9 +204,13 @@ class ReleaseStatements(SQL):
             self.connection.vendor == "postgresql" and self.connection.in_atomic_block
         )
 
-    def release_by_key(self, key: str, reason: str, lock_wait: float) -> bool:
+    def release_by_key(
+        self, key: str, reason: str, lock_wait: float, *, read: bool = False
+    ) -> tuple[bool, list[ReleasedPermit] | None]:
         """Release the key's request, its permits and their share of the
-        counters in one statement; whether this call released it."""
+        counters in one statement: whether this call released it and, when
+        ``read`` and the database reads it in the same trip (MariaDB), what
+        it released (``released_on_key``; ``None``: not read)."""
         acquired, released = self.acquired, self.released
         params: list[Any]
         if self.connection.vendor == "mysql":
@@ -200,13 +218,21 @@ class ReleaseStatements(SQL):
         else:
             bound = f"{int(lock_wait * 1000)}ms"
             params = [released, reason, key, acquired, bound, released, acquired]
+        statement = self.bounded(self.by_key_sql, lock_wait)
         with self.connection.cursor() as cursor:
-            cursor.execute(self.bounded(self.by_key_sql, lock_wait), params)
+            if read and self.by_key_read_sql:
+                cursor.execute(self.by_key_read_sql.replace("{by_key}", statement), [*params, key])
+                ended = bool(cursor.fetchone()[0])
+                rows = cursor.fetchall() if cursor.nextset() and ended else []
+                while cursor.nextset():  # the block's closing status
+                    pass
+                return ended, self._exactly(key, rows) if ended else None
+            cursor.execute(statement, params)
             if self.connection.vendor == "mysql":
                 # Django connects with CLIENT.FOUND_ROWS: rows matched, and the
-                # request row matches only while ACQUIRED.
-                return bool(cursor.rowcount)
-            return bool(cursor.fetchone()[0])
+                # request row matches only while ACQUIRED (so does ROW_COUNT()).
+                return bool(cursor.rowcount), None
+            return bool(cursor.fetchone()[0]), None
 
     # Inside a transaction.
 
