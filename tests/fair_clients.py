@@ -12,6 +12,7 @@ from django.db import connections, transaction
 from django_semaphore import acquire, release
 from django_semaphore.engine import fairness
 from django_semaphore.engine.statements import Statements
+from django_semaphore.engine.statements.one_trip import Granted, OneTripStatements
 from django_semaphore.exceptions import SemaphoreExhausted
 from tests.children import Outbox
 
@@ -40,12 +41,13 @@ def record_tickets(history: Outbox) -> None:
     """Make this process record each ticket it takes, once committed: (key,
     semaphore id, ticket id, the semaphore's fencing counter when it came to
     hold back there (None while it does not), the permits it asks there);
-    and each grant's usage: (None, semaphore id, fencing token, permits in
-    use once granted, None)."""
+    and each grant's usage, the general grant's and the one-trip grant's:
+    (None, semaphore id, fencing token, permits in use once granted, None)."""
     take = fairness._insert_tickets
     count_grant = Statements.count_grant
+    grant_in_one_trip = OneTripStatements.grant
 
-    from django_semaphore.models import Ticket
+    from django_semaphore.models import Semaphore, Ticket
 
     def recording(connection, locked, place, now, expires_at, lock_wait, short) -> None:
         take(connection, locked, place, now, expires_at, lock_wait, short)
@@ -80,8 +82,17 @@ def record_tickets(history: Outbox) -> None:
             lambda: [history.put(row) for row in rows], using=self.connection.alias
         )
 
+    def granting(self, name, *args) -> Granted | None:
+        granted = grant_in_one_trip(self, name, *args)
+        if granted is not None:
+            semaphore = Semaphore.objects.using(self.connection.alias).get(name=name)
+            row = ("usage", None, semaphore.id, granted.fencing_token, granted.in_use, None)
+            history.put(row)
+        return granted
+
     fairness._insert_tickets = recording  # type: ignore[assignment]
     Statements.count_grant = counting  # type: ignore[method-assign]
+    OneTripStatements.grant = granting  # type: ignore[method-assign]
 
 
 def fair_traffic(

@@ -43,6 +43,7 @@ class Granted:
     granted_at: datetime
     expires_at: datetime | None
     fencing_token: int
+    in_use: int  # the semaphore's permits in use once granted
 
 
 class OneTripStatements(SQL):
@@ -82,7 +83,7 @@ class OneTripStatements(SQL):
         if self.vendor == "postgresql":
             params: list[Any] = [name, count, key, owner, ttl, f"{int(lock_wait * 1000)}ms"]
         else:
-            params = [name, name, count, count, ttl, ttl, key, owner, ttl, count, count]
+            params = [name, name, count, count, ttl, ttl, key, owner, ttl, count, count, count]
         with self.connection.cursor() as cursor:
             cursor.execute(self._call(lock_wait), params)
             row = cursor.fetchone()
@@ -91,13 +92,14 @@ class OneTripStatements(SQL):
                     pass
         if row is None or row[0] is None:
             return None
-        request_id, granted_at, expires_at, token = row
+        request_id, granted_at, expires_at, token, in_use = row
         stamp = backends.datetime_from_db
         return Granted(
             int(request_id),
             stamp(self.connection, granted_at),
             None if expires_at is None else stamp(self.connection, expires_at),
             int(token),
+            int(in_use),
         )
 
     def locking_read_into(self, targets: str) -> str:
@@ -111,7 +113,7 @@ class OneTripStatements(SQL):
 
     def _mariadb_block(self) -> str:
         """The grant as one anonymous block; its parameters, in order: name
-        (twice), count (twice), ttl (twice), key, owner, ttl, count (twice)."""
+        (twice), count (twice), ttl (twice), key, owner, ttl, count (3x)."""
         q, now = self.q, self.now
         semaphore, request, permit = self.semaphore, self.request, self.permit
         columns = [*LOCKED_COLUMNS, "released"]
@@ -136,7 +138,7 @@ class OneTripStatements(SQL):
             f" - GREATEST(IFNULL(v_released, 0) - v_released_folded, 0), 0);"
             " IF v_id IS NULL OR NOT v_exact OR v_window IS NOT NULL OR IFNULL(v_queue_live, 0)"
             " OR %s > v_capacity OR v_held + %s > v_capacity THEN"
-            " ROLLBACK; SELECT NULL, NULL, NULL, NULL;"
+            " ROLLBACK; SELECT NULL, NULL, NULL, NULL, NULL;"
             " ELSE"
             f" SET v_now = {now};"
             " SET v_expires = IF(%s IS NULL, NULL, TIMESTAMPADD(SECOND, %s, v_now));"
@@ -153,7 +155,7 @@ class OneTripStatements(SQL):
             f" {q('fencing_token')}, {q('slot_ends')}, {q('state')})"
             f" VALUES (v_id, v_request, %s, v_fencing_counter + 1, NULL, '{self.acquired}');"
             " COMMIT;"
-            " SELECT v_request, v_now, v_expires, v_fencing_counter + 1;"
+            " SELECT v_request, v_now, v_expires, v_fencing_counter + 1, v_held + %s;"
             " END IF;"
             " END"
         )
@@ -193,7 +195,8 @@ class OneTripStatements(SQL):
             f" INSERT INTO {self.permit} ({q('semaphore_id')}, {q('request_id')}, {q('count')},"
             f" {q('fencing_token')}, {q('slot_ends')}, {q('state')})"
             f" VALUES (s.id, v_request, p_count, s.fencing_counter + 1, NULL, '{self.acquired}');\n"
-            " RETURN QUERY SELECT v_request, v_now, v_expires, (s.fencing_counter + 1)::bigint;\n"
+            " RETURN QUERY SELECT v_request, v_now, v_expires, (s.fencing_counter + 1)::bigint,"
+            " v_held + p_count;\n"
             "END\n"
         )
 
@@ -213,7 +216,7 @@ def install(connection: BaseDatabaseWrapper) -> None:
             f"CREATE OR REPLACE FUNCTION {FUNCTION}(p_name text, p_count integer,"
             " p_key text, p_owner text, p_ttl integer, p_lock_wait text)"
             " RETURNS TABLE (granted_request bigint, granted_at timestamptz,"
-            " granted_expires_at timestamptz, granted_token bigint)"
+            " granted_expires_at timestamptz, granted_token bigint, granted_in_use bigint)"
             f" LANGUAGE plpgsql VOLATILE AS $grant${body}$grant$"
         )
 
