@@ -209,6 +209,8 @@ SAFE_NAMES = {
     "semaphore", "request", "permit", "counter", "now", "ids", "rows", "table", "column",
     "db_table", "sql", "where", "columns", "returning", "bound", "hint", "stamp",
     "locking",  # the manager's locking read, compiled by the ORM
+    "declarations",  # a block's variables, typed by quoted columns
+    "acquired",  # the ACQUIRED state, a constant (a function's body takes no parameters)
 }  # fmt: skip
 
 

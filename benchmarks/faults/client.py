@@ -6,10 +6,11 @@ the client's history. Faults that must land at a precise point are *armed* by
 the runner (SIGUSR1) and fired by the client itself at the next occurrence of
 that point:
 
-- ``sigkill`` at a SQL point (``acquire.insert``: inside the grant
-  transaction, rows locked; ``release.request``: as release ends the
-  request — between its two updates where it runs two, before its one
-  statement on MariaDB) or while holding (``hold``): a real SIGKILL of this process;
+- ``sigkill`` at a SQL point (``acquire.insert``: inside the general grant's
+  transaction, rows locked, or before the one-trip grant's block is sent;
+  ``release.request``: as release ends the request — between its two
+  updates where it runs two, before its one statement or block on MariaDB)
+  or while holding (``hold``): a real SIGKILL of this process;
 - ``connkill`` at a SQL point: ``KILL <connection id>`` sent from a second
   connection, then the statement runs on the killed connection;
 - ``lost-response`` after the grant's COMMIT: the connection is killed and the
@@ -41,6 +42,15 @@ POINTS = (
     ("UPDATE `django_semaphore_permitrequest` SET `state`", "", "", "release.request"),
     # release(key) in one statement (request and permits together)
     ("UPDATE `django_semaphore_permitrequest` r LEFT JOIN", "", "", "release.request"),
+    # The one-trip grant, and release(key) with the read of what it ended,
+    # each one block: a fault fires before it is sent.
+    ("BEGIN NOT ATOMIC", "INSERT INTO `django_semaphore_permit`", "", "acquire.insert"),
+    (
+        "BEGIN NOT ATOMIC",
+        "UPDATE `django_semaphore_permitrequest` r LEFT JOIN",
+        "",
+        "release.request",
+    ),
 )
 RETRYABLE_CODES = {1205, 1213, 1927, 2006, 2013}
 

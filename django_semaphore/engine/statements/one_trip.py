@@ -118,20 +118,20 @@ class OneTripStatements(SQL):
         semaphore, request, permit = self.semaphore, self.request, self.permit
         columns = [*LOCKED_COLUMNS, "released"]
         variables = [f"v_{column}" for column in columns]
-        anchored = "; ".join(
+        declarations = "; ".join(
             f"DECLARE v_{column} TYPE OF {semaphore}.{q(column)}"
             for column in columns
             if column not in ("queue_live", "released")
         )
-        read = self.locking_read_into(", ".join(variables))
+        locking = self.locking_read_into(", ".join(variables))
         bound = "SET STATEMENT innodb_lock_wait_timeout = {wait} FOR "
         return (
             "BEGIN NOT ATOMIC "
-            f"{anchored}; DECLARE v_queue_live, v_exact BOOL; DECLARE v_released BIGINT;"
+            f"{declarations}; DECLARE v_queue_live, v_exact BOOL; DECLARE v_released BIGINT;"
             " DECLARE v_held, v_request BIGINT; DECLARE v_now, v_expires DATETIME(6);"
             " DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN ROLLBACK; RESIGNAL; END;"
             " START TRANSACTION;"
-            f" {bound}{read};"
+            f" {bound}{locking};"
             # Names are exact, as Python compares them (not as the collation does).
             f" SET v_exact = CAST(v_name AS BINARY) = CAST(%s AS BINARY);"
             f" SET v_held = GREATEST(v_in_use_counter"
@@ -165,13 +165,13 @@ class OneTripStatements(SQL):
         compares it with the installed one, so a change here needs a
         migration that installs it again)."""
         q = self.q
-        read = self.locking_read_into("s").replace("%s", "p_name")
+        locking = self.locking_read_into("s").replace("%s", "p_name")
         return (
             "\nDECLARE s record; v_released bigint; v_held bigint;"
             " v_now timestamptz; v_expires timestamptz; v_request bigint;\n"
             "BEGIN\n"
             " PERFORM set_config('lock_timeout', p_lock_wait, true);\n"
-            f" {read};\n"
+            f" {locking};\n"
             f" IF NOT FOUND OR s.{q('window')} IS NOT NULL OR COALESCE(s.queue_live, false)"
             " OR p_count > s.capacity THEN RETURN; END IF;\n"
             # A statement of its own, so read once the lock is held: the
