@@ -82,12 +82,16 @@ def record_tickets(history: Outbox) -> None:
             lambda: [history.put(row) for row in rows], using=self.connection.alias
         )
 
-    def granting(self, name, *args) -> Granted | None:
-        granted = grant_in_one_trip(self, name, *args)
+    def granting(self, counts, *args) -> Granted | None:
+        granted = grant_in_one_trip(self, counts, *args)
         if granted is not None:
-            semaphore = Semaphore.objects.using(self.connection.alias).get(name=name)
-            row = ("usage", None, semaphore.id, granted.fencing_token, granted.in_use, None)
-            history.put(row)
+            ids = dict(
+                Semaphore.objects.using(self.connection.alias)
+                .filter(name__in=counts)
+                .values_list("name", "id")
+            )
+            for name, token in granted.fencing_tokens.items():
+                history.put(("usage", None, ids[name], token, granted.in_use[name], None))
         return granted
 
     fairness._insert_tickets = recording  # type: ignore[assignment]

@@ -23,7 +23,10 @@ semaphore, or on none.
    Commit.
 
 From the lock to the commit every other caller of these semaphores waits, so
-each step is one precompiled statement (``statements/``).
+each step is one precompiled statement (``statements/``). On MariaDB and
+PostgreSQL the common case -- room everywhere, nobody queued, no rate limit
+-- is one call that runs these steps in the database (``grant_in_one_trip``,
+``statements/one_trip.py``); everything else comes here.
 """
 
 from __future__ import annotations
@@ -208,18 +211,17 @@ def grant_in_one_trip(
     lock_wait: float,
     place: fairness.Place,
 ) -> PermitRequest | None:
-    """The common grant -- one semaphore with room, nobody queued -- in one
+    """The common grant -- room on every semaphore, nobody queued -- in one
     round trip and its own transaction, where the database can
     (``statements/one_trip.py``); ``None``, nothing written, when the call
-    needs the general grant: more names, tickets of its own to delete, no
-    room, a rate limit, a fair queue, a missing name."""
-    if len(demand.counts) != 1 or place.ticketed or connection.in_atomic_block:
+    needs the general grant: tickets of its own to delete, no room, a rate
+    limit, a fair queue, a missing name."""
+    if place.ticketed or connection.in_atomic_block:
         return None
     sql = one_trip_statements(connection)
     if not sql.applies():
         return None
-    ((name, count),) = demand.counts.items()
-    granted = sql.grant(name, count, key, owner, ttl, lock_wait)
+    granted = sql.grant(demand.counts, key, owner, ttl, lock_wait)
     if granted is None:
         return None
     request = _granted(
@@ -230,7 +232,7 @@ def grant_in_one_trip(
         ttl,
         granted.expires_at,
         granted.granted_at,
-        {name: granted.fencing_token},
+        granted.fencing_tokens,
     )
     if signals.permit_acquired.has_listeners(PermitRequest):
         _announce(request)

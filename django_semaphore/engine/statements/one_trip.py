@@ -1,15 +1,15 @@
-"""The grant in one round trip: the common case -- one semaphore with room,
-no fair queue live, no rate window -- decided and written by the database
-in a single call, in one transaction of its own.
+"""The grant in one round trip: the common case -- every semaphore named
+has room, no fair queue is live, no rate window -- decided and written by
+the database in a single call, in one transaction of its own.
 
 MariaDB runs the statements as one anonymous block (``BEGIN NOT ATOMIC``),
 sent like any statement; PostgreSQL calls a function its migration installs
 (``FUNCTION``), whose statements the server plans once per connection. Both
 run the grant's own statements: the manager's locking read (the app's one
-lock order), the release total read once the lock is held, the room check of
-``LockedSemaphore.in_use``, then the request's insert (its unique key
-settles repeated calls: a taken key fails as the general path's insert
-does), the counters' update and the permit's insert.
+lock order), the release totals read once the locks are held, the room
+check of ``LockedSemaphore.in_use``, then the request's insert (its unique
+key settles repeated calls: a taken key fails as the general path's insert
+does), the counters' updates and the permits' insert, in semaphore id order.
 
 Anything else answers "not here" without writing anything, and the grant
 goes the general way (``grant.grant``): no room (which reclaims expired
@@ -33,6 +33,8 @@ from django_semaphore.engine.statements.rows import LOCKED_COLUMNS
 
 # The PostgreSQL function (its migration, 0010, installs it).
 FUNCTION = "django_semaphore_grant"
+# What the PostgreSQL function takes, for dropping it.
+ARGUMENTS = "text[], integer[], text, text, integer, text"
 
 
 @dataclass
@@ -42,8 +44,8 @@ class Granted:
     request_id: int
     granted_at: datetime
     expires_at: datetime | None
-    fencing_token: int
-    in_use: int  # the semaphore's permits in use once granted
+    fencing_tokens: dict[str, int]
+    in_use: dict[str, int]  # each semaphore's permits in use once granted
 
 
 class OneTripStatements(SQL):
@@ -52,93 +54,151 @@ class OneTripStatements(SQL):
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
         super().__init__(connection)
         self.vendor = connection.vendor
-        if self.vendor == "postgresql":
-            self.call_sql = f"SELECT * FROM {FUNCTION}(%s, %s, %s, %s, %s, %s)"
-        elif backends.bounds_each_statement(connection):
-            self.call_sql = self._mariadb_block()
-        else:
-            self.call_sql = ""
-        self.calls: dict[int, str] = {}
+        self.blocks = backends.bounds_each_statement(connection)
+        # MariaDB: by number of names, then by lock-wait bound.
+        self.calls: dict[tuple[int, int], str] = {}
 
     def applies(self) -> bool:
         """Whether this database grants in one trip (MariaDB, PostgreSQL)."""
-        return bool(self.call_sql)
-
-    def _call(self, lock_wait: float) -> str:
-        """The call's text: MariaDB's block says its lock-wait bound (whole
-        seconds, at least 1) in its text."""
-        if self.vendor == "postgresql":
-            return self.call_sql
-        wait = max(1, math.ceil(lock_wait))
-        text = self.calls.get(wait)
-        if text is None:
-            text = self.calls[wait] = self.call_sql.replace("{wait}", str(wait))
-        return text
+        return self.vendor == "postgresql" or self.blocks
 
     def grant(
-        self, name: str, count: int, key: str, owner: str, ttl: int | None, lock_wait: float
+        self, counts: dict[str, int], key: str, owner: str, ttl: int | None, lock_wait: float
     ) -> Granted | None:
-        """Grant ``count`` permits of ``name`` to ``key``, committed; ``None``:
+        """Grant ``counts`` (name -> permits) to ``key``, committed; ``None``:
         not in one trip (nothing written). Outside any transaction."""
+        names = sorted(counts)
+        params: list[Any]
         if self.vendor == "postgresql":
-            params: list[Any] = [name, count, key, owner, ttl, f"{int(lock_wait * 1000)}ms"]
+            sql = f"SELECT * FROM {FUNCTION}(%s, %s, %s, %s, %s, %s)"
+            params = [names, [counts[n] for n in names], key, owner, ttl]
+            params.append(f"{int(lock_wait * 1000)}ms")
         else:
-            params = [name, name, count, count, ttl, ttl, key, owner, ttl, count, count, count]
+            sql = self._block(len(names), max(1, math.ceil(lock_wait)))
+            pairs = [value for name in names for value in (name, counts[name])]
+            params = [*names, *pairs * len(names), ttl, ttl, key, owner, ttl]
         with self.connection.cursor() as cursor:
-            cursor.execute(self._call(lock_wait), params)
-            row = cursor.fetchone()
+            cursor.execute(sql, params)
+            rows = cursor.fetchall()
             if self.vendor != "postgresql":
                 while cursor.nextset():  # the block's closing status
                     pass
-        if row is None or row[0] is None:
+        if not rows or rows[0][0] is None:
             return None
-        request_id, granted_at, expires_at, token, in_use = row
+        request_id, granted_at, expires_at = rows[0][:3]
         stamp = backends.datetime_from_db
         return Granted(
             int(request_id),
             stamp(self.connection, granted_at),
             None if expires_at is None else stamp(self.connection, expires_at),
-            int(token),
-            int(in_use),
+            {name: int(token) for *_, name, token, _ in rows},
+            {name: int(in_use) for *_, name, _, in_use in rows},
         )
 
-    def locking_read_into(self, targets: str) -> str:
-        """The manager's locking read of one semaphore by name (as the
-        general path compiles it), its columns read into ``targets``."""
-        sql = statements(self.connection).lock_sql(1)
+    def lock_into(self, count: int, targets: str = "") -> str:
+        """The manager's locking read of ``count`` semaphores by name (as the
+        general path compiles it), its columns read into ``targets``, if given."""
+        sql = statements(self.connection).lock_sql(count)
+        if not targets:
+            return sql
         source = f" FROM {self.semaphore} WHERE "
         if sql.count(source) != 1:  # pragma: no cover - a Django change would show here
             raise AssertionError(f"Unexpected locking read: {sql!r}")
         return sql.replace(source, f" INTO {targets}{source}")
 
-    def _mariadb_block(self) -> str:
-        """The grant as one anonymous block; its parameters, in order: name
-        (twice), count (twice), ttl (twice), key, owner, ttl, count (3x)."""
+    def _block(self, count: int, wait: int) -> str:
+        """MariaDB's block for ``count`` names, its lock-wait bound ``wait``
+        seconds, built once."""
+        block = self.calls.get((count, wait))
+        if block is None:
+            block = self.calls[count, wait] = self._mariadb_block(count, wait)
+        return block
+
+    def _mariadb_block(self, count: int, wait: int) -> str:
+        """The grant of ``count`` names as one anonymous block. Its
+        parameters, in order: the names; for each locked row, every (name,
+        count) pair; ttl (twice), key, owner, ttl.
+
+        One name is read into its variables by the locking read itself;
+        more, by a cursor over it (opened under the lock-wait bound, which
+        ``SET STATEMENT`` cannot wrap)."""
         q, now = self.q, self.now
         semaphore, request, permit = self.semaphore, self.request, self.permit
         columns = [*LOCKED_COLUMNS, "released"]
-        variables = [f"v_{column}" for column in columns]
-        declarations = "; ".join(
-            f"DECLARE v_{column} TYPE OF {semaphore}.{q(column)}"
+        rows = range(1, count + 1)
+        targets = {i: ", ".join(f"v_{column}_{i}" for column in columns) for i in rows}
+        # Signed: a counter written behind the engine's back may make their
+        # differences negative, which unsigned columns' types would refuse.
+        numbers = {"id", "capacity", "in_use_counter", "released_folded", "fencing_counter"}
+        declarations = " ".join(
+            f"DECLARE v_{column}_{i} "
+            + ("BIGINT" if column in numbers else f"TYPE OF {semaphore}.{q(column)}")
+            + ";"
+            for i in rows
             for column in columns
             if column not in ("queue_live", "released")
+        ) + " ".join(
+            f" DECLARE v_queue_live_{i} BOOL; DECLARE v_released_{i}, v_held_{i} BIGINT;"
+            f" DECLARE v_count_{i} INT;"
+            for i in rows
         )
-        locking = self.locking_read_into(", ".join(variables))
-        bound = "SET STATEMENT innodb_lock_wait_timeout = {wait} FOR "
+        bound = f"SET STATEMENT innodb_lock_wait_timeout = {int(wait)} FOR "
+        if count == 1:
+            cursor = ""
+            locking = f" START TRANSACTION; {bound}{self.lock_into(1, targets[1])};"
+        else:
+            cursor = (
+                " DECLARE v_done BOOL DEFAULT FALSE;"
+                f" DECLARE c CURSOR FOR {self.lock_into(count)};"
+                " DECLARE CONTINUE HANDLER FOR NOT FOUND SET v_done = TRUE;"
+            )
+            locking = (
+                " SET v_waited = @@innodb_lock_wait_timeout;"
+                f" START TRANSACTION; SET SESSION innodb_lock_wait_timeout = {int(wait)};"
+                " OPEN c; SET SESSION innodb_lock_wait_timeout = v_waited; SET v_waited = NULL;"
+                + "".join(f" FETCH c INTO {targets[i]};" for i in rows)
+                + " CLOSE c;"
+            )
+        # Names are exact, as Python compares them (not as the collation does).
+        exact = " ".join(["WHEN CAST(%s AS BINARY) THEN %s"] * count)
+        checks = "".join(
+            f" SET v_count_{i} = CASE CAST(v_name_{i} AS BINARY) {exact} END;"
+            f" SET v_held_{i} = GREATEST(v_in_use_counter_{i}"
+            f" - GREATEST(IFNULL(v_released_{i}, 0) - v_released_folded_{i}, 0), 0);"
+            for i in rows
+        )
+        declined = " OR ".join(
+            f"v_count_{i} IS NULL OR v_window_{i} IS NOT NULL"
+            f" OR IFNULL(v_queue_live_{i}, 0) OR v_count_{i} > v_capacity_{i}"
+            f" OR v_held_{i} + v_count_{i} > v_capacity_{i}"
+            for i in rows
+        )
+        counters = "".join(
+            f" UPDATE {semaphore} SET {q('fencing_counter')} = {q('fencing_counter')} + 1,"
+            f" {q('in_use_counter')} = v_held_{i} + v_count_{i},"
+            f" {q('released_folded')} = GREATEST(IFNULL(v_released_{i}, 0),"
+            f" v_released_folded_{i}), {q('updated_at')} = v_now WHERE {q('id')} = v_id_{i};"
+            for i in rows
+        )
+        permits = " UNION ALL ".join(
+            f"SELECT v_id_{i} AS id, v_count_{i} AS n, v_fencing_counter_{i} + 1 AS token"
+            for i in rows
+        )
+        granted = " UNION ALL ".join(
+            f"SELECT v_request, v_now, v_expires, v_name_{i}, v_fencing_counter_{i} + 1,"
+            f" v_held_{i} + v_count_{i}"
+            for i in rows
+        )
         return (
-            "BEGIN NOT ATOMIC "
-            f"{declarations}; DECLARE v_queue_live, v_exact BOOL; DECLARE v_released BIGINT;"
-            " DECLARE v_held, v_request BIGINT; DECLARE v_now, v_expires DATETIME(6);"
-            " DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN ROLLBACK; RESIGNAL; END;"
-            " START TRANSACTION;"
-            f" {bound}{locking};"
-            # Names are exact, as Python compares them (not as the collation does).
-            f" SET v_exact = CAST(v_name AS BINARY) = CAST(%s AS BINARY);"
-            f" SET v_held = GREATEST(v_in_use_counter"
-            f" - GREATEST(IFNULL(v_released, 0) - v_released_folded, 0), 0);"
-            " IF v_id IS NULL OR NOT v_exact OR v_window IS NOT NULL OR IFNULL(v_queue_live, 0)"
-            " OR %s > v_capacity OR v_held + %s > v_capacity THEN"
-            " ROLLBACK; SELECT NULL, NULL, NULL, NULL, NULL;"
+            f"BEGIN NOT ATOMIC {declarations}"
+            " DECLARE v_request BIGINT; DECLARE v_now, v_expires DATETIME(6);"
+            f" DECLARE v_waited BIGINT;{cursor}"
+            " DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN ROLLBACK;"
+            " IF v_waited IS NOT NULL THEN"
+            " SET SESSION innodb_lock_wait_timeout = v_waited; END IF; RESIGNAL; END;"
+            f"{locking}{checks}"
+            f" IF {'v_done OR ' if count > 1 else ''}{declined} THEN"
+            " ROLLBACK; SELECT NULL, NULL, NULL, NULL, NULL, NULL;"
             " ELSE"
             f" SET v_now = {now};"
             " SET v_expires = IF(%s IS NULL, NULL, TIMESTAMPADD(SECOND, %s, v_now));"
@@ -146,16 +206,14 @@ class OneTripStatements(SQL):
             f" {q('ttl')}, {q('expires_at')}, {q('created_at')}, {q('updated_at')},"
             f" {q('released_at')}, {q('release_reason')})"
             f" VALUES (%s, %s, '{self.acquired}', %s, v_expires, v_now, v_now, NULL, '');"
-            " SET v_request = LAST_INSERT_ID();"
-            f" UPDATE {semaphore} SET {q('fencing_counter')} = {q('fencing_counter')} + 1,"
-            f" {q('in_use_counter')} = v_held + %s,"
-            f" {q('released_folded')} = GREATEST(IFNULL(v_released, 0), v_released_folded),"
-            f" {q('updated_at')} = v_now WHERE {q('id')} = v_id;"
+            f" SET v_request = LAST_INSERT_ID();{counters}"
+            # In semaphore id order: a release by key reaches the release
+            # counters through the permits in id order (release.py).
             f" INSERT INTO {permit} ({q('semaphore_id')}, {q('request_id')}, {q('count')},"
             f" {q('fencing_token')}, {q('slot_ends')}, {q('state')})"
-            f" VALUES (v_id, v_request, %s, v_fencing_counter + 1, NULL, '{self.acquired}');"
-            " COMMIT;"
-            " SELECT v_request, v_now, v_expires, v_fencing_counter + 1, v_held + %s;"
+            f" SELECT g.id, v_request, g.n, g.token, NULL, '{self.acquired}'"
+            f" FROM ({permits}) AS g ORDER BY g.id;"
+            f" COMMIT; {granted};"
             " END IF;"
             " END"
         )
@@ -165,22 +223,40 @@ class OneTripStatements(SQL):
         compares it with the installed one, so a change here needs a
         migration that installs it again)."""
         q = self.q
-        locking = self.locking_read_into("s").replace("%s", "p_name")
+        one_name = "IN (%s)"
+        locking = self.lock_into(1)
+        if locking.count(one_name) != 1:  # pragma: no cover - a Django change would show here
+            raise AssertionError(f"Unexpected locking read: {locking!r}")
+        locking = locking.replace(one_name, "= ANY(p_names)")
         return (
-            "\nDECLARE s record; v_released bigint; v_held bigint;"
+            "\nDECLARE s record; i integer; v_count integer; v_released bigint;"
+            " v_ids bigint[] := '{}'; v_names text[] := '{}'; v_counts integer[] := '{}';"
+            " v_capacities bigint[] := '{}'; v_counted bigint[] := '{}';"
+            " v_folded bigint[] := '{}'; v_tokens bigint[] := '{}'; v_held bigint[] := '{}';"
             " v_now timestamptz; v_expires timestamptz; v_request bigint;\n"
             "BEGIN\n"
             " PERFORM set_config('lock_timeout', p_lock_wait, true);\n"
-            f" {locking};\n"
-            f" IF NOT FOUND OR s.{q('window')} IS NOT NULL OR COALESCE(s.queue_live, false)"
-            " OR p_count > s.capacity THEN RETURN; END IF;\n"
-            # A statement of its own, so read once the lock is held: the
+            f" FOR s IN {locking} LOOP\n"
+            "  v_count := p_counts[array_position(p_names, s.name::text)];\n"
+            f"  IF v_count IS NULL OR s.{q('window')} IS NOT NULL"
+            " OR COALESCE(s.queue_live, false) OR v_count > s.capacity THEN RETURN; END IF;\n"
+            "  v_ids := v_ids || s.id::bigint; v_names := v_names || s.name::text;"
+            " v_counts := v_counts || v_count; v_capacities := v_capacities || s.capacity::bigint;"
+            " v_counted := v_counted || s.in_use_counter::bigint;"
+            " v_folded := v_folded || s.released_folded::bigint;"
+            " v_tokens := v_tokens || (s.fencing_counter + 1)::bigint;\n"
+            " END LOOP;\n"
+            " IF cardinality(v_ids) <> cardinality(p_names) THEN RETURN; END IF;\n"
+            " FOR i IN 1 .. cardinality(v_ids) LOOP\n"
+            # A statement of its own, so read once the locks are held: the
             # releases committed during the wait count.
-            f" SELECT c.{q('released')} INTO v_released FROM {self.counter} c"
-            f" WHERE c.{q('semaphore_id')} = s.id;\n"
-            " v_held := GREATEST(s.in_use_counter"
-            " - GREATEST(COALESCE(v_released, 0) - s.released_folded, 0), 0);\n"
-            " IF v_held + p_count > s.capacity THEN RETURN; END IF;\n"
+            f"  SELECT c.{q('released')} INTO v_released FROM {self.counter} c"
+            f" WHERE c.{q('semaphore_id')} = v_ids[i];\n"
+            "  v_held := v_held || GREATEST(v_counted[i]"
+            " - GREATEST(COALESCE(v_released, 0) - v_folded[i], 0), 0);\n"
+            "  IF v_held[i] + v_counts[i] > v_capacities[i] THEN RETURN; END IF;\n"
+            "  v_folded[i] := GREATEST(COALESCE(v_released, 0), v_folded[i]);\n"
+            " END LOOP;\n"
             " v_now := clock_timestamp();\n"
             " v_expires := v_now + make_interval(secs => p_ttl);\n"
             f" INSERT INTO {self.request} ({q('external_id')}, {q('owner')}, {q('state')},"
@@ -188,15 +264,20 @@ class OneTripStatements(SQL):
             f" {q('released_at')}, {q('release_reason')})"
             f" VALUES (p_key, p_owner, '{self.acquired}', p_ttl, v_expires, v_now, v_now,"
             f" NULL, '') RETURNING {q('id')} INTO v_request;\n"
-            f" UPDATE {self.semaphore} SET {q('fencing_counter')} = {q('fencing_counter')} + 1,"
-            f" {q('in_use_counter')} = v_held + p_count,"
-            f" {q('released_folded')} = GREATEST(COALESCE(v_released, 0), s.released_folded),"
-            f" {q('updated_at')} = v_now WHERE {q('id')} = s.id;\n"
+            " FOR i IN 1 .. cardinality(v_ids) LOOP\n"
+            f"  UPDATE {self.semaphore} SET {q('fencing_counter')} = {q('fencing_counter')} + 1,"
+            f" {q('in_use_counter')} = v_held[i] + v_counts[i],"
+            f" {q('released_folded')} = v_folded[i], {q('updated_at')} = v_now"
+            f" WHERE {q('id')} = v_ids[i];\n"
+            " END LOOP;\n"
+            # In semaphore id order: a release by key reaches the release
+            # counters through the permits in id order (release.py).
             f" INSERT INTO {self.permit} ({q('semaphore_id')}, {q('request_id')}, {q('count')},"
             f" {q('fencing_token')}, {q('slot_ends')}, {q('state')})"
-            f" VALUES (s.id, v_request, p_count, s.fencing_counter + 1, NULL, '{self.acquired}');\n"
-            " RETURN QUERY SELECT v_request, v_now, v_expires, (s.fencing_counter + 1)::bigint,"
-            " v_held + p_count;\n"
+            f" SELECT g.id, v_request, g.n, g.token, NULL, '{self.acquired}'"
+            " FROM unnest(v_ids, v_counts, v_tokens) AS g(id, n, token) ORDER BY g.id;\n"
+            " RETURN QUERY SELECT v_request, v_now, v_expires, g.name, g.token, g.held + g.n"
+            " FROM unnest(v_names, v_tokens, v_held, v_counts) AS g(name, token, held, n);\n"
             "END\n"
         )
 
@@ -213,11 +294,11 @@ def install(connection: BaseDatabaseWrapper) -> None:
     body = OneTripStatements(connection).function_body()
     with connection.cursor() as cursor:
         cursor.execute(
-            f"CREATE OR REPLACE FUNCTION {FUNCTION}(p_name text, p_count integer,"
+            f"CREATE OR REPLACE FUNCTION {FUNCTION}(p_names text[], p_counts integer[],"
             " p_key text, p_owner text, p_ttl integer, p_lock_wait text)"
             " RETURNS TABLE (granted_request bigint, granted_at timestamptz,"
-            " granted_expires_at timestamptz, granted_token bigint, granted_in_use bigint)"
-            f" LANGUAGE plpgsql VOLATILE AS $grant${body}$grant$"
+            " granted_expires_at timestamptz, granted_name text, granted_token bigint,"
+            f" granted_in_use bigint) LANGUAGE plpgsql VOLATILE AS $grant${body}$grant$"
         )
 
 
@@ -225,6 +306,4 @@ def uninstall(connection: BaseDatabaseWrapper) -> None:
     """Drop the PostgreSQL function (the migration's reverse)."""
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute(
-                f"DROP FUNCTION IF EXISTS {FUNCTION}(text, integer, text, text, integer, text)"
-            )
+            cursor.execute(f"DROP FUNCTION IF EXISTS {FUNCTION}({ARGUMENTS})")
