@@ -201,7 +201,7 @@ SQL_WORDS = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|PRAGMA|SET|WHERE|VALUES)
 # ("%s, %s"), SQL the ORM compiled (with its parameters kept apart), and ints.
 SAFE_CALLS = {
     "q", "quote_name", "_placeholders", "placeholders", "case_placeholders", "int", "len", "ceil",
-    "floor",
+    "floor", "range",
 }  # fmt: skip
 INT_COMBINERS = {"max", "min"}  # safe when every argument is
 SAFE_NAMES = {
@@ -229,9 +229,12 @@ def _safe_value(node: ast.expr, local: frozenset[str] = frozenset()) -> bool:
             return all(_safe_value(arg, local) for arg in node.args)
         return name in SAFE_CALLS
     if isinstance(node, ast.Name):
-        return node.id in SAFE_NAMES or node.id in local
+        # "..._sql": SQL text the builders made by these same rules.
+        return node.id in SAFE_NAMES or node.id in local or node.id.endswith("_sql")
     if isinstance(node, ast.Attribute):
         return node.attr in SAFE_NAMES or node.attr.endswith("_sql")
+    if isinstance(node, ast.Subscript):
+        return _safe_value(node.value, local)
     if isinstance(node, ast.IfExp):
         return _safe_value(node.body, local) and _safe_value(node.orelse, local)
     if isinstance(node, ast.BinOp):
@@ -250,7 +253,16 @@ def _safe_locals(tree: ast.AST) -> frozenset[str]:
                 if isinstance(target, ast.Name):
                     safe = _safe_value(node.value)
                     assigned[target.id] = assigned.get(target.id, True) and safe
-    return frozenset(name for name, safe in assigned.items() if safe)
+    safe_names = frozenset(name for name, safe in assigned.items() if safe)
+    # A loop over a safe range (rows rendered per index) binds safe ints.
+    looped = {
+        node.target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.comprehension)
+        and isinstance(node.target, ast.Name)
+        and _safe_value(node.iter, safe_names)
+    }
+    return safe_names | looped
 
 
 def sql_formatting(path: Path) -> list[str]:

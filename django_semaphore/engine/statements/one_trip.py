@@ -126,7 +126,7 @@ class OneTripStatements(SQL):
         semaphore, request, permit = self.semaphore, self.request, self.permit
         columns = [*LOCKED_COLUMNS, "released"]
         rows = range(1, count + 1)
-        targets = {i: ", ".join(f"v_{column}_{i}" for column in columns) for i in rows}
+        targets_sql = {i: ", ".join(f"v_{column}_{i}" for column in columns) for i in rows}
         # Signed: a counter written behind the engine's back may make their
         # differences negative, which unsigned columns' types would refuse.
         numbers = {"id", "capacity", "in_use_counter", "released_folded", "fencing_counter"}
@@ -144,47 +144,48 @@ class OneTripStatements(SQL):
         )
         bound = f"SET STATEMENT innodb_lock_wait_timeout = {int(wait)} FOR "
         if count == 1:
-            cursor = ""
-            locking = f" START TRANSACTION; {bound}{self.lock_into(1, targets[1])};"
+            cursor_sql = ""
+            locking = f" START TRANSACTION; {bound}{self.lock_into(1, targets_sql[1])};"
         else:
-            cursor = (
+            lock_sql = self.lock_into(count)
+            cursor_sql = (
                 " DECLARE v_done BOOL DEFAULT FALSE;"
-                f" DECLARE c CURSOR FOR {self.lock_into(count)};"
+                f" DECLARE c CURSOR FOR {lock_sql};"
                 " DECLARE CONTINUE HANDLER FOR NOT FOUND SET v_done = TRUE;"
             )
             locking = (
                 " SET v_waited = @@innodb_lock_wait_timeout;"
                 f" START TRANSACTION; SET SESSION innodb_lock_wait_timeout = {int(wait)};"
                 " OPEN c; SET SESSION innodb_lock_wait_timeout = v_waited; SET v_waited = NULL;"
-                + "".join(f" FETCH c INTO {targets[i]};" for i in rows)
+                + "".join(f" FETCH c INTO {targets_sql[i]};" for i in rows)
                 + " CLOSE c;"
             )
         # Names are exact, as Python compares them (not as the collation does).
-        exact = " ".join(["WHEN CAST(%s AS BINARY) THEN %s"] * count)
-        checks = "".join(
-            f" SET v_count_{i} = CASE CAST(v_name_{i} AS BINARY) {exact} END;"
+        exact_sql = " ".join(["WHEN CAST(%s AS BINARY) THEN %s"] * count)
+        checks_sql = "".join(
+            f" SET v_count_{i} = CASE CAST(v_name_{i} AS BINARY) {exact_sql} END;"
             f" SET v_held_{i} = GREATEST(v_in_use_counter_{i}"
             f" - GREATEST(IFNULL(v_released_{i}, 0) - v_released_folded_{i}, 0), 0);"
             for i in rows
         )
-        declined = " OR ".join(
+        declined_sql = " OR ".join(
             f"v_count_{i} IS NULL OR v_window_{i} IS NOT NULL"
             f" OR IFNULL(v_queue_live_{i}, 0) OR v_count_{i} > v_capacity_{i}"
             f" OR v_held_{i} + v_count_{i} > v_capacity_{i}"
             for i in rows
         )
-        counters = "".join(
+        counters_sql = "".join(
             f" UPDATE {semaphore} SET {q('fencing_counter')} = {q('fencing_counter')} + 1,"
             f" {q('in_use_counter')} = v_held_{i} + v_count_{i},"
             f" {q('released_folded')} = GREATEST(IFNULL(v_released_{i}, 0),"
             f" v_released_folded_{i}), {q('updated_at')} = v_now WHERE {q('id')} = v_id_{i};"
             for i in rows
         )
-        permits = " UNION ALL ".join(
+        permits_sql = " UNION ALL ".join(
             f"SELECT v_id_{i} AS id, v_count_{i} AS n, v_fencing_counter_{i} + 1 AS token"
             for i in rows
         )
-        granted = " UNION ALL ".join(
+        granted_sql = " UNION ALL ".join(
             f"SELECT v_request, v_now, v_expires, v_name_{i}, v_fencing_counter_{i} + 1,"
             f" v_held_{i} + v_count_{i}"
             for i in rows
@@ -192,12 +193,12 @@ class OneTripStatements(SQL):
         return (
             f"BEGIN NOT ATOMIC {declarations}"
             " DECLARE v_request BIGINT; DECLARE v_now, v_expires DATETIME(6);"
-            f" DECLARE v_waited BIGINT;{cursor}"
+            f" DECLARE v_waited BIGINT;{cursor_sql}"
             " DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN ROLLBACK;"
             " IF v_waited IS NOT NULL THEN"
             " SET SESSION innodb_lock_wait_timeout = v_waited; END IF; RESIGNAL; END;"
-            f"{locking}{checks}"
-            f" IF {'v_done OR ' if count > 1 else ''}{declined} THEN"
+            f"{locking}{checks_sql}"
+            f" IF {'v_done OR ' if count > 1 else ''}{declined_sql} THEN"
             " ROLLBACK; SELECT NULL, NULL, NULL, NULL, NULL, NULL;"
             " ELSE"
             f" SET v_now = {now};"
@@ -206,14 +207,14 @@ class OneTripStatements(SQL):
             f" {q('ttl')}, {q('expires_at')}, {q('created_at')}, {q('updated_at')},"
             f" {q('released_at')}, {q('release_reason')})"
             f" VALUES (%s, %s, '{self.acquired}', %s, v_expires, v_now, v_now, NULL, '');"
-            f" SET v_request = LAST_INSERT_ID();{counters}"
+            f" SET v_request = LAST_INSERT_ID();{counters_sql}"
             # In semaphore id order: a release by key reaches the release
             # counters through the permits in id order (release.py).
             f" INSERT INTO {permit} ({q('semaphore_id')}, {q('request_id')}, {q('count')},"
             f" {q('fencing_token')}, {q('slot_ends')}, {q('state')})"
             f" SELECT g.id, v_request, g.n, g.token, NULL, '{self.acquired}'"
-            f" FROM ({permits}) AS g ORDER BY g.id;"
-            f" COMMIT; {granted};"
+            f" FROM ({permits_sql}) AS g ORDER BY g.id;"
+            f" COMMIT; {granted_sql};"
             " END IF;"
             " END"
         )
