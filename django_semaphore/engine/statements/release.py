@@ -18,6 +18,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
+from django_semaphore import backends
 from django_semaphore.engine.statements import SQL, built, placeholders
 from django_semaphore.models import ParkedDemand, ParkedTask, ReleaseCounter
 
@@ -99,9 +100,10 @@ class ReleaseStatements(SQL):
         )
         # MariaDB: the release by key and that read in one trip, as a block
         # whose statements commit one by one (autocommit): the read follows
-        # the release's commit, as it would by itself.
+        # the release's commit, as it would by itself. (MySQL has no
+        # anonymous blocks: two statements there.)
         self.by_key_read_sql = ""
-        if self.by_key_sql and self.connection.vendor == "mysql":
+        if self.by_key_sql and backends.bounds_each_statement(self.connection):
             self.by_key_read_sql = (
                 "BEGIN NOT ATOMIC DECLARE v_released BIGINT;"
                 f" {{by_key}}; SET v_released = ROW_COUNT(); SELECT v_released;"
