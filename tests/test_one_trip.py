@@ -12,7 +12,8 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_semaphore import acquire, release, set_window
-from django_semaphore.engine.statements import one_trip
+from django_semaphore.engine.statements import one_trip, routines
+from django_semaphore.engine.statements import release as release_statements
 from django_semaphore.exceptions import (
     CapacityExceeded,
     IdempotencyConflict,
@@ -189,27 +190,49 @@ def test_its_lock_wait_is_bounded(make_semaphore, settings):
             assert cursor.fetchone() == (0,)
 
 
-def test_postgresql_function_is_the_one_the_code_renders():
-    """A change of the rendered body needs a migration that installs it again."""
-    if connection.vendor != "postgresql":
-        pytest.skip("only PostgreSQL installs a function")
+def test_the_routines_are_the_ones_the_code_renders():
+    """A change of a rendered body needs a migration that installs it again."""
+    grant = one_trip.OneTripStatements(connections["default"])
+    if connection.vendor == "postgresql":
+        expected = {one_trip.ROUTINE: grant.function_body()}
+        read = "SELECT proname, prosrc FROM pg_proc WHERE proname LIKE 'django_semaphore%%'"
+    else:
+        releases = release_statements.ReleaseStatements(connections["default"])
+        expected = {
+            one_trip.ROUTINE: grant.procedure_body(),
+            release_statements.ROUTINE: releases.procedure_body(),
+        }
+        read = (
+            "SELECT ROUTINE_NAME, ROUTINE_DEFINITION FROM information_schema.ROUTINES"
+            " WHERE ROUTINE_SCHEMA = DATABASE()"
+        )
     with connection.cursor() as cursor:
-        cursor.execute("SELECT prosrc FROM pg_proc WHERE proname = %s", [one_trip.FUNCTION])
-        (installed,) = cursor.fetchone()
-    assert installed == one_trip.OneTripStatements(connections["default"]).function_body()
+        cursor.execute(read)
+        assert dict(cursor.fetchall()) == expected
 
 
-def test_postgresql_without_the_function_asks_for_migrate(make_semaphore):
-    if connection.vendor != "postgresql":
-        pytest.skip("only PostgreSQL installs a function")
-    sem = make_semaphore(capacity=1)
-    one_trip.uninstall(connections["default"])
+def test_without_the_routines_asks_for_migrate(make_semaphore):
+    """PostgreSQL grants by its function for any number of names; MariaDB
+    grants one name and releases by its procedures, several names by a block
+    (which needs no migration)."""
+    one, other = make_semaphore(capacity=1), make_semaphore(capacity=1)
+    both = {one.name: 1, other.name: 1}
+    routines.uninstall(connections["default"])
     try:
         with pytest.raises(SchemaOutOfDate):
-            acquire(sem.name, external_id="k")
+            acquire(one.name, external_id="one")
+        if connection.vendor == "mysql":
+            acquire(both, external_id="both")
+            with pytest.raises(SchemaOutOfDate):
+                release("both")
+        else:
+            with pytest.raises(SchemaOutOfDate):
+                acquire(both, external_id="both")
     finally:
-        one_trip.install(connections["default"])
-    assert acquire(sem.name, external_id="k").state == "ACQUIRED"
+        routines.install(connections["default"])
+    if connection.vendor == "mysql":
+        release("both")
+    assert acquire(both, external_id="again").state == "ACQUIRED"
 
 
 def test_refusal_is_the_general_one(make_semaphore):

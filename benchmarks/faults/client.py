@@ -43,14 +43,10 @@ POINTS = (
     # release(key) in one statement (request and permits together)
     ("UPDATE `django_semaphore_permitrequest` r LEFT JOIN", "", "", "release.request"),
     # The one-trip grant, and release(key) with the read of what it ended,
-    # each one block: a fault fires before it is sent.
+    # each one call (several names: a block): a fault fires before it is sent.
+    ("CALL django_semaphore_grant(", "", "", "acquire.insert"),
+    ("CALL django_semaphore_release(", "", "", "release.request"),
     ("BEGIN NOT ATOMIC", "INSERT INTO `django_semaphore_permit`", "", "acquire.insert"),
-    (
-        "BEGIN NOT ATOMIC",
-        "UPDATE `django_semaphore_permitrequest` r LEFT JOIN",
-        "",
-        "release.request",
-    ),
 )
 RETRYABLE_CODES = {1205, 1213, 1927, 2006, 2013}
 

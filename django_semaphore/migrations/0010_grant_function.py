@@ -1,19 +1,19 @@
-"""PostgreSQL: the function that grants in one round trip
-(``engine/statements/one_trip.py``); nothing on other databases."""
+"""The routines that grant, and on MariaDB release, in one round trip
+(``engine/statements/routines.py``); nothing on SQLite and MySQL."""
 
 from django.db import migrations
 from django.db.backends.base.schema import BaseDatabaseSchemaEditor
 from django.db.migrations.state import StateApps
 
-from django_semaphore.engine.statements import one_trip
+from django_semaphore.engine.statements import routines
 
 
 def install(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    one_trip.install(schema_editor.connection)
+    routines.install(schema_editor.connection)
 
 
 def uninstall(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    one_trip.uninstall(schema_editor.connection)
+    routines.uninstall(schema_editor.connection)
 
 
 class Migration(migrations.Migration):

@@ -2,14 +2,16 @@
 has room, no fair queue is live, no rate window -- decided and written by
 the database in a single call, in one transaction of its own.
 
-MariaDB runs the statements as one anonymous block (``BEGIN NOT ATOMIC``),
-sent like any statement; PostgreSQL calls a function its migration installs
-(``FUNCTION``), whose statements the server plans once per connection. Both
-run the grant's own statements: the manager's locking read (the app's one
-lock order), the release totals read once the locks are held, the room
-check of ``LockedSemaphore.in_use``, then the request's insert (its unique
-key settles repeated calls: a taken key fails as the general path's insert
-does), the counters' updates and the permits' insert, in semaphore id order.
+The migrations install it as a routine (``ROUTINE``), which the server
+parses once per connection: a PostgreSQL function, for any number of names;
+a MariaDB procedure, for one name. Several names on MariaDB go as one
+anonymous block (``BEGIN NOT ATOMIC``) of the same statements, sent like any
+statement. They run the grant's own statements: the manager's locking read
+(the app's one lock order), the release totals read once the locks are
+held, the room check of ``LockedSemaphore.in_use``, then the request's
+insert (its unique key settles repeated calls: a taken key fails as the
+general path's insert does), the counters' updates and the permits'
+insert, in semaphore id order.
 
 Anything else answers "not here" without writing anything, and the grant
 goes the general way (``grant.grant``): no room (which reclaims expired
@@ -31,10 +33,10 @@ from django_semaphore import backends
 from django_semaphore.engine.statements import SQL, built, statements
 from django_semaphore.engine.statements.rows import LOCKED_COLUMNS
 
-# The PostgreSQL function (its migration, 0010, installs it).
-FUNCTION = "django_semaphore_grant"
-# What the PostgreSQL function takes, for dropping it.
-ARGUMENTS = "text[], integer[], text, text, integer, text"
+# A function on PostgreSQL, a procedure on MariaDB (routines.py installs it).
+ROUTINE = "django_semaphore_grant"
+# The block's parameters as the MariaDB procedure names them, in order.
+PROCEDURE_ARGUMENTS = ("p_name", "p_name", "p_count", "p_ttl", "p_ttl", "p_key", "p_owner", "p_ttl")
 
 
 @dataclass
@@ -69,19 +71,23 @@ class OneTripStatements(SQL):
         not in one trip (nothing written). Outside any transaction."""
         names = sorted(counts)
         params: list[Any]
+        wait = max(1, math.ceil(lock_wait))
         if self.vendor == "postgresql":
-            sql = f"SELECT * FROM {FUNCTION}(%s, %s, %s, %s, %s, %s)"
+            sql = f"SELECT * FROM {ROUTINE}(%s, %s, %s, %s, %s, %s)"
             params = [names, [counts[n] for n in names], key, owner, ttl]
             params.append(f"{int(lock_wait * 1000)}ms")
+        elif len(names) == 1:
+            sql = f"CALL {ROUTINE}(%s, %s, %s, %s, %s, %s)"
+            params = [names[0], counts[names[0]], ttl, key, owner, wait]
         else:
-            sql = self._block(len(names), max(1, math.ceil(lock_wait)))
+            sql = self._block(len(names), wait)
             pairs = [value for name in names for value in (name, counts[name])]
             params = [*names, *pairs * len(names), ttl, ttl, key, owner, ttl]
         with self.connection.cursor() as cursor:
             cursor.execute(sql, params)
             rows = cursor.fetchall()
             if self.vendor != "postgresql":
-                while cursor.nextset():  # the block's closing status
+                while cursor.nextset():  # the block's or the call's closing status
                     pass
         if not rows or rows[0][0] is None:
             return None
@@ -111,11 +117,23 @@ class OneTripStatements(SQL):
         seconds, built once."""
         block = self.calls.get((count, wait))
         if block is None:
-            block = self.calls[count, wait] = self._mariadb_block(count, wait)
+            block = f"BEGIN NOT ATOMIC {self._mariadb_program(count, str(wait))} END"
+            self.calls[count, wait] = block
         return block
 
-    def _mariadb_block(self, count: int, wait: int) -> str:
-        """The grant of ``count`` names as one anonymous block. Its
+    def procedure_body(self) -> str:
+        """The MariaDB procedure's body: the block's program for one name,
+        its parameters named (``routines.py`` installs it)."""
+        body = self._mariadb_program(1, "p_wait")
+        for argument in PROCEDURE_ARGUMENTS:
+            body = body.replace("%s", argument, 1)
+        if "%s" in body:  # pragma: no cover - a Django change would show here
+            raise AssertionError(f"Parameters left in the procedure: {body!r}")
+        return f"BEGIN {body} END"
+
+    def _mariadb_program(self, count: int, wait: str) -> str:
+        """The grant of ``count`` names, the body of a MariaDB block or
+        procedure, its lock-wait bound ``wait`` (seconds, SQL). Its
         parameters, in order: the names; for each locked row, every (name,
         count) pair; ttl (twice), key, owner, ttl.
 
@@ -142,7 +160,7 @@ class OneTripStatements(SQL):
             f" DECLARE v_count_{i} INT;"
             for i in rows
         )
-        bound = f"SET STATEMENT innodb_lock_wait_timeout = {int(wait)} FOR "
+        bound = f"SET STATEMENT innodb_lock_wait_timeout = {wait} FOR "
         if count == 1:
             cursor_sql = ""
             locking = f" START TRANSACTION; {bound}{self.lock_into(1, targets_sql[1])};"
@@ -155,7 +173,7 @@ class OneTripStatements(SQL):
             )
             locking = (
                 " SET v_waited = @@innodb_lock_wait_timeout;"
-                f" START TRANSACTION; SET SESSION innodb_lock_wait_timeout = {int(wait)};"
+                f" START TRANSACTION; SET SESSION innodb_lock_wait_timeout = {wait};"
                 " OPEN c; SET SESSION innodb_lock_wait_timeout = v_waited; SET v_waited = NULL;"
                 + "".join(f" FETCH c INTO {targets_sql[i]};" for i in rows)
                 + " CLOSE c;"
@@ -191,7 +209,7 @@ class OneTripStatements(SQL):
             for i in rows
         )
         return (
-            f"BEGIN NOT ATOMIC {declarations}"
+            f"{declarations}"
             " DECLARE v_request BIGINT; DECLARE v_now, v_expires DATETIME(6);"
             f" DECLARE v_waited BIGINT;{cursor_sql}"
             " DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN ROLLBACK;"
@@ -216,13 +234,10 @@ class OneTripStatements(SQL):
             f" FROM ({permits_sql}) AS g ORDER BY g.id;"
             f" COMMIT; {granted_sql};"
             " END IF;"
-            " END"
         )
 
     def function_body(self) -> str:
-        """The PostgreSQL function's body (``install`` creates it; a test
-        compares it with the installed one, so a change here needs a
-        migration that installs it again)."""
+        """The PostgreSQL function's body (``routines.py`` installs it)."""
         q = self.q
         one_name = "IN (%s)"
         locking = self.lock_into(1)
@@ -286,25 +301,3 @@ class OneTripStatements(SQL):
 def one_trip_statements(connection: BaseDatabaseWrapper) -> OneTripStatements:
     """This connection's one-trip grant."""
     return built(OneTripStatements, connection)
-
-
-def install(connection: BaseDatabaseWrapper) -> None:
-    """Create (or replace) the PostgreSQL function; nothing elsewhere."""
-    if connection.vendor != "postgresql":
-        return
-    body = OneTripStatements(connection).function_body()
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"CREATE OR REPLACE FUNCTION {FUNCTION}(p_names text[], p_counts integer[],"
-            " p_key text, p_owner text, p_ttl integer, p_lock_wait text)"
-            " RETURNS TABLE (granted_request bigint, granted_at timestamptz,"
-            " granted_expires_at timestamptz, granted_name text, granted_token bigint,"
-            f" granted_in_use bigint) LANGUAGE plpgsql VOLATILE AS $grant${body}$grant$"
-        )
-
-
-def uninstall(connection: BaseDatabaseWrapper) -> None:
-    """Drop the PostgreSQL function (the migration's reverse)."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(f"DROP FUNCTION IF EXISTS {FUNCTION}({ARGUMENTS})")

@@ -10,6 +10,7 @@ on time"). Release counters are locked in semaphore id order on every path.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,9 @@ from django.db.models import Q
 from django_semaphore import backends
 from django_semaphore.engine.statements import SQL, built, placeholders
 from django_semaphore.models import ParkedDemand, ParkedTask, ReleaseCounter
+
+# MariaDB's procedure: the release by key and the read of what it ended.
+ROUTINE = "django_semaphore_release"
 
 
 @dataclass
@@ -98,17 +102,28 @@ class ReleaseStatements(SQL):
             f" JOIN {semaphore} s ON s.{q('id')} = p.{q('semaphore_id')}"
             f" WHERE r.{q('external_id')} = %s"
         )
-        # MariaDB: the release by key and that read in one trip, as a block
-        # whose statements commit one by one (autocommit): the read follows
-        # the release's commit, as it would by itself. (MySQL has no
-        # anonymous blocks: two statements there.)
-        self.by_key_read_sql = ""
-        if self.by_key_sql and backends.bounds_each_statement(self.connection):
-            self.by_key_read_sql = (
-                "BEGIN NOT ATOMIC DECLARE v_released BIGINT;"
-                f" {{by_key}}; SET v_released = ROW_COUNT(); SELECT v_released;"
-                f" IF v_released > 0 THEN {self.released_on_key_sql}; END IF; END"
-            )
+        # MariaDB: the release by key and that read in one call of a
+        # procedure (``procedure_body``), whose statements commit one by one
+        # (autocommit): the read follows the release's commit, as it would
+        # by itself. (MySQL: two statements.)
+        self.calls_procedure = bool(self.by_key_sql) and backends.bounds_each_statement(
+            self.connection
+        )
+
+    def procedure_body(self) -> str:
+        """MariaDB's release procedure (migration 0010 installs it; a test
+        compares it with the installed one): the release by key, then, when
+        it released, what it released (``released_on_key_sql``)."""
+        body = (
+            "BEGIN DECLARE v_released BIGINT;"
+            f" SET STATEMENT innodb_lock_wait_timeout = p_wait FOR {self.by_key_sql};"
+            " SET v_released = ROW_COUNT(); SELECT v_released;"
+            f" IF v_released > 0 THEN {self.released_on_key_sql}; END IF; END"
+        )
+        acquired, released = f"'{self.acquired}'", f"'{self.released}'"
+        for argument in (acquired, released, released, "p_reason", "p_key", acquired, "p_key"):
+            body = body.replace("%s", argument, 1)
+        return body.replace("%s", "p_key", 1)
 
     def _by_key_sql(self) -> str:
         """Release by key in one statement where the database can update
@@ -213,6 +228,15 @@ class ReleaseStatements(SQL):
         counters in one statement: whether this call released it and, when
         ``read`` and the database reads it in the same trip (MariaDB), what
         it released (``released_on_key``; ``None``: not read)."""
+        if read and self.calls_procedure:
+            with self.connection.cursor() as cursor:
+                wait = max(1, math.ceil(lock_wait))
+                cursor.execute(f"CALL {ROUTINE}(%s, %s, %s)", [key, reason, wait])
+                ended = bool(cursor.fetchone()[0])
+                rows = cursor.fetchall() if cursor.nextset() and ended else []
+                while cursor.nextset():  # the call's closing status
+                    pass
+            return ended, self._exactly(key, rows) if ended else None
         acquired, released = self.acquired, self.released
         params: list[Any]
         if self.connection.vendor == "mysql":
@@ -220,16 +244,8 @@ class ReleaseStatements(SQL):
         else:
             bound = f"{int(lock_wait * 1000)}ms"
             params = [released, reason, key, acquired, bound, released, acquired]
-        statement = self.bounded(self.by_key_sql, lock_wait)
         with self.connection.cursor() as cursor:
-            if read and self.by_key_read_sql:
-                cursor.execute(self.by_key_read_sql.replace("{by_key}", statement), [*params, key])
-                ended = bool(cursor.fetchone()[0])
-                rows = cursor.fetchall() if cursor.nextset() and ended else []
-                while cursor.nextset():  # the block's closing status
-                    pass
-                return ended, self._exactly(key, rows) if ended else None
-            cursor.execute(statement, params)
+            cursor.execute(self.bounded(self.by_key_sql, lock_wait), params)
             if self.connection.vendor == "mysql":
                 # Django connects with CLIENT.FOUND_ROWS: rows matched, and the
                 # request row matches only while ACQUIRED (so does ROW_COUNT()).

@@ -1,0 +1,66 @@
+"""The routines migration 0010 installs, rendered from the statements they
+run: the grant in one trip (``one_trip.py``: a function on PostgreSQL, a
+procedure on MariaDB) and, on MariaDB, the release by key with the read of
+what it ended (``release.py``). The server parses a routine once per
+connection; a test compares each installed routine with the one the code
+renders, so a change of either needs a migration that installs it again."""
+
+from __future__ import annotations
+
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_semaphore import backends
+from django_semaphore.engine.statements import one_trip, release
+
+# What the PostgreSQL function takes, for dropping it.
+GRANT_ARGUMENTS = "text[], integer[], text, text, integer, text"
+
+
+def install(connection: BaseDatabaseWrapper) -> None:
+    """Create (or replace) this database's routines; nothing on SQLite and MySQL."""
+    with connection.cursor() as cursor:
+        for create in _creates(connection):
+            cursor.execute(create)
+
+
+def uninstall(connection: BaseDatabaseWrapper) -> None:
+    """Drop them (the migration's reverse)."""
+    drops = []
+    if connection.vendor == "postgresql":
+        drops = [f"DROP FUNCTION IF EXISTS {one_trip.ROUTINE}({GRANT_ARGUMENTS})"]
+    elif backends.bounds_each_statement(connection):
+        drops = [f"DROP PROCEDURE IF EXISTS {name}" for name in (one_trip.ROUTINE, release.ROUTINE)]
+    with connection.cursor() as cursor:
+        for drop in drops:
+            cursor.execute(drop)
+
+
+def _creates(connection: BaseDatabaseWrapper) -> list[str]:
+    grant = one_trip.OneTripStatements(connection)
+    release_statements = release.ReleaseStatements(connection)
+    if connection.vendor == "postgresql":
+        return [
+            f"CREATE OR REPLACE FUNCTION {one_trip.ROUTINE}(p_names text[], p_counts integer[],"
+            " p_key text, p_owner text, p_ttl integer, p_lock_wait text)"
+            " RETURNS TABLE (granted_request bigint, granted_at timestamptz,"
+            " granted_expires_at timestamptz, granted_name text, granted_token bigint,"
+            " granted_in_use bigint) LANGUAGE plpgsql VOLATILE"
+            f" AS $grant${grant.function_body()}$grant$"
+        ]
+    if not backends.bounds_each_statement(connection):
+        return []
+    # Parameters typed as the columns they are compared with, so the reads
+    # keep their indexes whatever the database's character set; run with
+    # the caller's rights.
+    q = grant.q
+    name = f"TYPE OF {grant.semaphore}.{q('name')}"
+    key = f"TYPE OF {grant.request}.{q('external_id')}"
+    owner = f"TYPE OF {grant.request}.{q('owner')}"
+    reason = f"TYPE OF {grant.request}.{q('release_reason')}"
+    return [
+        f"CREATE OR REPLACE PROCEDURE {one_trip.ROUTINE}(p_name {name}, p_count INT,"
+        f" p_ttl INT, p_key {key}, p_owner {owner}, p_wait INT)"
+        f" SQL SECURITY INVOKER {grant.procedure_body()}",
+        f"CREATE OR REPLACE PROCEDURE {release.ROUTINE}(p_key {key}, p_reason {reason},"
+        f" p_wait INT) SQL SECURITY INVOKER {release_statements.procedure_body()}",
+    ]
