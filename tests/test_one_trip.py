@@ -193,11 +193,16 @@ def test_its_lock_wait_is_bounded(make_semaphore, settings):
 def test_the_routines_are_the_ones_the_code_renders():
     """A change of a rendered body needs a migration that installs it again."""
     grant = one_trip.OneTripStatements(connections["default"])
+    releases = release_statements.ReleaseStatements(connections["default"])
     if connection.vendor == "postgresql":
-        expected = {one_trip.ROUTINE: grant.function_body()}
+        release_body, read_body = releases.function_bodies()
+        expected = {
+            one_trip.ROUTINE: grant.function_body(),
+            release_statements.ROUTINE: release_body,
+            release_statements.READ_ROUTINE: read_body,
+        }
         read = "SELECT proname, prosrc FROM pg_proc WHERE proname LIKE 'django_semaphore%%'"
     else:
-        releases = release_statements.ReleaseStatements(connections["default"])
         expected = {
             one_trip.ROUTINE: grant.procedure_body(),
             release_statements.ROUTINE: releases.procedure_body(),

@@ -400,6 +400,16 @@ def placeholders(count: int) -> str:
     return ", ".join(["%s"] * count)
 
 
+def with_arguments(sql: str, *arguments: str) -> str:
+    """``sql`` as a routine's statement: its placeholders replaced, in order,
+    by the routine's arguments (or literals) -- all of them."""
+    for argument in arguments:
+        sql = sql.replace("%s", argument, 1)
+    if "%s" in sql:  # pragma: no cover - a Django change would show here
+        raise AssertionError(f"Parameters left in a routine: {sql!r}")
+    return sql
+
+
 def _case_params(values: dict[int, int]) -> list[int]:
     """The parameters of ``Statements.case_placeholders`` for these values by id."""
     if len(values) == 1:

@@ -30,7 +30,7 @@ from typing import Any
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
-from django_semaphore.engine.statements import SQL, built, statements
+from django_semaphore.engine.statements import SQL, built, statements, with_arguments
 from django_semaphore.engine.statements.rows import LOCKED_COLUMNS
 
 # A function on PostgreSQL, a procedure on MariaDB (routines.py installs it).
@@ -124,12 +124,8 @@ class OneTripStatements(SQL):
     def procedure_body(self) -> str:
         """The MariaDB procedure's body: the block's program for one name,
         its parameters named (``routines.py`` installs it)."""
-        body = self._mariadb_program(1, "p_wait")
-        for argument in PROCEDURE_ARGUMENTS:
-            body = body.replace("%s", argument, 1)
-        if "%s" in body:  # pragma: no cover - a Django change would show here
-            raise AssertionError(f"Parameters left in the procedure: {body!r}")
-        return f"BEGIN {body} END"
+        program = self._mariadb_program(1, "p_wait")
+        return f"BEGIN {with_arguments(program, *PROCEDURE_ARGUMENTS)} END"
 
     def _mariadb_program(self, count: int, wait: str) -> str:
         """The grant of ``count`` names, the body of a MariaDB block or

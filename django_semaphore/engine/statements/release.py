@@ -20,11 +20,14 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
 from django_semaphore import backends
-from django_semaphore.engine.statements import SQL, built, placeholders
+from django_semaphore.engine.statements import SQL, built, placeholders, with_arguments
 from django_semaphore.models import ParkedDemand, ParkedTask, ReleaseCounter
 
-# MariaDB's procedure: the release by key and the read of what it ended.
+# The release by key as a routine (routines.py installs it): on MariaDB a
+# procedure that also reads what it ended; on PostgreSQL a function, and
+# the read a function of its own, called once the release committed.
 ROUTINE = "django_semaphore_release"
+READ_ROUTINE = "django_semaphore_released"
 
 
 @dataclass
@@ -102,28 +105,41 @@ class ReleaseStatements(SQL):
             f" JOIN {semaphore} s ON s.{q('id')} = p.{q('semaphore_id')}"
             f" WHERE r.{q('external_id')} = %s"
         )
-        # MariaDB: the release by key and that read in one call of a
-        # procedure (``procedure_body``), whose statements commit one by one
-        # (autocommit): the read follows the release's commit, as it would
-        # by itself. (MySQL: two statements.)
-        self.calls_procedure = bool(self.by_key_sql) and backends.bounds_each_statement(
-            self.connection
+        # The release by key and that read as routines, which the server
+        # parses and plans once per connection. MariaDB's procedure runs
+        # both, its statements committing one by one (autocommit): the read
+        # follows the release's commit, as it would by itself. PostgreSQL's
+        # function runs in one transaction: the read is a second call.
+        # (MySQL: the statements.)
+        self.routines = bool(self.by_key_sql) and (
+            self.connection.vendor == "postgresql" or backends.bounds_each_statement(connection)
         )
 
     def procedure_body(self) -> str:
-        """MariaDB's release procedure (migration 0010 installs it; a test
-        compares it with the installed one): the release by key, then, when
-        it released, what it released (``released_on_key_sql``)."""
-        body = (
+        """MariaDB's release procedure: the release by key, then, when it
+        released, what it released (``released_on_key_sql``)."""
+        acquired, released = f"'{self.acquired}'", f"'{self.released}'"
+        return with_arguments(
             "BEGIN DECLARE v_released BIGINT;"
             f" SET STATEMENT innodb_lock_wait_timeout = p_wait FOR {self.by_key_sql};"
             " SET v_released = ROW_COUNT(); SELECT v_released;"
-            f" IF v_released > 0 THEN {self.released_on_key_sql}; END IF; END"
+            f" IF v_released > 0 THEN {self.released_on_key_sql}; END IF; END",
+            *(acquired, released, released, "p_reason", "p_key", acquired, "p_key", "p_key"),
         )
+
+    def function_bodies(self) -> tuple[str, str]:
+        """PostgreSQL's release function and read function."""
         acquired, released = f"'{self.acquired}'", f"'{self.released}'"
-        for argument in (acquired, released, released, "p_reason", "p_key", acquired, "p_key"):
-            body = body.replace("%s", argument, 1)
-        return body.replace("%s", "p_key", 1)
+        by_key = with_arguments(
+            self.by_key_sql,
+            *(released, "p_reason", "p_key", acquired, "p_lock_wait", released, acquired),
+        )
+        read = with_arguments(self.released_on_key_sql, "p_key")
+        return (
+            f"\nDECLARE v_released bigint;\nBEGIN\n {by_key} INTO v_released;\n"
+            " RETURN v_released;\nEND\n",
+            f"\nBEGIN\n RETURN QUERY {read};\nEND\n",
+        )
 
     def _by_key_sql(self) -> str:
         """Release by key in one statement where the database can update
@@ -202,8 +218,11 @@ class ReleaseStatements(SQL):
     def released_on_key(self, key: str) -> list[ReleasedPermit]:
         """What the key's request held, by one plain read (after its
         release committed; see ``released_on_key_sql``)."""
+        sql = self.released_on_key_sql
+        if self.routines and self.connection.vendor == "postgresql":
+            sql = f"SELECT * FROM {READ_ROUTINE}(%s)"
         with self.connection.cursor() as cursor:
-            cursor.execute(self.released_on_key_sql, [key])
+            cursor.execute(sql, [key])
             return self._exactly(key, cursor.fetchall())
 
     @staticmethod
@@ -228,7 +247,13 @@ class ReleaseStatements(SQL):
         counters in one statement: whether this call released it and, when
         ``read`` and the database reads it in the same trip (MariaDB), what
         it released (``released_on_key``; ``None``: not read)."""
-        if read and self.calls_procedure:
+        if self.routines and self.connection.vendor == "postgresql":
+            with self.connection.cursor() as cursor:
+                cursor.execute(
+                    f"SELECT {ROUTINE}(%s, %s, %s)", [key, reason, f"{int(lock_wait * 1000)}ms"]
+                )
+                return bool(cursor.fetchone()[0]), None
+        if read and self.routines:
             with self.connection.cursor() as cursor:
                 wait = max(1, math.ceil(lock_wait))
                 cursor.execute(f"CALL {ROUTINE}(%s, %s, %s)", [key, reason, wait])

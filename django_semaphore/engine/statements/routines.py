@@ -1,9 +1,11 @@
 """The routines migration 0010 installs, rendered from the statements they
-run: the grant in one trip (``one_trip.py``: a function on PostgreSQL, a
-procedure on MariaDB) and, on MariaDB, the release by key with the read of
-what it ended (``release.py``). The server parses a routine once per
-connection; a test compares each installed routine with the one the code
-renders, so a change of either needs a migration that installs it again."""
+run: the grant in one trip (``one_trip.py``) and the release by key with
+the read of what it ended (``release.py``); functions on PostgreSQL,
+procedures on MariaDB. The server parses and plans a routine's statements
+once per connection, whatever the project's binding setting, where Django
+would send them as text to parse and plan every time. A test compares each
+installed routine with the one the code renders, so a change of either
+needs a migration that installs it again."""
 
 from __future__ import annotations
 
@@ -12,8 +14,12 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_semaphore import backends
 from django_semaphore.engine.statements import one_trip, release
 
-# What the PostgreSQL function takes, for dropping it.
-GRANT_ARGUMENTS = "text[], integer[], text, text, integer, text"
+# What PostgreSQL's functions take, for dropping them.
+FUNCTIONS = {
+    one_trip.ROUTINE: "text[], integer[], text, text, integer, text",
+    release.ROUTINE: "text, text, text",
+    release.READ_ROUTINE: "text",
+}
 
 
 def install(connection: BaseDatabaseWrapper) -> None:
@@ -27,7 +33,7 @@ def uninstall(connection: BaseDatabaseWrapper) -> None:
     """Drop them (the migration's reverse)."""
     drops = []
     if connection.vendor == "postgresql":
-        drops = [f"DROP FUNCTION IF EXISTS {one_trip.ROUTINE}({GRANT_ARGUMENTS})"]
+        drops = [f"DROP FUNCTION IF EXISTS {name}({types})" for name, types in FUNCTIONS.items()]
     elif backends.bounds_each_statement(connection):
         drops = [f"DROP PROCEDURE IF EXISTS {name}" for name in (one_trip.ROUTINE, release.ROUTINE)]
     with connection.cursor() as cursor:
@@ -39,13 +45,24 @@ def _creates(connection: BaseDatabaseWrapper) -> list[str]:
     grant = one_trip.OneTripStatements(connection)
     release_statements = release.ReleaseStatements(connection)
     if connection.vendor == "postgresql":
+        releases, read = release_statements.function_bodies()
         return [
             f"CREATE OR REPLACE FUNCTION {one_trip.ROUTINE}(p_names text[], p_counts integer[],"
             " p_key text, p_owner text, p_ttl integer, p_lock_wait text)"
             " RETURNS TABLE (granted_request bigint, granted_at timestamptz,"
             " granted_expires_at timestamptz, granted_name text, granted_token bigint,"
             " granted_in_use bigint) LANGUAGE plpgsql VOLATILE"
-            f" AS $grant${grant.function_body()}$grant$"
+            f" AS $grant${grant.function_body()}$grant$",
+            f"CREATE OR REPLACE FUNCTION {release.ROUTINE}(p_key text, p_reason text,"
+            " p_lock_wait text) RETURNS bigint LANGUAGE plpgsql VOLATILE"
+            f" AS $release${releases}$release$",
+            # Named apart from the columns its read names.
+            f"CREATE OR REPLACE FUNCTION {release.READ_ROUTINE}(p_key text)"
+            " RETURNS TABLE (released_key varchar, released_request bigint,"
+            " released_granted_at timestamptz, released_ended_at timestamptz,"
+            " released_semaphore_id bigint, released_semaphore varchar, released_count integer,"
+            " released_parked_waiting boolean) LANGUAGE plpgsql STABLE"
+            f" AS $read${read}$read$",
         ]
     if not backends.bounds_each_statement(connection):
         return []
