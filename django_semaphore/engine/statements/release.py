@@ -23,11 +23,21 @@ from django_semaphore import backends
 from django_semaphore.engine.statements import SQL, built, placeholders, with_arguments
 from django_semaphore.models import ParkedDemand, ParkedTask, ReleaseCounter
 
-# The release by key as a routine (routines.py installs it): on MariaDB a
-# procedure that also reads what it ended; on PostgreSQL a function, and
-# the read a function of its own, called once the release committed.
+# The release by key as a procedure that also reads what it ended, once
+# the release committed (routines.py installs it).
 ROUTINE = "django_semaphore_release"
-READ_ROUTINE = "django_semaphore_released"
+# PostgreSQL's procedure answers in arrays, a row of the read across them.
+# Named apart from the columns its statements name.
+POSTGRES_READ = {
+    "out_keys": "text[]",
+    "out_requests": "bigint[]",
+    "out_granted": "timestamptz[]",
+    "out_released": "timestamptz[]",
+    "out_semaphore_ids": "bigint[]",
+    "out_semaphores": "text[]",
+    "out_counts": "integer[]",
+    "out_parked": "boolean[]",
+}
 
 
 @dataclass
@@ -105,40 +115,40 @@ class ReleaseStatements(SQL):
             f" JOIN {semaphore} s ON s.{q('id')} = p.{q('semaphore_id')}"
             f" WHERE r.{q('external_id')} = %s"
         )
-        # The release by key and that read as routines, which the server
-        # parses and plans once per connection. MariaDB's procedure runs
-        # both, its statements committing one by one (autocommit): the read
-        # follows the release's commit, as it would by itself. PostgreSQL's
-        # function runs in one transaction: the read is a second call.
-        # (MySQL: the statements.)
-        self.routines = bool(self.by_key_sql) and (
+        # The release by key and that read as one procedure, which the
+        # server parses and plans once per connection; the read follows the
+        # release's commit, as it would by itself: MariaDB's statements
+        # commit one by one (autocommit), PostgreSQL's procedure commits
+        # between them. (MySQL: two statements.)
+        self.calls_procedure = bool(self.by_key_sql) and (
             self.connection.vendor == "postgresql" or backends.bounds_each_statement(connection)
         )
 
     def procedure_body(self) -> str:
-        """MariaDB's release procedure: the release by key, then, when it
-        released, what it released (``released_on_key_sql``)."""
+        """The release procedure's body: the release by key, then, when it
+        released and ``p_read`` (PostgreSQL: always on MariaDB, which is
+        called only then), what it released (``released_on_key_sql``)."""
         acquired, released = f"'{self.acquired}'", f"'{self.released}'"
+        if self.connection.vendor == "postgresql":
+            by_key = with_arguments(
+                self.by_key_sql,
+                *(released, "p_reason", "p_key", acquired, "p_lock_wait", released, acquired),
+            )
+            columns = list(POSTGRES_READ)
+            read = with_arguments(self.released_on_key_sql, "p_key")
+            return (
+                f"\nBEGIN\n {by_key} INTO out_ended;\n COMMIT;\n"
+                " IF out_ended > 0 AND p_read THEN\n"
+                f"  SELECT {', '.join(f'array_agg(x.{c})' for c in columns)}"
+                f" INTO {', '.join(columns)} FROM ({read}) AS x({', '.join(columns)});\n"
+                " END IF;\nEND\n"
+            )
         return with_arguments(
             "BEGIN DECLARE v_released BIGINT;"
             f" SET STATEMENT innodb_lock_wait_timeout = p_wait FOR {self.by_key_sql};"
             " SET v_released = ROW_COUNT(); SELECT v_released;"
             f" IF v_released > 0 THEN {self.released_on_key_sql}; END IF; END",
             *(acquired, released, released, "p_reason", "p_key", acquired, "p_key", "p_key"),
-        )
-
-    def function_bodies(self) -> tuple[str, str]:
-        """PostgreSQL's release function and read function."""
-        acquired, released = f"'{self.acquired}'", f"'{self.released}'"
-        by_key = with_arguments(
-            self.by_key_sql,
-            *(released, "p_reason", "p_key", acquired, "p_lock_wait", released, acquired),
-        )
-        read = with_arguments(self.released_on_key_sql, "p_key")
-        return (
-            f"\nDECLARE v_released bigint;\nBEGIN\n {by_key} INTO v_released;\n"
-            " RETURN v_released;\nEND\n",
-            f"\nBEGIN\n RETURN QUERY {read};\nEND\n",
         )
 
     def _by_key_sql(self) -> str:
@@ -218,11 +228,8 @@ class ReleaseStatements(SQL):
     def released_on_key(self, key: str) -> list[ReleasedPermit]:
         """What the key's request held, by one plain read (after its
         release committed; see ``released_on_key_sql``)."""
-        sql = self.released_on_key_sql
-        if self.routines and self.connection.vendor == "postgresql":
-            sql = f"SELECT * FROM {READ_ROUTINE}(%s)"
         with self.connection.cursor() as cursor:
-            cursor.execute(sql, [key])
+            cursor.execute(self.released_on_key_sql, [key])
             return self._exactly(key, cursor.fetchall())
 
     @staticmethod
@@ -245,15 +252,18 @@ class ReleaseStatements(SQL):
     ) -> tuple[bool, list[ReleasedPermit] | None]:
         """Release the key's request, its permits and their share of the
         counters in one statement: whether this call released it and, when
-        ``read`` and the database reads it in the same trip (MariaDB), what
-        it released (``released_on_key``; ``None``: not read)."""
-        if self.routines and self.connection.vendor == "postgresql":
+        ``read`` and the database reads it in the same trip (its procedure),
+        what it released (``released_on_key``; ``None``: not read)."""
+        if self.calls_procedure and self.connection.vendor == "postgresql":
             with self.connection.cursor() as cursor:
                 cursor.execute(
-                    f"SELECT {ROUTINE}(%s, %s, %s)", [key, reason, f"{int(lock_wait * 1000)}ms"]
+                    f"CALL {ROUTINE}(%s, %s, %s, %s{', NULL' * (1 + len(POSTGRES_READ))})",
+                    [key, reason, f"{int(lock_wait * 1000)}ms", read],
                 )
-                return bool(cursor.fetchone()[0]), None
-        if read and self.routines:
+                ended, *columns = cursor.fetchone()
+            rows = list(zip(*columns, strict=True)) if ended and read and columns[0] else []
+            return bool(ended), self._exactly(key, rows) if ended and read else None
+        if read and self.calls_procedure:
             with self.connection.cursor() as cursor:
                 wait = max(1, math.ceil(lock_wait))
                 cursor.execute(f"CALL {ROUTINE}(%s, %s, %s)", [key, reason, wait])

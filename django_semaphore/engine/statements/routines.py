@@ -1,7 +1,7 @@
 """The routines migration 0010 installs, rendered from the statements they
-run: the grant in one trip (``one_trip.py``) and the release by key with
-the read of what it ended (``release.py``); functions on PostgreSQL,
-procedures on MariaDB. The server parses and plans a routine's statements
+run: the grant in one trip (``one_trip.py``: a procedure on MariaDB, a
+function on PostgreSQL) and the release by key with the read of what it
+ended (``release.py``: a procedure). The server parses and plans a routine's statements
 once per connection, whatever the project's binding setting, where Django
 would send them as text to parse and plan every time. A test compares each
 installed routine with the one the code renders, so a change of either
@@ -14,12 +14,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_semaphore import backends
 from django_semaphore.engine.statements import one_trip, release
 
-# What PostgreSQL's functions take, for dropping them.
-FUNCTIONS = {
-    one_trip.ROUTINE: "text[], integer[], text, text, integer, text",
-    release.ROUTINE: "text, text, text",
-    release.READ_ROUTINE: "text",
-}
+# What PostgreSQL's grant function takes, for dropping it.
+GRANT_ARGUMENTS = "text[], integer[], text, text, integer, text"
 
 
 def install(connection: BaseDatabaseWrapper) -> None:
@@ -33,7 +29,10 @@ def uninstall(connection: BaseDatabaseWrapper) -> None:
     """Drop them (the migration's reverse)."""
     drops = []
     if connection.vendor == "postgresql":
-        drops = [f"DROP FUNCTION IF EXISTS {name}({types})" for name, types in FUNCTIONS.items()]
+        drops = [
+            f"DROP FUNCTION IF EXISTS {one_trip.ROUTINE}({GRANT_ARGUMENTS})",
+            f"DROP PROCEDURE IF EXISTS {release.ROUTINE}",
+        ]
     elif backends.bounds_each_statement(connection):
         drops = [f"DROP PROCEDURE IF EXISTS {name}" for name in (one_trip.ROUTINE, release.ROUTINE)]
     with connection.cursor() as cursor:
@@ -45,7 +44,7 @@ def _creates(connection: BaseDatabaseWrapper) -> list[str]:
     grant = one_trip.OneTripStatements(connection)
     release_statements = release.ReleaseStatements(connection)
     if connection.vendor == "postgresql":
-        releases, read = release_statements.function_bodies()
+        read = ", ".join(f"OUT {name} {type_}" for name, type_ in release.POSTGRES_READ.items())
         return [
             f"CREATE OR REPLACE FUNCTION {one_trip.ROUTINE}(p_names text[], p_counts integer[],"
             " p_key text, p_owner text, p_ttl integer, p_lock_wait text)"
@@ -53,16 +52,9 @@ def _creates(connection: BaseDatabaseWrapper) -> list[str]:
             " granted_expires_at timestamptz, granted_name text, granted_token bigint,"
             " granted_in_use bigint) LANGUAGE plpgsql VOLATILE"
             f" AS $grant${grant.function_body()}$grant$",
-            f"CREATE OR REPLACE FUNCTION {release.ROUTINE}(p_key text, p_reason text,"
-            " p_lock_wait text) RETURNS bigint LANGUAGE plpgsql VOLATILE"
-            f" AS $release${releases}$release$",
-            # Named apart from the columns its read names.
-            f"CREATE OR REPLACE FUNCTION {release.READ_ROUTINE}(p_key text)"
-            " RETURNS TABLE (released_key varchar, released_request bigint,"
-            " released_granted_at timestamptz, released_ended_at timestamptz,"
-            " released_semaphore_id bigint, released_semaphore varchar, released_count integer,"
-            " released_parked_waiting boolean) LANGUAGE plpgsql STABLE"
-            f" AS $read${read}$read$",
+            f"CREATE OR REPLACE PROCEDURE {release.ROUTINE}(p_key text, p_reason text,"
+            f" p_lock_wait text, p_read boolean, OUT out_ended bigint, {read})"
+            f" LANGUAGE plpgsql AS $release${release_statements.procedure_body()}$release$",
         ]
     if not backends.bounds_each_statement(connection):
         return []
