@@ -100,10 +100,10 @@ def classify(connection: BaseDatabaseWrapper, exc: DatabaseError) -> Failure | N
 
 
 # A table or column of the app is missing: its migrations are not applied.
-# ER_NO_SUCH_TABLE, ER_BAD_FIELD_ERROR, ER_SP_DOES_NOT_EXIST (the grant's
-# procedure, engine/statements/one_trip.py).
+# ER_NO_SUCH_TABLE, ER_BAD_FIELD_ERROR, ER_SP_DOES_NOT_EXIST (a routine,
+# engine/statements/routines.py).
 MYSQL_SCHEMA = frozenset({1146, 1054, 1305})
-# undefined_table, undefined_column, undefined_function (the grant's function)
+# undefined_table, undefined_column, undefined_function (a routine)
 POSTGRES_SCHEMA = frozenset({"42P01", "42703", "42883"})
 SQLITE_SCHEMA = ("no such table", "no such column")
 

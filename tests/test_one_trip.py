@@ -23,6 +23,7 @@ from django_semaphore.exceptions import (
     SemaphoreNotFound,
 )
 from django_semaphore.models import Permit, PermitRequest, Semaphore
+from django_semaphore.states import ReleaseOutcome
 from tests.conftest import behind_the_engine, unique
 from tests.test_backends import row_locked_elsewhere
 
@@ -215,27 +216,27 @@ def test_the_routines_are_the_ones_the_code_renders():
 
 
 def test_without_the_routines_asks_for_migrate(make_semaphore):
-    """PostgreSQL grants by its function for any number of names; MariaDB
-    grants one name and releases by its procedures, several names by a block
-    (which needs no migration)."""
-    one, other = make_semaphore(capacity=1), make_semaphore(capacity=1)
+    """The grant of one name (PostgreSQL: of any number) and the release by
+    key call routines; MariaDB grants several names by a block, which needs
+    no migration."""
+    one, other = make_semaphore(capacity=2), make_semaphore(capacity=2)
     both = {one.name: 1, other.name: 1}
+    acquire(one.name, external_id="held")
     routines.uninstall(connections["default"])
     try:
         with pytest.raises(SchemaOutOfDate):
             acquire(one.name, external_id="one")
+        with pytest.raises(SchemaOutOfDate):
+            release("held")
         if connection.vendor == "mysql":
-            acquire(both, external_id="both")
-            with pytest.raises(SchemaOutOfDate):
-                release("both")
+            assert acquire(both, external_id="both").state == "ACQUIRED"
         else:
             with pytest.raises(SchemaOutOfDate):
                 acquire(both, external_id="both")
     finally:
         routines.install(connections["default"])
-    if connection.vendor == "mysql":
-        release("both")
-    assert acquire(both, external_id="again").state == "ACQUIRED"
+    assert release("held") is ReleaseOutcome.RELEASED
+    assert acquire(both, external_id="both").state == "ACQUIRED"
 
 
 def test_refusal_is_the_general_one(make_semaphore):

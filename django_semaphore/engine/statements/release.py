@@ -125,22 +125,24 @@ class ReleaseStatements(SQL):
         )
 
     def procedure_body(self) -> str:
-        """The release procedure's body: the release by key, then, when it
-        released and ``p_read`` (PostgreSQL: always on MariaDB, which is
-        called only then), what it released (``released_on_key_sql``)."""
+        """The release procedure's body: the release by key, then, once it
+        committed, what it released (``released_on_key_sql``) if it released
+        anything and (PostgreSQL) ``p_read`` says so; MariaDB's is called
+        only while someone listens."""
         acquired, released = f"'{self.acquired}'", f"'{self.released}'"
         if self.connection.vendor == "postgresql":
-            by_key = with_arguments(
+            by_key_sql = with_arguments(
                 self.by_key_sql,
                 *(released, "p_reason", "p_key", acquired, "p_lock_wait", released, acquired),
             )
-            columns = list(POSTGRES_READ)
-            read = with_arguments(self.released_on_key_sql, "p_key")
+            read_sql = with_arguments(self.released_on_key_sql, "p_key")
+            outputs_sql = ", ".join(POSTGRES_READ)
+            aggregates_sql = ", ".join(f"array_agg(x.{output})" for output in POSTGRES_READ)
             return (
-                f"\nBEGIN\n {by_key} INTO out_ended;\n COMMIT;\n"
+                f"\nBEGIN\n {by_key_sql} INTO out_ended;\n COMMIT;\n"
                 " IF out_ended > 0 AND p_read THEN\n"
-                f"  SELECT {', '.join(f'array_agg(x.{c})' for c in columns)}"
-                f" INTO {', '.join(columns)} FROM ({read}) AS x({', '.join(columns)});\n"
+                f"  SELECT {aggregates_sql} INTO {outputs_sql}"
+                f" FROM ({read_sql}) AS x({outputs_sql});\n"
                 " END IF;\nEND\n"
             )
         return with_arguments(

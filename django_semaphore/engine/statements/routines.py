@@ -1,11 +1,11 @@
 """The routines migration 0010 installs, rendered from the statements they
 run: the grant in one trip (``one_trip.py``: a procedure on MariaDB, a
 function on PostgreSQL) and the release by key with the read of what it
-ended (``release.py``: a procedure). The server parses and plans a routine's statements
-once per connection, whatever the project's binding setting, where Django
-would send them as text to parse and plan every time. A test compares each
-installed routine with the one the code renders, so a change of either
-needs a migration that installs it again."""
+ended (``release.py``: a procedure). The server parses and plans their
+statements once per connection, whatever the project's binding setting,
+where Django would send them as text to parse and plan every time. A test
+compares each installed routine with the one the code renders, so a
+change of either needs a migration that installs it again."""
 
 from __future__ import annotations
 
