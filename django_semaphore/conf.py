@@ -1,9 +1,11 @@
 """A typed, lazy view of the ``DJANGO_SEMAPHORE`` settings dict.
 
-Read on every access (never cached, never written back into ``settings``) so
-``override_settings`` just works. Each value is checked against
-:func:`setting_problems` when read, as the system check (``checks.py``)
-checks it at start-up: a Celery worker or a script never runs the checks.
+Each value is checked against :func:`setting_problems` when first read, as
+the system check (``checks.py``) checks it at start-up: a Celery worker or a
+script never runs the checks. Checked values are kept (a grant reads about
+ten), never written back into ``settings``, and forgotten on Django's
+``setting_changed``, so ``override_settings`` just works. Like Django's own
+settings, the dict is not to be changed in place at run time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
 from django_semaphore.exceptions import InvalidRequest
@@ -95,6 +98,9 @@ MAX_LOCK_WAIT = (2**31 - 1) // 1000
 class Settings:
     """Attribute access to the app's settings with their defaults."""
 
+    def __init__(self) -> None:
+        self._checked: dict[str, Any] = {}
+
     @property
     def user_settings(self) -> Mapping[str, Any]:
         """The ``DJANGO_SEMAPHORE`` dict as the project wrote it.
@@ -110,6 +116,13 @@ class Settings:
         return user
 
     def _get(self, key: str) -> Any:
+        try:
+            return self._checked[key]
+        except KeyError:
+            value = self._checked[key] = self._check(key)
+            return value
+
+    def _check(self, key: str) -> Any:
         user = self.user_settings
         if key not in user:
             return DEFAULTS[key]
@@ -197,8 +210,14 @@ class Settings:
     def METRICS_PER_MEMBER(self) -> frozenset[str]:
         return frozenset(self._get("METRICS_PER_MEMBER"))
 
+    def forget(self, **kwargs: Any) -> None:
+        """Read every value afresh: any setting may have changed one (a
+        ``DATABASE`` alias is checked against ``DATABASES``)."""
+        self._checked = {}
+
 
 app_settings = Settings()
+setting_changed.connect(app_settings.forget)
 
 
 def setting_problems(key: str, value: Any) -> list[str]:

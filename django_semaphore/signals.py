@@ -43,13 +43,13 @@ class Drift:
 
 # The signals; the payload types above are what two of them carry.
 
-permit_acquired = Signal()
+permit_acquired = Signal(use_caching=True)
 """A request was granted, once committed. ``request``: the new ACQUIRED
 request, with ``fencing_tokens`` mapping each semaphore name to its token
 (not sent for an idempotent repeat that granted nothing).
 """
 
-acquire_finished = Signal()
+acquire_finished = Signal(use_caching=True)
 """Once per ``acquire()`` call that ends in a grant or for want of room (not
 for invalid arguments or database errors). ``names``: the semaphores
 asked for, sorted; ``granted``: whether the call returned a held request
@@ -58,14 +58,14 @@ when it was refused (empty when granted); ``waited``: seconds from the
 call to its answer, on the monotonic clock.
 """
 
-permit_released = Signal()
+permit_released = Signal(use_caching=True)
 """Held requests ended, once committed. ``request_ids``: the requests that
 were held and are now RELEASED; ``reason``: a ``ReleaseReason`` value
 (``released``, ``expired``, ``owner_dead``, ``stale``, ``admin``). One
 signal per release call or sweep batch.
 """
 
-hold_ended = Signal()
+hold_ended = Signal(use_caching=True)
 """After ``permit_released``, only while a receiver is connected (it costs
 one query on the released rows). ``holds``: a list of
 ``Hold`` (``request_id``, ``semaphore``, ``count``,
@@ -73,7 +73,7 @@ one query on the released rows). ``holds``: a list of
 released permit; ``reason``: as for ``permit_released``.
 """
 
-database_retry = Signal()
+database_retry = Signal(use_caching=True)
 """A transient database error is about to be retried. ``kind``: a
 ``backends.Failure`` value (``contention``: deadlock, lock wait timeout,
 busy database, or this process's pre-lock; ``disconnect``: the connection
@@ -81,7 +81,7 @@ was lost); ``attempt``: the attempt that failed, from 1; ``error``: the
 exception. The last attempt's error is raised, not signalled.
 """
 
-counter_drift = Signal()
+counter_drift = Signal(use_caching=True)
 """The verifier found a semaphore's ``in_use`` counter differing from the
 permits it counts (a bug, or rows changed outside the app). Sender:
 ``Semaphore`` (every other signal's is ``PermitRequest``). ``drift``: a
@@ -89,7 +89,7 @@ permits it counts (a bug, or rows changed outside the app). Sender:
 ``actual``); ``corrected``: whether the counter was set to ``actual``.
 """
 
-data_repaired = Signal()
+data_repaired = Signal(use_caching=True)
 """The orphan sweep repaired a state the engine did not write (a manual
 edit, a restore from backup, a crash, foreign key checks switched off).
 ``kind``: ``partly_released`` (held requests with released permits,
@@ -101,7 +101,7 @@ semaphore ids); ``count``: how many were repaired. Sent after the repair
 commits, one per sweep batch; the same is logged at WARNING.
 """
 
-permits_freed = Signal()
+permits_freed = Signal(use_caching=True)
 """Room was made on semaphores, once committed: permits released (by their
 holder, a sweep, an expiry reclaim, a force release) or capacity raised.
 Sender: ``Semaphore``. ``freed``: semaphore id -> permits freed.

@@ -18,6 +18,7 @@ from asgiref.sync import sync_to_async
 from django.db import connection, connections
 from django.db.models import DurationField, OuterRef, Subquery, Sum, Value
 from django.db.models.functions import Coalesce
+from django.dispatch import Signal
 
 from django_semaphore import (
     acquire,
@@ -230,6 +231,22 @@ def parking_in_this_process(enabled: bool) -> Iterator[None]:
         yield
     finally:
         (parking.enable if was else parking.disable)()
+
+
+@contextmanager
+def no_receivers(*signals: Signal) -> Iterator[None]:
+    """Nobody listens to these signals, for a while. The app's signals cache
+    their receivers per sender: the cache is emptied on the way in and out."""
+    kept = [signal.receivers for signal in signals]
+    try:
+        for signal in signals:
+            signal.receivers = []
+            signal.sender_receivers_cache.clear()
+        yield
+    finally:
+        for signal, receivers in zip(signals, kept, strict=True):
+            signal.receivers = receivers
+            signal.sender_receivers_cache.clear()
 
 
 @pytest.fixture

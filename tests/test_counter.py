@@ -12,7 +12,6 @@ import logging
 from datetime import timedelta
 from io import StringIO
 from types import SimpleNamespace
-from unittest.mock import patch
 
 import pytest
 from django.core.management import call_command
@@ -26,7 +25,7 @@ from django_semaphore.exceptions import SemaphoreExhausted
 from django_semaphore.models import PermitRequest, ReleaseCounter, Semaphore
 from django_semaphore.signals import counter_drift as counter_drift_signal
 from django_semaphore.signals import hold_ended, permit_released
-from tests.conftest import behind_the_engine, counter_drift, unique
+from tests.conftest import behind_the_engine, counter_drift, no_receivers, unique
 
 
 def in_use(semaphore: Semaphore) -> int:
@@ -73,10 +72,7 @@ def test_a_refused_or_repeated_acquire_changes_nothing(make_semaphore):
 def _release(request: PermitRequest) -> None:
     # With nobody listening: one statement on MariaDB and PostgreSQL, and no
     # read after it (the metrics app of the test settings listens).
-    with (
-        patch.object(permit_released, "receivers", []),
-        patch.object(hold_ended, "receivers", []),
-    ):
+    with no_receivers(permit_released, hold_ended):
         assert release(request.external_id).value == "released"
 
 

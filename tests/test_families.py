@@ -163,7 +163,9 @@ def test_first_use_costs_one_short_transaction_more(family):
 
 
 def test_max_members_refuses_a_new_member_and_keeps_the_existing(family, settings):
-    settings.DJANGO_SEMAPHORE["SEMAPHORES"][f"{family}:*"] = {"capacity": 1, "max_members": 2}
+    limited = {f"{family}:*": {"capacity": 1, "max_members": 2}}
+    declared = settings.DJANGO_SEMAPHORE
+    settings.DJANGO_SEMAPHORE = {**declared, "SEMAPHORES": {**declared["SEMAPHORES"], **limited}}
     acquire(f"{family}:a", external_id=key())
     acquire(f"{family}:b", external_id=key())
 
@@ -441,7 +443,9 @@ def test_racing_first_acquires_create_one_member_and_never_over_grant(family):
 
 @pytest.mark.django_db(transaction=True)
 def test_racing_creations_never_pass_max_members(family, settings):
-    settings.DJANGO_SEMAPHORE["SEMAPHORES"][f"{family}:*"] = {"capacity": 1, "max_members": 3}
+    limited = {f"{family}:*": {"capacity": 1, "max_members": 3}}
+    declared = settings.DJANGO_SEMAPHORE
+    settings.DJANGO_SEMAPHORE = {**declared, "SEMAPHORES": {**declared["SEMAPHORES"], **limited}}
     refused: list[int] = []
 
     def create(i: int) -> None:

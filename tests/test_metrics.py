@@ -338,7 +338,7 @@ def test_a_familys_members_are_one_series_labelled_with_its_pattern(client, fami
 
 
 def test_a_family_named_in_metrics_per_member_has_a_series_per_member(client, family, settings):
-    settings.DJANGO_SEMAPHORE["METRICS_PER_MEMBER"] = [family]
+    settings.DJANGO_SEMAPHORE = {**settings.DJANGO_SEMAPHORE, "METRICS_PER_MEMBER": [family]}
     use_family(family)
 
     samples = parse(client.get("/metrics/").content.decode())

@@ -24,6 +24,7 @@ from django_semaphore import backends, signals
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import holds
 from django_semaphore.engine.statements.release import (
+    ReadBack,
     ReleasedPermit,
     ReleaseStatements,
     release_statements,
@@ -37,16 +38,16 @@ logger = logging.getLogger("django_semaphore")
 def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     """End the request with this key (one attempt; the caller retries)."""
     sql = release_statements(connection)
-    # One statement where the database can say it, the same whoever listens
-    # (metrics, signals, parked tasks): what they need is read once it has
-    # committed, off the release's critical path (``announce_key``).
+    # One statement where the database can say it; what receivers (metrics,
+    # signals, parked tasks) need is read once it has committed, off the
+    # release's critical path (``announce_key``).
     if sql.releases_by_key():
-        listens = anyone_listens()
+        read = read_back()
         ended, released = sql.release_by_key(
-            key, ReleaseReason.RELEASED, app_settings.LOCK_WAIT_TIMEOUT, read=listens
+            key, ReleaseReason.RELEASED, app_settings.LOCK_WAIT_TIMEOUT, read
         )
         if ended:
-            if listens:
+            if read is not ReadBack.NEVER:
                 announce_key(connection, key, released)
             return ReleaseOutcome.RELEASED
     row = sql.find_request(key)
@@ -168,13 +169,15 @@ def announce_room(alias: str, freed: dict[int, int]) -> None:
     signals.permits_freed.send_robust(sender=Semaphore, freed=freed, using=alias)
 
 
-def anyone_listens() -> bool:
-    """Whether a receiver wants to know what a release ended or freed."""
-    return (
-        signals.permit_released.has_listeners(PermitRequest)
-        or signals.hold_ended.has_listeners(PermitRequest)
-        or room_wanted()
-    )
+def read_back() -> ReadBack:
+    """What a release by key reads of what it ended: all of it for
+    ``permit_released``'s and ``hold_ended``'s receivers; for the wake-ups
+    of parked tasks (``permits_freed``), only while some are parked."""
+    if signals.permit_released.has_listeners(PermitRequest) or signals.hold_ended.has_listeners(
+        PermitRequest
+    ):
+        return ReadBack.ALWAYS
+    return ReadBack.PARKED if room_wanted() else ReadBack.NEVER
 
 
 def room_wanted() -> bool:

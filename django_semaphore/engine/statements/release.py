@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -38,6 +39,17 @@ POSTGRES_READ = {
     "out_counts": "integer[]",
     "out_parked": "boolean[]",
 }
+
+
+class ReadBack(StrEnum):
+    """What the release by key reads of what it ended, once it committed
+    (its procedure's ``p_read``: ``reads_back_sql`` spells these values)."""
+
+    NEVER = "never"  # nobody listens
+    # Only while tasks are parked (not woken): permits_freed is sent only
+    # for the semaphores they wait on.
+    PARKED = "parked"
+    ALWAYS = "always"  # permit_released's or hold_ended's receivers
 
 
 @dataclass
@@ -89,6 +101,15 @@ class ReleaseStatements(SQL):
         )
         self.add_case_sql = f"WHEN {q('semaphore_id')} = %s THEN %s"
         self.by_key_sql = self._by_key_sql()
+        # Whether the release procedure reads what it ended (``p_read``, a
+        # ``ReadBack``). Asked once the release committed: a task parked
+        # before is seen, one parking after finds the room itself
+        # (``parking.park``).
+        table = q(ParkedTask._meta.db_table)
+        self.reads_back_sql = (
+            "(p_read = 'always' OR p_read = 'parked'"
+            f" AND EXISTS (SELECT 1 FROM {table} WHERE {q('woken_at')} IS NULL))"
+        )
         # What the requests released with a reason held, and for how long:
         # read only while something listens to hold_ended (engine/holds.py).
         self.holds_sql = (
@@ -127,8 +148,7 @@ class ReleaseStatements(SQL):
     def procedure_body(self) -> str:
         """The release procedure's body: the release by key, then, once it
         committed, what it released (``released_on_key_sql``) if it released
-        anything and (PostgreSQL) ``p_read`` says so; MariaDB's is called
-        only while someone listens."""
+        anything and ``p_read`` (a ``ReadBack``) says so."""
         acquired, released = f"'{self.acquired}'", f"'{self.released}'"
         if self.connection.vendor == "postgresql":
             by_key_sql = with_arguments(
@@ -140,7 +160,7 @@ class ReleaseStatements(SQL):
             aggregates_sql = ", ".join(f"array_agg(x.{output})" for output in POSTGRES_READ)
             return (
                 f"\nBEGIN\n {by_key_sql} INTO out_ended;\n COMMIT;\n"
-                " IF out_ended > 0 AND p_read THEN\n"
+                f" IF out_ended > 0 AND {self.reads_back_sql} THEN\n"
                 f"  SELECT {aggregates_sql} INTO {outputs_sql}"
                 f" FROM ({read_sql}) AS x({outputs_sql});\n"
                 " END IF;\nEND\n"
@@ -149,7 +169,8 @@ class ReleaseStatements(SQL):
             "BEGIN DECLARE v_released BIGINT;"
             f" SET STATEMENT innodb_lock_wait_timeout = p_wait FOR {self.by_key_sql};"
             " SET v_released = ROW_COUNT(); SELECT v_released;"
-            f" IF v_released > 0 THEN {self.released_on_key_sql}; END IF; END",
+            f" IF v_released > 0 AND {self.reads_back_sql} THEN"
+            f" {self.released_on_key_sql}; END IF; END",
             *(acquired, released, released, "p_reason", "p_key", acquired, "p_key", "p_key"),
         )
 
@@ -250,30 +271,31 @@ class ReleaseStatements(SQL):
         )
 
     def release_by_key(
-        self, key: str, reason: str, lock_wait: float, *, read: bool = False
+        self, key: str, reason: str, lock_wait: float, read: ReadBack
     ) -> tuple[bool, list[ReleasedPermit] | None]:
         """Release the key's request, its permits and their share of the
-        counters in one statement: whether this call released it and, when
-        ``read`` and the database reads it in the same trip (its procedure),
-        what it released (``released_on_key``; ``None``: not read)."""
+        counters in one statement: whether this call released it and what
+        it released, as ``read`` asks, when the database reads it in the
+        same trip (its procedure; ``None``: not read, see
+        ``released_on_key``)."""
         if self.calls_procedure and self.connection.vendor == "postgresql":
             with self.connection.cursor() as cursor:
                 cursor.execute(
                     f"CALL {ROUTINE}(%s, %s, %s, %s{', NULL' * (1 + len(POSTGRES_READ))})",
-                    [key, reason, f"{int(lock_wait * 1000)}ms", read],
+                    [key, reason, f"{int(lock_wait * 1000)}ms", read.value],
                 )
                 ended, *columns = cursor.fetchone()
-            rows = list(zip(*columns, strict=True)) if ended and read and columns[0] else []
-            return bool(ended), self._exactly(key, rows) if ended and read else None
-        if read and self.calls_procedure:
+            rows = list(zip(*columns, strict=True)) if ended and columns[0] else []
+            return bool(ended), self._exactly(key, rows)
+        if self.calls_procedure:
             with self.connection.cursor() as cursor:
                 wait = max(1, math.ceil(lock_wait))
-                cursor.execute(f"CALL {ROUTINE}(%s, %s, %s)", [key, reason, wait])
+                cursor.execute(f"CALL {ROUTINE}(%s, %s, %s, %s)", [key, reason, wait, read.value])
                 ended = bool(cursor.fetchone()[0])
                 rows = cursor.fetchall() if cursor.nextset() and ended else []
                 while cursor.nextset():  # the call's closing status
                     pass
-            return ended, self._exactly(key, rows) if ended else None
+            return ended, self._exactly(key, rows)
         acquired, released = self.acquired, self.released
         params: list[Any]
         if self.connection.vendor == "mysql":

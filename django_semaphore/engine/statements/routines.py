@@ -53,7 +53,7 @@ def _creates(connection: BaseDatabaseWrapper) -> list[str]:
             " granted_in_use bigint) LANGUAGE plpgsql VOLATILE"
             f" AS $grant${grant.function_body()}$grant$",
             f"CREATE OR REPLACE PROCEDURE {release.ROUTINE}(p_key text, p_reason text,"
-            f" p_lock_wait text, p_read boolean, OUT out_ended bigint, {read})"
+            f" p_lock_wait text, p_read text, OUT out_ended bigint, {read})"
             f" LANGUAGE plpgsql AS $release${release_statements.procedure_body()}$release$",
         ]
     if not backends.bounds_each_statement(connection):
@@ -71,5 +71,6 @@ def _creates(connection: BaseDatabaseWrapper) -> list[str]:
         f" p_ttl INT, p_key {key}, p_owner {owner}, p_wait INT)"
         f" SQL SECURITY INVOKER {grant.procedure_body()}",
         f"CREATE OR REPLACE PROCEDURE {release.ROUTINE}(p_key {key}, p_reason {reason},"
-        f" p_wait INT) SQL SECURITY INVOKER {release_statements.procedure_body()}",
+        " p_wait INT, p_read VARCHAR(6))"
+        f" SQL SECURITY INVOKER {release_statements.procedure_body()}",
     ]
