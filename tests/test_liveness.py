@@ -200,6 +200,8 @@ def test_parked_permit_between_retries_is_kept_until_the_task_is_ready(one, cele
     finished = tasks.naps.delay(0)
     finished.get(timeout=30)
     parked_after_success = TaskOwner(finished.id, tasks.naps.name, celery_worker.nodename, 0)
+    # SUCCESS is stored before its worker stops listing it: UNKNOWN until then.
+    wait_until(lambda: ask(parked_after_success) == [Liveness.DEAD], celery_worker)
     parked_unknown = TaskOwner(str(uuid.uuid4()), "x", celery_worker.nodename, 0)
     try:
         assert ask(request.owner, parked_after_success, parked_unknown) == [
