@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, transaction
+from django.db import (
+    DatabaseError,
+    Error,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    transaction,
+)
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.functions import Now
 from django.db.models.sql.compiler import SQLCompiler
@@ -53,10 +60,17 @@ MYSQL_DISCONNECT = frozenset(
         1290,
         1836,
         1927,  # ER_CONNECTION_KILLED (MariaDB)
+        # CR_UNKNOWN_ERROR (and 2014, 2027 below): the client read an answer
+        # that is not its own (seen on Galera after a conflict, as "Load
+        # data local infile forbidden"); a new connection starts clean, and
+        # the retry finds a grant by its key.
+        2000,
         2002,  # CR_CONNECTION_ERROR
         2003,  # CR_CONN_HOST_ERROR
         2006,  # CR_SERVER_GONE_ERROR
         2013,  # CR_SERVER_LOST
+        2014,  # CR_COMMANDS_OUT_OF_SYNC
+        2027,  # CR_MALFORMED_PACKET
         4031,  # ER_CLIENT_INTERACTION_TIMEOUT (MySQL 8)
     }
 )
@@ -69,7 +83,7 @@ POSTGRES_CONTENTION = frozenset({"40P01", "55P03", "40001"})
 POSTGRES_DISCONNECT_PREFIXES = ("08", "57P01", "57P02", "57P03", "25006")
 
 
-def classify(connection: BaseDatabaseWrapper, exc: DatabaseError) -> Failure | None:
+def classify(connection: BaseDatabaseWrapper, exc: Error) -> Failure | None:
     """Whether ``exc`` is worth retrying, and how; ``None`` means surface it."""
     if isinstance(exc, InterfaceError):
         return Failure.DISCONNECT
@@ -108,7 +122,7 @@ POSTGRES_SCHEMA = frozenset({"42P01", "42703", "42883"})
 SQLITE_SCHEMA = ("no such table", "no such column")
 
 
-def translate(connection: BaseDatabaseWrapper, exc: DatabaseError) -> SemaphoreError:
+def translate(connection: BaseDatabaseWrapper, exc: Error) -> SemaphoreError:
     """A database error not worth retrying (``classify`` said ``None``), as
     the ``SemaphoreError`` that tells the caller what to do about it."""
     alias = connection.alias
@@ -133,7 +147,7 @@ def translate(connection: BaseDatabaseWrapper, exc: DatabaseError) -> SemaphoreE
     )
 
 
-def _schema_missing(connection: BaseDatabaseWrapper, exc: DatabaseError) -> bool:
+def _schema_missing(connection: BaseDatabaseWrapper, exc: Error) -> bool:
     if connection.vendor == "mysql":
         return bool(exc.args) and exc.args[0] in MYSQL_SCHEMA
     if connection.vendor == "postgresql":

@@ -7,12 +7,13 @@ normal events: the operation is run again. Anything else leaves as a typed
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from django.db import DatabaseError
+from django.db import Error
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends, signals
@@ -44,13 +45,19 @@ def run_with_retries(
         except PrelockTimeout:
             failure = Failure.CONTENTION
             cause: Exception = LockContention("Timed out waiting for this process's pre-lock.")
-        except DatabaseError as exc:
+        # Error: InterfaceError (a connection the driver gave up on) is no
+        # DatabaseError (PEP 249 makes them siblings).
+        except Error as exc:
             failure_or_none = backends.classify(connection, exc)
             if failure_or_none is None:
                 raise backends.translate(connection, exc) from exc
             failure, cause = failure_or_none, exc
         if failure is Failure.DISCONNECT and not connection.in_atomic_block:
-            connection.close()  # the next statement reconnects
+            # The next statement reconnects. Closing a connection the driver
+            # already gave up on fails (InterfaceError (0, '')), yet Django
+            # has let go of it all the same.
+            with contextlib.suppress(Error):
+                connection.close()
         if attempt == attempts:
             break
         _send_database_retry(connection, failure, attempt, cause)

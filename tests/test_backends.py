@@ -14,7 +14,7 @@ from django_semaphore import ReleaseOutcome, acquire, backends, release
 from django_semaphore.backends import Failure
 from django_semaphore.engine import prelock
 from django_semaphore.engine.releasing import release_requests
-from django_semaphore.exceptions import LockContention
+from django_semaphore.exceptions import LockContention, SemaphoreError
 from django_semaphore.models import PermitRequest, ReleaseCounter, Semaphore
 from django_semaphore.retry import run_with_retries
 from tests.conftest import unique
@@ -237,3 +237,28 @@ def test_prelock_keeps_one_process_to_one_waiting_connection(make_semaphore, set
     busy_outcome, free_outcome = outcome
     assert isinstance(busy_outcome, LockContention)  # waited in memory, then gave up
     assert free_outcome.is_held  # other names are not held up
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_connection_the_driver_gave_up_on_is_replaced_and_the_operation_retried():
+    """Closed under Django's feet, the driver's connection fails its next
+    statement (MySQLdb: InterfaceError (0, ''), which is no DatabaseError);
+    the retry closes it, reconnects and runs the operation again."""
+    connection.ensure_connection()
+    connection.connection.close()
+    calls = []
+
+    def operation() -> int:
+        calls.append(1)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+            return cursor.fetchone()[0]
+
+    if connection.vendor == "sqlite":
+        # A file, not a server: a closed handle is a bug of ours, not a lost link.
+        with pytest.raises(SemaphoreError):
+            run_with_retries(connection, operation)
+        connection.close()
+    else:
+        assert run_with_retries(connection, operation) == 1
+        assert len(calls) == 2
