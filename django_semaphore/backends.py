@@ -15,7 +15,6 @@ from typing import Any
 
 from django.conf import settings
 from django.db import (
-    DatabaseError,
     Error,
     IntegrityError,
     InterfaceError,
@@ -248,7 +247,7 @@ def _restore_quietly(connection: BaseDatabaseWrapper, sql: str) -> None:
     try:
         with connection.cursor() as cursor:
             cursor.execute(sql)
-    except DatabaseError:
+    except Error:
         pass
 
 

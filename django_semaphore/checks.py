@@ -7,10 +7,11 @@ from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import Any
 
+from django import db
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DatabaseError, connections
+from django.db import connections
 
 from django_semaphore import backends, beat, declared, routing, sweep
 from django_semaphore.conf import DEFAULTS, app_settings, setting_problems
@@ -240,7 +241,7 @@ def check_database_servers(databases: Any = None, **kwargs: Any) -> list[CheckMe
     for alias in _asked_aliases(databases):
         try:
             server = backends.server_settings(connections[alias])
-        except DatabaseError:
+        except db.Error:
             continue  # unreachable: Django's own checks and the first acquire say so
         warnings.extend(_server_warnings(alias, server))
     return warnings
@@ -319,7 +320,7 @@ def check_data_consistency(databases: Any = None, **kwargs: Any) -> list[CheckMe
     for alias in _asked_aliases(databases):
         try:
             found = sweep.inconsistencies(alias)
-        except DatabaseError:
+        except db.Error:
             continue  # unreachable or not migrated: Django's own checks say so
         for kind, count in found.items():
             if count:
@@ -348,7 +349,7 @@ def check_settings_drift(databases: Any = None, **kwargs: Any) -> list[CheckMess
             found = declared.drift(alias, missing=False)
         except ImproperlyConfigured:
             return []  # check_settings reports it
-        except DatabaseError:
+        except db.Error:
             continue  # unreachable or not migrated: Django's own checks say so
         messages.extend(
             # A warning: migrate runs the database checks too, and must not

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
-from django.db import DatabaseError, connections
+from django.db import Error, connections
 from django.db.models import F, QuerySet
 from django.db.models.functions import Greatest
 
@@ -191,15 +191,13 @@ def _park_task(task: Any, options: Options) -> None:
 def _database_failed(exc: SemaphoreError) -> bool:
     """Whether ``exc`` is the database's failure (contention, a lost
     connection, a driver error translated), not a refusal of the demand."""
-    return isinstance(exc, LockContention | DatabaseUnavailable) or isinstance(
-        exc.__cause__, DatabaseError
-    )
+    return isinstance(exc, LockContention | DatabaseUnavailable) or isinstance(exc.__cause__, Error)
 
 
 def _forget_parked(task: Any, options: Options) -> None:
     try:
         parking.started(task.request.id, options.demand)
-    except DatabaseError:
+    except Error:
         # The row stays; the sweep may publish it again, and that copy is
         # dropped (TaskAlreadyRan) or deferred as a live duplicate.
         logger.exception("Could not delete the parked row of task %s", task.request.id)

@@ -61,7 +61,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from django.db import DatabaseError
+from django.db import Error
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore.engine.fairness import Place
@@ -241,7 +241,7 @@ def _probe(connection: BaseDatabaseWrapper, place: Place) -> dict[int, Counters]
         return None
     try:
         return counters(connection, [id for id, _, _ in place.semaphores], place.key)
-    except DatabaseError:
+    except Error:
         return None
 
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from django.db import DatabaseError, connections
+from django.db import Error, connections
 
 from django_semaphore.engine import wakeups
 from django_semaphore.exceptions import SemaphoreError
@@ -78,7 +78,7 @@ def schedule_slots(alias: str, semaphore_ids: set[int]) -> None:
 
     try:
         due = wakeups.next_slots(alias, semaphore_ids)
-    except DatabaseError:
+    except Error:
         logger.warning("Could not read when the rate limits %s free a slot", sorted(semaphore_ids))
         return
     now = time.monotonic()

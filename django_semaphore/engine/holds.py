@@ -13,7 +13,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from django.db import DatabaseError, connections
+from django.db import Error, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import signals
@@ -30,7 +30,7 @@ def send_hold_ended(sender: Any, request_ids: Sequence[int], reason: str, using:
         return
     try:
         holds = released_holds(request_ids, reason, using)
-    except DatabaseError:
+    except Error:
         # The release itself is done; a metric is not worth failing its caller.
         logger.warning("Could not read the hold times of released permits.", exc_info=True)
         return

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from django.db import DatabaseError, connections, transaction
+from django.db import Error, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
@@ -79,7 +79,7 @@ def announce_key(
     if released is None:
         try:
             released = release_statements(connection).released_on_key(key)
-        except DatabaseError:
+        except Error:
             logger.warning("Could not read what the release of %r freed.", key, exc_info=True)
             return
     if not released:

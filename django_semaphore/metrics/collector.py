@@ -12,7 +12,7 @@ import functools
 import logging
 from collections.abc import Iterable
 
-from django.db import DatabaseError
+from django.db import Error
 from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -44,7 +44,7 @@ class SemaphoreCollector(Collector):
                 .order_by()
                 .values(*series.COLUMNS)
             )
-        except DatabaseError:
+        except Error:
             logger.warning("Metrics: could not read the semaphores' usage.", exc_info=True)
             up.add_metric([], 0)
             return [up]

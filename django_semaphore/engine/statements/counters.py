@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from django.db import DatabaseError
+from django.db import Error
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
@@ -70,7 +70,7 @@ def room_for(connection: BaseDatabaseWrapper, wanted: Sequence[tuple[int, int, i
     retries, tells what went wrong)."""
     try:
         now = counters(connection, [id for id, _, _ in wanted])
-    except DatabaseError:
+    except Error:
         return True
     return all(
         id not in now or now[id].in_use + now[id].ahead + count <= capacity

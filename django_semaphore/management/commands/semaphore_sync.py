@@ -18,7 +18,7 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import DatabaseError, transaction
+from django.db import Error, transaction
 
 from django_semaphore import routing
 from django_semaphore.api import set_capacity, set_window
@@ -47,7 +47,7 @@ class Command(BaseCommand):
             found = [each for alias in routing.aliases() for each in drift(alias)]
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
-        except DatabaseError as exc:
+        except Error as exc:
             raise CommandError(f"The semaphore tables cannot be read: {exc}") from exc
         if not found:
             self.stdout.write("The database has the limits the settings declare: nothing to do.")
