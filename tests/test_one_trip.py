@@ -12,7 +12,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_semaphore import acquire, release, set_window
-from django_semaphore.engine.statements import one_trip, routines
+from django_semaphore.engine.statements import one_trip, queue, routines
 from django_semaphore.engine.statements import release as release_statements
 from django_semaphore.exceptions import (
     CapacityExceeded,
@@ -199,6 +199,7 @@ def test_the_routines_are_the_ones_the_code_renders():
         expected = {
             one_trip.ROUTINE: grant.function_body(),
             release_statements.ROUTINE: releases.procedure_body(),
+            queue.ROUTINE: queue.function_body(),
         }
         read = "SELECT proname, prosrc FROM pg_proc WHERE proname LIKE 'django_semaphore%%'"
     else:

@@ -2,7 +2,9 @@
 semaphore, or on none.
 
 1. Lock the semaphore rows with ``SELECT ... FOR UPDATE`` in name order, so
-   two multi-semaphore requests never wait on each other in a circle.
+   two multi-semaphore requests never wait on each other in a circle. On
+   PostgreSQL, wait first in the names' queue (``statements/queue.py``):
+   the waiters of a row that a grant updates would all wake at its commit.
 2. Check room on what the lock returned: ``in_use + count <= capacity``.
    ``in_use`` is the row's counter, raised by grants, less what releases
    counted on a row of their own (``ReleaseCounter``, so they never queue
@@ -32,7 +34,8 @@ PostgreSQL the common case -- room everywhere, nobody queued, no rate limit
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timedelta
 
 from django.db import IntegrityError, transaction
@@ -43,7 +46,7 @@ from django_semaphore import backends, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.engine import fairness, families, prelock
 from django_semaphore.engine.releasing import release_requests
-from django_semaphore.engine.statements import Statements, statements
+from django_semaphore.engine.statements import Statements, queue, statements
 from django_semaphore.engine.statements.one_trip import one_trip_statements
 from django_semaphore.engine.statements.rows import LockedSemaphore
 from django_semaphore.exceptions import (
@@ -99,9 +102,7 @@ def acquire_once(
                 connection, demand, key, owner, ttl, lock_wait, place
             )
             if outcome is None:
-                with backends.bounded_transaction(
-                    connection, lock_wait, statements_bounded=True, durable=True
-                ):
+                with _transaction(connection, demand.names, lock_wait):
                     outcome = grant(connection, demand, key, owner, ttl, lock_wait, place)
         except IntegrityError:
             # The key has a request already: a repeated call, or two first
@@ -133,6 +134,24 @@ def acquire_once(
         # done while deciding is kept.
         raise outcome
     return outcome
+
+
+@contextmanager
+def _transaction(
+    connection: BaseDatabaseWrapper, names: Sequence[str], lock_wait: float
+) -> Iterator[None]:
+    """The general grant's transaction, its lock waits bounded; on
+    PostgreSQL it first waits its turn in the names' queue (``queue.py``),
+    as the one-trip grant does."""
+    if connection.vendor == "postgresql":
+        with transaction.atomic(using=connection.alias, durable=True):
+            queue.enter(connection, names, lock_wait)
+            yield
+    else:
+        with backends.bounded_transaction(
+            connection, lock_wait, statements_bounded=True, durable=True
+        ):
+            yield
 
 
 # Attempts at creating a family's missing members before the name is reported

@@ -30,7 +30,7 @@ from typing import Any
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
-from django_semaphore.engine.statements import SQL, built, statements, with_arguments
+from django_semaphore.engine.statements import SQL, built, queue, statements, with_arguments
 from django_semaphore.engine.statements.rows import LOCKED_COLUMNS
 
 # A function on PostgreSQL, a procedure on MariaDB (routines.py installs it).
@@ -75,7 +75,7 @@ class OneTripStatements(SQL):
         if self.vendor == "postgresql":
             sql = f"SELECT * FROM {ROUTINE}(%s, %s, %s, %s, %s, %s)"
             params = [names, [counts[n] for n in names], key, owner, ttl]
-            params.append(f"{int(lock_wait * 1000)}ms")
+            params.append(queue.lock_wait_sql(lock_wait))
         elif len(names) == 1:
             sql = f"CALL {ROUTINE}(%s, %s, %s, %s, %s, %s)"
             params = [names[0], counts[names[0]], ttl, key, owner, wait]
@@ -247,7 +247,7 @@ class OneTripStatements(SQL):
             " v_folded bigint[] := '{}'; v_tokens bigint[] := '{}'; v_held bigint[] := '{}';"
             " v_now timestamptz; v_expires timestamptz; v_request bigint;\n"
             "BEGIN\n"
-            " PERFORM set_config('lock_timeout', p_lock_wait, true);\n"
+            f"{queue.waits('p_names', 'p_lock_wait')}"
             f" FOR s IN {locking} LOOP\n"
             "  v_count := p_counts[array_position(p_names, s.name::text)];\n"
             f"  IF v_count IS NULL OR s.{q('window')} IS NOT NULL"

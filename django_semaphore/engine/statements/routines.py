@@ -1,7 +1,8 @@
-"""The routines migration 0010 installs, rendered from the statements they
+"""The routines the migrations install, rendered from the statements they
 run: the grant in one trip (``one_trip.py``: a procedure on MariaDB, a
-function on PostgreSQL) and the release by key with the read of what it
-ended (``release.py``: a procedure). The server parses and plans their
+function on PostgreSQL), the release by key with the read of what it
+ended (``release.py``: a procedure) and, on PostgreSQL, the queue every
+grant waits in (``queue.py``). The server parses and plans their
 statements once per connection, whatever the project's binding setting,
 where Django would send them as text to parse and plan every time. A test
 compares each installed routine with the one the code renders, so a
@@ -12,7 +13,7 @@ from __future__ import annotations
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
-from django_semaphore.engine.statements import one_trip, release
+from django_semaphore.engine.statements import one_trip, queue, release
 
 # What PostgreSQL's grant function takes, for dropping it.
 GRANT_ARGUMENTS = "text[], integer[], text, text, integer, text"
@@ -32,6 +33,7 @@ def uninstall(connection: BaseDatabaseWrapper) -> None:
         drops = [
             f"DROP FUNCTION IF EXISTS {one_trip.ROUTINE}({GRANT_ARGUMENTS})",
             f"DROP PROCEDURE IF EXISTS {release.ROUTINE}",
+            f"DROP FUNCTION IF EXISTS {queue.ROUTINE}({queue.ARGUMENTS})",
         ]
     elif backends.bounds_each_statement(connection):
         drops = [f"DROP PROCEDURE IF EXISTS {name}" for name in (one_trip.ROUTINE, release.ROUTINE)]
@@ -46,6 +48,7 @@ def _creates(connection: BaseDatabaseWrapper) -> list[str]:
     if connection.vendor == "postgresql":
         read = ", ".join(f"OUT {name} {type_}" for name, type_ in release.POSTGRES_READ.items())
         return [
+            queue.create_sql(),
             f"CREATE OR REPLACE FUNCTION {one_trip.ROUTINE}(p_names text[], p_counts integer[],"
             " p_key text, p_owner text, p_ttl integer, p_lock_wait text)"
             " RETURNS TABLE (granted_request bigint, granted_at timestamptz,"
