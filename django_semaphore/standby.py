@@ -10,6 +10,7 @@ row locked.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import Counter
@@ -39,6 +40,17 @@ _holds: dict[str, float] = {}
 # pools run many tasks in one process): one each, the others park.
 _standing: Counter[str] = Counter()
 _standing_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    """A forked child (a Celery prefork pool process) has no task standing
+    by, and a lock another thread held at the fork would stay taken."""
+    global _standing_lock
+    _standing_lock = threading.Lock()
+    _standing.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def held(demand: Mapping[str, int], seconds: float) -> None:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture(autouse=True)
 def _postgres():
     if connection.vendor != "postgresql":
-        pytest.skip("MariaDB queues row-lock waiters in order: no queue of ours")
+        pytest.skip("PostgreSQL only: MariaDB queues row-lock waiters in order")
 
 
 @contextmanager

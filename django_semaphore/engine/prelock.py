@@ -8,6 +8,7 @@ decides.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -17,6 +18,17 @@ from django_semaphore.exceptions import PrelockTimeout
 
 _prelocks: dict[str, threading.Lock] = {}
 _prelocks_guard = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    """A forked child (a Celery prefork pool process) holds no pre-lock: one
+    another thread held at the fork would stay taken there forever."""
+    global _prelocks_guard
+    _prelocks_guard = threading.Lock()
+    _prelocks.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 @contextmanager

@@ -75,7 +75,7 @@ class OneTripStatements(SQL):
         if self.vendor == "postgresql":
             sql = f"SELECT * FROM {ROUTINE}(%s, %s, %s, %s, %s, %s)"
             params = [names, [counts[n] for n in names], key, owner, ttl]
-            params.append(queue.lock_wait_sql(lock_wait))
+            params.append(queue.lock_timeout(lock_wait))
         elif len(names) == 1:
             sql = f"CALL {ROUTINE}(%s, %s, %s, %s, %s, %s)"
             params = [names[0], counts[names[0]], ttl, key, owner, wait]
@@ -240,6 +240,7 @@ class OneTripStatements(SQL):
         if locking.count(one_name) != 1:  # pragma: no cover - a Django change would show here
             raise AssertionError(f"Unexpected locking read: {locking!r}")
         locking = locking.replace(one_name, "= ANY(p_names)")
+        waits_sql = queue.waits_sql("p_names", "p_lock_wait")
         return (
             "\nDECLARE s record; i integer; v_count integer; v_released bigint;"
             " v_ids bigint[] := '{}'; v_names text[] := '{}'; v_counts integer[] := '{}';"
@@ -247,7 +248,7 @@ class OneTripStatements(SQL):
             " v_folded bigint[] := '{}'; v_tokens bigint[] := '{}'; v_held bigint[] := '{}';"
             " v_now timestamptz; v_expires timestamptz; v_request bigint;\n"
             "BEGIN\n"
-            f"{queue.waits('p_names', 'p_lock_wait')}"
+            f"{waits_sql}"
             f" FOR s IN {locking} LOOP\n"
             "  v_count := p_counts[array_position(p_names, s.name::text)];\n"
             f"  IF v_count IS NULL OR s.{q('window')} IS NOT NULL"

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-# routines.py installs it; the one-trip grant runs its statements (``waits``).
+# routines.py installs it; the one-trip grant runs its statements (``waits_sql``).
 ROUTINE = "django_semaphore_queue"
 ARGUMENTS = "text[], text"
 # The advisory locks' first key, "SEMA": their own key space, apart from
@@ -37,17 +37,17 @@ ARGUMENTS = "text[], text"
 LOCK_CLASS = 0x53454D41
 
 
-def waits(names: str, lock_wait: str) -> str:
-    """PL/pgSQL that bounds the transaction's lock waits to ``lock_wait``
-    and waits for the turn of ``names`` (``text[]``): the one-trip grant's
-    and the routine's."""
+def waits_sql(names_sql: str, lock_wait_sql: str) -> str:
+    """PL/pgSQL that bounds the transaction's lock waits to ``lock_wait_sql``
+    and waits for the turn of ``names_sql`` (``text[]``): the one-trip
+    grant's and the routine's."""
     return (
-        f" PERFORM set_config('lock_timeout', {lock_wait}, true);\n"
-        f" IF cardinality({names}) = 1 THEN\n"
-        f"  PERFORM pg_advisory_xact_lock({LOCK_CLASS}, hashtext({names}[1]));\n"
+        f" PERFORM set_config('lock_timeout', {lock_wait_sql}, true);\n"
+        f" IF cardinality({names_sql}) = 1 THEN\n"
+        f"  PERFORM pg_advisory_xact_lock({LOCK_CLASS}, hashtext({names_sql}[1]));\n"
         " ELSE\n"
         "  DECLARE k integer; BEGIN\n"
-        f"   FOR k IN SELECT DISTINCT hashtext(n) FROM unnest({names}) AS n ORDER BY 1 LOOP\n"
+        f"   FOR k IN SELECT DISTINCT hashtext(n) FROM unnest({names_sql}) AS n ORDER BY 1 LOOP\n"
         f"    PERFORM pg_advisory_xact_lock({LOCK_CLASS}, k);\n"
         "   END LOOP;\n"
         "  END;\n"
@@ -57,7 +57,8 @@ def waits(names: str, lock_wait: str) -> str:
 
 def function_body() -> str:
     """The routine's body."""
-    return f"\nBEGIN\n{waits('p_names', 'p_lock_wait')}END\n"
+    body_sql = waits_sql("p_names", "p_lock_wait")
+    return f"\nBEGIN\n{body_sql}END\n"
 
 
 def create_sql() -> str:
@@ -71,9 +72,9 @@ def enter(connection: BaseDatabaseWrapper, names: Sequence[str], lock_wait: floa
     """First in a grant's transaction: bound its lock waits to ``lock_wait``
     seconds and wait for the names' turn."""
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {ROUTINE}(%s, %s)", [list(names), lock_wait_sql(lock_wait)])
+        cursor.execute(f"SELECT {ROUTINE}(%s, %s)", [list(names), lock_timeout(lock_wait)])
 
 
-def lock_wait_sql(seconds: float) -> str:
+def lock_timeout(seconds: float) -> str:
     """``lock_timeout``'s value for ``seconds``."""
     return f"{int(seconds * 1000)}ms"
