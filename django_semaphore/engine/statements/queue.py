@@ -62,6 +62,7 @@ def function_body() -> str:
 
 
 def create_sql() -> str:
+    """The routine's ``CREATE`` (``routines.py`` runs it)."""
     return (
         f"CREATE OR REPLACE FUNCTION {ROUTINE}(p_names text[], p_lock_wait text)"
         f" RETURNS void LANGUAGE plpgsql VOLATILE AS $queue${function_body()}$queue$"
