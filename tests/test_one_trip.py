@@ -198,6 +198,7 @@ def test_the_routines_are_the_ones_the_code_renders():
     if connection.vendor == "postgresql":
         expected = {
             one_trip.ROUTINE: grant.function_body(),
+            one_trip.ONE_NAME_ROUTINE: grant.one_name_function_body(),
             release_statements.ROUTINE: releases.procedure_body(),
             queue.ROUTINE: queue.function_body(),
         }

@@ -1,8 +1,8 @@
 """The routines once more (``engine/statements/routines.py``): on PostgreSQL
 the queue every grant waits in before it locks the semaphore rows
-(``queue.py``), for the general grant, and the grant function again, which
-now waits in it first. Each is created or replaced; going back, 0010 drops
-them."""
+(``queue.py``), for the general grant; the grant function again, which now
+waits in it first; and the grant function for one name (``one_trip.py``).
+Each is created or replaced; going back, 0010 drops them."""
 
 from django.db import migrations
 from django.db.backends.base.schema import BaseDatabaseSchemaEditor

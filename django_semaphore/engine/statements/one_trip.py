@@ -3,7 +3,8 @@ has room, no fair queue is live, no rate window -- decided and written by
 the database in a single call, in one transaction of its own.
 
 The migrations install it as a routine (``ROUTINE``), which the server
-parses once per connection: a PostgreSQL function, for any number of names;
+parses once per connection: PostgreSQL functions, one for one name (on a
+record and scalars) and one for any number (on arrays);
 a MariaDB procedure, for one name. Several names on MariaDB go as one
 anonymous block (``BEGIN NOT ATOMIC``) of the same statements, sent like any
 statement. They run the grant's own statements: the manager's locking read
@@ -35,6 +36,9 @@ from django_semaphore.engine.statements.rows import LOCKED_COLUMNS
 
 # A function on PostgreSQL, a procedure on MariaDB (routines.py installs it).
 ROUTINE = "django_semaphore_grant"
+# PostgreSQL's function for one name: scalars where the general one keeps
+# arrays, a third less of the server's time per call.
+ONE_NAME_ROUTINE = "django_semaphore_grant_one"
 # The block's parameters as the MariaDB procedure names them, in order.
 PROCEDURE_ARGUMENTS = ("p_name", "p_name", "p_count", "p_ttl", "p_ttl", "p_key", "p_owner", "p_ttl")
 
@@ -73,9 +77,11 @@ class OneTripStatements(SQL):
         params: list[Any]
         wait = max(1, math.ceil(lock_wait))
         if self.vendor == "postgresql":
-            sql = f"SELECT * FROM {ROUTINE}(%s, %s, %s, %s, %s, %s)"
-            params = [names, [counts[n] for n in names], key, owner, ttl]
-            params.append(queue.lock_timeout(lock_wait))
+            routine_sql, params = ROUTINE, [names, [counts[n] for n in names]]
+            if len(names) == 1:
+                routine_sql, params = ONE_NAME_ROUTINE, [names[0], counts[names[0]]]
+            sql = f"SELECT * FROM {routine_sql}(%s, %s, %s, %s, %s, %s)"
+            params += [key, owner, ttl, queue.lock_timeout(lock_wait)]
         elif len(names) == 1:
             sql = f"CALL {ROUTINE}(%s, %s, %s, %s, %s, %s)"
             params = [names[0], counts[names[0]], ttl, key, owner, wait]
@@ -232,14 +238,19 @@ class OneTripStatements(SQL):
             " END IF;"
         )
 
+    def _locking_read_of(self, names_sql: str, targets: str = "") -> str:
+        """The manager's locking read of one name, its condition on the name
+        made ``names_sql`` (a PostgreSQL function's parameters)."""
+        one_name = "IN (%s)"
+        locking = self.lock_into(1, targets)
+        if locking.count(one_name) != 1:  # pragma: no cover - a Django change would show here
+            raise AssertionError(f"Unexpected locking read: {locking!r}")
+        return locking.replace(one_name, names_sql)
+
     def function_body(self) -> str:
         """The PostgreSQL function's body (``routines.py`` installs it)."""
         q = self.q
-        one_name = "IN (%s)"
-        locking = self.lock_into(1)
-        if locking.count(one_name) != 1:  # pragma: no cover - a Django change would show here
-            raise AssertionError(f"Unexpected locking read: {locking!r}")
-        locking = locking.replace(one_name, "= ANY(p_names)")
+        locking = self._locking_read_of("= ANY(p_names)")
         waits_sql = queue.waits_sql("p_names", "p_lock_wait")
         return (
             "\nDECLARE s record; i integer; v_count integer; v_released bigint;"
@@ -291,6 +302,46 @@ class OneTripStatements(SQL):
             " FROM unnest(v_ids, v_counts, v_tokens) AS g(id, n, token) ORDER BY g.id;\n"
             " RETURN QUERY SELECT v_request, v_now, v_expires, g.name, g.token, g.held + g.n"
             " FROM unnest(v_names, v_tokens, v_held, v_counts) AS g(name, token, held, n);\n"
+            "END\n"
+        )
+
+    def one_name_function_body(self) -> str:
+        """PostgreSQL's function for one name (``routines.py`` installs it):
+        the general function's steps on one row read into a record."""
+        q = self.q
+        locking = self._locking_read_of("= p_name", "s")
+        waits_sql = queue.waits_sql("ARRAY[p_name]", "p_lock_wait")
+        return (
+            "\nDECLARE s record; v_released bigint; v_held bigint;\n"
+            "BEGIN\n"
+            f"{waits_sql}"
+            f" {locking};\n"
+            # Names are exact, as Python compares them (not as a collation may).
+            f" IF NOT FOUND OR s.name::text <> p_name OR s.{q('window')} IS NOT NULL"
+            " OR COALESCE(s.queue_live, false) OR p_count > s.capacity THEN RETURN; END IF;\n"
+            f" SELECT c.{q('released')} INTO v_released FROM {self.counter} c"
+            f" WHERE c.{q('semaphore_id')} = s.id;\n"
+            " v_held := GREATEST(s.in_use_counter"
+            " - GREATEST(COALESCE(v_released, 0) - s.released_folded, 0), 0);\n"
+            " IF v_held + p_count > s.capacity THEN RETURN; END IF;\n"
+            " granted_at := clock_timestamp();\n"
+            " granted_expires_at := granted_at + make_interval(secs => p_ttl);\n"
+            f" INSERT INTO {self.request} ({q('external_id')}, {q('owner')}, {q('state')},"
+            f" {q('ttl')}, {q('expires_at')}, {q('created_at')}, {q('updated_at')},"
+            f" {q('released_at')}, {q('release_reason')})"
+            f" VALUES (p_key, p_owner, '{self.acquired}', p_ttl, granted_expires_at, granted_at,"
+            f" granted_at, NULL, '') RETURNING {q('id')} INTO granted_request;\n"
+            f" UPDATE {self.semaphore} SET {q('fencing_counter')} = {q('fencing_counter')} + 1,"
+            f" {q('in_use_counter')} = v_held + p_count, {q('released_folded')}"
+            " = GREATEST(COALESCE(v_released, 0), s.released_folded),"
+            f" {q('updated_at')} = granted_at WHERE {q('id')} = s.id;\n"
+            f" INSERT INTO {self.permit} ({q('semaphore_id')}, {q('request_id')}, {q('count')},"
+            f" {q('fencing_token')}, {q('slot_ends')}, {q('state')})"
+            f" VALUES (s.id, granted_request, p_count, s.fencing_counter + 1, NULL,"
+            f" '{self.acquired}');\n"
+            " granted_name := s.name; granted_token := s.fencing_counter + 1;"
+            " granted_in_use := v_held + p_count;\n"
+            " RETURN NEXT;\n"
             "END\n"
         )
 

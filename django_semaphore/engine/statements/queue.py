@@ -44,7 +44,7 @@ def waits_sql(names_sql: str, lock_wait_sql: str) -> str:
     return (
         f" PERFORM set_config('lock_timeout', {lock_wait_sql}, true);\n"
         f" IF cardinality({names_sql}) = 1 THEN\n"
-        f"  PERFORM pg_advisory_xact_lock({LOCK_CLASS}, hashtext({names_sql}[1]));\n"
+        f"  PERFORM pg_advisory_xact_lock({LOCK_CLASS}, hashtext(({names_sql})[1]));\n"
         " ELSE\n"
         "  DECLARE k integer; BEGIN\n"
         f"   FOR k IN SELECT DISTINCT hashtext(n) FROM unnest({names_sql}) AS n ORDER BY 1 LOOP\n"

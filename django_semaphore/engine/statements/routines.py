@@ -1,6 +1,6 @@
 """The routines the migrations install, rendered from the statements they
-run: the grant in one trip (``one_trip.py``: a procedure on MariaDB, a
-function on PostgreSQL), the release by key with the read of what it
+run: the grant in one trip (``one_trip.py``: a procedure on MariaDB,
+functions for one name and for several on PostgreSQL), the release by key with the read of what it
 ended (``release.py``: a procedure) and, on PostgreSQL, the queue every
 grant waits in (``queue.py``). The server parses and plans their
 statements once per connection, whatever the project's binding setting,
@@ -15,8 +15,9 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_semaphore import backends
 from django_semaphore.engine.statements import one_trip, queue, release
 
-# What PostgreSQL's grant function takes, for dropping it.
+# What PostgreSQL's grant functions take, for dropping them.
 GRANT_ARGUMENTS = "text[], integer[], text, text, integer, text"
+ONE_NAME_ARGUMENTS = "text, integer, text, text, integer, text"
 
 
 def install(connection: BaseDatabaseWrapper) -> None:
@@ -32,6 +33,7 @@ def uninstall(connection: BaseDatabaseWrapper) -> None:
     if connection.vendor == "postgresql":
         drops = [
             f"DROP FUNCTION IF EXISTS {one_trip.ROUTINE}({GRANT_ARGUMENTS})",
+            f"DROP FUNCTION IF EXISTS {one_trip.ONE_NAME_ROUTINE}({ONE_NAME_ARGUMENTS})",
             f"DROP PROCEDURE IF EXISTS {release.ROUTINE}",
             f"DROP FUNCTION IF EXISTS {queue.ROUTINE}({queue.ARGUMENTS})",
         ]
@@ -47,14 +49,20 @@ def _creates(connection: BaseDatabaseWrapper) -> list[str]:
     release_statements = release.ReleaseStatements(connection)
     if connection.vendor == "postgresql":
         read = ", ".join(f"OUT {name} {type_}" for name, type_ in release.POSTGRES_READ.items())
+        granted = (
+            "granted_request bigint, granted_at timestamptz, granted_expires_at timestamptz,"
+            " granted_name text, granted_token bigint, granted_in_use bigint"
+        )
         return [
             queue.create_sql(),
             f"CREATE OR REPLACE FUNCTION {one_trip.ROUTINE}(p_names text[], p_counts integer[],"
             " p_key text, p_owner text, p_ttl integer, p_lock_wait text)"
-            " RETURNS TABLE (granted_request bigint, granted_at timestamptz,"
-            " granted_expires_at timestamptz, granted_name text, granted_token bigint,"
-            " granted_in_use bigint) LANGUAGE plpgsql VOLATILE"
+            f" RETURNS TABLE ({granted}) LANGUAGE plpgsql VOLATILE"
             f" AS $grant${grant.function_body()}$grant$",
+            f"CREATE OR REPLACE FUNCTION {one_trip.ONE_NAME_ROUTINE}(p_name text, p_count integer,"
+            " p_key text, p_owner text, p_ttl integer, p_lock_wait text)"
+            f" RETURNS TABLE ({granted}) LANGUAGE plpgsql VOLATILE"
+            f" AS $grant${grant.one_name_function_body()}$grant$",
             f"CREATE OR REPLACE PROCEDURE {release.ROUTINE}(p_key text, p_reason text,"
             f" p_lock_wait text, p_read text, OUT out_ended bigint, {read})"
             f" LANGUAGE plpgsql AS $release${release_statements.procedure_body()}$release$",
