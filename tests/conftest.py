@@ -5,6 +5,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 import uuid
@@ -216,6 +217,19 @@ def make_semaphore(db) -> Callable[..., Semaphore]:
         return Semaphore.objects.create(name=name or unique(), capacity=capacity, fair=fair)
 
     return make
+
+
+def forked_child_exit_code(pid: int, within: float, stuck: str) -> int:
+    """The exit code of a forked child, which must end within ``within``
+    seconds: past that it is killed and the test fails with ``stuck``."""
+    deadline = time.monotonic() + within
+    while (ended := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(stuck)
+        time.sleep(0.01)
+    return os.waitstatus_to_exitcode(ended[1])
 
 
 # --- parked tasks (test_parked, test_tenants) ---------------------------------------

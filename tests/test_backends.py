@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from django_semaphore.engine.releasing import release_requests
 from django_semaphore.exceptions import LockContention, SemaphoreError
 from django_semaphore.models import PermitRequest, ReleaseCounter, Semaphore
 from django_semaphore.retry import run_with_retries
-from tests.conftest import unique
+from tests.conftest import forked_child_exit_code, unique
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -263,14 +262,8 @@ def test_a_forked_child_holds_no_prelock_that_another_thread_held(settings):
                     os._exit(0)
             finally:
                 os._exit(1)
-        deadline = time.monotonic() + 3
-        while (ended := os.waitpid(pid, os.WNOHANG)) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                pytest.fail("the forked child waited for a pre-lock held in its parent")
-            time.sleep(0.01)
-        assert os.waitstatus_to_exitcode(ended[1]) == 0
+        stuck = "the forked child waited for a pre-lock held in its parent"
+        assert forked_child_exit_code(pid, 3, stuck) == 0
     finally:
         done.set()
         thread.join(10)

@@ -27,7 +27,7 @@ from django_semaphore.states import ReleaseReason, State
 from tests import tasks
 from tests.children import Outbox, spawn, stop
 from tests.clients import hold_until_killed
-from tests.conftest import unique
+from tests.conftest import forked_child_exit_code, unique
 from tests.testapp.models import RunLog
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -143,14 +143,7 @@ def test_a_forked_child_starts_with_no_lease_and_no_thread(make_semaphore, idle_
                 thread.name == "semaphore-heartbeat" for thread in threading.enumerate()
             )
             os._exit(0 if clean else 1)
-        deadline = time.monotonic() + 10
-        while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                pytest.fail("the forked child did not exit")
-            time.sleep(0.01)
-        assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert forked_child_exit_code(pid, 10, "the forked child did not exit") == 0
         assert idle_heartbeat.holding == 1  # the parent's lease is untouched
 
 
