@@ -19,8 +19,6 @@ from django.db import connection
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.slow
-
 
 def smoke_database_url(tmp_path: Path) -> str:
     """A database of the benchmark's own beside the one under test."""
@@ -34,6 +32,9 @@ def smoke_database_url(tmp_path: Path) -> str:
     return f"{scheme}://{settings['USER']}{password}@{host}:{settings['PORT']}/{name}"
 
 
+# Slow: scenario 7's waiters must all queue within its warm-up, which a busy
+# machine can outlast.
+@pytest.mark.slow
 def test_smoke_mode_produces_sane_results(tmp_path):
     output = tmp_path / "smoke.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -75,6 +76,8 @@ def test_smoke_mode_produces_sane_results(tmp_path):
     assert "cycles/s" in run.stdout  # the table was printed
 
 
+# Slow: its figures (woken by the sweep, stand-by waits) want a quiet machine.
+@pytest.mark.slow
 @pytest.mark.once
 def test_parked_benchmark_smoke_mode_drains_without_failures(tmp_path):
     """``python -m benchmarks.parked --smoke``: a real prefork worker on the

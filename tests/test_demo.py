@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parent.parent
 
 # Independent of the database under test: runs once per test command.
-pytestmark = [pytest.mark.slow, pytest.mark.once]
+pytestmark = pytest.mark.once
 
 _WITH_DEFAULT_SIGINT = (
     "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL);"

@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.faults.runner import servers_module
 
-pytestmark = [pytest.mark.slow, pytest.mark.once, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.once, pytest.mark.timeout(240)]
 
 servers = servers_module()
 REPO = Path(__file__).resolve().parent.parent

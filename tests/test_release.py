@@ -23,7 +23,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = [pytest.mark.slow, pytest.mark.once, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.once, pytest.mark.timeout(600)]
 
 # Run inside the fresh virtualenv: migrate, one acquire and release, the
 # admin's semaphore page (the app's own template), a clean system check.

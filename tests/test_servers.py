@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks.faults.runner import servers_module
 
-pytestmark = [pytest.mark.slow, pytest.mark.once, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.once, pytest.mark.timeout(300)]
 
 servers = servers_module()
 
