@@ -84,9 +84,11 @@ POSTGRES_DISCONNECT_PREFIXES = ("08", "57P01", "57P02", "57P03", "25006")
 
 def classify(connection: BaseDatabaseWrapper, exc: Error) -> Failure | None:
     """Whether ``exc`` is worth retrying, and how; ``None`` means surface it."""
-    if isinstance(exc, InterfaceError):
-        return Failure.DISCONNECT
     vendor = connection.vendor
+    if isinstance(exc, InterfaceError):
+        # A server's connection the driver gave up on. SQLite has none to
+        # lose: its InterfaceError is a value it could not bind, a bug.
+        return None if vendor == "sqlite" else Failure.DISCONNECT
     if vendor == "mysql":
         code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
         if code in MYSQL_CONTENTION:

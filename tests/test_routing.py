@@ -9,7 +9,7 @@ from io import StringIO
 import pytest
 from django.core.checks import run_checks
 from django.core.management import call_command
-from django.db import OperationalError, connection, connections
+from django.db import InterfaceError, OperationalError, connection, connections
 
 from django_semaphore import (
     acquire,
@@ -214,6 +214,23 @@ def test_cluster_errors_are_retried(code, failure):
 
 class FakePostgres:
     vendor = "postgresql"
+
+
+class FakeSQLite:
+    vendor = "sqlite"
+
+
+@pytest.mark.parametrize(
+    ("database", "failure"),
+    [
+        (FakeMySQL, backends.Failure.DISCONNECT),
+        (FakePostgres, backends.Failure.DISCONNECT),
+        (FakeSQLite, None),  # no connection to lose: a value it could not bind
+    ],
+)
+def test_an_interface_error_is_a_lost_connection_only_on_a_server(database, failure):
+    error = InterfaceError("Error binding parameter 1: type 'object' is not supported")
+    assert backends.classify(database(), error) is failure  # type: ignore[arg-type]
 
 
 def test_a_standby_refusing_writes_is_retried_on_a_new_connection():
