@@ -32,8 +32,8 @@ def smoke_database_url(tmp_path: Path) -> str:
     return f"{scheme}://{settings['USER']}{password}@{host}:{settings['PORT']}/{name}"
 
 
-# Slow: scenario 7's waiters must all queue within its warm-up, which a busy
-# machine can outlast.
+# Slow: scenario 7 times its waiters' queueing against a warm-up, and once
+# failed beside the side-by-side passes (its errors are shown below now).
 @pytest.mark.slow
 def test_smoke_mode_produces_sane_results(tmp_path):
     output = tmp_path / "smoke.json"
@@ -59,7 +59,8 @@ def test_smoke_mode_produces_sane_results(tmp_path):
     for cell in cells:
         assert cell["cycles_per_s"] >= 0
         if cell["scenario"].startswith("7"):  # waiters never granted: statements only
-            assert cell["errors"] == 0, cell
+            # The waiters' own errors, whole: pytest cuts a cell's repr short.
+            assert cell["errors"] == 0, (cell["system"], cell["layout"], cell["extra"])
             assert cell["extra"]["statements_per_s"] > 0, cell
         elif cell["system"].startswith(("app", "seed")):
             assert cell["errors"] == 0, cell
