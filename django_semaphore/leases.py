@@ -19,7 +19,6 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-import os
 import threading
 import time
 from datetime import timedelta
@@ -29,6 +28,7 @@ from django.db import connections
 from django.db.models import Case, DateTimeField, F, When
 from django.db.models.functions import Greatest
 
+from django_semaphore import process
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import InvalidRequest, SemaphoreError
@@ -115,11 +115,8 @@ def hold(request: PermitRequest) -> Lease:
     return HEARTBEAT.hold(request.external_id, request.ttl, str(request._state.db))
 
 
-class Heartbeat:
+class Heartbeat(process.State):
     """The registry of this process's leases and the thread that renews them."""
-
-    def __init__(self) -> None:
-        self.reset()
 
     def reset(self) -> None:
         """Forget every lease and thread: in a forked child, the parent's are
@@ -274,4 +271,3 @@ def _held_ttls(alias: str, held: Collection[Lease]) -> dict[str, int]:
 
 HEARTBEAT = Heartbeat()
 # A Celery prefork child (any fork) starts with no leases and no thread.
-os.register_at_fork(after_in_child=HEARTBEAT.reset)

@@ -11,7 +11,6 @@ notify at all.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from contextlib import suppress
@@ -19,6 +18,7 @@ from contextlib import suppress
 from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from django_semaphore import process
 from django_semaphore.waiters import WAITERS
 
 logger = logging.getLogger("django_semaphore")
@@ -46,14 +46,11 @@ def notify(connection: BaseDatabaseWrapper, names: list[str]) -> None:
         cursor.execute("SELECT pg_notify(%s, %s)", [CHANNEL, payload])
 
 
-class Listener:
+class Listener(process.State):
     """One daemon thread per PostgreSQL alias that this process waits on: it
     ``LISTEN``\\s on its own connection while this process has waiters there,
     wakes their pollers on each notification, and closes its connection (and
     sleeps) while it has none."""
-
-    def __init__(self) -> None:
-        self.reset()
 
     def reset(self) -> None:
         """No thread: in a forked child, the parent's did not survive the fork."""
@@ -140,6 +137,3 @@ class Listener:
 
 
 LISTENER = Listener()
-
-
-os.register_at_fork(after_in_child=LISTENER.reset)

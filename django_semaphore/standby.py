@@ -10,7 +10,6 @@ row locked.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import Counter
@@ -19,7 +18,7 @@ from contextlib import contextmanager
 
 from django.db import connections
 
-from django_semaphore import routing
+from django_semaphore import process, routing
 from django_semaphore.engine.families import family_of
 from django_semaphore.engine.statements.counters import room_for
 from django_semaphore.exceptions import LiveDuplicate, SemaphoreExhausted
@@ -36,21 +35,18 @@ STANDBY_PROBE = (0.001, 0.02)
 # last hold, seconds, by family pattern for a family's member (members of one
 # family are held alike, and a family may have thousands), else by name.
 _holds: dict[str, float] = {}
-# The semaphores a task of this process stands by on (thread and gevent
-# pools run many tasks in one process): one each, the others park.
-_standing: Counter[str] = Counter()
-_standing_lock = threading.Lock()
 
 
-def _forget_after_fork() -> None:
-    """A forked child (a Celery prefork pool process) has no task standing
-    by, and a lock another thread held at the fork would stay taken."""
-    global _standing_lock
-    _standing_lock = threading.Lock()
-    _standing.clear()
+class Standing(process.State):
+    """The semaphores a task of this process stands by on (thread and gevent
+    pools run many tasks in one process): one each, the others park."""
+
+    def reset(self) -> None:
+        self.lock = threading.Lock()
+        self.names: Counter[str] = Counter()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+STANDING = Standing()
 
 
 def held(demand: Mapping[str, int], seconds: float) -> None:
@@ -138,13 +134,13 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
 def _one_standby(demand: Mapping[str, int]) -> Iterator[bool]:
     """Whether this task may stand by: no other task of this process stands
     by on one of its semaphores (one poller per process and semaphore)."""
-    with _standing_lock:
-        free = not any(_standing[name] for name in demand)
+    with STANDING.lock:
+        free = not any(STANDING.names[name] for name in demand)
         if free:
-            _standing.update(demand.keys())
+            STANDING.names.update(demand.keys())
     try:
         yield free
     finally:
         if free:
-            with _standing_lock:
-                _standing.subtract(demand.keys())
+            with STANDING.lock:
+                STANDING.names.subtract(demand.keys())

@@ -14,13 +14,13 @@ sleep until their turn. No database here: only memory and a condition.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from django_semaphore import process
 from django_semaphore.engine.fairness import Place
 
 
@@ -53,11 +53,8 @@ class Waiter:
         return (0, self.place.seq) if self.place.ticketed else (1, self.came)
 
 
-class Waiters:
+class Waiters(process.State):
     """This process's queues: (alias, semaphore name) -> its waiters."""
-
-    def __init__(self) -> None:
-        self.reset()
 
     def reset(self) -> None:
         """Forget every waiter: in a forked child, the parent's are not its own."""
@@ -167,6 +164,3 @@ class Waiters:
 
 
 WAITERS = Waiters()
-
-
-os.register_at_fork(after_in_child=WAITERS.reset)

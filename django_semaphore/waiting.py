@@ -54,7 +54,6 @@ full (nobody granted) never makes a waiter take one.
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -64,6 +63,7 @@ from collections.abc import Callable, Iterable
 from django.db import Error
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from django_semaphore import process
 from django_semaphore.engine.fairness import Place
 from django_semaphore.engine.statements.counters import Counters, counters
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
@@ -308,21 +308,28 @@ def _learned_hold(names: Iterable[str]) -> float | None:
 # --- what this process holds, and its releases ---------------------------------------
 
 
-# key -> (alias, names, time.monotonic() of the grant), oldest first.
-_grants: OrderedDict[str, tuple[str, list[str], float]] = OrderedDict()
-# (alias, name) -> time.monotonic() of this process's last wait there.
-_waits: dict[tuple[str, str], float] = {}
-_grants_lock = threading.Lock()
+class Seen(process.State):
+    """This process's grants not released yet and where it saw waiting."""
+
+    def reset(self) -> None:
+        self.lock = threading.Lock()
+        # key -> (alias, names, time.monotonic() of the grant), oldest first.
+        self.grants: OrderedDict[str, tuple[str, list[str], float]] = OrderedDict()
+        # (alias, name) -> time.monotonic() of this process's last wait there.
+        self.waits: dict[tuple[str, str], float] = {}
+
+
+SEEN = Seen()
 
 
 def granted(alias: str, key: str, names: list[str]) -> None:
     """Note a grant of this process: its release (``released``) learns how
     long it was held and which semaphores to wake."""
-    with _grants_lock:
-        if key not in _grants:
-            _grants[key] = (alias, names, time.monotonic())
-            if len(_grants) > GRANTS_KEPT:
-                _grants.popitem(last=False)
+    with SEEN.lock:
+        if key not in SEEN.grants:
+            SEEN.grants[key] = (alias, names, time.monotonic())
+            if len(SEEN.grants) > GRANTS_KEPT:
+                SEEN.grants.popitem(last=False)
 
 
 def released(connection: BaseDatabaseWrapper, key: str) -> None:
@@ -330,8 +337,8 @@ def released(connection: BaseDatabaseWrapper, key: str) -> None:
     process's pollers of its semaphores, and on PostgreSQL notify the other
     processes when waiting was seen there lately. No statement when this
     process granted it not, or saw nobody wait on it."""
-    with _grants_lock:
-        grant = _grants.pop(key, None)
+    with SEEN.lock:
+        grant = SEEN.grants.pop(key, None)
     if grant is None:
         return
     alias, names, since = grant
@@ -343,24 +350,12 @@ def released(connection: BaseDatabaseWrapper, key: str) -> None:
 
 def _saw_wait(alias: str, names: Iterable[str]) -> None:
     now = time.monotonic()
-    with _grants_lock:
+    with SEEN.lock:
         for name in names:
-            _waits[(alias, name)] = now
+            SEEN.waits[(alias, name)] = now
 
 
 def _waited_lately(alias: str, names: Iterable[str]) -> bool:
     since = time.monotonic() - NOTIFY_AFTER_WAIT
-    with _grants_lock:
-        return any(_waits.get((alias, name), since) > since for name in names)
-
-
-def _forget_after_fork() -> None:
-    """A forked child (a Celery prefork pool process) starts with no grant
-    of its own."""
-    global _grants_lock
-    _grants_lock = threading.Lock()
-    _grants.clear()
-    _waits.clear()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
+    with SEEN.lock:
+        return any(SEEN.waits.get((alias, name), since) > since for name in names)

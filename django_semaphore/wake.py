@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -17,6 +16,7 @@ from typing import Any
 
 from django.db import Error, connections
 
+from django_semaphore import process
 from django_semaphore.engine import wakeups
 from django_semaphore.exceptions import SemaphoreError
 from django_semaphore.models import ParkedTask
@@ -51,20 +51,16 @@ def wake(alias: str, semaphore_ids: Iterable[int]) -> int:
         return 0
 
 
-# (alias, semaphore id) -> time.monotonic() when the wake-up this process
-# published last for it is due.
-_scheduled: dict[tuple[str, int], float] = {}
-_scheduled_lock = threading.Lock()
+class Scheduled(process.State):
+    """The slot wake-ups this process published."""
+
+    def reset(self) -> None:
+        self.lock = threading.Lock()
+        # (alias, semaphore id) -> time.monotonic() when the last one is due.
+        self.due: dict[tuple[str, int], float] = {}
 
 
-def _forget_after_fork() -> None:
-    """A forked child (a Celery prefork pool process) published nothing."""
-    global _scheduled_lock
-    _scheduled_lock = threading.Lock()
-    _scheduled.clear()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
+SCHEDULED = Scheduled()
 
 
 def schedule_slots(alias: str, semaphore_ids: set[int]) -> None:
@@ -83,17 +79,17 @@ def schedule_slots(alias: str, semaphore_ids: set[int]) -> None:
         return
     now = time.monotonic()
     for id, seconds in due.items():
-        with _scheduled_lock:
-            earlier = _scheduled.get((alias, id), 0.0)
+        with SCHEDULED.lock:
+            earlier = SCHEDULED.due.get((alias, id), 0.0)
             if now < earlier <= now + seconds + SLOT_SLACK:
                 continue
-            _scheduled[(alias, id)] = now + seconds
+            SCHEDULED.due[(alias, id)] = now + seconds
         try:
             current_app.send_task(WAKE_SLOTS, args=(alias, [id]), countdown=seconds)
         except Exception:  # the broker's errors are as varied as brokers
             logger.exception("Could not publish the wake-up of rate limit %s", id)
-            with _scheduled_lock:
-                _scheduled.pop((alias, id), None)
+            with SCHEDULED.lock:
+                SCHEDULED.due.pop((alias, id), None)
 
 
 def publish(alias: str, parked_ids: list[int]) -> int:

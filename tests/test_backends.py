@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from django_semaphore.engine.releasing import release_requests
 from django_semaphore.exceptions import LockContention, SemaphoreError
 from django_semaphore.models import PermitRequest, ReleaseCounter, Semaphore
 from django_semaphore.retry import run_with_retries
-from tests.conftest import forked_child_exit_code, unique
+from tests.conftest import unique
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -238,35 +237,6 @@ def test_prelock_keeps_one_process_to_one_waiting_connection(make_semaphore, set
     busy_outcome, free_outcome = outcome
     assert isinstance(busy_outcome, LockContention)  # waited in memory, then gave up
     assert free_outcome.is_held  # other names are not held up
-
-
-def test_a_forked_child_holds_no_prelock_that_another_thread_held(settings):
-    """A Celery prefork worker forks while its threads may be granting: the
-    child must not inherit a pre-lock nobody there will release."""
-    settings.DJANGO_SEMAPHORE = {"PRELOCK_TIMEOUT": 5}
-    held, done = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with prelock.prelocked(["forked"]):
-            held.set()
-            done.wait(10)
-
-    thread = threading.Thread(daemon=True, target=hold)
-    thread.start()
-    assert held.wait(5)
-    try:
-        pid = os.fork()
-        if pid == 0:  # the child: take the pre-lock, report, leave at once
-            try:
-                with prelock.prelocked(["forked"]):
-                    os._exit(0)
-            finally:
-                os._exit(1)
-        stuck = "the forked child waited for a pre-lock held in its parent"
-        assert forked_child_exit_code(pid, 3, stuck) == 0
-    finally:
-        done.set()
-        thread.join(10)
 
 
 @pytest.mark.django_db(transaction=True)

@@ -8,27 +8,24 @@ decides.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from django_semaphore import process
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import PrelockTimeout
 
-_prelocks: dict[str, threading.Lock] = {}
-_prelocks_guard = threading.Lock()
+
+class Prelocks(process.State):
+    """One lock per semaphore name this process has used."""
+
+    def reset(self) -> None:
+        self.guard = threading.Lock()
+        self.by_name: dict[str, threading.Lock] = {}
 
 
-def _forget_after_fork() -> None:
-    """A forked child (a Celery prefork pool process) holds no pre-lock: one
-    another thread held at the fork would stay taken there forever."""
-    global _prelocks_guard
-    _prelocks_guard = threading.Lock()
-    _prelocks.clear()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
+PRELOCKS = Prelocks()
 
 
 @contextmanager
@@ -42,8 +39,8 @@ def prelocked(names: Sequence[str]) -> Iterator[None]:
     held: list[threading.Lock] = []
     try:
         for name in names:
-            with _prelocks_guard:
-                lock = _prelocks.setdefault(name, threading.Lock())
+            with PRELOCKS.guard:
+                lock = PRELOCKS.by_name.setdefault(name, threading.Lock())
             if not lock.acquire(timeout=timeout):
                 raise PrelockTimeout(name)
             held.append(lock)
