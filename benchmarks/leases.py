@@ -73,7 +73,7 @@ def heartbeat(args: argparse.Namespace) -> dict[str, Any]:
     from django.db.backends.signals import connection_created
 
     from django_semaphore import permit
-    from django_semaphore.leases import HEARTBEAT
+    from django_semaphore.integrations.leases import HEARTBEAT
     from django_semaphore.models import Semaphore
 
     name = f"bench-leases-{uuid.uuid4().hex[:8]}"

@@ -136,7 +136,7 @@ def _queues(waiting: Any) -> Any:
     """This process's queues of waiters: in ``waiters``, in ``waiting``
     before it was split, None before issue 26 (one line per demand)."""
     try:
-        from django_semaphore.waiters import WAITERS
+        from django_semaphore.waiting.waiters import WAITERS
     except ImportError:
         return getattr(waiting, "WAITERS", None)
     return WAITERS

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from django_semaphore.api import renew as renew
     from django_semaphore.api import set_capacity as set_capacity
     from django_semaphore.api import set_window as set_window
-    from django_semaphore.context import permit as permit
-    from django_semaphore.decorators import holds_permit as holds_permit
+    from django_semaphore.integrations.context import permit as permit
+    from django_semaphore.integrations.decorators import holds_permit as holds_permit
     from django_semaphore.states import ReleaseOutcome as ReleaseOutcome
 
 # Name -> the module that defines it.
@@ -27,8 +27,8 @@ _HOMES = {
     "ReleaseOutcome": "django_semaphore.states",
     "acquire": "django_semaphore.api",
     "force_release": "django_semaphore.api",
-    "holds_permit": "django_semaphore.decorators",
-    "permit": "django_semaphore.context",
+    "holds_permit": "django_semaphore.integrations.decorators",
+    "permit": "django_semaphore.integrations.context",
     "release": "django_semaphore.api",
     "renew": "django_semaphore.api",
     "set_capacity": "django_semaphore.api",

@@ -21,7 +21,7 @@ from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Q
 
-from django_semaphore import routing, signals, waiting
+from django_semaphore import conf, routing, signals, waiting
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import fairness, families, grant
@@ -346,7 +346,7 @@ def _change(
         connection,
         lambda: change_limits(connection.alias, name, limits, changed_by, reason),
     )
-    if families.is_family_default(name):
+    if conf.is_family_default(name):
         changed_by_id = None if changed_by is None else changed_by.pk
         why = reason or f"family default of {name}"
 

@@ -19,10 +19,10 @@ class DjangoSemaphoreConfig(AppConfig):
             checks,  # noqa: F401  (registers the checks)
             guards,
             parking,
-            task_runs,
         )
         from django_semaphore.conf import app_settings
         from django_semaphore.declared import create_declared_semaphores
+        from django_semaphore.integrations import celery_tasks
         from django_semaphore.models import Permit, PermitRequest, Semaphore
 
         post_migrate.connect(create_declared_semaphores, sender=self)
@@ -39,9 +39,9 @@ class DjangoSemaphoreConfig(AppConfig):
             from celery.signals import before_task_publish, task_postrun, task_revoked
         except ImportError:  # Celery is optional
             return
-        task_postrun.connect(task_runs.on_task_postrun, dispatch_uid="django_semaphore.postrun")
+        task_postrun.connect(celery_tasks.on_task_postrun, dispatch_uid="django_semaphore.postrun")
         before_task_publish.connect(
-            task_runs.on_before_task_publish, dispatch_uid="django_semaphore.publish"
+            celery_tasks.on_before_task_publish, dispatch_uid="django_semaphore.publish"
         )
         task_revoked.connect(parking.on_task_revoked, dispatch_uid="django_semaphore.revoked")
         try:

@@ -13,12 +13,14 @@ or choose other intervals (seconds, a ``timedelta`` or a Celery ``crontab``;
     CELERY_BEAT_SCHEDULE = beat_schedule(release_orphans=60, clean_history=None)
 
 Importing this module touches neither Django settings nor Celery, so it is
-safe in a settings file.
+safe in a settings file; ``scheduled_tasks`` reads the project's schedule
+when the system check asks.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -114,3 +116,24 @@ def _interval(task: str, every: Any) -> Any:
 
 BEAT_SCHEDULE: dict[str, dict[str, Any]] = beat_schedule()
 """The schedule with the default intervals, to merge into ``CELERY_BEAT_SCHEDULE``."""
+
+
+def scheduled_tasks() -> set[str] | None:
+    """The task names of the project's beat schedule: ``CELERY_BEAT_SCHEDULE``
+    and the current Celery app's ``beat_schedule`` (an app configured in code,
+    or from ``celeryconfig``); ``None`` when Celery is not installed."""
+    # Imported here: settings files import this module, and Celery is optional.
+    from django.conf import settings
+
+    try:
+        from celery import current_app
+    except ImportError:
+        return None
+    schedules = [getattr(settings, "CELERY_BEAT_SCHEDULE", None), current_app.conf.beat_schedule]
+    return {
+        str(entry.get("task"))
+        for schedule in schedules
+        if isinstance(schedule, Mapping)
+        for entry in schedule.values()
+        if isinstance(entry, Mapping)
+    }

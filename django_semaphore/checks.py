@@ -105,7 +105,7 @@ REQUIRED_BEAT_TASKS = (beat.WAKE_PARKED, beat.RELEASE_ORPHANS)
 def check_beat_schedule(**kwargs: Any) -> list[CheckMessage]:
     """With Celery installed, the project's beat schedule must run the sweeps
     that parked tasks (the default) and leaked permits rely on."""
-    scheduled = _scheduled_tasks()
+    scheduled = beat.scheduled_tasks()
     if scheduled is None:
         return []
     missing = [task for task in REQUIRED_BEAT_TASKS if task not in scheduled]
@@ -122,24 +122,6 @@ def check_beat_schedule(**kwargs: Any) -> list[CheckMessage]:
             id="django_semaphore.W020",
         )
     ]
-
-
-def _scheduled_tasks() -> set[str] | None:
-    """The task names of the project's beat schedule: ``CELERY_BEAT_SCHEDULE``
-    and the current Celery app's ``beat_schedule`` (an app configured in code,
-    or from ``celeryconfig``); ``None`` when Celery is not installed."""
-    try:
-        from celery import current_app
-    except ImportError:
-        return None
-    schedules = [getattr(settings, "CELERY_BEAT_SCHEDULE", None), current_app.conf.beat_schedule]
-    return {
-        str(entry.get("task"))
-        for schedule in schedules
-        if isinstance(schedule, Mapping)
-        for entry in schedule.values()
-        if isinstance(entry, Mapping)
-    }
 
 
 @register(Tags.compatibility)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
+from fnmatch import fnmatchcase
 from typing import Any
 
 from django.conf import settings
@@ -51,7 +53,7 @@ DEFAULTS: dict[str, Any] = {
     "VIEW_STATUS_CODE": 429,
     # Dotted path of the view that answers a request @holds_permit refuses,
     # called as view(request, exception) (docs/howto.md, "limit a view").
-    "REFUSED_VIEW": "django_semaphore.views.permit_refused",
+    "REFUSED_VIEW": "django_semaphore.integrations.views.permit_refused",
     # Declared semaphores, name -> initial capacity, created after migrate:
     # 3, {"capacity": 3}, or a rate limit, {"rate": "100/s"} or
     # {"capacity": 100, "window": 1} (docs/rates.md). A name with wildcards
@@ -365,3 +367,42 @@ def _per_member_problems(value: Any) -> list[str]:
         for pattern in value
         if not isinstance(pattern, str) or pattern not in families
     ]
+
+
+# --- families: the patterns SEMAPHORES declares ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Family:
+    """A pattern declared in ``SEMAPHORES``, as settings give it."""
+
+    pattern: str
+    # The template's first capacity and window; the row's rules once it exists.
+    capacity: int
+    window: int | None
+    max_members: int | None
+
+
+def families() -> list[Family]:
+    """The declared families, in settings order (the order names are matched in)."""
+    families = []
+    for pattern, value in app_settings.SEMAPHORES.items():
+        if is_pattern(pattern):
+            declared = validate_declared(pattern, value)
+            families.append(
+                Family(pattern, declared.capacity, declared.window, declared.max_members)
+            )
+    return families
+
+
+def family_of(name: str) -> Family | None:
+    """The family whose pattern matches ``name`` first; ``None`` if none does."""
+    for family in families():
+        if name != family.pattern and fnmatchcase(name, family.pattern):
+            return family
+    return None
+
+
+def is_family_default(name: str) -> bool:
+    """Whether ``name`` is a declared family's pattern (its template row)."""
+    return is_pattern(name) and name in app_settings.SEMAPHORES

@@ -20,7 +20,7 @@ TASK_OWNER = re.compile(
 )
 
 # The pid of a task owner whose permit no process holds: kept between the
-# task's own retries (task_runs), it is alive as long as the task is.
+# task's own retries (``integrations.celery_tasks``), it is alive as long as the task is.
 NO_PROCESS = 0
 
 

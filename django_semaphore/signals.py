@@ -108,5 +108,5 @@ Sender: ``Semaphore``. ``freed``: semaphore id -> permits freed.
 The one-statement release (MariaDB, PostgreSQL) says nothing of what it
 freed: while a receiver is connected, it reads after its commit what it
 freed where parked tasks wait, and sends only those (``engine/releasing``);
-parked Celery tasks connect the receiver (``parking.py``).
+parked Celery tasks connect the receiver (``parking``).
 """

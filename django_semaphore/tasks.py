@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from django_semaphore import sweep, wake
+from django_semaphore import sweep
+from django_semaphore.parking import wake
 
 
 @shared_task(name="django_semaphore.release_orphans", ignore_result=True)  # type: ignore[untyped-decorator]

@@ -21,16 +21,7 @@ from django.db.models import DurationField, OuterRef, Subquery, Sum, Value
 from django.db.models.functions import Coalesce
 from django.dispatch import Signal
 
-from django_semaphore import (
-    acquire,
-    listening,
-    managers,
-    parking,
-    release,
-    set_capacity,
-    standby,
-    wake,
-)
+from django_semaphore import acquire, managers, parking, release, set_capacity
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.guards import engine_writes
 from django_semaphore.models import (
@@ -41,7 +32,9 @@ from django_semaphore.models import (
     ReleaseCounter,
     Semaphore,
 )
+from django_semaphore.parking import wake
 from django_semaphore.states import State
+from django_semaphore.waiting import listening, standby
 from tests.children import RUNTIME, STACKS_VARIABLE, dump_stacks_on_signal, stop
 
 # scripts/watchdog.py reads which test each pytest process of the run is in.

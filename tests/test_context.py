@@ -14,7 +14,7 @@ from django.db import connections
 from django_semaphore import acquire, permit, signals
 from django_semaphore.engine.releasing import release_requests
 from django_semaphore.exceptions import PermitLost, SemaphoreExhausted
-from django_semaphore.leases import HEARTBEAT
+from django_semaphore.integrations.leases import HEARTBEAT
 from django_semaphore.models import PermitRequest, Semaphore
 from django_semaphore.states import ReleaseReason, State
 from tests.conftest import unique

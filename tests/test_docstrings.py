@@ -23,15 +23,16 @@ import django_semaphore.management.commands
 # The modules whose public names are the API; everything else is internal.
 PUBLIC_MODULES = (
     "beat",
-    "context",
     "engine.counter",
     "exceptions",
     "fencing",
-    "leases",
+    "integrations.context",
+    "integrations.leases",
     "liveness",
     "managers",
     "models",
     "parking",
+    "parking.wake",
     "signals",
     "states",
     "sweep",
@@ -42,13 +43,12 @@ PUBLIC_MODULES = (
     "sweep.repairs",
     "sweep.reports",
     "tasks",
-    "wake",
     "waiting",
 )
 # Module attributes that are API (the others are constants and loggers).
 PUBLIC_ATTRIBUTE_MODULES = ("beat", "signals")
 # Internal despite a public name: the process heartbeat (``leases.hold`` is its door).
-INTERNAL = {"django_semaphore.leases.Heartbeat"}
+INTERNAL = {"django_semaphore.integrations.leases.Heartbeat"}
 
 
 def package() -> griffe.Module:
@@ -110,9 +110,9 @@ def test_the_check_sees_the_public_names():
         "django_semaphore.beat.BEAT_SCHEDULE",
         "django_semaphore.tasks.release_orphans",
         "django_semaphore.sweep.orphans.release_orphans",
-        "django_semaphore.wake.wake",
+        "django_semaphore.parking.wake.wake",
         "django_semaphore.fencing.advance",
-        "django_semaphore.context.HeldPermit.token",
+        "django_semaphore.integrations.context.HeldPermit.token",
     } <= seen
 
 

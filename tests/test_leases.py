@@ -20,7 +20,7 @@ from django.test.utils import CaptureQueriesContext
 from django_semaphore import acquire, permit
 from django_semaphore.engine.releasing import release_requests
 from django_semaphore.exceptions import InvalidRequest
-from django_semaphore.leases import HEARTBEAT, hold
+from django_semaphore.integrations.leases import HEARTBEAT, hold
 from django_semaphore.models import PermitRequest, Semaphore
 from django_semaphore.owners import this_process
 from django_semaphore.states import ReleaseReason, State

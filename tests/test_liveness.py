@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from celery.result import AsyncResult
 
-from django_semaphore import set_capacity, sweep, task_runs
+from django_semaphore import set_capacity, sweep
+from django_semaphore.integrations import celery_tasks
 from django_semaphore.liveness import (
     CeleryTaskChecker,
     Liveness,
@@ -95,12 +96,12 @@ def test_a_re_attaching_task_asks_the_checkers_about_a_holder_on_another_machine
     on_gone_host = TaskOwner("t-1", "x", GONE_HOST, 12)
     on_other_host = TaskOwner("t-1", "x", "celery@other-host", 12)
     gone_here = TaskOwner("t-1", "x", f"celery@{here}", 2**22 + 1)  # above pid_max
-    assert not task_runs._is_dead(on_gone_host)  # no checkers configured
-    assert task_runs._is_dead(gone_here)
+    assert not celery_tasks._is_dead(on_gone_host)  # no checkers configured
+    assert celery_tasks._is_dead(gone_here)
 
     settings.DJANGO_SEMAPHORE = {"LIVENESS_CHECKERS": ["tests.test_liveness.dead_on_gone_host"]}
-    assert task_runs._is_dead(on_gone_host)
-    assert not task_runs._is_dead(on_other_host)
+    assert celery_tasks._is_dead(on_gone_host)
+    assert not celery_tasks._is_dead(on_other_host)
     assert is_dead(str(on_gone_host))
 
 

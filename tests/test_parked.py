@@ -1,5 +1,5 @@
 """Parked Celery tasks: refused tasks wait in the database and are published
-again, first in first out, when releases make room (``parking.py``).
+again, first in first out, when releases make room (``parking``).
 
 The first part runs a real prefork worker on a real Redis broker; the second
 checks the wake-up's choices on rows written directly, with the publish
@@ -25,13 +25,15 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_semaphore import acquire, parking, release, standby, sweep, wake
+from django_semaphore import acquire, parking, release, sweep
 from django_semaphore.admin.semaphores import SemaphoreAdmin
 from django_semaphore.api import set_capacity
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
+from django_semaphore.parking import wake
 from django_semaphore.states import State
+from django_semaphore.waiting import standby
 from tests import tasks
 from tests.conftest import behind_the_engine, parking_in_this_process, unique
 from tests.testapp.models import RunLog

@@ -10,12 +10,12 @@ from contextlib import ExitStack
 from typing import Any
 
 import django_semaphore.api
-import django_semaphore.wake  # noqa: F401
+import django_semaphore.parking.wake  # noqa: F401
 from django_semaphore import process
 from django_semaphore.engine import prelock
-from django_semaphore.standby import STANDING
+from django_semaphore.parking.wake import SCHEDULED
 from django_semaphore.waiting import SEEN
-from django_semaphore.wake import SCHEDULED
+from django_semaphore.waiting.standby import STANDING
 from tests.conftest import forked_child_exit_code
 
 LOCKS = (type(threading.Lock()), type(threading.RLock()), threading.Condition)

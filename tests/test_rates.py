@@ -14,15 +14,7 @@ from django.contrib.auth import get_user_model
 from django.core.checks import Tags, run_checks
 from django.db import connections
 
-from django_semaphore import (
-    ReleaseOutcome,
-    acquire,
-    permit,
-    release,
-    set_capacity,
-    set_window,
-    wake,
-)
+from django_semaphore import ReleaseOutcome, acquire, permit, release, set_capacity, set_window
 from django_semaphore.declared import create_declared_semaphores
 from django_semaphore.exceptions import (
     AcquireTimeout,
@@ -31,6 +23,7 @@ from django_semaphore.exceptions import (
     UnsafeWrite,
 )
 from django_semaphore.models import CapacityChange, ParkedTask, Permit, PermitRequest, Semaphore
+from django_semaphore.parking import wake
 from django_semaphore.validation import parse_rate
 from tests import tasks, views
 from tests.children import Outbox

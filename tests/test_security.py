@@ -186,7 +186,7 @@ def test_holds_permit_has_no_way_to_take_a_key_from_a_request():
     """The decorator's only knobs are set in code, none per request."""
     import inspect
 
-    from django_semaphore.decorators import holds_permit
+    from django_semaphore.integrations.decorators import holds_permit
 
     parameters = set(inspect.signature(holds_permit).parameters)
     assert parameters == {"names", "count", "ttl", "timeout", "retry_after", "fair", "park", "view"}

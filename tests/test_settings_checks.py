@@ -153,4 +153,4 @@ def test_the_default_refused_view_is_not_imported_by_the_check(settings, monkeyp
 
     assert checks.check_settings() == []
     assert imported == []
-    assert DEFAULTS["REFUSED_VIEW"] == "django_semaphore.views.permit_refused"
+    assert DEFAULTS["REFUSED_VIEW"] == "django_semaphore.integrations.views.permit_refused"

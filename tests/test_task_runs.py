@@ -21,10 +21,10 @@ from django_semaphore.exceptions import (
     SemaphoreExhausted,
     SemaphoreNotFound,
 )
+from django_semaphore.integrations.celery_tasks import _park_task, _parks_for, _retry, _take_over
+from django_semaphore.integrations.options import Options
 from django_semaphore.models import PermitRequest
 from django_semaphore.owners import NO_PROCESS, TaskOwner
-from django_semaphore.runs import Options
-from django_semaphore.task_runs import _park_task, _parks_for, _retry, _take_over
 from tests.conftest import unique
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -20,8 +20,10 @@ from typing import Any
 
 import pytest
 
-from django_semaphore import acquire, parking, release, standby, wake
+from django_semaphore import acquire, parking, release
 from django_semaphore.models import ParkedDemand, PermitRequest, Semaphore, Ticket
+from django_semaphore.parking import wake
+from django_semaphore.waiting import standby
 from tests import tasks
 from tests.test_fair import Waiter, wait_for_tickets
 from tests.test_parked import (

@@ -17,8 +17,9 @@ import pytest
 from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 
-from django_semaphore import acquire, release, waiters, waiting
+from django_semaphore import acquire, release, waiting
 from django_semaphore.exceptions import AcquireTimeout
+from django_semaphore.waiting import waiters
 from tests.children import SPAWN, Outbox, join, spawn
 from tests.waiting_clients import SLOW, cycle, wait_slowly
 

@@ -8,8 +8,9 @@ from typing import Any
 
 from django.db import connections
 
-from django_semaphore import acquire, listening, release, waiters, waiting
+from django_semaphore import acquire, release, waiting
 from django_semaphore.exceptions import AcquireTimeout
+from django_semaphore.waiting import listening, waiters
 from tests.children import Outbox
 
 # Probes and attempts so slow that only a wake-up can grant within a test.

@@ -14,7 +14,7 @@ from celery.signals import task_prerun
 
 from benchmarks.faults.history import Recorder
 from django_semaphore import holds_permit
-from django_semaphore.task_runs import TASK_KEY_ATTRIBUTE
+from django_semaphore.integrations.celery_tasks import TASK_KEY_ATTRIBUTE
 
 NAMES = ["hot-3", *[f"spread-{i:02d}" for i in range(6)]]
 _recorder: Recorder | None = None

@@ -23,7 +23,7 @@ from django.utils.text import capfirst
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
-from django_semaphore import parking, routing
+from django_semaphore import conf, parking, routing
 from django_semaphore.admin.base import OperatorAdmin
 from django_semaphore.admin.chart import describe, render_svg
 from django_semaphore.admin.display import (
@@ -36,7 +36,6 @@ from django_semaphore.admin.display import (
 from django_semaphore.admin.usage import UsageFilter, annotated, with_changelist_columns
 from django_semaphore.api import set_capacity, set_window
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.engine import families
 from django_semaphore.managers import SemaphoreQuerySet
 from django_semaphore.models import (
     CapacityChange,
@@ -64,7 +63,7 @@ class FamilyFilter(admin.SimpleListFilter):
     parameter_name = "family"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
-        return [(family.pattern, family.pattern) for family in families.families()]
+        return [(family.pattern, family.pattern) for family in conf.families()]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         if self.value() is None:
@@ -150,7 +149,7 @@ class SemaphoreAdmin(OperatorAdmin):
         settings = ["name", "capacity", "window", "fair"]
         if self.has_change_permission(request, obj):
             settings.append("reason")
-        if obj.family or families.is_family_default(obj.name):
+        if obj.family or conf.is_family_default(obj.name):
             settings.append("family_role")
         return [
             (None, {"fields": settings}),
@@ -188,7 +187,7 @@ class SemaphoreAdmin(OperatorAdmin):
     @admin.display(description=_("family"))
     def family_role(self, obj: Semaphore) -> SafeString | str:
         """What a capacity change here does: to a family's default, or to one member."""
-        if families.is_family_default(obj.name):
+        if conf.is_family_default(obj.name):
             return format_html(
                 '{} <a href="{}">{}</a>',
                 gettext(

@@ -40,7 +40,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from fnmatch import fnmatchcase
 from typing import Any
 
 from django.db import transaction
@@ -48,46 +47,15 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.conf import app_settings
+from django_semaphore.conf import Family, app_settings, families, family_of
 from django_semaphore.exceptions import FamilyFull, InvalidRequest, SemaphoreNotFound
 from django_semaphore.guards import engine_writes
 from django_semaphore.managers import SemaphoreQuerySet
 from django_semaphore.models import CapacityChange, Semaphore
 from django_semaphore.models.semaphore import close_every_slot
-from django_semaphore.validation import is_pattern, validate_declared
+from django_semaphore.validation import is_pattern
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-@dataclass(frozen=True)
-class Family:
-    """A pattern declared in ``SEMAPHORES``, as settings give it."""
-
-    pattern: str
-    # The template's first capacity and window; the row's rules once it exists.
-    capacity: int
-    window: int | None
-    max_members: int | None
-
-
-def families() -> list[Family]:
-    """The declared families, in settings order (the order names are matched in)."""
-    families = []
-    for pattern, value in app_settings.SEMAPHORES.items():
-        if is_pattern(pattern):
-            declared = validate_declared(pattern, value)
-            families.append(
-                Family(pattern, declared.capacity, declared.window, declared.max_members)
-            )
-    return families
-
-
-def family_of(name: str) -> Family | None:
-    """The family whose pattern matches ``name`` first; ``None`` if none does."""
-    for family in families():
-        if name != family.pattern and fnmatchcase(name, family.pattern):
-            return family
-    return None
 
 
 def refuse_patterns(names: Iterable[str]) -> None:
@@ -210,11 +178,6 @@ def _microseconds(moment: datetime) -> int:
     if moment.tzinfo is None:  # USE_TZ off: the database's local time, taken as UTC
         moment = moment.replace(tzinfo=UTC)
     return (moment - EPOCH) // timedelta(microseconds=1)
-
-
-def is_family_default(name: str) -> bool:
-    """Whether ``name`` is a declared family's pattern (its template row)."""
-    return is_pattern(name) and name in app_settings.SEMAPHORES
 
 
 def follow_default(alias: str, pattern: str, changed_by_id: Any, reason: str) -> int:

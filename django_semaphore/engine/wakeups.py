@@ -13,7 +13,7 @@ cap never keep tenant B's from the shared ``exports``.
 The wake-up's decision is the engine's, as a grant's is: it locks the
 semaphore rows in the one lock order and keeps the room it hands out
 (``woken_at``) until the woken task's run claims it. Publishing their
-messages is the caller's (``wake.py``), once this commits.
+messages is the caller's (``parking/wake.py``), once this commits.
 """
 
 from __future__ import annotations

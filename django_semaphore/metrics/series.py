@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from django_semaphore import conf
 from django_semaphore.conf import app_settings
-from django_semaphore.engine import families
 
 COLUMNS = (
     "name",
@@ -40,7 +40,7 @@ def event_label(name: str) -> str:
     that family is reported per member; a declared name is its own."""
     if name in app_settings.SEMAPHORES:
         return name
-    family = families.family_of(name)
+    family = conf.family_of(name)
     if family is None or family.pattern in app_settings.METRICS_PER_MEMBER:
         return name
     return family.pattern
@@ -84,7 +84,7 @@ def gauges_by_label(rows: Iterable[Mapping[str, Any]]) -> dict[str, Gauges]:
     while it has no members, and adds no capacity to it.
     """
     per_member = app_settings.METRICS_PER_MEMBER
-    patterns = {family.pattern for family in families.families()}
+    patterns = {family.pattern for family in conf.families()}
     series: dict[str, Gauges] = {}
     for row in rows:
         family = row["family"] or (row["name"] if row["name"] in patterns else "")

@@ -1,4 +1,4 @@
-"""Parked Celery tasks, and what each waits for (``parking.py``)."""
+"""Parked Celery tasks, and what each waits for (``parking``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from django_semaphore.validation import MAX_LENGTH
 
 class ParkedTask(models.Model):
     """A Celery task that found no room and waits, without a broker message,
-    until releases make room for it (``parking.py``).
+    until releases make room for it (``parking``).
 
     Holds what publishing it again exactly takes: the message's body as the
     task's serializer encoded it (name, id, args, kwargs and the options the

@@ -5,7 +5,8 @@ command and the admin run.
   them: TTL expired (``expired``), owner reported dead by a liveness checker
   (``owner_dead``), held past ``STALENESS_LIMIT`` (``stale``); completes
   half-released requests (rows edited or restored from outside); and has
-  ``counter.verify`` check every in-use counter.
+  ``counter.verify`` check every in-use counter; :func:`verify_counters`
+  only checks them.
 - :func:`clean_released` deletes requests released longer ago than
   ``RELEASED_RETENTION``, with their permits; :func:`clean_idle_members`
   deletes family members idle past ``MEMBER_IDLE_LIMIT``;
@@ -40,7 +41,7 @@ from django_semaphore.sweep.cleanups import (
     clean_released,
     clean_tickets,
 )
-from django_semaphore.sweep.orphans import release_orphans
+from django_semaphore.sweep.orphans import release_orphans, verify_counters
 from django_semaphore.sweep.parked import ParkedReport, sweep_parked
 from django_semaphore.sweep.repairs import REPAIRS, inconsistencies
 from django_semaphore.sweep.reports import CleanupReport, OrphanReport
@@ -58,4 +59,5 @@ __all__ = [
     "inconsistencies",
     "release_orphans",
     "sweep_parked",
+    "verify_counters",
 ]

@@ -6,11 +6,11 @@ check every in-use counter."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 from django.db.models import Q
 
-from django_semaphore import liveness, routing
+from django_semaphore import liveness, routing, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import counter
@@ -106,6 +106,15 @@ def release_orphans(
     if report.total or report.repairs or report.counter_drift:
         logger.info("%s", report)
     return report
+
+
+def verify_counters(names: Iterable[str] | None = None) -> list[signals.Drift]:
+    """Check every in-use counter (or those of ``names``) on every alias
+    against the permits it counts, correcting and reporting each difference
+    (``manage.py semaphore_status --verify``)."""
+    return [
+        drift for found in routing.on_each_alias(lambda: counter.verify(names)) for drift in found
+    ]
 
 
 def _release_matching(

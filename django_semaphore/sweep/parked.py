@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from django.utils import timezone
 
-from django_semaphore import routing, wake
+from django_semaphore import routing
 from django_semaphore.conf import app_settings
 from django_semaphore.models import ParkedDemand, ParkedTask
+from django_semaphore.parking import wake
 
 logger = logging.getLogger("django_semaphore")
 

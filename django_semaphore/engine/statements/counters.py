@@ -1,18 +1,13 @@
-"""The waiters' read of the counters: what is free, what was granted and
-what waits ahead, by one plain read (no lock, no transaction), for deciding
-when to attempt."""
+"""The SQL of the waiters' probe (``engine/probes.py``): what is free, what
+was granted and what waits ahead, by one plain read (no lock, no
+transaction)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
-from django.db import Error
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_semaphore import backends
 from django_semaphore.backends import StatementNow
-from django_semaphore.engine.statements import SQL, built, placeholders
+from django_semaphore.engine.statements import SQL
 from django_semaphore.models import Ticket
 
 
@@ -60,64 +55,3 @@ class CounterStatements(SQL):
             f" JOIN {self.counter} c ON c.{q('semaphore_id')} = s.{q('id')}"
             f" WHERE s.{q('id')} IN ({{ids}})"
         )
-
-
-def room_for(connection: BaseDatabaseWrapper, wanted: Sequence[tuple[int, int, int]]) -> bool:
-    """Whether every (semaphore id, count, capacity) fits now, beside what
-    fair waiters ask for there, by one plain read of the counters: no lock,
-    no transaction, for waiters deciding when to attempt (the attempt
-    decides; a read that failed answers yes, and the attempt, with its
-    retries, tells what went wrong)."""
-    try:
-        now = counters(connection, [id for id, _, _ in wanted])
-    except Error:
-        return True
-    return all(
-        id not in now or now[id].in_use + now[id].ahead + count <= capacity
-        for id, count, capacity in wanted
-    )
-
-
-@dataclass
-class Counters:
-    """A semaphore's counters, as a plain read found them."""
-
-    capacity: int
-    in_use: int  # the permits held; on a rate limit, granted in the window
-    grants: int  # the fencing counter: grants made so far
-    ahead: int  # permits asked for by the live tickets that hold the key back
-    # On a rate limit: seconds until its next slot ends (None: none is open,
-    # or a concurrency limit, which its holders' releases free).
-    next_slot_in: float | None = None
-
-    @property
-    def free(self) -> int:
-        return self.capacity - self.in_use
-
-
-def counters(
-    connection: BaseDatabaseWrapper, semaphore_ids: Sequence[int], key: str = ""
-) -> dict[int, Counters]:
-    """These semaphores' counters, by one plain read (no lock, no
-    transaction): for waiters deciding when to attempt. ``key``: the waiter
-    whose tickets' place says which tickets are ahead (every live one when
-    it has none)."""
-    sql = built(CounterStatements, connection)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            sql.counters_sql.format(ids=placeholders(len(semaphore_ids))),
-            [True, key, key, *semaphore_ids],
-        )
-        rows = cursor.fetchall()
-    found = {}
-    for id, capacity, grants, counted, folded, released, ahead, *slots in rows:
-        in_use = max(int(counted) + int(folded) - int(released), 0)
-        window, open_, ended, next_ends, now = slots
-        next_slot_in = None
-        if window is not None:
-            in_use = max(int(open_) - int(ended or 0), 0)
-            if next_ends is not None:
-                at, now = (backends.datetime_from_db(connection, t) for t in (next_ends, now))
-                next_slot_in = max((at - now).total_seconds(), 0.0)
-        found[int(id)] = Counters(int(capacity), in_use, int(grants), int(ahead or 0), next_slot_in)
-    return found

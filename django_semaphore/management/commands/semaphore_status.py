@@ -1,7 +1,7 @@
 """``manage.py semaphore_status``: every semaphore's capacity, use, holders,
 waiters and parked tasks, then the queue of each semaphore that fair waiters wait on.
 ``--verify`` first checks every in-use counter against the permits it counts
-(``counter.verify``), corrects any difference and reports it."""
+(``sweep.verify_counters``), corrects any difference and reports it."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import QuerySet
 
-from django_semaphore import parking, routing
+from django_semaphore import parking, routing, sweep
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.engine import counter
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.models import Semaphore, Ticket
 from django_semaphore.validation import format_limit, validate_keys
@@ -91,11 +90,7 @@ class Command(BaseCommand):
             self._queue(semaphore)
 
     def _verify(self, names: list[str] | None) -> None:
-        drifts = [
-            drift
-            for found in routing.on_each_alias(lambda: counter.verify(names))
-            for drift in found
-        ]
+        drifts = sweep.verify_counters(names)
         for drift in drifts:
             self.stderr.write(self.style.ERROR(f"Corrected in-use counter drift: {drift}."))
         if not drifts:

@@ -1,6 +1,6 @@
 """What the doors of ``@holds_permit`` share: a decorator's options.
 
-It sits below ``decorators``, ``view_runs`` and ``task_runs``, so that the two
+It sits below ``decorators``, ``views`` and ``celery_tasks``, so that the two
 doors need not import each other.
 """
 
@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 from django_semaphore.conf import app_settings
-from django_semaphore.leases import DefaultLease, lease_seconds
+from django_semaphore.integrations.leases import DefaultLease, lease_seconds
 
 
 @dataclass(frozen=True)

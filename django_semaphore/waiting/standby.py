@@ -19,8 +19,8 @@ from contextlib import contextmanager
 from django.db import connections
 
 from django_semaphore import process, routing
-from django_semaphore.engine.families import family_of
-from django_semaphore.engine.statements.counters import room_for
+from django_semaphore.conf import family_of
+from django_semaphore.engine.probes import room_for
 from django_semaphore.exceptions import LiveDuplicate, SemaphoreExhausted
 from django_semaphore.models import ParkedDemand, ParkedTask, Semaphore
 

@@ -12,7 +12,7 @@ from asgiref.sync import sync_to_async
 
 from django_semaphore import api
 from django_semaphore.exceptions import PermitLost, PermitNotEntered
-from django_semaphore.leases import LEASE, DefaultLease, Lease, hold, lease_seconds
+from django_semaphore.integrations.leases import LEASE, DefaultLease, Lease, hold, lease_seconds
 from django_semaphore.owners import caller_owner
 from django_semaphore.validation import validate_flag, validate_key
 
@@ -150,7 +150,7 @@ def permit(
         fair: wait in line, first come first served.
 
     Returns:
-        A [`HeldPermit`][django_semaphore.context.HeldPermit], entered by ``with``.
+        A [`HeldPermit`][django_semaphore.integrations.context.HeldPermit], entered by ``with``.
 
     Raises:
         PermitLost: on exit, when the permit was lost while the block ran.

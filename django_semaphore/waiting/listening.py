@@ -19,7 +19,7 @@ from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import process
-from django_semaphore.waiters import WAITERS
+from django_semaphore.waiting.waiters import WAITERS
 
 logger = logging.getLogger("django_semaphore")
 

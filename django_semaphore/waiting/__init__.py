@@ -65,12 +65,12 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import process
 from django_semaphore.engine.fairness import Place
-from django_semaphore.engine.statements.counters import Counters, counters
+from django_semaphore.engine.probes import Counters, counters
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
-from django_semaphore.listening import LISTENER, notifies, notify
 from django_semaphore.models import PermitRequest
-from django_semaphore.standby import held, learned_holds
-from django_semaphore.waiters import WAITERS, Waiter
+from django_semaphore.waiting.listening import LISTENER, notifies, notify
+from django_semaphore.waiting.standby import held, learned_holds
+from django_semaphore.waiting.waiters import WAITERS, Waiter
 
 # Seconds. A ticketed poller probes PROBES_PER_HOLD times a hold it learned,
 # within PROBE_BOUNDS (every PROBE_EVERY while it knows none; one without a

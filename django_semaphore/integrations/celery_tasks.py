@@ -35,7 +35,7 @@ from django.db import Error, connections
 from django.db.models import F, QuerySet
 from django.db.models.functions import Greatest
 
-from django_semaphore import api, liveness, parking, routing, standby
+from django_semaphore import api, liveness, parking, routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import (
     DatabaseUnavailable,
@@ -48,12 +48,13 @@ from django_semaphore.exceptions import (
     SemaphoreExhausted,
     TaskAlreadyRan,
 )
-from django_semaphore.leases import HEARTBEAT, Lease
+from django_semaphore.integrations.leases import HEARTBEAT, Lease
+from django_semaphore.integrations.options import Options
 from django_semaphore.models import PermitRequest
 from django_semaphore.owners import NO_PROCESS, TaskOwner
 from django_semaphore.retry import run_with_retries
-from django_semaphore.runs import Options
 from django_semaphore.states import State
+from django_semaphore.waiting import standby
 
 logger = logging.getLogger("django_semaphore")
 

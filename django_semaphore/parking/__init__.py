@@ -78,11 +78,12 @@ from django.db.models import (
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from django_semaphore import backends, routing, signals, wake
+from django_semaphore import backends, routing, signals
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import wakeups
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Semaphore
+from django_semaphore.parking import wake
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import ReleaseReason
 from django_semaphore.validation import validate_keys

@@ -2,8 +2,8 @@
 functions. The decorated body never runs without its permit: when none can be
 had, a view answers 429/503, a task waits (parked), a function raises.
 
-This module picks the door: a view's permit is held by ``view_runs``, a task
-run's by ``task_runs``, a plain function's by ``permit()`` here. Whether a
+This module picks the door: a view's permit is held by ``views``, a task
+run's by ``celery_tasks``, a plain function's by ``permit()`` here. Whether a
 function is a view is decided once, when it is decorated.
 """
 
@@ -18,12 +18,13 @@ from typing import Any, TypeVar, cast
 
 from django.db import connections
 
-from django_semaphore.context import permit
 from django_semaphore.exceptions import InvalidRequest
-from django_semaphore.leases import LEASE, DefaultLease
+from django_semaphore.integrations.celery_tasks import run_task
+from django_semaphore.integrations.context import permit
+from django_semaphore.integrations.leases import LEASE, DefaultLease
+from django_semaphore.integrations.options import Options
+from django_semaphore.integrations.views import run_async_view, run_view
 from django_semaphore.owners import process_owner
-from django_semaphore.runs import Options
-from django_semaphore.task_runs import run_task
 from django_semaphore.validation import (
     MAX_COUNT,
     MAX_TTL,
@@ -33,7 +34,6 @@ from django_semaphore.validation import (
     validate_timeout,
     validate_ttl,
 )
-from django_semaphore.view_runs import run_async_view, run_view
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -136,7 +136,7 @@ def holds_permit(
         if view is not False:
             # Django's handler must not open ATOMIC_REQUESTS' transaction
             # around the wrapper: the permit is committed first, then
-            # view_runs opens the same transaction around the view itself.
+            # views opens the same transaction around the view itself.
             # Set even when this function looks like no view: method_decorator
             # copies the attribute from a decorated (*args, **kwargs) dummy.
             wrapper._non_atomic_requests = set(connections)  # type: ignore[attr-defined]

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from asgiref.sync import sync_to_async
 from django.db import connections, transaction
-from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 
 from django_semaphore import api
 from django_semaphore.conf import app_settings
@@ -31,10 +31,10 @@ from django_semaphore.exceptions import (
     PermitRefused,
     SemaphoreExhausted,
 )
-from django_semaphore.leases import Lease, hold
+from django_semaphore.integrations.leases import Lease, hold
+from django_semaphore.integrations.options import Options
 from django_semaphore.models import PermitRequest
 from django_semaphore.owners import process_owner
-from django_semaphore.runs import Options
 from django_semaphore.validation import MAX_LENGTH
 
 logger = logging.getLogger("django_semaphore")
@@ -205,3 +205,15 @@ async def _aclosing(
             yield chunk
     finally:
         await sync_to_async(release)()
+
+
+def permit_refused(request: HttpRequest, exception: PermitRefused) -> HttpResponse:
+    """The default answer to a refused request (``DJANGO_SEMAPHORE["REFUSED_VIEW"]``):
+    empty, with the refusal's status and ``Retry-After``.
+
+    A project renders its own page by naming another view, with the same
+    arguments, in ``DJANGO_SEMAPHORE["REFUSED_VIEW"]``.
+    """
+    return HttpResponse(
+        status=exception.status, headers={"Retry-After": str(exception.retry_after)}
+    )
