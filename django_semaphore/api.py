@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -127,9 +127,9 @@ def acquire(
     _refuse_outer_transaction(connection)
 
     deadline = time.monotonic() + wait
-    place = fairness.Place(key, owner, demand, fair=fair, deadline=deadline if wait else None)
+    ask = fairness.Ask(key, owner, demand, fair=fair, deadline=deadline if wait else None)
 
-    def attempt() -> PermitRequest:
+    def attempt(ask: fairness.Ask, standing: fairness.Standing) -> PermitRequest | fairness.Refusal:
         lock_wait = app_settings.LOCK_WAIT_TIMEOUT
         if wait:
             # A waiter never sits in a lock queue past its own deadline.
@@ -137,27 +137,20 @@ def acquire(
         return run_with_retries(
             connection,
             functools.partial(
-                grant.acquire_once,
-                connection,
-                demand,
-                key,
-                owner,
-                ttl_seconds,
-                lock_wait,
-                place,
+                grant.acquire_once, connection, ask, standing, ttl_seconds, lock_wait
             ),
         )
 
     with _finish_signalled(connection, demand):
-        request = _acquire_or_wait(connection, attempt, place, wait, deadline)
+        request = _acquire_or_wait(connection, attempt, ask, wait, deadline)
     waiting.granted(connection.alias, key, demand.names)
     return request
 
 
 def _acquire_or_wait(
     connection: BaseDatabaseWrapper,
-    attempt: Callable[[], PermitRequest],
-    place: fairness.Place,
+    attempt: waiting.Attempt,
+    ask: fairness.Ask,
     wait: float,
     deadline: float,
 ) -> PermitRequest:
@@ -165,21 +158,18 @@ def _acquire_or_wait(
     newcomer that would pass this process's own waiters on its semaphores
     queues behind them instead (a fair one takes its ticket first: tickets
     keep the order)."""
-    demand = place.demand
-    if wait and not place.fair and waiting.queued_here(connection.alias, demand.names):
-        refused = SemaphoreExhausted(demand.names, "Waiting behind this process's waiters")
+    names = ask.demand.names
+    standing = fairness.Standing()
+    if wait and not ask.fair and waiting.queued_here(connection.alias, names):
+        refused = SemaphoreExhausted(names, "Waiting behind this process's waiters")
     else:
-        try:
-            return attempt()
-        except SemaphoreExhausted as exc:
-            if not wait:
-                raise
-            refused = exc
-    try:
-        return waiting.wait_for_room(connection, attempt, place, wait, deadline, refused)
-    except BaseException:
-        place.leave(connection.alias)
-        raise
+        outcome = attempt(ask, standing)
+        if not isinstance(outcome, fairness.Refusal):
+            return outcome
+        if not wait:
+            raise outcome.error
+        refused, standing = outcome.error, outcome.standing
+    return waiting.wait_for_room(connection, attempt, ask, standing, wait, deadline, refused)
 
 
 @contextmanager

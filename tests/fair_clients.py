@@ -43,17 +43,20 @@ def record_tickets(history: Outbox) -> None:
     hold back there (None while it does not), the permits it asks there);
     and each grant's usage, the general grant's and the one-trip grant's:
     (None, semaphore id, fencing token, permits in use once granted, None)."""
-    take = fairness._insert_tickets
+    admit = fairness.admit
     count_grant = Statements.count_grant
     grant_in_one_trip = OneTripStatements.grant
 
     from django_semaphore.models import Semaphore, Ticket
 
-    def recording(connection, locked, place, now, expires_at, lock_wait, short) -> None:
-        take(connection, locked, place, now, expires_at, lock_wait, short)
+    def recording(connection, cursor, locked, now, lock_wait, ask, standing):
+        names, after = admit(connection, cursor, locked, now, lock_wait, ask, standing)
+        took = after.ticketed and (not standing.ticketed or after.held != standing.held)
+        if not took:
+            return names, after
         ids = dict(
             Ticket.objects.using(connection.alias)
-            .filter(external_id=place.key)
+            .filter(external_id=ask.key)
             .values_list("semaphore_id", "id")
         )
         # The counter was read under the row lock this ticket is marked under:
@@ -61,16 +64,17 @@ def record_tickets(history: Outbox) -> None:
         rows = [
             (
                 "ticket",
-                place.key,
+                ask.key,
                 s.id,
                 ids[s.id],
-                s.fencing_counter if s.id in short else None,
-                place.demand.counts[s.name],
+                s.fencing_counter if s.id in after.held else None,
+                ask.demand.counts[s.name],
             )
             for s in locked
-            if (s.id in short and s.id not in place.held) or not place.ticketed
+            if s.id in after.held - standing.held or not standing.ticketed
         ]
         transaction.on_commit(lambda: [history.put(row) for row in rows], using=connection.alias)
+        return names, after
 
     def counting(self, cursor, locked, added, now) -> None:
         count_grant(self, cursor, locked, added, now)
@@ -94,7 +98,7 @@ def record_tickets(history: Outbox) -> None:
                 history.put(("usage", None, ids[name], token, granted.in_use[name], None))
         return granted
 
-    fairness._insert_tickets = recording  # type: ignore[assignment]
+    fairness.admit = recording  # type: ignore[assignment]
     Statements.count_grant = counting  # type: ignore[method-assign]
     OneTripStatements.grant = granting  # type: ignore[method-assign]
 

@@ -15,7 +15,7 @@ from django_semaphore import process
 from django_semaphore.engine import prelock
 from django_semaphore.parking.wake import SCHEDULED
 from django_semaphore.waiting import SEEN
-from django_semaphore.waiting.standby import STANDING
+from django_semaphore.waiting.standby import STANDBYS
 from tests.conftest import forked_child_exit_code
 
 LOCKS = (type(threading.Lock()), type(threading.RLock()), threading.Condition)
@@ -47,7 +47,7 @@ def test_a_forked_child_renews_every_state_another_thread_held(settings):
         "Prelocks",
         "Scheduled",
         "Seen",
-        "Standing",
+        "Standbys",
         "Waiters",
     }
     held, done = threading.Event(), threading.Event()
@@ -62,7 +62,7 @@ def test_a_forked_child_renews_every_state_another_thread_held(settings):
             done.wait(10)
 
     SEEN.grants["forked"] = ("default", ["forked"], 0.0)
-    STANDING.names["forked"] += 1
+    STANDBYS.names["forked"] += 1
     SCHEDULED.due[("default", 0)] = 0.0
     thread = threading.Thread(daemon=True, target=hold_everything)
     thread.start()
@@ -82,5 +82,5 @@ def test_a_forked_child_renews_every_state_another_thread_held(settings):
         done.set()
         thread.join(10)
         SEEN.grants.pop("forked", None)
-        STANDING.names.subtract(["forked"])
+        STANDBYS.names.subtract(["forked"])
         SCHEDULED.due.pop(("default", 0), None)

@@ -48,17 +48,18 @@ import itertools
 import time
 from collections.abc import Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
 from django_semaphore import backends
 from django_semaphore.engine.statements.rows import LockedSemaphore
 from django_semaphore.engine.statements.tickets import ticket_statements
+from django_semaphore.exceptions import SemaphoreExhausted
 from django_semaphore.models import Ticket
 from django_semaphore.validation import Demand
 
@@ -68,107 +69,108 @@ MAX_TICKET_LIFE = timedelta(days=365)
 _sequence = itertools.count(1)
 
 
-@dataclass
-class Place:
-    """One acquire call's standing in the queues of its semaphores."""
+@dataclass(frozen=True)
+class Ask:
+    """One acquire call, as the engine is asked it."""
 
     key: str
     owner: str
     demand: Demand
     fair: bool  # the call asked for fair mode
     deadline: float | None  # monotonic; None: fails fast, never takes a ticket
-    ticketed: bool = False  # a committed attempt took tickets
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Where a call stands in its semaphores' lines, as its last attempt left
+    it: the engine returns it with a refusal and is handed it back with the
+    next attempt. A refusal is answered once its transaction committed, so
+    the tickets it reports are taken."""
+
+    ticketed: bool = False  # an attempt took tickets
     # Ids of the semaphores where its tickets lacked room (and hold back others).
-    held: set[int] = field(default_factory=set)
+    held: frozenset[int] = frozenset()
     ahead: int = 0  # capacities' worth of older tickets seen; 0: next in line
-    # This process's order of waiters in a line. A ticket's is assigned when
-    # its transaction commits, still under the in-process pre-lock, so in a
-    # line of ticketed waiters (one demand) it follows their tickets' order.
+    # This process's order of waiters in a line. A ticket's is taken in its
+    # transaction, under the in-process pre-lock, so in a line of ticketed
+    # waiters (one demand) it follows their tickets' order.
     seq: int = 0
     # (id, name, capacity) of each semaphore, as the last attempt locked them.
-    semaphores: list[tuple[int, str, int]] = field(default_factory=list)
+    semaphores: tuple[tuple[int, str, int], ...] = ()
 
-    def admit(
-        self,
-        connection: BaseDatabaseWrapper,
-        cursor: CursorWrapper,
-        locked: Sequence[LockedSemaphore],
-        now: datetime,
-        lock_wait: float,
-    ) -> list[str]:
-        """Under the row locks: the names that keep this call waiting (empty:
-        grant it). When it has to wait, takes this call's tickets, or marks
-        those where it newly lacks room."""
-        live = [s for s in locked if _after(connection, s.queued_until, now)]
-        ahead = _older_tickets(connection, cursor, live, self.key, now, lock_wait) if live else {}
-        # What the older tickets that lacked room ask for stays theirs: this
-        # call lacks room where it does not fit beside them.
-        reserved = {id: permits for id, (_, permits) in ahead.items()}
-        short = {
-            s.id
+
+@dataclass(frozen=True)
+class Refusal:
+    """No room: why (what a caller that does not wait raises), and where the
+    call stands in its semaphores' lines now."""
+
+    error: SemaphoreExhausted
+    standing: Standing
+
+
+def admit(
+    connection: BaseDatabaseWrapper,
+    cursor: CursorWrapper,
+    locked: Sequence[LockedSemaphore],
+    now: datetime,
+    lock_wait: float,
+    ask: Ask,
+    standing: Standing,
+) -> tuple[list[str], Standing]:
+    """Under the row locks: the names that keep this call waiting (empty:
+    grant it), and where it stands now. When it has to wait, takes this
+    call's tickets, or marks those where it newly lacks room."""
+    live = [s for s in locked if _after(connection, s.queued_until, now)]
+    ahead = _older_tickets(connection, cursor, live, ask.key, now, lock_wait) if live else {}
+    # What the older tickets that lacked room ask for stays theirs: this
+    # call lacks room where it does not fit beside them.
+    reserved = {id: permits for id, (_, permits) in ahead.items()}
+    short = {
+        s.id
+        for s in locked
+        if s.in_use + ask.demand.counts[s.name] + reserved.get(s.id, 0) > s.capacity
+    }
+    # How many permit grants must come before this waiter's, in units of
+    # its semaphores' capacity: 0 when it is next in line.
+    standing = replace(
+        standing,
+        ahead=max(
+            (reserved.get(s.id, 0) + ask.demand.counts[s.name] - 1) // max(s.capacity, 1)
             for s in locked
-            if s.in_use + self.demand.counts[s.name] + reserved.get(s.id, 0) > s.capacity
-        }
-        # How many permit grants must come before this waiter's, in units of
-        # its semaphores' capacity: 0 when it is next in line.
-        self.ahead = max(
-            (reserved.get(s.id, 0) + self.demand.counts[s.name] - 1) // max(s.capacity, 1)
-            for s in locked
-        )
-        self.semaphores = [(s.id, s.name, s.capacity) for s in locked]
-        if not short:
-            # This key's tickets, this call's or an earlier call's with the
-            # same key (a retry): granted, they must stop blocking others.
-            if self.ticketed or (live and self._queues(locked)):
-                _delete_tickets(connection, cursor, [s.id for s in locked], self.key, lock_wait)
-            return []
-        if (
-            self.deadline is not None
-            and self._queues(locked)
-            and not (self.ticketed and short <= self.held)
-        ):
-            self._queue(connection, locked, short, now, self.deadline, lock_wait)
-        elif self.seq == 0:
-            self.seq = next(_sequence)
-        return sorted(s.name for s in locked if s.id in short)
-
-    def _queues(self, locked: Sequence[LockedSemaphore]) -> bool:
-        """Whether this call takes a ticket when it has to wait."""
-        return self.fair or any(s.fair for s in locked)
-
-    def _queue(
-        self,
-        connection: BaseDatabaseWrapper,
-        locked: Sequence[LockedSemaphore],
-        short: set[int],
-        now: datetime,
-        deadline: float,
-        lock_wait: float,
-    ) -> None:
-        life = timedelta(seconds=max(deadline - time.monotonic(), 0))
+        ),
+        semaphores=tuple((s.id, s.name, s.capacity) for s in locked),
+    )
+    queues = ask.fair or any(s.fair for s in locked)
+    if not short:
+        # This key's tickets, this call's or an earlier call's with the
+        # same key (a retry): granted, they must stop blocking others.
+        if standing.ticketed or (live and queues):
+            _delete_tickets(connection, cursor, [s.id for s in locked], ask.key, lock_wait)
+        return [], standing
+    if ask.deadline is not None and queues and not (standing.ticketed and short <= standing.held):
+        life = timedelta(seconds=max(ask.deadline - time.monotonic(), 0))
         expires_at = now + min(life, MAX_TICKET_LIFE)
-        _insert_tickets(connection, locked, self, now, expires_at, lock_wait, short)
-        # Known once committed: a rolled-back attempt took nothing.
-        transaction.on_commit(lambda: self._ticket_committed(short), using=connection.alias)
+        _insert_tickets(connection, locked, ask, now, expires_at, lock_wait, short)
+        standing = replace(
+            standing,
+            ticketed=True,
+            held=standing.held | short,
+            seq=standing.seq if standing.ticketed else next(_sequence),
+        )
+    elif standing.seq == 0:
+        standing = replace(standing, seq=next(_sequence))
+    return sorted(s.name for s in locked if s.id in short), standing
 
-    def _ticket_committed(self, short: set[int]) -> None:
-        self.held |= short
-        if not self.ticketed:
-            self.ticketed = True
-            self.seq = next(_sequence)
 
-    def leave(self, alias: str) -> None:
-        """Delete this call's tickets after it gave up; best effort (they
-        expire at its deadline anyway)."""
-        if not self.ticketed:
-            return
-
-        with suppress(DatabaseError):
-            Ticket.objects.using(alias).filter(
-                semaphore__name__in=self.demand.names, external_id=self.key
-            ).delete()
-        self.ticketed = False
-        self.held = set()
+def leave(alias: str, ask: Ask, standing: Standing) -> None:
+    """Delete a call's tickets after it gave up; best effort (they expire at
+    its deadline anyway)."""
+    if not standing.ticketed:
+        return
+    with suppress(DatabaseError):
+        Ticket.objects.using(alias).filter(
+            semaphore__name__in=ask.demand.names, external_id=ask.key
+        ).delete()
 
 
 # --- the statements, inside the grant transaction ------------------------------
@@ -192,7 +194,7 @@ def _older_tickets(
 def _insert_tickets(
     connection: BaseDatabaseWrapper,
     locked: Sequence[LockedSemaphore],
-    place: Place,
+    ask: Ask,
     now: datetime,
     expires_at: datetime,
     lock_wait: float,
@@ -205,9 +207,9 @@ def _insert_tickets(
     with connection.cursor() as cursor:
         ticket_statements(connection).take(
             cursor,
-            place.key,
-            place.owner,
-            {s.id: place.demand.counts[s.name] for s in locked},
+            ask.key,
+            ask.owner,
+            {s.id: ask.demand.counts[s.name] for s in locked},
             now,
             expires_at,
             short,

@@ -78,32 +78,31 @@ REQUEST_COLUMNS = [
 
 def acquire_once(
     connection: BaseDatabaseWrapper,
-    demand: Demand,
-    key: str,
-    owner: str,
+    ask: fairness.Ask,
+    standing: fairness.Standing,
     ttl: int | None,
     lock_wait: float,
-    place: fairness.Place,
     creations: int = 0,
-) -> PermitRequest:
+) -> PermitRequest | fairness.Refusal:
     """One attempt at the grant; a repeated call is answered with its request.
 
-    Raises ``SemaphoreExhausted`` when there is no room (the caller may wait
-    and call again) and any database error as it came (the caller retries).
-    Missing names that a family matches are created (``families``), and the
-    grant is attempted again.
+    Returns a ``fairness.Refusal`` when there is no room (the caller may wait and
+    call again with its standing). Raises any database error as it came (the
+    caller retries). Missing names that a family matches are created
+    (``families``), and the grant is attempted again.
     """
+    demand, key = ask.demand, ask.key
     # No look-up of the key before the grant: the insert's unique index tells
     # whether the key is taken (or, when there is no room, the read that
     # says why).
     with prelock.prelocked(demand.names):
         try:
-            outcome: PermitRequest | SemaphoreError | KeyTaken | None = grant_in_one_trip(
-                connection, demand, key, owner, ttl, lock_wait, place
+            outcome: PermitRequest | SemaphoreError | KeyTaken | fairness.Refusal | None = (
+                grant_in_one_trip(connection, ask, standing, ttl, lock_wait)
             )
             if outcome is None:
                 with _transaction(connection, demand.names, lock_wait):
-                    outcome = grant(connection, demand, key, owner, ttl, lock_wait, place)
+                    outcome = grant(connection, ask, standing, ttl, lock_wait)
         except IntegrityError:
             # The key has a request already: a repeated call, or two first
             # calls at once where the other's insert won.
@@ -111,10 +110,14 @@ def acquire_once(
             if existing is None:
                 raise
             return existing
+    if isinstance(outcome, fairness.Refusal):
+        # Returned after the commit: a reclaim of expired permits done while
+        # deciding, and the tickets taken, are kept.
+        return outcome
     if isinstance(outcome, KeyTaken):
         existing = reattach_key(connection, key, demand)
         # None: deleted by the clean-up since; the key is free again.
-        return existing or acquire_once(connection, demand, key, owner, ttl, lock_wait, place)
+        return existing or acquire_once(connection, ask, standing, ttl, lock_wait)
     if isinstance(outcome, (SemaphoreNotFound, CapacityExceeded)):
         # Decided before the key was read: a repeated call still answers with
         # its request.
@@ -126,9 +129,7 @@ def acquire_once(
         # a transaction of their own, and the next attempt locks them in the
         # usual sorted order. A name no family matches raises here.
         families.create_members(connection, outcome.names, lock_wait)
-        return acquire_once(
-            connection, demand, key, owner, ttl, lock_wait, place, creations=creations + 1
-        )
+        return acquire_once(connection, ask, standing, ttl, lock_wait, creations=creations + 1)
     if isinstance(outcome, SemaphoreError):
         # Raised only after the commit, so that a reclaim of expired permits
         # done while deciding is kept.
@@ -167,15 +168,14 @@ class KeyTaken:
 
 def grant(
     connection: BaseDatabaseWrapper,
-    demand: Demand,
-    key: str,
-    owner: str,
+    ask: fairness.Ask,
+    standing: fairness.Standing,
     ttl: int | None,
     lock_wait: float,
-    place: fairness.Place,
-) -> PermitRequest | SemaphoreError | KeyTaken:
+) -> PermitRequest | SemaphoreError | KeyTaken | fairness.Refusal:
     """Inside the transaction: lock, check room, maybe reclaim, insert."""
     alias = connection.alias
+    demand, key, owner = ask.demand, ask.key, ask.owner
     sql = statements(connection)
     with connection.cursor() as cursor:
         locked = sql.lock(cursor, demand.names, lock_wait)
@@ -197,7 +197,7 @@ def grant(
         # While a fair queue is live on one of these semaphores, the queue
         # decides too (see refusal): nobody is granted past an older ticket.
         if _lacking_room(locked, demand) or any(s.queue_live for s in locked):
-            refused = refusal(connection, sql, cursor, key, locked, demand, lock_wait, place)
+            refused = refusal(connection, sql, cursor, locked, lock_wait, ask, standing)
             if refused is not None:
                 return refused
         request_id, now, expires_at = sql.insert_request(cursor, key, owner, ttl, lock_wait)
@@ -223,24 +223,23 @@ def grant(
 
 def grant_in_one_trip(
     connection: BaseDatabaseWrapper,
-    demand: Demand,
-    key: str,
-    owner: str,
+    ask: fairness.Ask,
+    standing: fairness.Standing,
     ttl: int | None,
     lock_wait: float,
-    place: fairness.Place,
 ) -> PermitRequest | None:
     """The common grant -- room on every semaphore, nobody queued -- in one
     round trip and its own transaction, where the database can
     (``statements/one_trip.py``); ``None``, nothing written, when the call
     needs the general grant: tickets of its own to delete, no room, a rate
     limit, a fair queue, a missing name."""
-    if place.ticketed or connection.in_atomic_block:
+    if standing.ticketed or connection.in_atomic_block:
         return None
     sql = one_trip_statements(connection)
     if not sql.applies():
         return None
-    granted = sql.grant(demand.counts, key, owner, ttl, lock_wait)
+    key, owner = ask.key, ask.owner
+    granted = sql.grant(ask.demand.counts, key, owner, ttl, lock_wait)
     if granted is None:
         return None
     request = _granted(
@@ -289,17 +288,17 @@ def refusal(
     connection: BaseDatabaseWrapper,
     sql: Statements,
     cursor: CursorWrapper,
-    key: str,
     locked: list[LockedSemaphore],
-    demand: Demand,
     lock_wait: float,
-    place: fairness.Place,
-) -> SemaphoreError | KeyTaken | None:
+    ask: fairness.Ask,
+    standing: fairness.Standing,
+) -> fairness.Refusal | KeyTaken | None:
     """Why this call may not insert: no room even after reclaiming expired
     permits on the semaphores that lack it, or older tickets waiting (fair
     mode takes this call's tickets then). ``None``: it may."""
+    demand = ask.demand
     ids = [s.id for s in locked]
-    usage = sql.usage(cursor, key, ids)
+    usage = sql.usage(cursor, ask.key, ids)
     if usage.key_taken:
         # A repeated call is answered with its request even when full.
         return KeyTaken()
@@ -312,12 +311,15 @@ def refusal(
     lacking = [s for s in _lacking_room(locked, demand) if s.window is None]
     if lacking and usage.expired and _reclaim_expired(connection, lacking, usage.now, lock_wait):
         sql.read_released(cursor, locked)
-    waiting_on = place.admit(connection, cursor, locked, usage.now, lock_wait)
+    waiting_on, standing = fairness.admit(
+        connection, cursor, locked, usage.now, lock_wait, ask, standing
+    )
     if not waiting_on:
         return None
-    return SemaphoreExhausted(
+    error = SemaphoreExhausted(
         waiting_on, retry_after=_next_slot_in(sql, cursor, locked, demand, usage.now)
     )
+    return fairness.Refusal(error, standing)
 
 
 def _next_slot_in(

@@ -59,12 +59,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from django.db import Error
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import process
-from django_semaphore.engine.fairness import Place
+from django_semaphore.engine.fairness import Ask, Refusal, Standing, leave
 from django_semaphore.engine.probes import Counters, counters
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.models import PermitRequest
@@ -98,11 +99,15 @@ GRANTS_KEPT = 10_000
 
 # --- an acquire's wait ---------------------------------------------------------------
 
+# One grant transaction for a call standing where it stands.
+Attempt = Callable[[Ask, Standing], PermitRequest | Refusal]
+
 
 def wait_for_room(
     connection: BaseDatabaseWrapper,
-    attempt: Callable[[], PermitRequest],
-    place: Place,
+    attempt: Attempt,
+    ask: Ask,
+    standing: Standing,
     wait: float,
     deadline: float,
     refused: SemaphoreExhausted,
@@ -114,9 +119,10 @@ def wait_for_room(
 
     Args:
         connection: the alias's connection ``attempt`` runs on.
-        attempt: one grant transaction; raises ``SemaphoreExhausted`` when
-            there is no room.
-        place: the call's standing in its semaphores' queues.
+        attempt: one grant transaction; a ``Refusal`` when there is no room.
+        ask: the call.
+        standing: where its attempt before waiting left it in its
+            semaphores' lines (its tickets are deleted if it gives up).
         wait: the call's timeout, seconds (for the error's message).
         deadline: ``time.monotonic()`` past which it gives up.
         refused: the refusal of the attempt made before waiting (or of none,
@@ -129,28 +135,33 @@ def wait_for_room(
         AcquireTimeout: ``deadline`` passed with no room.
     """
     alias = connection.alias
-    _saw_wait(alias, place.demand.names)
-    with WAITERS.queued(alias, place, refused.names) as waiter:
+    _saw_wait(alias, ask.demand.names)
+    with WAITERS.queued(alias, ask, standing, refused.names) as waiter:
         LISTENER.wanted(alias)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not WAITERS.wait_turn(waiter, remaining):
-                raise AcquireTimeout(
-                    refused.names, f"{refused} (waited {wait:g}s)", refused.retry_after
-                )
-            woken = waiter.woken.is_set() and not waiter.probe_now
-            if not woken:
-                # The last attempt may come at the deadline, never after it.
-                pause(waiter, connection, deadline)
-            waiter.woken.clear()
-            if _starving(waiter):
-                place.fair = True  # takes a ticket at this attempt: see the module's docstring
-            try:
-                return attempt()
-            except SemaphoreExhausted as exc:
-                refused = exc
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not WAITERS.wait_turn(waiter, remaining):
+                    raise AcquireTimeout(
+                        refused.names, f"{refused} (waited {wait:g}s)", refused.retry_after
+                    )
+                woken = waiter.woken.is_set() and not waiter.probe_now
+                if not woken:
+                    # The last attempt may come at the deadline, never after it.
+                    pause(waiter, connection, deadline)
+                waiter.woken.clear()
+                if _starving(waiter):
+                    # Takes a ticket at this attempt: see the module's docstring.
+                    waiter.ask = replace(waiter.ask, fair=True)
+                outcome = attempt(waiter.ask, waiter.standing)
+                if not isinstance(outcome, Refusal):
+                    return outcome
+                refused, waiter.standing = outcome.error, outcome.standing
                 waiter.passed |= woken or waiter.expected_room
-                WAITERS.refused(waiter, exc.names)
+                WAITERS.refused(waiter, refused.names)
+        except BaseException:
+            leave(alias, waiter.ask, waiter.standing)
+            raise
 
 
 def queued_here(alias: str, names: Iterable[str]) -> bool:
@@ -171,8 +182,7 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
         connection: the connection it probes on.
         deadline: ``time.monotonic()``; the pause never runs past it.
     """
-    place = waiter.place
-    hold = _learned_hold(place.demand.names)
+    hold = _learned_hold(waiter.ask.demand.names)
     now = time.monotonic()
     if waiter.expected_room:
         # Refused where its probe saw room (a newcomer took it first): a
@@ -185,7 +195,7 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
             return
     low, high = PROBE_BOUNDS
     base = min(max(hold / PROBES_PER_HOLD, low), high) if hold else PROBE_EVERY
-    if not place.ticketed:
+    if not waiter.standing.ticketed:
         # Newcomers may pass it: probing fast would mostly see room taken.
         base = min(hold, POLL_CAP) if hold else UNTICKETED_PROBE
     if hold and LISTENER.listening(waiter.alias):
@@ -199,22 +209,22 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
     waiter.expected_room = False
     # Each capacity's worth of permits queued ahead of it (as its attempt or
     # its probe last saw them) takes a round of holds at least.
-    interval = max(every, min((hold or PROBE_EVERY) * place.ahead, POLL_CAP))
+    interval = max(every, min((hold or PROBE_EVERY) * waiter.standing.ahead, POLL_CAP))
     try:
         while (now := time.monotonic()) < until:
             if waiter.woken.wait(min(interval * random.uniform(0.5, 1.0), until - now)):
                 every = base
                 if not WAITERS.notified(waiter):
                     return
-                if not place.ticketed:
+                if not waiter.standing.ticketed:
                     # Every process's poller heard it: spread their probes,
                     # the first to see the room takes it.
                     time.sleep(random.uniform(0, min(NOTIFY_SPREAD, until - now)))
-            found = _probe(connection, place)
-            if found is None or _fits(place, found):
+            found = _probe(connection, waiter)
+            if found is None or _fits(waiter, found):
                 waiter.expected_room = True
                 return
-            slot = _next_slot_in(place, found)
+            slot = _next_slot_in(waiter, found)
             if slot is not None:
                 # A rate limit it lacks room on frees a slot when its window
                 # ends, not at a release: attempt then.
@@ -227,74 +237,75 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
                 waiter.grants, waiter.changed, every = grants, now, base
             elif now > waiter.changed + window:
                 every = min(2 * every, POLL_CAP)
-            place.ahead = _rounds(place, found)
-            interval = max(every, min((hold or PROBE_EVERY) * _holds_away(place, found), POLL_CAP))
+            waiter.standing = replace(waiter.standing, ahead=_rounds(waiter, found))
+            interval = max(every, min((hold or PROBE_EVERY) * _holds_away(waiter, found), POLL_CAP))
     finally:
         waiter.every = every
 
 
-def _probe(connection: BaseDatabaseWrapper, place: Place) -> dict[int, Counters] | None:
+def _probe(connection: BaseDatabaseWrapper, waiter: Waiter) -> dict[int, Counters] | None:
     """Its semaphores' counters and the tickets ahead of it there, by one
     plain read (no lock, no transaction); None when it failed (the attempt
     tells why) or no attempt has read the semaphores yet."""
-    if not place.semaphores:
+    semaphores = waiter.standing.semaphores
+    if not semaphores:
         return None
     try:
-        return counters(connection, [id for id, _, _ in place.semaphores], place.key)
+        return counters(connection, [id for id, _, _ in semaphores], waiter.ask.key)
     except Error:
         return None
 
 
-def _fits(place: Place, found: dict[int, Counters]) -> bool:
+def _fits(waiter: Waiter, found: dict[int, Counters]) -> bool:
     """Whether an attempt would be granted as ``found`` says: room on each
     of its semaphores beside what the tickets ahead of it ask for there."""
+    counts = waiter.ask.demand.counts
     return all(
-        id not in found or found[id].ahead + place.demand.counts[name] <= found[id].free
-        for id, name, _ in place.semaphores
+        id not in found or found[id].ahead + counts[name] <= found[id].free
+        for id, name, _ in waiter.standing.semaphores
     )
 
 
-def _next_slot_in(place: Place, found: dict[int, Counters]) -> float | None:
+def _next_slot_in(waiter: Waiter, found: dict[int, Counters]) -> float | None:
     """Seconds until the next slot ends on the rate limits where it lacks
     room (``None``: it lacks room on none): no attempt succeeds before."""
     ends = []
-    for id, name, _ in place.semaphores:
+    for id, name, _ in waiter.standing.semaphores:
         counters = found.get(id)
         if counters is None or counters.next_slot_in is None:
             continue
-        if counters.ahead + place.demand.counts[name] > counters.free:
+        if counters.ahead + waiter.ask.demand.counts[name] > counters.free:
             ends.append(counters.next_slot_in)
     return max(ends, default=None)
 
 
-def _holds_away(place: Place, found: dict[int, Counters]) -> float:
+def _holds_away(waiter: Waiter, found: dict[int, Counters]) -> float:
     """Holds until enough permits were released for it and the tickets
     ahead of it, on the semaphore where that takes longest: each hold
     releases a capacity's worth."""
+    counts = waiter.ask.demand.counts
     return max(
-        (found[id].ahead + place.demand.counts[name] - found[id].free) / max(capacity, 1)
-        if id in found
-        else 0
-        for id, name, capacity in place.semaphores
+        (found[id].ahead + counts[name] - found[id].free) / max(capacity, 1) if id in found else 0
+        for id, name, capacity in waiter.standing.semaphores
     )
 
 
-def _rounds(place: Place, found: dict[int, Counters]) -> int:
+def _rounds(waiter: Waiter, found: dict[int, Counters]) -> int:
     """Capacities' worth of permits that must be granted before it: 0 when
     it is next in line."""
+    counts = waiter.ask.demand.counts
     return max(
-        (found[id].ahead + place.demand.counts[name] - 1) // max(capacity, 1) if id in found else 0
-        for id, name, capacity in place.semaphores
+        (found[id].ahead + counts[name] - 1) // max(capacity, 1) if id in found else 0
+        for id, name, capacity in waiter.standing.semaphores
     )
 
 
 def _starving(waiter: Waiter) -> bool:
     """Whether a waiter without a ticket was passed by others for longer
     than ``STARVING_HOLDS`` holds (within ``STARVING_BOUNDS``)."""
-    place = waiter.place
-    if place.fair or not waiter.passed:
+    if waiter.ask.fair or not waiter.passed:
         return False
-    hold = _learned_hold(place.demand.names)
+    hold = _learned_hold(waiter.ask.demand.names)
     low, high = STARVING_BOUNDS
     after = min(max(STARVING_HOLDS * hold, low), high) if hold else high
     return time.monotonic() - waiter.since >= after

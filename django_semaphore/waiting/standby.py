@@ -37,7 +37,7 @@ STANDBY_PROBE = (0.001, 0.02)
 _holds: dict[str, float] = {}
 
 
-class Standing(process.State):
+class Standbys(process.State):
     """The semaphores a task of this process stands by on (thread and gevent
     pools run many tasks in one process): one each, the others park."""
 
@@ -46,7 +46,7 @@ class Standing(process.State):
         self.names: Counter[str] = Counter()
 
 
-STANDING = Standing()
+STANDBYS = Standbys()
 
 
 def held(demand: Mapping[str, int], seconds: float) -> None:
@@ -134,13 +134,13 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
 def _one_standby(demand: Mapping[str, int]) -> Iterator[bool]:
     """Whether this task may stand by: no other task of this process stands
     by on one of its semaphores (one poller per process and semaphore)."""
-    with STANDING.lock:
-        free = not any(STANDING.names[name] for name in demand)
+    with STANDBYS.lock:
+        free = not any(STANDBYS.names[name] for name in demand)
         if free:
-            STANDING.names.update(demand.keys())
+            STANDBYS.names.update(demand.keys())
     try:
         yield free
     finally:
         if free:
-            with STANDING.lock:
-                STANDING.names.subtract(demand.keys())
+            with STANDBYS.lock:
+                STANDBYS.names.subtract(demand.keys())

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from django_semaphore import process
-from django_semaphore.engine.fairness import Place
+from django_semaphore.engine.fairness import Ask, Standing
 
 
 @dataclass(eq=False)
@@ -29,7 +29,9 @@ class Waiter:
     """One acquire call of this process waiting for room."""
 
     alias: str
-    place: Place
+    ask: Ask
+    # Where its last attempt (or probe) left it in its semaphores' lines.
+    standing: Standing
     came: int  # this process's arrival order
     wants: set[str]  # the names its last refusal named
     since: float = field(default_factory=time.monotonic)
@@ -49,8 +51,9 @@ class Waiter:
 
     def order(self) -> tuple[int, int]:
         """Its place in the queues: ticketed first, in their tickets' order
-        (``Place.seq`` is taken when a ticket commits), then by arrival."""
-        return (0, self.place.seq) if self.place.ticketed else (1, self.came)
+        (``Standing.seq`` is taken with a ticket), then by arrival."""
+        standing = self.standing
+        return (0, standing.seq) if standing.ticketed else (1, self.came)
 
 
 class Waiters(process.State):
@@ -63,11 +66,13 @@ class Waiters(process.State):
         self._came = itertools.count(1)
 
     @contextmanager
-    def queued(self, alias: str, place: Place, wants: Iterable[str]) -> Iterator[Waiter]:
-        """``place``'s waiter in the queue of each of its semaphores."""
+    def queued(
+        self, alias: str, ask: Ask, standing: Standing, wants: Iterable[str]
+    ) -> Iterator[Waiter]:
+        """The call's waiter in the queue of each of its semaphores."""
         with self.changed:
-            waiter = Waiter(alias, place, next(self._came), set(wants))
-            for name in place.demand.names:
+            waiter = Waiter(alias, ask, standing, next(self._came), set(wants))
+            for name in ask.demand.names:
                 self.queues.setdefault((alias, name), []).append(waiter)
             self.changed.notify_all()
         granted_here = False
@@ -79,14 +84,14 @@ class Waiters(process.State):
 
     def _leave(self, waiter: Waiter, granted_here: bool) -> None:
         with self.changed:
-            for name in waiter.place.demand.names:
+            for name in waiter.ask.demand.names:
                 queue = self.queues[(waiter.alias, name)]
                 queue.remove(waiter)
                 if not queue:
                     del self.queues[(waiter.alias, name)]
             if not granted_here:
                 # It may have been a poller: its successors attempt at once.
-                self._wake_pollers(waiter.alias, waiter.place.demand.names)
+                self._wake_pollers(waiter.alias, waiter.ask.demand.names)
             self.changed.notify_all()
 
     def has_turn(self, waiter: Waiter) -> bool:
@@ -106,7 +111,7 @@ class Waiters(process.State):
     def refused(self, waiter: Waiter, names: Iterable[str]) -> None:
         """Its attempt was refused for want of ``names``: whom it holds back now."""
         with self.changed:
-            waiter.wants = set(names) & set(waiter.place.demand.names) or waiter.wants
+            waiter.wants = set(names) & set(waiter.ask.demand.names) or waiter.wants
             self.changed.notify_all()
 
     def wanted(self, alias: str, names: Iterable[str]) -> bool:
@@ -118,7 +123,7 @@ class Waiters(process.State):
                 for waiter in self.queues.get((alias, name), ())
                 if name in waiter.wants
             ]
-        return bool(wanting) and not any(waiter.place.ticketed for waiter in wanting)
+        return bool(wanting) and not any(waiter.standing.ticketed for waiter in wanting)
 
     def waiting_on(self, alias: str) -> bool:
         """Whether this process waits on ``alias`` (the lock held)."""
@@ -158,7 +163,7 @@ class Waiters(process.State):
             if here:
                 first.probe_now = False
                 first.woken.set()
-            elif not first.place.ahead and not first.woken.is_set():
+            elif not first.standing.ahead and not first.woken.is_set():
                 first.probe_now = True
                 first.woken.set()
 
