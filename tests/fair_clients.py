@@ -51,7 +51,7 @@ def record_tickets(history: Outbox) -> None:
 
     def recording(connection, cursor, locked, now, lock_wait, ask, standing):
         names, after = admit(connection, cursor, locked, now, lock_wait, ask, standing)
-        took = after.ticketed and (not standing.ticketed or after.held != standing.held)
+        took = after.ticketed and (not standing.ticketed or after.lacked != standing.lacked)
         if not took:
             return names, after
         ids = dict(
@@ -67,11 +67,11 @@ def record_tickets(history: Outbox) -> None:
                 ask.key,
                 s.id,
                 ids[s.id],
-                s.fencing_counter if s.id in after.held else None,
+                s.fencing_counter if s.id in after.lacked else None,
                 ask.demand.counts[s.name],
             )
             for s in locked
-            if s.id in after.held - standing.held or not standing.ticketed
+            if s.id in after.lacked - standing.lacked or not standing.ticketed
         ]
         transaction.on_commit(lambda: [history.put(row) for row in rows], using=connection.alias)
         return names, after

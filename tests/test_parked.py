@@ -566,7 +566,7 @@ def test_a_members_run_teaches_its_family_and_other_names_stay_apart(holds, sett
     settings.DJANGO_SEMAPHORE = {"SEMAPHORES": {family: 1}}
     lone = unique()
 
-    standby.held({family.replace("*", "a"): 1, lone: 1}, 3.0)
+    standby.learn_hold({family.replace("*", "a"): 1, lone: 1}, 3.0)
 
     assert holds == {family: 3.0, lone: 3.0}
     assert standby.learned_holds({family.replace("*", "b"): 1}) == [3.0]

@@ -89,8 +89,9 @@ class Standing:
 
     ticketed: bool = False  # an attempt took tickets
     # Ids of the semaphores where its tickets lacked room (and hold back others).
-    held: frozenset[int] = frozenset()
-    ahead: int = 0  # capacities' worth of older tickets seen; 0: next in line
+    lacked: frozenset[int] = frozenset()
+    # Capacities' worth of grants that must come before its own: 0, next in line.
+    rounds: int = 0
     # This process's order of waiters in a line. A ticket's is taken in its
     # transaction, under the in-process pre-lock, so in a line of ticketed
     # waiters (one demand) it follows their tickets' order.
@@ -134,7 +135,7 @@ def admit(
     # its semaphores' capacity: 0 when it is next in line.
     standing = replace(
         standing,
-        ahead=max(
+        rounds=max(
             (reserved.get(s.id, 0) + ask.demand.counts[s.name] - 1) // max(s.capacity, 1)
             for s in locked
         ),
@@ -147,14 +148,14 @@ def admit(
         if standing.ticketed or (live and queues):
             _delete_tickets(connection, cursor, [s.id for s in locked], ask.key, lock_wait)
         return [], standing
-    if ask.deadline is not None and queues and not (standing.ticketed and short <= standing.held):
+    if ask.deadline is not None and queues and not (standing.ticketed and short <= standing.lacked):
         life = timedelta(seconds=max(ask.deadline - time.monotonic(), 0))
         expires_at = now + min(life, MAX_TICKET_LIFE)
         _insert_tickets(connection, locked, ask, now, expires_at, lock_wait, short)
         standing = replace(
             standing,
             ticketed=True,
-            held=standing.held | short,
+            lacked=standing.lacked | short,
             seq=standing.seq if standing.ticketed else next(_sequence),
         )
     elif standing.seq == 0:

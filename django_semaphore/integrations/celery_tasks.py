@@ -105,7 +105,7 @@ def run_task(
         if lease is not None:
             lease.drop()
         if parks:
-            standby.held(options.demand, time.monotonic() - started)
+            standby.learn_hold(options.demand, time.monotonic() - started)
     if lease is not None and lease.lost:
         raise PermitLost(f"Task {task.request.id} lost its permit while it ran.")
     return result

@@ -33,7 +33,7 @@ holding them. So a refused task first *stands by* in its worker
 not woken, parked tasks are held back on them (tasks that lacked room there
 came first). It probes the
 counters with one plain read every tenth of the hold this process saw
-(``standby.held``), and claims the permit the moment a release frees one,
+(``standby.learn_hold``), and claims the permit the moment a release frees one,
 for at most ``STANDBY_WAIT``; then it parks (a woken task keeps its place).
 One task a process stands by on a semaphore (a thread or gevent pool's
 others park). The standbys are the worker's

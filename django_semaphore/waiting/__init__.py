@@ -26,7 +26,7 @@ Probes remain the fallback (MariaDB has no notify).
 
 **The pace of probes** is learned from the holds this process observed
 (``granted`` then ``released``, as a parking task's are through
-``standby.held``).
+``standby.learn_hold``).
 A ticketed poller probes the counters (one plain read, no lock: what is
 free, the grants made, and what the tickets ahead of it ask for) every
 ``PROBES_PER_HOLD``-th of a hold, within ``PROBE_BOUNDS`` (once a hold while
@@ -70,7 +70,7 @@ from django_semaphore.engine.probes import Counters, counters
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.models import PermitRequest
 from django_semaphore.waiting.listening import LISTENER, notifies, notify
-from django_semaphore.waiting.standby import held, learned_holds
+from django_semaphore.waiting.standby import learn_hold, learned_holds
 from django_semaphore.waiting.waiters import WAITERS, Waiter
 
 # Seconds. A ticketed poller probes PROBES_PER_HOLD times a hold it learned,
@@ -209,7 +209,7 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
     waiter.expected_room = False
     # Each capacity's worth of permits queued ahead of it (as its attempt or
     # its probe last saw them) takes a round of holds at least.
-    interval = max(every, min((hold or PROBE_EVERY) * waiter.standing.ahead, POLL_CAP))
+    interval = max(every, min((hold or PROBE_EVERY) * waiter.standing.rounds, POLL_CAP))
     try:
         while (now := time.monotonic()) < until:
             if waiter.woken.wait(min(interval * random.uniform(0.5, 1.0), until - now)):
@@ -237,7 +237,7 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
                 waiter.grants, waiter.changed, every = grants, now, base
             elif now > waiter.changed + window:
                 every = min(2 * every, POLL_CAP)
-            waiter.standing = replace(waiter.standing, ahead=_rounds(waiter, found))
+            waiter.standing = replace(waiter.standing, rounds=_rounds(waiter, found))
             interval = max(every, min((hold or PROBE_EVERY) * _holds_away(waiter, found), POLL_CAP))
     finally:
         waiter.every = every
@@ -353,7 +353,7 @@ def released(connection: BaseDatabaseWrapper, key: str) -> None:
     if grant is None:
         return
     alias, names, since = grant
-    held(dict.fromkeys(names, 1), time.monotonic() - since)
+    learn_hold(dict.fromkeys(names, 1), time.monotonic() - since)
     WAITERS.wake(alias, names)
     if notifies(connection) and _waited_lately(alias, names):
         notify(connection, names)

@@ -2,7 +2,7 @@
 
 A task that finds no room stands by in its worker (``stand_by``) before it
 parks, probing the counters at a pace learned from the holds this process
-saw (``held``; per family for a family's members); see "Stand by first" in
+saw (``learn_hold``; per family for a family's members); see "Stand by first" in
 ``parking``. The pollers of ``waiting`` pace their probes by the same holds
 (``learned_holds``). Every sleep is taken with no transaction open and no
 row locked.
@@ -31,7 +31,7 @@ SHORT_HOLD = 1.0
 STANDBY_WAIT = 2 * SHORT_HOLD
 STANDBY_PROBE = (0.001, 0.02)
 
-# What this process saw its holders hold each semaphore for (``held``): the
+# What this process saw its holders hold each semaphore for (``learn_hold``): the
 # last hold, seconds, by family pattern for a family's member (members of one
 # family are held alike, and a family may have thousands), else by name.
 _holds: dict[str, float] = {}
@@ -49,7 +49,7 @@ class Standbys(process.State):
 STANDBYS = Standbys()
 
 
-def held(demand: Mapping[str, int], seconds: float) -> None:
+def learn_hold(demand: Mapping[str, int], seconds: float) -> None:
     """Note how long a holder in this process held its permits (a parking
     task's run, or a grant until its ``release``): whether, and how often,
     the next refused ones probe (``stand_by``, ``pause``)."""
@@ -65,7 +65,7 @@ def _hold_key(name: str) -> str:
 
 
 def learned_holds(demand: Mapping[str, int]) -> list[float]:
-    """The holds this process learned for these semaphores (see ``held``)."""
+    """The holds this process learned for these semaphores (see ``learn_hold``)."""
     keys = {_hold_key(name) for name in demand}
     return [_holds[key] for key in keys if key in _holds]
 
@@ -125,8 +125,8 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
                 interval = min(2 * interval, high)
     if not holds:
         # No release came its way: held long, as far as this process knows
-        # until one of its own runs ends (``held``).
-        held(demand, STANDBY_WAIT)
+        # until one of its own runs ends (``learn_hold``).
+        learn_hold(demand, STANDBY_WAIT)
     return None
 
 

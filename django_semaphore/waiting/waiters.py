@@ -163,7 +163,7 @@ class Waiters(process.State):
             if here:
                 first.probe_now = False
                 first.woken.set()
-            elif not first.standing.ahead and not first.woken.is_set():
+            elif not first.standing.rounds and not first.woken.is_set():
                 first.probe_now = True
                 first.woken.set()
 
