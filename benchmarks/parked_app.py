@@ -25,7 +25,8 @@ import redis  # noqa: E402
 from celery import Celery  # noqa: E402
 from celery.signals import before_task_publish, task_failure  # noqa: E402
 
-from django_semaphore import holds_permit, standby  # noqa: E402
+from django_semaphore import holds_permit  # noqa: E402
+from django_semaphore.waiting import standby  # noqa: E402
 
 NAME = "bench-parked"
 FAMILY = os.environ["BENCH_FAMILY"]  # declared by benchmarks.settings, capacity 1

@@ -137,8 +137,8 @@ def wait_for_room(
     alias = connection.alias
     _saw_wait(alias, ask.demand.names)
     with WAITERS.queued(alias, ask, standing, refused.names) as waiter:
-        LISTENER.wanted(alias)
         try:
+            LISTENER.wanted(alias)
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not WAITERS.wait_turn(waiter, remaining):

@@ -310,7 +310,7 @@ class OneTripStatements(SQL):
         the general function's steps on one row read into a record."""
         q = self.q
         locking = self._locking_read_of("= p_name", "s")
-        waits_sql = queue.waits_sql("ARRAY[p_name]", "p_lock_wait")
+        waits_sql = queue.waits_for_one_sql("p_name", "p_lock_wait")
         return (
             "\nDECLARE s record; v_released bigint; v_held bigint;\n"
             "BEGIN\n"
