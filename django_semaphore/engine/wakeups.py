@@ -13,17 +13,16 @@ cap never keep tenant B's from the shared ``exports``.
 The wake-up's decision is the engine's, as a grant's is: it locks the
 semaphore rows in the one lock order and keeps the room it hands out
 (``woken_at``) until the woken task's run claims it. Publishing their
-messages is the caller's (``parking/wake.py``), once this commits.
+messages is the caller's (``parking/wake.py``), once this committed.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Exists, F, Min, OuterRef, Q, QuerySet, Subquery, Sum
 from django.utils import timezone
@@ -89,13 +88,11 @@ def next_slots(alias: str, semaphore_ids: set[int]) -> dict[int, float]:
     }
 
 
-def wake_once(
-    connection: BaseDatabaseWrapper, freed: set[int], publish: Callable[[str, list[int]], object]
-) -> int:
+def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
     """One wake-up's transaction: under the semaphores' row locks, mark the
     oldest parked tasks that fit in the room freed on these semaphores
-    (``woken_at``, which keeps their room for them), and have ``publish``
-    send their messages once that commits; returns how many it woke."""
+    (``woken_at``, which keeps their room for them); returns their ids, for
+    the caller to publish once this is committed."""
     alias = connection.alias
     demands = ParkedDemand.objects.using(alias)
     # Read before the transaction, to hold its lock for as short as can be
@@ -103,7 +100,7 @@ def wake_once(
     # under it.
     window = _window(alias, freed)
     if not window:
-        return 0
+        return []
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
         wanted: dict[int, dict[int, int]] = defaultdict(dict)  # task -> semaphore -> count
         lacked: dict[int, set[int]] = defaultdict(set)  # task -> semaphores it lacked
@@ -159,11 +156,11 @@ def wake_once(
         )
         choice = _choose(window, wanted, room, heads, lacked)
         _mark_lacking(alias, choice.lacking)
-        woken = choice.woken
-        if woken:
-            ParkedTask.objects.using(alias).filter(id__in=woken).update(woken_at=timezone.now())
-            transaction.on_commit(lambda: publish(alias, woken), using=alias)
-    return len(woken)
+        if choice.woken:
+            ParkedTask.objects.using(alias).filter(id__in=choice.woken).update(
+                woken_at=timezone.now()
+            )
+    return choice.woken
 
 
 @dataclass

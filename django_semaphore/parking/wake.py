@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from django.db import Error, connections
+from django.db import Error, connections, transaction
 
 from django_semaphore import process
 from django_semaphore.engine import wakeups
@@ -43,12 +43,14 @@ def wake(alias: str, semaphore_ids: Iterable[int]) -> int:
         return 0
     connection = connections[alias]
     try:
-        return run_with_retries(
-            connection, functools.partial(wakeups.wake_once, connection, ids, publish)
-        )
+        woken = run_with_retries(connection, functools.partial(wakeups.wake_once, connection, ids))
     except SemaphoreError:
         logger.exception("Could not wake parked tasks of semaphores %s", sorted(ids))
         return 0
+    if woken:
+        # At once, or when the caller's transaction commits, if it has one.
+        transaction.on_commit(functools.partial(publish, alias, woken), using=alias)
+    return len(woken)
 
 
 class Scheduled(process.State):
