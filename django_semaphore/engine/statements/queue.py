@@ -39,15 +39,19 @@ LOCK_CLASS = 0x53454D41
 
 def waits_sql(names_sql: str, lock_wait_sql: str) -> str:
     """PL/pgSQL that bounds the transaction's lock waits to ``lock_wait_sql``
-    and waits for the turn of ``names_sql`` (``text[]``), their keys in
-    ascending order: the routine's, and the one-trip grant's for several names."""
+    and waits for the turn of ``names_sql`` (``text[]``): the routine's, and
+    the one-trip grant's for several names."""
     return (
         f" PERFORM set_config('lock_timeout', {lock_wait_sql}, true);\n"
-        " DECLARE k integer; BEGIN\n"
-        f"  FOR k IN SELECT DISTINCT hashtext(n) FROM unnest({names_sql}) AS n ORDER BY 1 LOOP\n"
-        f"   PERFORM pg_advisory_xact_lock({LOCK_CLASS}, k);\n"
-        "  END LOOP;\n"
-        " END;\n"
+        f" IF cardinality({names_sql}) = 1 THEN\n"
+        f"  PERFORM pg_advisory_xact_lock({LOCK_CLASS}, hashtext(({names_sql})[1]));\n"
+        " ELSE\n"
+        "  DECLARE k integer; BEGIN\n"
+        f"   FOR k IN SELECT DISTINCT hashtext(n) FROM unnest({names_sql}) AS n ORDER BY 1 LOOP\n"
+        f"    PERFORM pg_advisory_xact_lock({LOCK_CLASS}, k);\n"
+        "   END LOOP;\n"
+        "  END;\n"
+        " END IF;\n"
     )
 
 
