@@ -47,13 +47,12 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.conf import Family, app_settings, families, family_of
+from django_semaphore.conf import Family, app_settings, families, family_of, is_family_default
 from django_semaphore.exceptions import FamilyFull, InvalidRequest, SemaphoreNotFound
 from django_semaphore.guards import engine_writes
 from django_semaphore.managers import SemaphoreQuerySet
 from django_semaphore.models import CapacityChange, Semaphore
 from django_semaphore.models.semaphore import close_every_slot
-from django_semaphore.validation import is_pattern
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -65,7 +64,7 @@ def refuse_patterns(names: Iterable[str]) -> None:
         InvalidRequest: a name is a declared family's pattern.
     """
     for name in names:
-        if is_pattern(name) and name in app_settings.SEMAPHORES:
+        if is_family_default(name):
             raise InvalidRequest(
                 f"{name!r} is a family's pattern, not a semaphore: acquire a name it matches."
             )
