@@ -21,12 +21,12 @@ from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Q
 
-from django_semaphore import conf, routing, signals, waiting
+from django_semaphore import conf, parking, routing, signals, waiting
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import fairness, families, grant
 from django_semaphore.engine.capacity import Limits, change_limits
-from django_semaphore.engine.releasing import release_key, release_requests
+from django_semaphore.engine.releasing import Released, release_key, release_requests
 from django_semaphore.exceptions import (
     InvalidRequest,
     NestedTransactionError,
@@ -219,13 +219,21 @@ def release(external_id: str) -> ReleaseOutcome:
     """
     key = validate_key(external_id)
     connection = connections[routing.alias_for_key(key)]
-    outcome = run_with_retries(
-        connection, functools.partial(release_key, connection, key), persistence=RELEASE_PERSISTENCE
+    outcome, freed = run_with_retries(
+        connection,
+        functools.partial(release_key, connection, key, parking.enabled()),
+        persistence=RELEASE_PERSISTENCE,
     )
     if outcome is ReleaseOutcome.RELEASED:
-        # Committed: this process's waiters (and, on PostgreSQL, others') are woken.
-        waiting.released(connection, key)
+        _woken(connection, key, freed)
     return outcome
+
+
+def _woken(connection: BaseDatabaseWrapper, key: str, freed: dict[int, int]) -> None:
+    """The one wake path of a committed release, in order: this process's
+    waiters, the other processes' (NOTIFY on PostgreSQL), parked tasks."""
+    waiting.released(connection, key)
+    parking.room_made(connection.alias, freed)
 
 
 def renew(external_id: str, ttl: int | float | timedelta | None = None) -> PermitRequest:
@@ -336,6 +344,9 @@ def _change(
         connection,
         lambda: change_limits(connection.alias, name, limits, changed_by, reason),
     )
+    # A raise, or a window set or removed, may make room (what counts
+    # against the capacity changes: holders, or grants in the window).
+    parking.room_made(connection.alias, [semaphore.pk])
     if conf.is_family_default(name):
         changed_by_id = None if changed_by is None else changed_by.pk
         why = reason or f"family default of {name}"
@@ -400,12 +411,18 @@ def _force_release_on(alias: str, keys: list[str], reason: str) -> dict[str, Rel
             outcomes[key] = ReleaseOutcome.NOT_FOUND
             continue
         pk, state = rows[key]
-        released = state == State.ACQUIRED and run_with_retries(
-            connection,
-            functools.partial(release_requests, alias, [pk], reason),
-            persistence=RELEASE_PERSISTENCE,
+        released = (
+            run_with_retries(
+                connection,
+                functools.partial(release_requests, alias, [pk], reason),
+                persistence=RELEASE_PERSISTENCE,
+            )
+            if state == State.ACQUIRED
+            else Released(0, {})
         )
-        outcomes[key] = ReleaseOutcome.RELEASED if released else ReleaseOutcome.ALREADY_RELEASED
-        if released:
-            waiting.released(connection, key)
+        if released.ended:
+            outcomes[key] = ReleaseOutcome.RELEASED
+            _woken(connection, key, released.freed)
+        else:
+            outcomes[key] = ReleaseOutcome.ALREADY_RELEASED
     return outcomes

@@ -100,13 +100,3 @@ permits with no request row, released; permit ids) or
 semaphore ids); ``count``: how many were repaired. Sent after the repair
 commits, one per sweep batch; the same is logged at WARNING.
 """
-
-permits_freed = Signal(use_caching=True)
-"""Room was made on semaphores, once committed: permits released (by their
-holder, a sweep, an expiry reclaim, a force release) or capacity raised.
-Sender: ``Semaphore``. ``freed``: semaphore id -> permits freed.
-The one-statement release (MariaDB, PostgreSQL) says nothing of what it
-freed: while a receiver is connected, it reads after its commit what it
-freed where parked tasks wait, and sends only those (``engine/releasing``);
-parked Celery tasks connect the receiver (``parking``).
-"""

@@ -232,7 +232,7 @@ def forked_child_exit_code(pid: int, within: float, stuck: str) -> int:
 def parking_in_this_process(enabled: bool) -> Iterator[None]:
     """Whether this process's releases wake parked tasks, for a while (on by
     default, PARK_TASKS; the state the process had is restored)."""
-    was = parking._enabled
+    was = parking.enabled()
     (parking.enable if enabled else parking.disable)()
     try:
         yield

@@ -86,7 +86,7 @@ def release_by(path: str, key: str) -> None:
         assert release(key) is ReleaseOutcome.RELEASED
     else:
         request = PermitRequest.objects.get(external_id=key)
-        assert release_requests(connection.alias, [request.pk], "released") == 1
+        assert release_requests(connection.alias, [request.pk], "released").ended == 1
 
 
 @pytest.mark.parametrize("path", ["by key", "by request"])

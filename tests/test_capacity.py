@@ -68,22 +68,3 @@ def test_capacity_change_joins_the_callers_transaction(make_semaphore):
 def test_declared_semaphores_are_created_after_migrate():
     # tests/settings.py declares "declared-in-settings": 4; migrate ran at setup.
     assert Semaphore.objects.get(name="declared-in-settings").capacity == 4
-
-
-def test_a_raise_tells_permits_freed_how_much_room_it_made(make_semaphore):
-    from django_semaphore import signals
-
-    sem = make_semaphore(capacity=2)
-    heard: list[dict[int, int]] = []
-
-    def receiver(sender, freed, using, **kwargs):
-        heard.append(dict(freed))
-
-    signals.permits_freed.connect(receiver, sender=Semaphore)
-    try:
-        set_capacity(sem.name, 5)
-        set_capacity(sem.name, 1)  # no room made: nothing said
-    finally:
-        signals.permits_freed.disconnect(receiver, sender=Semaphore)
-
-    assert heard == [{sem.pk: 3}]

@@ -89,7 +89,7 @@ def _release_with_a_listener(request: PermitRequest) -> None:
 
 
 def _release_by_id(request: PermitRequest) -> None:
-    assert release_requests("default", [request.pk], "admin") == 1
+    assert release_requests("default", [request.pk], "admin").ended == 1
 
 
 def _reclaimed_by_the_next_grant(request: PermitRequest) -> None:

@@ -25,7 +25,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_semaphore import acquire, parking, release, sweep
+from django_semaphore import acquire, force_release, parking, release, sweep
 from django_semaphore.admin.semaphores import SemaphoreAdmin
 from django_semaphore.api import set_capacity
 from django_semaphore.backends import DatabaseNow
@@ -370,42 +370,34 @@ def test_cancel_drops_a_parked_task_and_offers_its_room(published):
     assert published == [first, second]
 
 
-def test_parking_listens_for_room(wakes):
-    from django_semaphore.engine import releasing
-
-    assert releasing.room_wanted()
-    parking.disable()
-    assert not releasing.room_wanted()
-    parking.enable()
-
-
-def test_a_release_tells_the_wake_up_what_it_freed_on_every_path(wakes, monkeypatch):
-    from django_semaphore import signals
-    from django_semaphore.engine import releasing
-
+def test_every_door_that_frees_room_wakes_parked_tasks_there(wakes, monkeypatch):
     a, b, c = semaphore(3), semaphore(3), semaphore(3)
-    freed: list[dict[int, int]] = []
-    monkeypatch.setattr(wake, "wake", lambda alias, ids: freed.append(dict(ids)) or 0)
-    by_request = acquire({a.name: 2, b.name: 1}, external_id="by-request")
+    woken: list[set[int]] = []
+    monkeypatch.setattr(wake, "wake", lambda alias, ids: woken.append(set(ids)) or 0)
+    acquire({a.name: 2, b.name: 1}, external_id="forced")
     acquire({a.name: 1, c.name: 1}, external_id="by-key")
     acquire({c.name: 1}, external_id="nothing-parked")
     park_row({a.name: 1})
 
-    # The general path knows all it freed.
-    releasing.release_requests(connection.alias, [by_request.pk], "released")
+    # A force release takes the general path, which knows all it freed.
+    force_release(["forced"])
     # One statement where the database can, then a read of where tasks are
     # parked (on a, not on c); SQLite's general path knows all it freed.
     release("by-key")
     release("by-key")  # released already: nothing freed, nobody woken
     release("nothing-parked")
+    set_capacity(c.name, 4)
+    with parking_in_this_process(False):
+        acquire(a.name, external_id="not-here")
+        release("not-here")  # this process wakes nobody: the beat sweep does
 
     one_statement = connection.vendor in ("mysql", "postgresql")
-    assert freed == [
-        {a.pk: 2, b.pk: 1},
-        {a.pk: 1} if one_statement else {a.pk: 1, c.pk: 1},
-        *([] if one_statement else [{c.pk: 1}]),
+    assert woken == [
+        {a.pk, b.pk},
+        {a.pk} if one_statement else {a.pk, c.pk},
+        *([] if one_statement else [{c.pk}]),
+        {c.pk},
     ]
-    assert signals.permits_freed.has_listeners(Semaphore)
 
 
 def test_the_one_statement_release_wakes_the_task_parked_on_its_room(published):

@@ -63,7 +63,7 @@ def test_half_released_request_is_completed_by_a_repeat(make_semaphore):
     with behind_the_engine():
         Permit.objects.filter(request=request).update(state=State.RELEASED)
 
-    assert release_requests("default", [request.pk], ReleaseReason.STALE) == 1
+    assert release_requests("default", [request.pk], ReleaseReason.STALE).ended == 1
     request.refresh_from_db()
     assert request.state == State.RELEASED
     assert request.release_reason == ReleaseReason.STALE

@@ -402,7 +402,7 @@ def _reclaim_expired(
             .values_list("id", flat=True)
             .distinct()
         )
-        return release_requests(connection.alias, expired, ReleaseReason.EXPIRED)
+        return release_requests(connection.alias, expired, ReleaseReason.EXPIRED).ended
 
 
 # --- idempotent re-entry -----------------------------------------------------

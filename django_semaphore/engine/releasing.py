@@ -7,7 +7,8 @@ rows the grants lock: it never queues behind grants, and the room it frees
 is there for the next grant once it commits (the grant folds the counters
 into its row when it finds no room otherwise). Every path that ends a
 permit -- release, the inline reclaim, the sweeps, a force release -- comes
-here.
+here, and each returns what it freed: the door that called it wakes whoever
+waits for that room (``parking.room_made``), once it committed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
 from django.db import Error, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -29,44 +31,57 @@ from django_semaphore.engine.statements.release import (
     ReleaseStatements,
     release_statements,
 )
-from django_semaphore.models import PermitRequest, Semaphore
+from django_semaphore.models import PermitRequest
 from django_semaphore.states import ReleaseOutcome, ReleaseReason, State
 
 logger = logging.getLogger("django_semaphore")
 
 
-def release_key(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
-    """End the request with this key (one attempt; the caller retries)."""
+class Released(NamedTuple):
+    """What a release did: how many requests (or permits) this call ended,
+    and the permits it freed, by semaphore id."""
+
+    ended: int
+    freed: dict[int, int]
+
+
+def release_key(
+    connection: BaseDatabaseWrapper, key: str, parked: bool
+) -> tuple[ReleaseOutcome, dict[int, int]]:
+    """End the request with this key (one attempt; the caller retries):
+    the outcome, and the permits it freed -- with ``parked`` (parked tasks
+    are woken from this process), at least on the semaphores where parked
+    tasks wait; without it, possibly none."""
     sql = release_statements(connection)
-    # One statement where the database can say it; what receivers (metrics,
-    # signals, parked tasks) need is read once it has committed, off the
-    # release's critical path (``announce_key``).
+    # One statement where the database can say it; what the signals'
+    # receivers and the parked tasks' wake-up need is read once it has
+    # committed, off the release's critical path (``announce_key``).
     if sql.releases_by_key():
-        read = read_back()
+        read = read_back(parked)
         ended, released = sql.release_by_key(
             key, ReleaseReason.RELEASED, app_settings.LOCK_WAIT_TIMEOUT, read
         )
         if ended:
-            if read is not ReadBack.NEVER:
-                announce_key(connection, key, released)
-            return ReleaseOutcome.RELEASED
+            freed = {} if read is ReadBack.NEVER else announce_key(connection, key, released)
+            return ReleaseOutcome.RELEASED, freed
     row = sql.find_request(key)
     if row is None:
-        return ReleaseOutcome.NOT_FOUND
+        return ReleaseOutcome.NOT_FOUND, {}
     pk, state = row
     if state == State.RELEASED:
-        return ReleaseOutcome.ALREADY_RELEASED
-    if release_requests(connection.alias, [pk], ReleaseReason.RELEASED):
-        return ReleaseOutcome.RELEASED
-    return ReleaseOutcome.ALREADY_RELEASED
+        return ReleaseOutcome.ALREADY_RELEASED, {}
+    released_now, freed = release_requests(connection.alias, [pk], ReleaseReason.RELEASED)
+    if released_now:
+        return ReleaseOutcome.RELEASED, freed
+    return ReleaseOutcome.ALREADY_RELEASED, {}
 
 
 def announce_key(
     connection: BaseDatabaseWrapper, key: str, released: list[ReleasedPermit] | None
-) -> None:
+) -> dict[int, int]:
     """Tell receivers what the one-statement release of ``key`` ended
     (``released``, when the release read it in the same trip), by one plain
-    read once it committed.
+    read once it committed; returns what it freed where parked tasks wait.
 
     A request's permits only ever go from ACQUIRED to RELEASED, so what the
     read finds is what the statement freed. A task that parked before the
@@ -81,9 +96,9 @@ def announce_key(
             released = release_statements(connection).released_on_key(key)
         except Error:
             logger.warning("Could not read what the release of %r freed.", key, exc_info=True)
-            return
+            return {}
     if not released:
-        return
+        return {}
     reason = ReleaseReason.RELEASED.value
     signals.permit_released.send_robust(
         sender=PermitRequest, request_ids=[released[0].request_id], reason=reason, using=alias
@@ -101,42 +116,37 @@ def announce_key(
         signals.hold_ended.send_robust(
             sender=PermitRequest, holds=spans, reason=reason, using=alias
         )
-    freed = {p.semaphore_id: p.count for p in released if p.parked_waiting}
-    if freed and room_wanted():
-        announce_room(alias, freed)
+    return {p.semaphore_id: p.count for p in released if p.parked_waiting}
 
 
-def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> int:
-    """Release the given requests; returns how many this call released.
+def release_requests(alias: str, request_ids: Sequence[int], reason: str) -> Released:
+    """Release the given requests: how many this call released, and what
+    that freed.
 
     Repeating it is harmless: every update says ``AND state = 'ACQUIRED'``.
     """
     if not request_ids:
-        return 0
+        return Released(0, {})
     ids = list(request_ids)
     with _transaction(alias) as (cursor, sql, lock_wait):
-        released, freed = sql.release(cursor, ids, reason, lock_wait)
-        if released:
+        released = Released(*sql.release(cursor, ids, reason, lock_wait))
+        if released.ended:
             transaction.on_commit(lambda: announce(alias, ids, reason), using=alias)
-        if freed and room_wanted():
-            transaction.on_commit(lambda: announce_room(alias, freed), using=alias)
     return released
 
 
-def release_permits(alias: str, permit_ids: Sequence[int]) -> int:
+def release_permits(alias: str, permit_ids: Sequence[int]) -> Released:
     """Release the given permits that are still ACQUIRED, whatever their
-    request says, lowering the counters; returns how many this call released.
+    request says, lowering the counters: how many this call released, and
+    what that freed.
 
     Only for the sweep's repairs (permits held under a released request, or
     with no request at all): every other release goes by request.
     """
     if not permit_ids:
-        return 0
+        return Released(0, {})
     with _transaction(alias) as (cursor, sql, lock_wait):
-        released, freed = sql.release_permits(cursor, list(permit_ids), lock_wait)
-        if freed and room_wanted():
-            transaction.on_commit(lambda: announce_room(alias, freed), using=alias)
-    return released
+        return Released(*sql.release_permits(cursor, list(permit_ids), lock_wait))
 
 
 @contextmanager
@@ -164,22 +174,12 @@ def announce(alias: str, request_ids: list[int], reason: str) -> None:
     holds.send_hold_ended(PermitRequest, request_ids, reason, alias)
 
 
-def announce_room(alias: str, freed: dict[int, int]) -> None:
-    """Tell receivers (parked tasks) which semaphores have room again."""
-    signals.permits_freed.send_robust(sender=Semaphore, freed=freed, using=alias)
-
-
-def read_back() -> ReadBack:
+def read_back(parked: bool) -> ReadBack:
     """What a release by key reads of what it ended: all of it for
-    ``permit_released``'s and ``hold_ended``'s receivers; for the wake-ups
-    of parked tasks (``permits_freed``), only while some are parked."""
+    ``permit_released``'s and ``hold_ended``'s receivers; with ``parked``,
+    where parked tasks wait, while some do."""
     if signals.permit_released.has_listeners(PermitRequest) or signals.hold_ended.has_listeners(
         PermitRequest
     ):
         return ReadBack.ALWAYS
-    return ReadBack.PARKED if room_wanted() else ReadBack.NEVER
-
-
-def room_wanted() -> bool:
-    """Whether a receiver waits for room on semaphores (parked tasks)."""
-    return signals.permits_freed.has_listeners(Semaphore)
+    return ReadBack.PARKED if parked else ReadBack.NEVER

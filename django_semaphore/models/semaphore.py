@@ -10,7 +10,6 @@ from django.db import models, router, transaction
 from django.db.models import F, Q
 from django.utils.translation import gettext_lazy as _
 
-from django_semaphore import signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.guards import GuardedModel, engine_is_writing, engine_writes
@@ -306,11 +305,6 @@ class Semaphore(GuardedModel):
             changed_by_id=None if changed_by is None else changed_by.pk,
             reason=reason,
         )
-        # Room may be made by a raise, and by a window set or removed (what
-        # counts against the capacity changes: holders, or grants in the
-        # window): parked tasks that fit then are woken once this commits.
-        room_made = capacity > self.capacity or window != self.window
-        freed = {self.pk: max(capacity - self.capacity, 0)}
         if self.window is not None and window is None:
             close_every_slot(using, [self.pk])
         self.capacity, self.window = capacity, window
@@ -320,13 +314,6 @@ class Semaphore(GuardedModel):
         with engine_writes():
             self.save(
                 using=using, update_fields=["capacity", "window", "own_capacity", "updated_at"]
-            )
-        if room_made and signals.permits_freed.has_listeners(Semaphore):
-            transaction.on_commit(
-                lambda: signals.permits_freed.send_robust(
-                    sender=Semaphore, freed=freed, using=using
-                ),
-                using=using,
             )
 
 

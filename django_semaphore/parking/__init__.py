@@ -10,19 +10,22 @@ row per semaphore, then ends in the ``PARKED`` state
 committed it looks for room once more (``wake``): a release that committed
 between its refusal and its row would otherwise have woken nobody.
 
-**Wake.** Every path that frees permits -- ``release()``, a task finishing, the
-sweeps, a force release, the grant's reclaim of expired permits, a capacity
-raise -- sends ``signals.permits_freed`` once committed; its receiver in
-``wake`` (connected only while parking is in use, see ``enable``) runs one short
-transaction that locks the semaphore rows in name order (as the grant does),
-reads the room left -- capacity, minus ``in_use``, minus what tasks woken
-earlier and not started yet will take, minus what live fair-mode tickets wait
-for -- and marks the oldest parked tasks that fit, first in, first out per
-semaphore where it matters: a task that does not fit holds back younger ones
-only on the semaphores where it lacks (or once lacked) room, so tenant A's
-tasks waiting for A's own cap never keep tenant B's from a shared semaphore
-with room (``engine/wakeups``). Their messages are published after that
-commits.
+**Wake.** The doors that free permits -- ``release()``, a task finishing,
+the sweeps, a force release, a capacity or window change -- call
+``room_made`` with the semaphores they freed permits on; once that is
+committed, and if this process wakes parked tasks (``enable``), ``wake``
+runs one short transaction that locks the semaphore rows in name order (as
+the grant does), reads the room left -- capacity, minus ``in_use``, minus
+what tasks woken earlier and not started yet will take, minus what live
+fair-mode tickets wait for -- and marks the oldest parked tasks that fit,
+first in, first out per semaphore where it matters: a task that does not
+fit holds back younger ones only on the semaphores where it lacks (or once
+lacked) room, so tenant A's tasks waiting for A's own cap never keep tenant
+B's from a shared semaphore with room (``engine/wakeups``). Their messages
+are published after that commits. What no door sees -- a grant's inline
+reclaim of expired permits, ``Semaphore.save()`` of a raised capacity,
+releases in processes that do not wake -- the beat sweep
+(``sweep.sweep_parked``) finds within its interval.
 
 **Stand by first.** Parking costs a broker round trip per hand-off
 (release, wake-up, publish, delivery, grant), longer than a short task: a
@@ -78,7 +81,7 @@ from django.db.models import (
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from django_semaphore import backends, routing, signals
+from django_semaphore import backends, routing
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import wakeups
 from django_semaphore.exceptions import SemaphoreNotFound
@@ -303,22 +306,28 @@ def enable() -> None:
     them there (see ``docs/decisions.md``).
     """
     global _enabled
-    if _enabled:
-        return
-    # No sender: has_listeners(Semaphore) counts receivers of any sender, and
-    # this may run before the models are loaded.
-    signals.permits_freed.connect(wake.on_permits_freed, dispatch_uid=_UID)
     _enabled = True
 
 
 def disable() -> None:
     """Undo ``enable``: this process's releases wake nobody (the tests')."""
     global _enabled
-    signals.permits_freed.disconnect(dispatch_uid=_UID)
     _enabled = False
 
 
-_UID = "django_semaphore.parking"
+def enabled() -> bool:
+    """Whether this process's releases wake parked tasks (``enable``)."""
+    return _enabled
+
+
+def room_made(alias: str, semaphore_ids: Iterable[int]) -> None:
+    """Wake the parked tasks that fit in the room a door's release, force
+    release, sweep or raise made on these semaphores, once the caller's
+    transaction commits (at once outside one) -- if this process wakes
+    parked tasks (``enable``); the beat sweep is the backstop."""
+    ids = set(semaphore_ids)
+    if _enabled and ids:
+        transaction.on_commit(functools.partial(wake.wake, alias, ids), using=alias)
 
 
 def with_parked(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:

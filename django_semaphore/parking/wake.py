@@ -1,7 +1,7 @@
 """Waking parked Celery tasks (see ``parking`` for the whole story): a
 release that freed permits wakes the oldest parked tasks that fit, strictly
 first in, first out per semaphore, and publishes their messages once that
-is committed. ``parking.enable`` connects :func:`on_permits_freed`; the beat
+is committed. The doors call it through ``parking.room_made``; the beat
 sweep (``sweep.sweep_parked``) is the backstop.
 """
 
@@ -11,8 +11,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
 from django.db import Error, connections, transaction
 
@@ -120,8 +119,3 @@ def publish(alias: str, parked_ids: list[int]) -> int:
             continue
         sent += 1
     return sent
-
-
-def on_permits_freed(sender: Any, freed: Mapping[int, int], using: str, **kwargs: Any) -> None:
-    """``permits_freed`` receiver: wake the parked tasks that fit now."""
-    wake(using, freed)

@@ -10,7 +10,7 @@ from collections.abc import Collection, Iterable
 
 from django.db.models import Q
 
-from django_semaphore import liveness, routing, signals
+from django_semaphore import liveness, parking, routing, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import counter
@@ -139,7 +139,8 @@ def _release_matching(
             .order_by("pk")
             .values_list("pk", flat=True)[:size]
         )
-        released = release_requests(alias, ids, reason)
+        released, freed = release_requests(alias, ids, reason)
+        parking.room_made(alias, freed)
         if repair is not None:
             _announce_repair(alias, repair, ids, released)
         return len(ids), released
@@ -185,7 +186,9 @@ def _release_dead_owners(
                     .values_list("pk", "owner")
                 )
                 unchanged = [pk for pk, owner in rows if judged[pk] == owner]
-                return release_requests(alias, unchanged, ReleaseReason.OWNER_DEAD)
+                released, freed = release_requests(alias, unchanged, ReleaseReason.OWNER_DEAD)
+                parking.room_made(alias, freed)
+                return released
 
             total += sum(_batches(batch, None, "releasing requests of dead owners", once=True))
         if len(page) < size or _past(deadline):

@@ -11,7 +11,7 @@ import logging
 from django.db import transaction
 from django.db.models import Exists, F, Max, OuterRef, Q, QuerySet, Subquery
 
-from django_semaphore import routing, signals
+from django_semaphore import parking, routing, signals
 from django_semaphore.engine import counter
 from django_semaphore.engine.releasing import release_permits
 from django_semaphore.models import Permit, PermitRequest, Semaphore
@@ -97,7 +97,8 @@ def _release_permits_matching(
             return total
 
         def batch(ids: list[int] = ids) -> int:
-            released = release_permits(alias, ids)
+            released, freed = release_permits(alias, ids)
+            parking.room_made(alias, freed)
             _announce_repair(alias, repair, ids, released)
             return released
 

@@ -46,8 +46,8 @@ class ReadBack(StrEnum):
     (its procedure's ``p_read``: ``reads_back_sql`` spells these values)."""
 
     NEVER = "never"  # nobody listens
-    # Only while tasks are parked (not woken): permits_freed is sent only
-    # for the semaphores they wait on.
+    # Only while tasks are parked (not woken): the door wakes them where
+    # they wait (``parking.room_made``).
     PARKED = "parked"
     ALWAYS = "always"  # permit_released's or hold_ended's receivers
 
