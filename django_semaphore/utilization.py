@@ -28,7 +28,7 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.models import CapacityChange, Permit, Semaphore
 from django_semaphore.states import State
 
-WINDOW = timedelta(hours=24)
+PERIOD = timedelta(hours=24)
 
 
 @dataclass(frozen=True)
@@ -112,19 +112,19 @@ def build_utilization(
     """Replay grants and capacity changes into segments covering ``[start, end]``.
 
     Args:
-        grants: every permit on the semaphore that overlaps the window (others
+        grants: every permit on the semaphore that overlaps the period (others
             are ignored).
         capacity_now: the semaphore's capacity at ``end``.
-        changes: the capacity changes made inside the window, oldest first.
-        start, end: the window.
+        changes: the capacity changes made inside the period, oldest first.
+        start, end: the period drawn.
         windowed: the semaphore is a rate limit at ``end`` (its grants' spans
             end with their slots).
 
     Returns:
-        The window as consecutive segments; adjacent equal ones are merged.
+        The period as consecutive segments; adjacent equal ones are merged.
     """
     if end <= start:
-        raise ValueError("The window must end after it starts.")
+        raise ValueError("The period must end after it starts.")
     inside = [change for change in changes if start < change.at < end]
     # A permit held counts only while the semaphore has no window (a rate
     # limit counts its grants' slots instead), as ``in_use`` counts it.
@@ -197,8 +197,8 @@ def _append(segments: list[Segment], segment: Segment) -> None:
         segments.append(segment)
 
 
-def load_utilization(semaphore: Semaphore, *, window: timedelta = WINDOW) -> Utilization:
-    """Read the last ``window`` of a semaphore's history and replay it.
+def load_utilization(semaphore: Semaphore, *, period: timedelta = PERIOD) -> Utilization:
+    """Read the last ``period`` of a semaphore's history and replay it.
 
     "Now" is the database's clock, the one that stamped ``created_at`` and
     ``released_at``. Permits count exactly as in the admin's "in use" column:
@@ -215,11 +215,11 @@ def load_utilization(semaphore: Semaphore, *, window: timedelta = WINDOW) -> Uti
         .values_list("capacity", "window", "db_now")
         .get()
     )
-    start = end - window
+    start = end - period
     permits = Permit.objects.using(using).filter(semaphore_id=semaphore.pk)
     fields = ("count", "request__created_at", "request__released_at")
     # Three queries, each on an index: what is held now (semaphore, state),
-    # what was released inside the window (state, released_at), and the
+    # what was released inside the period (state, released_at), and the
     # slots of a rate limit that ended inside it or last beyond it
     # (semaphore, slot_ends). One OR-ed query would scan the semaphore's
     # whole retained history instead.

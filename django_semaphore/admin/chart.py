@@ -60,7 +60,7 @@ def axis_ticks(highest: int) -> list[int]:
 
 
 def render_svg(utilization: Utilization, *, title: str) -> SafeString:
-    """Draw in use vs capacity over the window as a self-contained ``<svg>``.
+    """Draw in use vs capacity over the period as a self-contained ``<svg>``.
 
     Args:
         utilization: what ``load_utilization()`` or ``build_utilization()`` returned.
@@ -193,7 +193,7 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
 
 
 def _hour_marks(start: datetime, end: datetime, every: int = 3) -> list[datetime]:
-    """Whole local hours divisible by ``every`` inside the window."""
+    """Whole local hours divisible by ``every`` inside the period."""
     local = timezone.localtime(start).replace(minute=0, second=0, microsecond=0)
     marks = []
     at = local + timedelta(hours=1)

@@ -1,6 +1,6 @@
-"""Probes: a waiter's plain read of its semaphores' counters -- what is
-free, what was granted, what waits ahead -- with no lock and no
-transaction, for deciding when to attempt (the attempt decides)."""
+"""Probes: a waiter's plain read of its semaphores' room -- what is free,
+what was granted, what waits ahead -- with no lock and no transaction,
+for deciding when to attempt (the attempt decides)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,18 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
 from django_semaphore.engine.statements import built, placeholders
-from django_semaphore.engine.statements.counters import CounterStatements
+from django_semaphore.engine.statements.probes import ProbeStatements
+from django_semaphore.engine.statements.rows import held, in_use
 
 
 def room_for(connection: BaseDatabaseWrapper, wanted: Sequence[tuple[int, int, int]]) -> bool:
     """Whether every (semaphore id, count, capacity) fits now, beside what
-    fair waiters ask for there, by one plain read of the counters: no lock,
+    fair waiters ask for there, by one plain read (``probe``): no lock,
     no transaction, for waiters deciding when to attempt (the attempt
     decides; a read that failed answers yes, and the attempt, with its
     retries, tells what went wrong)."""
     try:
-        now = counters(connection, [id for id, _, _ in wanted])
+        now = probe(connection, [id for id, _, _ in wanted])
     except Error:
         return True
     return all(
@@ -32,8 +33,8 @@ def room_for(connection: BaseDatabaseWrapper, wanted: Sequence[tuple[int, int, i
 
 
 @dataclass
-class Counters:
-    """A semaphore's counters, as a plain read found them."""
+class Room:
+    """A semaphore's room, as a probe found it."""
 
     capacity: int
     in_use: int  # the permits held; on a rate limit, granted in the window
@@ -48,29 +49,28 @@ class Counters:
         return self.capacity - self.in_use
 
 
-def counters(
+def probe(
     connection: BaseDatabaseWrapper, semaphore_ids: Sequence[int], key: str = ""
-) -> dict[int, Counters]:
-    """These semaphores' counters, by one plain read (no lock, no
+) -> dict[int, Room]:
+    """These semaphores' room, by one plain read (no lock, no
     transaction): for waiters deciding when to attempt. ``key``: the waiter
     whose tickets' place says which tickets are ahead (every live one when
     it has none)."""
-    sql = built(CounterStatements, connection)
+    sql = built(ProbeStatements, connection)
     with connection.cursor() as cursor:
         cursor.execute(
-            sql.counters_sql.format(ids=placeholders(len(semaphore_ids))),
+            sql.probe_sql.format(ids=placeholders(len(semaphore_ids))),
             [True, key, key, *semaphore_ids],
         )
         rows = cursor.fetchall()
     found = {}
     for id, capacity, grants, counted, folded, released, ahead, *slots in rows:
-        in_use = max(int(counted) + int(folded) - int(released), 0)
         window, open_, ended, next_ends, now = slots
+        permits = held(int(counted), int(folded), int(released))
+        used = max(in_use(window, permits, int(open_), int(ended or 0)), 0)
         next_slot_in = None
-        if window is not None:
-            in_use = max(int(open_) - int(ended or 0), 0)
-            if next_ends is not None:
-                at, now = (backends.datetime_from_db(connection, t) for t in (next_ends, now))
-                next_slot_in = max((at - now).total_seconds(), 0.0)
-        found[int(id)] = Counters(int(capacity), in_use, int(grants), int(ahead or 0), next_slot_in)
+        if next_ends is not None:
+            at, now = (backends.datetime_from_db(connection, t) for t in (next_ends, now))
+            next_slot_in = max((at - now).total_seconds(), 0.0)
+        found[int(id)] = Room(int(capacity), used, int(grants), int(ahead or 0), next_slot_in)
     return found

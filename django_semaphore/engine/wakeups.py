@@ -34,10 +34,10 @@ from django_semaphore.models import ParkedDemand, ParkedTask, Permit, Semaphore,
 
 # Parked tasks read per semaphore and kind by one wake: more than any
 # capacity frees at once in practice; the rest wait for the next release.
-WAKE_WINDOW = 200
+CANDIDATES_READ = 200
 
 
-def _window(alias: str, freed: set[int]) -> list[int]:
+def _candidates(alias: str, freed: set[int]) -> list[int]:
     """The parked tasks that may fit in the room on these semaphores, by
     plain reads (no lock, no transaction; the wake-up decides under the
     lock). On each semaphore with room, by two indexed reads of at most
@@ -49,14 +49,14 @@ def _window(alias: str, freed: set[int]) -> list[int]:
     end the wake-up here. A park or a release committed after these reads
     runs a wake-up of its own."""
     semaphores = Semaphore.objects.using(alias).filter(id__in=freed)
-    window: set[int] = set()
+    candidates: set[int] = set()
     for id, capacity, in_use in semaphores.values_list("id", "capacity", F("in_use")):
         if (room := capacity - in_use) > 0:
             waiting = _waiting(alias).filter(semaphore_id=id).order_by("task_id")
             for kind in (Q(lacked=True), Q(elsewhere=False)):
                 oldest = waiting.filter(kind).values_list("task_id", flat=True)
-                window.update(oldest[: min(room, WAKE_WINDOW)])
-    return sorted(window)
+                candidates.update(oldest[: min(room, CANDIDATES_READ)])
+    return sorted(candidates)
 
 
 def _waiting(alias: str) -> QuerySet[Any]:
@@ -98,14 +98,14 @@ def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
     # Read before the transaction, to hold its lock for as short as can be
     # (grants wait on it); what another wake-up woke meanwhile is left out
     # under it.
-    window = _window(alias, freed)
-    if not window:
+    candidates = _candidates(alias, freed)
+    if not candidates:
         return []
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
         wanted: dict[int, dict[int, int]] = defaultdict(dict)  # task -> semaphore -> count
         lacked: dict[int, set[int]] = defaultdict(set)  # task -> semaphores it lacked
         for task_id, semaphore_id, count, was_lacking in demands.filter(
-            task_id__in=window
+            task_id__in=candidates
         ).values_list("task_id", "semaphore_id", "count", "lacked"):
             wanted[task_id][semaphore_id] = count
             if was_lacking:
@@ -121,10 +121,10 @@ def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
         )
         taken = set(
             ParkedTask.objects.using(alias)
-            .filter(id__in=window, woken_at__isnull=False)
+            .filter(id__in=candidates, woken_at__isnull=False)
             .values_list("id", flat=True)
         )
-        window = [task_id for task_id in window if task_id not in taken]
+        candidates = [task_id for task_id in candidates if task_id not in taken]
         room = {id: capacity - in_use for id, capacity, in_use, _ in locked}
         reserved = (
             demands.filter(semaphore_id__in=involved, task__woken_at__isnull=False)
@@ -146,7 +146,7 @@ def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
             for semaphore_id, total in tickets:
                 room[semaphore_id] -= int(total)
         # The oldest parked task that lacked room on each semaphore, in the
-        # window or not: it holds back the younger ones there.
+        # among the candidates or not: it holds back the younger ones there.
         heads = dict(
             _waiting(alias)
             .filter(semaphore_id__in=involved, lacked=True)
@@ -154,7 +154,7 @@ def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
             .annotate(head=Min("task_id"))
             .values_list("semaphore_id", "head")
         )
-        choice = _choose(window, wanted, room, heads, lacked)
+        choice = _choose(candidates, wanted, room, heads, lacked)
         _mark_lacking(alias, choice.lacking)
         if choice.woken:
             ParkedTask.objects.using(alias).filter(id__in=choice.woken).update(
@@ -174,7 +174,7 @@ class Choice:
 
 
 def _choose(
-    window: list[int],
+    candidates: list[int],
     wanted: Mapping[int, Mapping[int, int]],
     room: dict[int, int],
     heads: Mapping[int, int],
@@ -182,17 +182,17 @@ def _choose(
 ) -> Choice:
     """The tasks to wake, oldest first: a task that does not fit holds back
     the younger ones only on the semaphores where it lacks room now or
-    lacked it before (``heads`` are the oldest of those outside the
-    window); elsewhere they may pass it."""
+    lacked it before (``heads`` are the oldest of those, candidates or
+    not); elsewhere they may pass it."""
     choice = Choice()
-    held: set[int] = set()  # semaphores a task passed over holds back
-    for task_id in window:
+    held_back: set[int] = set()  # semaphores a task passed over holds back
+    for task_id in candidates:
         asks = wanted[task_id]
-        behind = any(s in held or heads.get(s, task_id) < task_id for s in asks)
+        behind = any(s in held_back or heads.get(s, task_id) < task_id for s in asks)
         short = {s for s, count in asks.items() if s not in room or room[s] < count}
         if behind or short:
             previously = lacked.get(task_id, set())
-            held.update(short | previously)
+            held_back.update(short | previously)
             if short - previously:
                 choice.lacking[task_id] = short - previously
             continue

@@ -27,7 +27,7 @@ Probes remain the fallback (MariaDB has no notify).
 **The pace of probes** is learned from the holds this process observed
 (``granted`` then ``released``, as a parking task's are through
 ``standby.learn_hold``).
-A ticketed poller probes the counters (one plain read, no lock: what is
+A ticketed poller probes its room (one plain read, no lock: what is
 free, the grants made, and what the tickets ahead of it ask for) every
 ``PROBES_PER_HOLD``-th of a hold, within ``PROBE_BOUNDS`` (once a hold while
 it listens for notifications), and attempts when
@@ -66,7 +66,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import process
 from django_semaphore.engine.fairness import Ask, Refusal, Standing, leave
-from django_semaphore.engine.probes import Counters, counters
+from django_semaphore.engine.probes import Room, probe
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.models import PermitRequest
 from django_semaphore.waiting.listening import LISTENER, notifies, notify
@@ -243,20 +243,20 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
         waiter.every = every
 
 
-def _probe(connection: BaseDatabaseWrapper, waiter: Waiter) -> dict[int, Counters] | None:
-    """Its semaphores' counters and the tickets ahead of it there, by one
+def _probe(connection: BaseDatabaseWrapper, waiter: Waiter) -> dict[int, Room] | None:
+    """Its semaphores' room and the tickets ahead of it there, by one
     plain read (no lock, no transaction); None when it failed (the attempt
     tells why) or no attempt has read the semaphores yet."""
     semaphores = waiter.standing.semaphores
     if not semaphores:
         return None
     try:
-        return counters(connection, [id for id, _, _ in semaphores], waiter.ask.key)
+        return probe(connection, [id for id, _, _ in semaphores], waiter.ask.key)
     except Error:
         return None
 
 
-def _fits(waiter: Waiter, found: dict[int, Counters]) -> bool:
+def _fits(waiter: Waiter, found: dict[int, Room]) -> bool:
     """Whether an attempt would be granted as ``found`` says: room on each
     of its semaphores beside what the tickets ahead of it ask for there."""
     counts = waiter.ask.demand.counts
@@ -266,20 +266,20 @@ def _fits(waiter: Waiter, found: dict[int, Counters]) -> bool:
     )
 
 
-def _next_slot_in(waiter: Waiter, found: dict[int, Counters]) -> float | None:
+def _next_slot_in(waiter: Waiter, found: dict[int, Room]) -> float | None:
     """Seconds until the next slot ends on the rate limits where it lacks
     room (``None``: it lacks room on none): no attempt succeeds before."""
     ends = []
     for id, name, _ in waiter.standing.semaphores:
-        counters = found.get(id)
-        if counters is None or counters.next_slot_in is None:
+        room = found.get(id)
+        if room is None or room.next_slot_in is None:
             continue
-        if counters.ahead + waiter.ask.demand.counts[name] > counters.free:
-            ends.append(counters.next_slot_in)
+        if room.ahead + waiter.ask.demand.counts[name] > room.free:
+            ends.append(room.next_slot_in)
     return max(ends, default=None)
 
 
-def _holds_away(waiter: Waiter, found: dict[int, Counters]) -> float:
+def _holds_away(waiter: Waiter, found: dict[int, Room]) -> float:
     """Holds until enough permits were released for it and the tickets
     ahead of it, on the semaphore where that takes longest: each hold
     releases a capacity's worth."""
@@ -290,7 +290,7 @@ def _holds_away(waiter: Waiter, found: dict[int, Counters]) -> float:
     )
 
 
-def _rounds(waiter: Waiter, found: dict[int, Counters]) -> int:
+def _rounds(waiter: Waiter, found: dict[int, Room]) -> int:
     """Capacities' worth of permits that must be granted before it: 0 when
     it is next in line."""
     counts = waiter.ask.demand.counts
@@ -354,7 +354,7 @@ def released(connection: BaseDatabaseWrapper, key: str) -> None:
         return
     alias, names, since = grant
     learn_hold(dict.fromkeys(names, 1), time.monotonic() - since)
-    WAITERS.wake(alias, names)
+    WAITERS.room_made(alias, names)
     if notifies(connection) and _waited_lately(alias, names):
         notify(connection, names)
 

@@ -130,7 +130,7 @@ class Listener(process.State):
         while True:
             for notice in connection.connection.notifies(timeout=LISTEN_CHECK):
                 names = notice.payload.split("\n") if notice.payload else None
-                WAITERS.wake(alias, names, here=False)
+                WAITERS.room_made(alias, names, here=False)
             with WAITERS.changed:
                 if self._stopping or not WAITERS.waiting_on(alias):
                     return

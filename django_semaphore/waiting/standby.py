@@ -1,7 +1,7 @@
 """A refused parking task's stand-by, and the holds this process learned.
 
 A task that finds no room stands by in its worker (``stand_by``) before it
-parks, probing the counters at a pace learned from the holds this process
+parks, probing the room at a pace learned from the holds this process
 saw (``learn_hold``; per family for a family's members); see "Stand by first" in
 ``parking``. The pollers of ``waiting`` pace their probes by the same holds
 (``learned_holds``). Every sleep is taken with no transaction open and no

@@ -129,7 +129,7 @@ class Waiters(process.State):
         """Whether this process waits on ``alias`` (the lock held)."""
         return any(key[0] == alias for key in self.queues)
 
-    def wake(self, alias: str, names: Iterable[str] | None, *, here: bool = True) -> None:
+    def room_made(self, alias: str, names: Iterable[str] | None, *, here: bool = True) -> None:
         """A release made room on ``names`` (None: on any of the alias): in
         this process (``here``: its poller attempts at once), or in another
         (a notification: its poller probes, unless it has tickets a

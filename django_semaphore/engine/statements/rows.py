@@ -30,16 +30,14 @@ class LockedSemaphore:
 
     @property
     def held(self) -> int:
-        """The permits held, or more: a release total read before the last
-        fold (a stale one) counts nothing."""
-        return self.in_use_counter - max(self.released - self.released_folded, 0)
+        """The permits held, or more (see ``held``)."""
+        return held(self.in_use_counter, self.released_folded, self.released)
 
     @property
     def in_use(self) -> int:
-        """What counts against the capacity: the permits held, or on a rate
-        limit the slots open, or more (the grant closes those that ended
-        when it finds no room, and once a window)."""
-        return self.held if self.window is None else self.slots_open
+        """What counts against the capacity, or more: the grant closes a rate
+        limit's ended slots when it finds no room, and once a window."""
+        return in_use(self.window, self.held, self.slots_open)
 
     @property
     def folded(self) -> int:
@@ -70,3 +68,18 @@ LOCKED_COLUMNS = (
     "slots_open",
     "slots_closed_until",
 )
+
+
+def held(counted: int, folded: int, released: int) -> int:
+    """The permits held on a semaphore: its ``in_use_counter`` less the
+    releases its ``ReleaseCounter`` counted since the last fold (a release
+    total read before that fold counts nothing)."""
+    return counted - max(released - folded, 0)
+
+
+def in_use(window: int | None, held: int, slots_open: int, slots_ended: int = 0) -> int:
+    """What counts against a semaphore's capacity: the permits held, or on a
+    rate limit the slots open less those that ended and are not closed yet.
+    The grant and the probes count so; ``managers.in_use`` is the same for
+    the ORM."""
+    return held if window is None else slots_open - slots_ended

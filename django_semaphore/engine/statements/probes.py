@@ -11,8 +11,8 @@ from django_semaphore.engine.statements import SQL
 from django_semaphore.models import Ticket
 
 
-class CounterStatements(SQL):
-    """The counters' read, for one connection."""
+class ProbeStatements(SQL):
+    """The probe's read, for one connection."""
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
         super().__init__(connection)
@@ -24,7 +24,7 @@ class CounterStatements(SQL):
         # release waits for it), what its row counts, and while its queue is
         # live the permits that the tickets holding a key back ask for (as
         # the grant's ``TicketStatements.older`` counts them).
-        self.counters_sql = (
+        self.probe_sql = (
             f"SELECT s.{q('id')}, s.{q('capacity')}, s.{q('fencing_counter')},"
             f" s.{q('in_use_counter')}, s.{q('released_folded')}, c.{q('released')},"
             f" CASE WHEN s.{q('queued_until')} > {now} THEN"
