@@ -7,29 +7,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from django.db import Error
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
 from django_semaphore.engine.statements import built, placeholders
 from django_semaphore.engine.statements.probes import ProbeStatements
 from django_semaphore.engine.statements.rows import held, in_use
-
-
-def room_for(connection: BaseDatabaseWrapper, wanted: Sequence[tuple[int, int, int]]) -> bool:
-    """Whether every (semaphore id, count, capacity) fits now, beside what
-    fair waiters ask for there, by one plain read (``probe``): no lock,
-    no transaction, for waiters deciding when to attempt (the attempt
-    decides; a read that failed answers yes, and the attempt, with its
-    retries, tells what went wrong)."""
-    try:
-        now = probe(connection, [id for id, _, _ in wanted])
-    except Error:
-        return True
-    return all(
-        id not in now or now[id].in_use + now[id].ahead + count <= capacity
-        for id, count, capacity in wanted
-    )
 
 
 @dataclass

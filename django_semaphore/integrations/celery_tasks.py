@@ -152,15 +152,15 @@ def _claim_or_stand_by(task: Any, options: Options) -> str:
     """The run's permit key: claimed at once or, when a parking task finds
     no room, standing by in this worker for a release (``standby.stand_by``).
     Raises as ``claim``."""
-    claim_now = functools.partial(
+    claim_within = functools.partial(
         claim, task, options.demand, options.lease, rerun_finished=not options.parks
     )
     try:
-        return claim_now()
+        return claim_within()
     except SemaphoreExhausted as exc:
         if not options.parks or not _parks_for(exc):
             raise
-        key = standby.stand_by(task.request.id, options.demand, claim_now)
+        key = standby.stand_by(task.request.id, options.demand, claim_within)
         if key is None:
             raise
         return key
@@ -204,8 +204,11 @@ def _forget_parked(task: Any, options: Options) -> None:
         logger.exception("Could not delete the parked row of task %s", task.request.id)
 
 
-def claim(task: Any, demand: Any, ttl: int | None, *, rerun_finished: bool = True) -> str:
-    """Acquire (or re-attach to) this task id's permit; returns the key held.
+def claim(
+    task: Any, demand: Any, ttl: int | None, timeout: float = 0, *, rerun_finished: bool = True
+) -> str:
+    """Acquire (or re-attach to) this task id's permit, waiting up to
+    ``timeout`` seconds for room; returns the key held.
 
     ``rerun_finished=False`` (parked tasks, which may be published twice):
     a run whose task id's permit was released by its holder -- the task
@@ -219,7 +222,7 @@ def claim(task: Any, demand: Any, ttl: int | None, *, rerun_finished: bool = Tru
     me = current_owner(task)
     for key in _keys(task.request.id):
         try:
-            request = api.acquire(demand, external_id=key, owner=str(me), ttl=ttl)
+            request = api.acquire(demand, external_id=key, owner=str(me), ttl=ttl, timeout=timeout)
         except PermitAlreadyReleased:
             if not rerun_finished and key == task.request.id and parking.finished_before(key):
                 raise TaskAlreadyRan(f"Task {key} already ran; this copy is dropped.") from None

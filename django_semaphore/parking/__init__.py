@@ -34,10 +34,9 @@ holding them. So a refused task first *stands by* in its worker
 (``standby.stand_by``) -- unless this process saw its semaphores held for
 ``SHORT_HOLD`` or longer (a family's members count as one), or, for a task
 not woken, parked tasks are held back on them (tasks that lacked room there
-came first). It probes the
-counters with one plain read every tenth of the hold this process saw
-(``standby.learn_hold``), and claims the permit the moment a release frees one,
-for at most ``STANDBY_WAIT``; then it parks (a woken task keeps its place).
+came first). It waits as ``acquire(timeout=STANDBY_WAIT)`` waits --
+``waiting``'s poller, paced by the holds this process saw
+(``standby.learn_hold``) -- and then parks (a woken task keeps its place).
 One task a process stands by on a semaphore (a thread or gevent pool's
 others park). The standbys are the worker's
 processes left over: while they wait, the broker's backlog stays in the

@@ -5,7 +5,8 @@ or refuses at once. Whatever waits for room between two attempts is here:
 
 - **An acquire with a timeout** (``wait_for_room``) attempts again until it
   is granted or its deadline passes (below).
-- **A refused parking task** stands by in its worker (``standby``).
+- **A refused parking task** stands by in its worker (``standby``): the
+  same wait, for at most ``STANDBY_WAIT``, then it parks.
 
 Every sleep is taken with no transaction open and no row locked.
 

@@ -11,25 +11,19 @@ row locked.
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
-from django.db import connections
-
 from django_semaphore import process, routing
 from django_semaphore.conf import family_of
-from django_semaphore.engine.probes import room_for
-from django_semaphore.exceptions import LiveDuplicate, SemaphoreExhausted
-from django_semaphore.models import ParkedDemand, ParkedTask, Semaphore
+from django_semaphore.exceptions import AcquireTimeout
+from django_semaphore.models import ParkedDemand, ParkedTask
 
 # Seconds; see "Stand by first" in ``parking``. A standby waits at most
-# STANDBY_WAIT, probing every tenth of the hold, within STANDBY_PROBE, or
-# every STANDBY_PROBE[1] while this process has seen no hold.
+# STANDBY_WAIT.
 SHORT_HOLD = 1.0
 STANDBY_WAIT = 2 * SHORT_HOLD
-STANDBY_PROBE = (0.001, 0.02)
 
 # What this process saw its holders hold each semaphore for (``learn_hold``): the
 # last hold, seconds, by family pattern for a family's member (members of one
@@ -70,10 +64,11 @@ def learned_holds(demand: Mapping[str, int]) -> list[float]:
     return [_holds[key] for key in keys if key in _holds]
 
 
-def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) -> str | None:
-    """A task that found no room: wait in this worker for a release to make
-    some, and return the key ``claim`` then took. None when it is to park
-    (at once, or after ``STANDBY_WAIT``; a woken task keeps its place).
+def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[float], str]) -> str | None:
+    """A task that found no room: wait in this worker for room, as any
+    acquire with a timeout waits (``waiting``'s poller), and return the key
+    ``claim(timeout)`` took. None when it is to park (at once, or after
+    ``STANDBY_WAIT``; a woken task keeps its place).
 
     It stands by unless this process knows its semaphores to be held long,
     or, for a task not woken, parked tasks are held back on them (they
@@ -86,21 +81,13 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
     if holds and max(holds) >= SHORT_HOLD:
         return None
     alias = routing.alias_for_names(list(demand))
-    wanted = [
-        (id, demand[name], capacity)
-        for id, name, capacity in Semaphore.objects.using(alias)
-        .filter(name__in=list(demand))
-        .values_list("id", "name", "capacity")
-    ]
     parked = ParkedTask.objects.using(alias).filter(task_id=task_id).values_list("woken_at")
     match parked.first():
         case None:  # not parked
             # Only tasks held back there come first: one waiting for another
             # tenant's cap is no reason to park (engine/wakeups).
             queued = ParkedDemand.objects.using(alias).filter(
-                semaphore_id__in=[id for id, _, _ in wanted],
-                lacked=True,
-                task__woken_at__isnull=True,
+                semaphore__name__in=list(demand), lacked=True, task__woken_at__isnull=True
             )
             if queued.exists():
                 return None
@@ -109,20 +96,10 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[], str]) 
     with _one_standby(demand) as standing:
         if not standing:
             return None
-        low, high = STANDBY_PROBE
-        interval = min(max(min(holds) / 10, low), high) if holds else high
-        deadline = time.monotonic() + STANDBY_WAIT
-        while (left := deadline - time.monotonic()) > 0:
-            time.sleep(min(interval, left))
-            if not room_for(connections[alias], wanted):
-                continue
-            try:
-                return claim()
-            except LiveDuplicate:
-                raise
-            except SemaphoreExhausted:
-                # Taken first, or kept for fair waiters: probe less often.
-                interval = min(2 * interval, high)
+        try:
+            return claim(STANDBY_WAIT)
+        except AcquireTimeout:
+            pass
     if not holds:
         # No release came its way: held long, as far as this process knows
         # until one of its own runs ends (``learn_hold``).
