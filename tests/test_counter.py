@@ -19,7 +19,7 @@ from django.db import connection
 from django.db.migrations.loader import MigrationLoader
 
 from django_semaphore import acquire, force_release, release, signals, sweep
-from django_semaphore.engine import counter
+from django_semaphore.engine import verifier
 from django_semaphore.engine.releasing import release_requests
 from django_semaphore.exceptions import SemaphoreExhausted
 from django_semaphore.models import PermitRequest, ReleaseCounter, Semaphore
@@ -160,7 +160,7 @@ def test_the_verifier_corrects_and_reports_drift(make_semaphore, caplog):
     counter_drift_signal.connect(receiver)
     try:
         with caplog.at_level(logging.ERROR, logger="django_semaphore"):
-            drifts = counter.verify()
+            drifts = verifier.verify()
     finally:
         counter_drift_signal.disconnect(receiver)
 
@@ -172,7 +172,7 @@ def test_the_verifier_corrects_and_reports_drift(make_semaphore, caplog):
     assert sum("In-use counter drift" in r.message for r in caplog.records) == 2
     assert {r["drift"].semaphore for r in received} == {a.name, b.name}
     assert all(r["corrected"] for r in received)
-    assert counter.verify() == []
+    assert verifier.verify() == []
 
 
 @pytest.mark.counter_drift_expected

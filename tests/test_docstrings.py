@@ -23,7 +23,7 @@ import django_semaphore.management.commands
 # The modules whose public names are the API; everything else is internal.
 PUBLIC_MODULES = (
     "beat",
-    "engine.counter",
+    "engine.verifier",
     "exceptions",
     "fencing",
     "integrations.context",

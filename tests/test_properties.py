@@ -40,7 +40,7 @@ from django_semaphore.api import set_capacity
 from django_semaphore.beat import beat_schedule
 from django_semaphore.checks import check_settings
 from django_semaphore.conf import DEFAULTS, app_settings
-from django_semaphore.engine import counter
+from django_semaphore.engine import verifier
 from django_semaphore.exceptions import InvalidRequest, SemaphoreError
 from django_semaphore.models import CapacityChange, FencingMark, Permit, PermitRequest, Semaphore
 from django_semaphore.states import ReleaseOutcome, ReleaseReason, State
@@ -422,7 +422,7 @@ def test_force_release_releases_all_it_is_given_or_nothing(semaphores, keys, rea
     batch_size=batch_sizes,
 )
 def test_counter_verify_answers_or_refuses(semaphores, names, batch_size):
-    drifts, error = call(counter.verify, names, batch_size=batch_size)
+    drifts, error = call(verifier.verify, names, batch_size=batch_size)
     assert error is not None or drifts == []
 
 

@@ -447,7 +447,7 @@ def test_concurrent_clients_never_exceed_the_rate_in_any_window(mode):
 
 @pytest.mark.counter_drift_expected
 def test_the_verifier_corrects_a_rate_limits_slot_counter():
-    from django_semaphore.engine.counter import verify
+    from django_semaphore.engine.verifier import verify
 
     stripe = rate_limit(5, window=60)
     acquire({stripe.name: 2}, external_id=unique())

@@ -24,7 +24,7 @@ from django_semaphore import (
 from django_semaphore.api import set_capacity
 from django_semaphore.beat import beat_schedule
 from django_semaphore.conf import app_settings
-from django_semaphore.engine import counter
+from django_semaphore.engine import verifier
 from django_semaphore.exceptions import InvalidRequest, SemaphoreError
 from django_semaphore.models import CapacityChange, PermitRequest
 from django_semaphore.states import State
@@ -229,7 +229,7 @@ def test_force_release_refuses_bad_keys_and_reasons(leftovers):
 )
 def test_counter_verify_refuses_bad_arguments(kwargs):
     with pytest.raises(InvalidRequest):
-        counter.verify(**kwargs)
+        verifier.verify(**kwargs)
 
 
 @pytest.mark.parametrize("task_ids", ["a-task-id", [None], [""], 5])

@@ -5,7 +5,7 @@ command and the admin run.
   them: TTL expired (``expired``), owner reported dead by a liveness checker
   (``owner_dead``), held past ``STALENESS_LIMIT`` (``stale``); completes
   half-released requests (rows edited or restored from outside); and has
-  ``counter.verify`` check every in-use counter; :func:`verify_counters`
+  ``verifier.verify`` check every in-use counter; :func:`verify_counters`
   only checks them.
 - :func:`clean_released` deletes requests released longer ago than
   ``RELEASED_RETENTION``, with their permits; :func:`clean_idle_members`

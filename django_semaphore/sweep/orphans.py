@@ -1,6 +1,6 @@
 """The orphan sweep: release the requests whose holders will not release
 them (TTL expired, owner reported dead, held past ``STALENESS_LIMIT``), after
-the repairs of what the engine did not write, then have ``counter.verify``
+the repairs of what the engine did not write, then have ``verifier.verify``
 check every in-use counter."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from django.db.models import Q
 from django_semaphore import liveness, parking, routing, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
-from django_semaphore.engine import counter
+from django_semaphore.engine import verifier
 from django_semaphore.engine.releasing import release_requests
 from django_semaphore.models import PermitRequest
 from django_semaphore.states import ReleaseReason, State
@@ -102,7 +102,7 @@ def release_orphans(
         liveness.load_checkers() if checkers is None else list(checkers), size, deadline, dry_run
     )
     # Last: the repairs above changed permits, and kept the counters exact.
-    report.counter_drift = len(counter.verify(correct=not dry_run, batch_size=size))
+    report.counter_drift = len(verifier.verify(correct=not dry_run, batch_size=size))
     if report.total or report.repairs or report.counter_drift:
         logger.info("%s", report)
     return report
@@ -113,7 +113,7 @@ def verify_counters(names: Iterable[str] | None = None) -> list[signals.Drift]:
     against the permits it counts, correcting and reporting each difference
     (``manage.py semaphore_status --verify``)."""
     return [
-        drift for found in routing.on_each_alias(lambda: counter.verify(names)) for drift in found
+        drift for found in routing.on_each_alias(lambda: verifier.verify(names)) for drift in found
     ]
 
 

@@ -12,7 +12,7 @@ from django.db import transaction
 from django.db.models import Exists, F, Max, OuterRef, Q, QuerySet, Subquery
 
 from django_semaphore import parking, routing, signals
-from django_semaphore.engine import counter
+from django_semaphore.engine import verifier
 from django_semaphore.engine.releasing import release_permits
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.states import State
@@ -120,7 +120,7 @@ def _raise_fencing_counters(dry_run: bool) -> int:
         return 0
 
     def batch() -> int:
-        raised = counter.raise_fencing_counters(alias, ids)
+        raised = verifier.raise_fencing_counters(alias, ids)
         _announce_repair(alias, "fencing_counters", raised, len(raised))
         return len(raised)
 

@@ -21,7 +21,7 @@ class OrphanReport:
     orphan_permits: int = 0  # ACQUIRED permits whose request row is gone, released
     fencing_counters: int = 0  # counters raised to the highest token already issued
     # In-use counters found differing from the permits they count (corrected
-    # unless dry_run): a bug, reported loudly by ``counter.verify``.
+    # unless dry_run): a bug, reported loudly by ``verifier.verify``.
     counter_drift: int = 0
     dry_run: bool = False
 

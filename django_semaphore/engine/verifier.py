@@ -1,4 +1,5 @@
-"""The verifier of the exact in-use counter (and of a rate limit's slots).
+"""The verifier of the counters: the exact in-use counter, a rate limit's
+slots, and (a repair) the fencing counters.
 
 What a semaphore holds -- ``in_use_counter`` less the releases counted on
 its ``ReleaseCounter`` and not yet folded in (``Semaphore.in_use``) -- is
