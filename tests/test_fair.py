@@ -184,6 +184,35 @@ def test_a_non_fair_acquire_pays_nothing_once_the_queue_is_gone(make_semaphore):
     assert counts[0] == counts[1]
 
 
+def test_a_queue_whose_tickets_were_granted_is_over_before_its_deadline(make_semaphore):
+    """The first newcomer granted past a queue with no ticket left ends it:
+    the grants after it pay nothing for a queue that holds nobody back."""
+    fair, plain = make_semaphore(1), make_semaphore(1)
+    holder = key()
+    acquire(fair.name, external_id=holder)
+    order: list[str] = []
+    waiter = Waiter({fair.name: 1}, order, timeout=30, fair=True)
+    waiter.start()
+    wait_for_tickets(fair.name, 1)
+    release(holder)
+    waiter.finish()
+    assert order == [waiter.key]
+    release(waiter.key)
+    assert Semaphore.objects.get(pk=fair.pk).queued_until is not None  # its deadline's
+
+    release(acquire(fair.name, external_id=key()).external_id)
+    assert Semaphore.objects.get(pk=fair.pk).queued_until is None
+    release(acquire(plain.name, external_id=key()).external_id)  # the same history
+    counts = []
+    for semaphore in (plain, fair):
+        k = key()
+        with CaptureQueriesContext(connection) as queries:
+            acquire(semaphore.name, external_id=k)
+        release(k)
+        counts.append(len(queries))
+    assert counts[0] == counts[1]
+
+
 def test_multi_semaphore_waiters_keep_their_order_on_each_semaphore(make_semaphore):
     a, b = make_semaphore(1), make_semaphore(1)
     holder = key()

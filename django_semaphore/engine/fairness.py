@@ -147,6 +147,12 @@ def admit(
         # same key (a retry): granted, they must stop blocking others.
         if standing.ticketed or (live and queues):
             _delete_tickets(connection, cursor, [s.id for s in locked], ask.key, lock_wait)
+        # A newcomer that nothing held back found a queue that is over (its
+        # tickets were granted or gave up): ended, so that the next grants
+        # take one trip again instead of reading an empty queue.
+        over = [s.id for s in live if s.id not in ahead]
+        if over and not standing.ticketed:
+            ticket_statements(connection).end_queues(cursor, over, now)
         return [], standing
     if ask.deadline is not None and queues and not (standing.ticketed and short <= standing.lacked):
         life = timedelta(seconds=max(ask.deadline - time.monotonic(), 0))

@@ -78,6 +78,15 @@ class TicketStatements(SQL):
             f"DELETE FROM {table} WHERE {q('external_id')} = %s"
             f" AND {q('semaphore_id')} IN ({{ids}})"
         )
+        # A queue with no live ticket left that lacks room is over: the
+        # one-trip grant may take its semaphore again.
+        semaphore = self.semaphore
+        self.queue_over_sql = (
+            f"UPDATE {semaphore} SET {q('queued_until')} = NULL WHERE {q('id')} IN ({{ids}})"
+            f" AND NOT EXISTS (SELECT 1 FROM {table} t"
+            f" WHERE t.{q('semaphore_id')} = {semaphore}.{q('id')} AND t.{q('lacked')} = %s"
+            f" AND t.{q('expires_at')} > %s)"
+        )
 
     def older(
         self,
@@ -135,6 +144,16 @@ class TicketStatements(SQL):
         cursor.execute(
             self.bounded(self.delete_sql.format(ids=placeholders(len(semaphore_ids))), lock_wait),
             [key, *semaphore_ids],
+        )
+
+
+    def end_queues(self, cursor: CursorWrapper, semaphore_ids: list[int], now: datetime) -> None:
+        """Mark the queues of these semaphores (rows this transaction holds
+        locked: no ticket is taken there meanwhile) over where no live
+        ticket lacks room any more."""
+        cursor.execute(
+            self.queue_over_sql.format(ids=placeholders(len(semaphore_ids))),
+            [*semaphore_ids, True, self.connection.ops.adapt_datetimefield_value(now)],
         )
 
 
