@@ -146,7 +146,6 @@ class TicketStatements(SQL):
             [key, *semaphore_ids],
         )
 
-
     def end_queues(self, cursor: CursorWrapper, semaphore_ids: list[int], now: datetime) -> None:
         """Mark the queues of these semaphores (rows this transaction holds
         locked: no ticket is taken there meanwhile) over where no live
