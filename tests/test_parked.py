@@ -387,6 +387,12 @@ def test_every_door_that_frees_room_wakes_parked_tasks_there(wakes, monkeypatch)
     release("by-key")  # released already: nothing freed, nobody woken
     release("nothing-parked")
     set_capacity(c.name, 4)
+    expired = acquire(b.name, external_id="expired", ttl=60)
+    with behind_the_engine():
+        PermitRequest.objects.filter(pk=expired.pk).update(
+            expires_at=timezone.now() - timedelta(seconds=1)
+        )
+    sweep.release_orphans()  # the sweep's release of an expired permit
     with parking_in_this_process(False):
         acquire(a.name, external_id="not-here")
         release("not-here")  # this process wakes nobody: the beat sweep does
@@ -397,6 +403,7 @@ def test_every_door_that_frees_room_wakes_parked_tasks_there(wakes, monkeypatch)
         {a.pk} if one_statement else {a.pk, c.pk},
         *([] if one_statement else [{c.pk}]),
         {c.pk},
+        {b.pk},
     ]
 
 

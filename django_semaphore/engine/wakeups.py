@@ -145,8 +145,8 @@ def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
             )
             for semaphore_id, total in tickets:
                 room[semaphore_id] -= int(total)
-        # The oldest parked task that lacked room on each semaphore, in the
-        # among the candidates or not: it holds back the younger ones there.
+        # The oldest parked task that lacked room on each semaphore, a
+        # candidate or not: it holds back the younger ones there.
         heads = dict(
             _waiting(alias)
             .filter(semaphore_id__in=involved, lacked=True)
