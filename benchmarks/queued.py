@@ -6,8 +6,9 @@ granted: every statement they issue is the price of waiting. Counted on the
 client side, through Django's ``execute_wrapper``, per thread connection;
 attempts (each one grant transaction, so one COMMIT more than its statements)
 are counted at ``grant.acquire_once``. The window opens once every waiter has
-made its first attempt (connecting and queueing are not waiting) and closes
-before the first gives up.
+made its first attempt, or queued behind this process's waiters without
+one (connecting and compiling are not waiting), and closes before the first
+gives up.
 
 "lines off" has every waiter poll as if alone in its queue: the herd the
 shared poller replaces.
@@ -67,18 +68,31 @@ def measure_waiting(
         finally:
             connections.close_all()
 
-    attempt = grant.acquire_once
+    attempt, wait_for_room = grant.acquire_once, waiting.wait_for_room
+
+    def mark_queued() -> None:
+        if not getattr(local, "queued", False):
+            local.queued = True
+            queued.append(time.monotonic())
 
     def counted_attempt(*args: Any) -> Any:
         attempts.append(time.monotonic())
         try:
             return attempt(*args)
         finally:
-            if not getattr(local, "queued", False):
-                local.queued = True
-                queued.append(time.monotonic())
+            mark_queued()
 
-    with _patched(grant, "acquire_once", counted_attempt), _lines(waiting, lines):
+    def counted_wait(*args: Any) -> Any:
+        # A newcomer that finds this process's waiters ahead of it queues
+        # behind them with no attempt of its own: it waits from here.
+        mark_queued()
+        return wait_for_room(*args)
+
+    with (
+        _patched(grant, "acquire_once", counted_attempt),
+        _patched(waiting, "wait_for_room", counted_wait),
+        _lines(waiting, lines),
+    ):
         workers = [threading.Thread(target=waiter) for _ in range(threads)]
         for worker in workers:
             worker.start()
