@@ -17,20 +17,19 @@ class DjangoSemaphoreConfig(AppConfig):
         # registry loads, before any model can be.
         from django_semaphore import (
             checks,  # noqa: F401  (registers the checks)
-            guards,
             parking,
         )
         from django_semaphore.conf import app_settings
         from django_semaphore.declared import create_declared_semaphores
         from django_semaphore.integrations import celery_tasks
-        from django_semaphore.models import Permit, PermitRequest, Semaphore
+        from django_semaphore.models import Permit, PermitRequest, Semaphore, requests, semaphore
 
         post_migrate.connect(create_declared_semaphores, sender=self)
         # Deleting what is held would end permits behind their holders' backs.
         for model, guard in (
-            (Semaphore, guards.refuse_deleting_held_semaphore),
-            (PermitRequest, guards.refuse_deleting_held_request),
-            (Permit, guards.refuse_deleting_held_permit),
+            (Semaphore, semaphore.refuse_deleting_held_semaphore),
+            (PermitRequest, requests.refuse_deleting_held_request),
+            (Permit, requests.refuse_deleting_held_permit),
         ):
             pre_delete.connect(
                 guard, sender=model, dispatch_uid=f"django_semaphore.{guard.__name__}"

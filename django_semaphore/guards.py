@@ -11,8 +11,8 @@ models by a project (a shell, a data migration, a script) go through here:
 - ``bulk_create()`` of requests or permits raises :class:`UnsafeWrite`:
   only ``acquire()`` creates them.
 - ``delete()`` of a held semaphore, request or permit raises
-  :class:`PermitHeld` (a ``pre_delete`` receiver, so it covers instances,
-  querysets, cascades and the admin alike).
+  :class:`PermitHeld` (``pre_delete`` receivers beside each model, so it
+  covers instances, querysets, cascades and the admin alike).
 - ``save()`` is guarded by ``GuardedModel`` (and ``Semaphore.save()``).
 
 What no Python hook sees (raw SQL, ``QuerySet._raw_delete()``, ``TRUNCATE``,
@@ -26,15 +26,11 @@ import functools
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 from django.db import models
 
-from django_semaphore.exceptions import PermitHeld, UnsafeWrite
-from django_semaphore.states import State
-
-if TYPE_CHECKING:
-    from django_semaphore.models import Permit, PermitRequest, Semaphore
+from django_semaphore.exceptions import UnsafeWrite
 
 M = TypeVar("M", bound=models.Model)
 
@@ -235,59 +231,3 @@ class GuardedModel(models.Model):
                     f"{type(self).__name__}.save() may not write {name!r}: {self.ORM_REFUSED[name]}"
                 )
         return names
-
-
-# --- deletes (pre_delete receivers, connected in apps.py) ---------------------------
-
-RELEASE_FIRST = (
-    "release it first: release(key) by its holder, or force-release it "
-    "(the admin's action, manage.py semaphore_release KEY, force_release(keys))."
-)
-
-
-def refuse_deleting_held_semaphore(
-    sender: type[Semaphore], instance: Semaphore, using: str, **kwargs: Any
-) -> None:
-    """Deleting a held semaphore would end its holders' permits silently."""
-    if engine_is_writing():
-        return
-    # Under the row lock (the delete's own transaction): a grant committed
-    # after Django collected the permits to delete is seen here, and no new
-    # one starts until the delete commits.
-    sender.objects.using(using).filter(pk=instance.pk).locked().exists()
-    holders = (
-        instance.permits.using(using)
-        .filter(state=State.ACQUIRED)
-        .values("request_id")
-        .distinct()
-        .count()
-    )
-    if holders:
-        raise PermitHeld(
-            f"Semaphore {instance.name!r} is held by {holders} request(s) and cannot be "
-            f"deleted: {RELEASE_FIRST}"
-        )
-
-
-def refuse_deleting_held_request(
-    sender: type[PermitRequest], instance: PermitRequest, using: str, **kwargs: Any
-) -> None:
-    # ACQUIRED -> RELEASED is one-way: an instance loaded RELEASED is still
-    # released; one loaded ACQUIRED may have been released since (refused
-    # all the same: reload it).
-    if instance.state == State.ACQUIRED and not engine_is_writing():
-        raise PermitHeld(
-            f"Permit request {instance.external_id!r} is held and cannot be deleted: "
-            f"{RELEASE_FIRST}"
-        )
-
-
-def refuse_deleting_held_permit(
-    sender: type[Permit], instance: Permit, using: str, **kwargs: Any
-) -> None:
-    if instance.state == State.ACQUIRED and not engine_is_writing():
-        raise PermitHeld(
-            f"Permit {instance} is held and cannot be deleted: release its request first "
-            f"(or, if its request is already released, run manage.py semaphore_sweep "
-            f"--orphans, which frees it)."
-        )

@@ -5,7 +5,7 @@ calls them, so the models sit below everything that does."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Self, TypeVar, cast
 
 from django.db import models
 from django.db.models import (
@@ -28,13 +28,7 @@ from django_semaphore.guards import GuardedQuerySet
 from django_semaphore.states import State
 from django_semaphore.validation import validate_flag, validate_name
 
-if TYPE_CHECKING:
-    from django_semaphore.models import (  # noqa: F401
-        Permit,
-        PermitRequest,
-        ReleaseCounter,
-        Semaphore,
-    )
+M = TypeVar("M", bound=models.Model)
 
 
 def _validate_fair(fair: Any) -> bool:
@@ -47,10 +41,10 @@ def _validate_looked_up_name(lookups: dict[str, Any]) -> None:
         validate_name(name)
 
 
-class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
+class SemaphoreQuerySet(GuardedQuerySet[M]):
     """``Semaphore.objects``' queries: semaphores locked, and with what waits on them."""
 
-    def locked(self) -> SemaphoreQuerySet:
+    def locked(self) -> Self:
         """These rows, locked in name order, for the caller's transaction.
 
         The one lock order of the app: every path that locks semaphore rows
@@ -61,7 +55,7 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
         """
         return self.select_for_update().order_by("name")
 
-    def bulk_create(self, objs: Any, *args: Any, **kwargs: Any) -> list[Semaphore]:
+    def bulk_create(self, objs: Any, *args: Any, **kwargs: Any) -> list[M]:
         """Create the semaphores and their release counters (``ReleaseCounter``).
 
         Raises:
@@ -71,7 +65,8 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
         objs = list(objs)
         for semaphore in objs:
             semaphore.validate_limits()
-        created = super().bulk_create(objs, *args, **kwargs)
+        # Semaphores, whose fields this generic queryset cannot name.
+        created: list[Any] = super().bulk_create(objs, *args, **kwargs)
         counter = self._related("release_counter").model
         missing = (
             self.model._base_manager.using(self.db)
@@ -96,7 +91,7 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
 
     def get_or_create(
         self, defaults: Mapping[str, Any] | None = None, **kwargs: Any
-    ) -> tuple[Semaphore, bool]:
+    ) -> tuple[M, bool]:
         """As Django's; a ``name`` no semaphore may have is refused before
         the look-up (whose driver may fail on it first)."""
         _validate_looked_up_name(kwargs)
@@ -107,12 +102,12 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
         defaults: Mapping[str, Any] | None = None,
         create_defaults: Mapping[str, Any] | None = None,
         **kwargs: Any,
-    ) -> tuple[Semaphore, bool]:
+    ) -> tuple[M, bool]:
         """As ``get_or_create``."""
         _validate_looked_up_name(kwargs)
         return super().update_or_create(defaults, create_defaults, **kwargs)
 
-    def with_usage(self) -> SemaphoreQuerySet:
+    def with_usage(self) -> Self:
         """Annotate what holds and waits on each semaphore (what is held is
         the ``in_use`` column itself): ``holders``, the requests holding
         permits; ``waiters``, the live tickets (fair waiters queued);
@@ -166,7 +161,7 @@ class SemaphoreQuerySet(GuardedQuerySet["Semaphore"]):
 _SemaphoreManager = models.Manager.from_queryset(SemaphoreQuerySet)
 
 
-class SemaphoreManager(_SemaphoreManager["Semaphore"]):
+class SemaphoreManager(_SemaphoreManager[M]):
     """Every query annotates ``in_use``, what counts against the capacity:
     the permits held, or on a rate limit the grants of its window (see
     ``in_use``).
@@ -175,14 +170,14 @@ class SemaphoreManager(_SemaphoreManager["Semaphore"]):
     annotation through ``F("in_use")`` or ``Q(in_use=...)``.
     """
 
-    def get_queryset(self) -> SemaphoreQuerySet:
+    def get_queryset(self) -> SemaphoreQuerySet[M]:
         queryset = super().get_queryset()
         meta = queryset.model._meta
-        counter = meta.get_field("release_counter").related_model
-        permit = meta.get_field("permits").related_model
+        counter = cast(type[models.Model], meta.get_field("release_counter").related_model)
+        permit = cast(type[models.Model], meta.get_field("permits").related_model)
         # Splatted: the type checker takes the model's declared ``in_use`` as it.
         annotated = queryset.annotate(**{"in_use": in_use(counter, permit)})
-        return cast(SemaphoreQuerySet, annotated)
+        return cast(SemaphoreQuerySet[M], annotated)
 
 
 def in_use(counter: type[models.Model], permit: type[models.Model]) -> Case:
@@ -250,10 +245,10 @@ def not_closed(permit: type[models.Model], **slots: Any) -> Case:
     )
 
 
-class ReleaseCounterQuerySet(GuardedQuerySet["ReleaseCounter"]):
+class ReleaseCounterQuerySet(GuardedQuerySet[M]):
     """``ReleaseCounter.objects``' queries."""
 
-    def locked(self) -> ReleaseCounterQuerySet:
+    def locked(self) -> Self:
         """These counters, locked in semaphore id order, for the caller's
         transaction: every release locks the counters of what it frees so
         (the release by key through permits inserted in that order), and
@@ -264,15 +259,15 @@ class ReleaseCounterQuerySet(GuardedQuerySet["ReleaseCounter"]):
 ReleaseCounterManager = models.Manager.from_queryset(ReleaseCounterQuerySet)
 
 
-class PermitRequestQuerySet(GuardedQuerySet["PermitRequest"]):
+class PermitRequestQuerySet(GuardedQuerySet[M]):
     """``PermitRequest.objects``' queries: the requests by where they stand."""
 
-    def held(self) -> PermitRequestQuerySet:
+    def held(self) -> Self:
         """Requests still ACQUIRED, whether or not their TTL has run out (see
         ``expired``): what the holders think they hold."""
         return self.filter(state=State.ACQUIRED)
 
-    def expired(self) -> PermitRequestQuerySet:
+    def expired(self) -> Self:
         """Held past their expiry by the database's clock."""
         return self.held().filter(expires_at__lte=DatabaseNow())
 
@@ -280,7 +275,7 @@ class PermitRequestQuerySet(GuardedQuerySet["PermitRequest"]):
 PermitRequestManager = models.Manager.from_queryset(PermitRequestQuerySet)
 
 
-class PermitQuerySet(GuardedQuerySet["Permit"]):
+class PermitQuerySet(GuardedQuerySet[M]):
     """Permits: every column is the engine's (see ``Permit.ORM_REFUSED``)."""
 
 

@@ -235,6 +235,6 @@ def _follow_batch(alias: str, pattern: str, changed_by_id: Any, reason: str) -> 
         return len(batch)
 
 
-def followers(alias: str, pattern: str) -> SemaphoreQuerySet:
+def followers(alias: str, pattern: str) -> SemaphoreQuerySet[Semaphore]:
     """The members of ``pattern`` whose capacity and window are the family default's."""
     return Semaphore.objects.using(alias).filter(family=pattern, own_capacity=False)

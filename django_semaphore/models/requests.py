@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from django.db import models
 from django.db.models import Q
 from django.utils.functional import cached_property
 from django.utils.translation import gettext_lazy as _
 
-from django_semaphore.exceptions import NameNotHeld
-from django_semaphore.guards import GuardedModel
+from django_semaphore.exceptions import NameNotHeld, PermitHeld
+from django_semaphore.guards import GuardedModel, engine_is_writing
 from django_semaphore.managers import PermitManager, PermitRequestManager
-from django_semaphore.models.semaphore import USE_ACQUIRE, USE_RELEASE, Semaphore
+from django_semaphore.models.semaphore import RELEASE_FIRST, USE_ACQUIRE, USE_RELEASE, Semaphore
 from django_semaphore.states import ReleaseReason, State
 from django_semaphore.validation import MAX_LENGTH
 
@@ -144,3 +144,30 @@ class Permit(GuardedModel):
 
     def __str__(self) -> str:
         return f"{self.request_id}:{self.semaphore_id}x{self.count}"
+
+
+# --- deletes (pre_delete receivers, connected in apps.py) ----------------------------
+
+
+def refuse_deleting_held_request(
+    sender: type[PermitRequest], instance: PermitRequest, using: str, **kwargs: Any
+) -> None:
+    # ACQUIRED -> RELEASED is one-way: an instance loaded RELEASED is still
+    # released; one loaded ACQUIRED may have been released since (refused
+    # all the same: reload it).
+    if instance.state == State.ACQUIRED and not engine_is_writing():
+        raise PermitHeld(
+            f"Permit request {instance.external_id!r} is held and cannot be deleted: "
+            f"{RELEASE_FIRST}"
+        )
+
+
+def refuse_deleting_held_permit(
+    sender: type[Permit], instance: Permit, using: str, **kwargs: Any
+) -> None:
+    if instance.state == State.ACQUIRED and not engine_is_writing():
+        raise PermitHeld(
+            f"Permit {instance} is held and cannot be deleted: release its request first "
+            f"(or, if its request is already released, run manage.py semaphore_sweep "
+            f"--orphans, which frees it)."
+        )

@@ -11,10 +11,11 @@ from django.db.models import F, Q
 from django.utils.translation import gettext_lazy as _
 
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.exceptions import SemaphoreNotFound
+from django_semaphore.exceptions import PermitHeld, SemaphoreNotFound
 from django_semaphore.guards import GuardedModel, engine_is_writing, engine_writes
 from django_semaphore.managers import ReleaseCounterManager, SemaphoreManager
 from django_semaphore.models.records import CapacityChange
+from django_semaphore.states import State
 from django_semaphore.validation import (
     MAX_LENGTH,
     MAX_WINDOW,
@@ -362,3 +363,35 @@ class ReleaseCounter(GuardedModel):
 
     def __str__(self) -> str:
         return f"{self.semaphore_id}: {self.released} released"
+
+
+# --- deletes (pre_delete receivers, connected in apps.py) ----------------------------
+
+RELEASE_FIRST = (
+    "release it first: release(key) by its holder, or force-release it "
+    "(the admin's action, manage.py semaphore_release KEY, force_release(keys))."
+)
+
+
+def refuse_deleting_held_semaphore(
+    sender: type[Semaphore], instance: Semaphore, using: str, **kwargs: Any
+) -> None:
+    """Deleting a held semaphore would end its holders' permits silently."""
+    if engine_is_writing():
+        return
+    # Under the row lock (the delete's own transaction): a grant committed
+    # after Django collected the permits to delete is seen here, and no new
+    # one starts until the delete commits.
+    sender.objects.using(using).filter(pk=instance.pk).locked().exists()
+    holders = (
+        instance.permits.using(using)
+        .filter(state=State.ACQUIRED)
+        .values("request_id")
+        .distinct()
+        .count()
+    )
+    if holders:
+        raise PermitHeld(
+            f"Semaphore {instance.name!r} is held by {holders} request(s) and cannot be "
+            f"deleted: {RELEASE_FIRST}"
+        )
