@@ -26,7 +26,7 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import fairness, families, grant
 from django_semaphore.engine.capacity import Limits, change_limits
-from django_semaphore.engine.releasing import Released, release_key, release_requests
+from django_semaphore.engine.releasing import release_key, release_requests
 from django_semaphore.exceptions import (
     InvalidRequest,
     NestedTransactionError,
@@ -411,18 +411,15 @@ def _force_release_on(alias: str, keys: list[str], reason: str) -> dict[str, Rel
             outcomes[key] = ReleaseOutcome.NOT_FOUND
             continue
         pk, state = rows[key]
-        released = (
-            run_with_retries(
-                connection,
-                functools.partial(release_requests, alias, [pk], reason),
-                persistence=RELEASE_PERSISTENCE,
-            )
-            if state == State.ACQUIRED
-            else Released(0, {})
+        outcomes[key] = ReleaseOutcome.ALREADY_RELEASED
+        if state != State.ACQUIRED:
+            continue
+        released = run_with_retries(
+            connection,
+            functools.partial(release_requests, alias, [pk], reason),
+            persistence=RELEASE_PERSISTENCE,
         )
         if released.ended:
             outcomes[key] = ReleaseOutcome.RELEASED
             _woken(connection, key, released.freed)
-        else:
-            outcomes[key] = ReleaseOutcome.ALREADY_RELEASED
     return outcomes
