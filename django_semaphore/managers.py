@@ -110,7 +110,8 @@ class SemaphoreQuerySet(GuardedQuerySet[M]):
     def with_usage(self) -> Self:
         """Annotate what holds and waits on each semaphore (what is held is
         the ``in_use`` column itself): ``holders``, the requests holding
-        permits; ``waiters``, the live tickets (fair waiters queued);
+        permits; ``waiters``, the live tickets of fair waiters (queued in
+        their processes; parked tasks are ``parking.with_parked``'s);
         ``waiting_since``, when the oldest of them queued, and
         ``longest_wait``, how long ago that was (a ``timedelta``; both
         ``None`` when nobody waits).
@@ -130,6 +131,7 @@ class SemaphoreQuerySet(GuardedQuerySet[M]):
         live = (
             self._related("tickets")
             .filter(semaphore=OuterRef("pk"), expires_at__gt=DatabaseNow())
+            .filter(parked__id__isnull=True)  # parked tasks are counted apart (parking)
             .order_by()
             .values("semaphore")
         )
@@ -280,3 +282,21 @@ class PermitQuerySet(GuardedQuerySet[M]):
 
 
 PermitManager = models.Manager.from_queryset(PermitQuerySet)
+
+
+class TicketQuerySet(models.QuerySet[M]):
+    """``Ticket.objects``' queries: the semaphores' lines."""
+
+    def holding_back(self) -> Self:
+        """Live tickets that lacked room: each keeps the room it asks for
+        from younger waiters (``engine/fairness.py``)."""
+        return self.filter(lacked=True, expires_at__gt=DatabaseNow())
+
+    def of_parked(self) -> Self:
+        """Live tickets of parked tasks not woken yet."""
+        return self.filter(
+            parked__id__isnull=False, parked__woken_at__isnull=True, expires_at__gt=DatabaseNow()
+        )
+
+
+TicketManager = models.Manager.from_queryset(TicketQuerySet)

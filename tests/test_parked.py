@@ -205,9 +205,14 @@ def test_a_parked_task_published_twice_runs_once(park, wakes):
 
 def park_row(demand: dict[str, int], task_id: str | None = None, **fields: Any) -> str:
     row = parking._Row(
-        task_id or unique("task"), "tests.parked", b"{}", "application/json", "utf-8", None
+        task_id or unique("task"),
+        "tests.parked",
+        b"{}",
+        "application/json",
+        "utf-8",
+        fields.pop("expires_at", None),
     )
-    parking._insert(connection, row, demand)
+    parking._insert(connections["default"], row, demand)
     if fields:
         ParkedTask.objects.filter(task_id=row.task_id).update(**fields)
     return row.task_id
@@ -272,7 +277,6 @@ def test_wake_respects_the_other_semaphore_of_a_multi_semaphore_demand(published
 
 def test_wake_leaves_room_to_earlier_fair_waiters(published):
     s = semaphore(1)
-    park_row({s.name: 1})
     now = timezone.now()
     Ticket.objects.create(
         semaphore=s, external_id="fair-waiter", count=1, created_at=now,
@@ -280,10 +284,12 @@ def test_wake_leaves_room_to_earlier_fair_waiters(published):
     )  # fmt: skip
     with behind_the_engine():  # as a fair waiter's attempt writes it
         Semaphore.objects.filter(pk=s.pk).update(queued_until=now + timedelta(minutes=1))
+    task_id = park_row({s.name: 1})  # behind the fair waiter, in one line
 
     assert wake.wake("default", [s.pk]) == 0
-    Ticket.objects.all().delete()
+    Ticket.objects.filter(external_id="fair-waiter").delete()
     assert wake.wake("default", [s.pk]) == 1
+    assert published == [task_id]
 
 
 def test_an_expired_row_is_passed_over_never_published(published):
@@ -305,8 +311,9 @@ def test_a_wake_up_reads_no_more_parked_tasks_than_fit(published):
         assert wake.wake("default", [s.pk]) == 2
     assert published == rows[:2]
     windows = [q["sql"] for q in queries.captured_queries if "LIMIT" in q["sql"]]
-    # The oldest that lacked room there, the oldest that lacked it nowhere else.
-    assert [sql.rstrip()[-7:] for sql in windows] == ["LIMIT 2", "LIMIT 2"], windows
+    # The oldest that lacked room there, the oldest that lacked it nowhere
+    # else; then, under the lock, the start of the line.
+    assert [sql.rstrip()[-7:] for sql in windows] == ["LIMIT 2"] * 3, windows
 
 
 def test_a_failed_publish_leaves_the_row_and_gives_its_room_back(monkeypatch):
@@ -591,7 +598,7 @@ def test_the_changelist_and_the_semaphore_page_show_parked_tasks(client):
     response = viewer.get(reverse("admin:django_semaphore_semaphore_changelist"), {"q": s.name})
     assert response.context["cl"].result_list.get().parked == 2
     parked_list = reverse("admin:django_semaphore_parkedtask_changelist")
-    link = f"{parked_list}?demands__semaphore__id__exact={s.pk}"
+    link = f"{parked_list}?tickets__semaphore__id__exact={s.pk}"
     assert link in response.content.decode()
     page = viewer.get(reverse("admin:django_semaphore_semaphore_change", args=[s.pk]))
     assert link in page.content.decode()
@@ -664,9 +671,12 @@ def test_the_oldest_parked_task_is_aged_by_the_database_clock_everywhere(client)
 
     out = StringIO()
     call_command("semaphore_status", older.name, idle.name, stdout=out)
-    header, *lines = out.getvalue().splitlines()
+    table, *queues = out.getvalue().split("\n\n")
+    header, *lines = table.splitlines()
     assert header.split()[-2:] == ["oldest", "parked"]
     last = {line.split()[0]: line.split()[-1] for line in lines}
+    assert f"Waiting in line on {older.name}" in queues[0]
+    assert "parked tests.parked" in queues[0]  # the parked tasks, in their place
     assert 150 <= float(last[older.name].rstrip("s")) < 210
     assert last[idle.name] == "-"
 

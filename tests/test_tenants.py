@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from django_semaphore import acquire, parking, release
-from django_semaphore.models import ParkedDemand, PermitRequest, Semaphore, Ticket
+from django_semaphore.models import PermitRequest, Semaphore, Ticket
 from django_semaphore.parking import wake
 from django_semaphore.waiting import standby
 from tests import tasks
@@ -149,7 +149,7 @@ def test_a_wake_up_marks_where_a_passed_over_task_lacked_room(published):
 
     assert wake.wake("default", [x.pk]) == 0
     flags = dict(
-        ParkedDemand.objects.filter(task__task_id=task_id).values_list("semaphore__name", "lacked")
+        Ticket.objects.filter(external_id=task_id).values_list("semaphore__name", "lacked")
     )
     assert flags == {x.name: False, y.name: True}
 

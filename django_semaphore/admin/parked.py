@@ -13,7 +13,7 @@ from django.utils.translation import ngettext
 
 from django_semaphore import parking, routing
 from django_semaphore.admin.base import OperatorAdmin
-from django_semaphore.models import ParkedDemand, ParkedTask
+from django_semaphore.models import ParkedTask, Ticket
 
 
 @admin.register(ParkedTask)
@@ -21,7 +21,7 @@ class ParkedTaskAdmin(OperatorAdmin):
     """Parked Celery tasks, oldest first: the order they are woken in."""
 
     list_display = ["task_name", "task_id", "semaphores", "parked_at", "woken_at", "expires_at"]
-    list_filter = ["demands__semaphore", "task_name"]
+    list_filter = ["tickets__semaphore", "task_name"]
     search_fields = ["task_id", "task_name"]
     ordering = ["id"]
     actions = ["drop"]
@@ -29,11 +29,11 @@ class ParkedTaskAdmin(OperatorAdmin):
     readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ParkedTask]:
-        demands = ParkedDemand.objects.using(routing.current_alias()).select_related("semaphore")
+        tickets = Ticket.objects.using(routing.current_alias()).select_related("semaphore")
         return (
             super()
             .get_queryset(request)
-            .prefetch_related(Prefetch("demands", queryset=demands.order_by("semaphore__name")))
+            .prefetch_related(Prefetch("tickets", queryset=tickets.order_by("semaphore__name")))
         )
 
     def get_actions(self, request: HttpRequest) -> dict[str, Any]:
@@ -55,10 +55,10 @@ class ParkedTaskAdmin(OperatorAdmin):
     @admin.display(description=_("semaphores"))
     def semaphores(self, obj: ParkedTask) -> str:
         return ", ".join(
-            demand.semaphore.name
-            if demand.count == 1
-            else f"{demand.semaphore.name} ({demand.count})"
-            for demand in obj.demands.all()
+            ticket.semaphore.name
+            if ticket.count == 1
+            else f"{ticket.semaphore.name} ({ticket.count})"
+            for ticket in obj.tickets.all()
         )
 
     @admin.action(permissions=["delete"], description=_("Drop selected parked tasks"))

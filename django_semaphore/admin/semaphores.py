@@ -296,7 +296,7 @@ class SemaphoreAdmin(OperatorAdmin):
             return 0
         return format_html(
             '<a href="{}">{}</a>',
-            self.admin_url(ParkedTask, "changelist", demands__semaphore__id__exact=obj.pk),
+            self.admin_url(ParkedTask, "changelist", tickets__semaphore__id__exact=obj.pk),
             count,
         )
 
@@ -394,7 +394,7 @@ class SemaphoreAdmin(OperatorAdmin):
         )
         history = CapacityChange.objects.using(using).filter(semaphore=obj)
         queue = Ticket.objects.using(using).filter(semaphore=obj, expires_at__gt=now)
-        waiting = list(queue.order_by("id")[:HOLDERS_SHOWN])
+        waiting = list(queue.select_related("parked").order_by("id")[:HOLDERS_SHOWN])
         can_view_requests = self.can_view(request, PermitRequest)
         return {
             "utilization_summary": describe(utilization),
@@ -434,7 +434,7 @@ class SemaphoreAdmin(OperatorAdmin):
             ),
             "queue": [
                 {
-                    "owner": ticket.owner,
+                    "owner": ticket.waiter,
                     "key": ticket.external_id,
                     "count": ticket.count,
                     "waiting": duration(ticket.created_at, now),

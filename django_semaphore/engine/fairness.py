@@ -1,4 +1,5 @@
-"""Fair mode: a durable first-come, first-served queue.
+"""Fair mode: a durable first-come, first-served queue -- the one line of
+waiters, which parked tasks stand in too (``engine/wakeups``).
 
 **Tickets.** An acquire that must wait on a fair semaphore (``Semaphore.fair``,
 or ``acquire(..., fair=True)``) leaves a ``Ticket`` per semaphore in the same
@@ -58,13 +59,10 @@ from django.db.backends.utils import CursorWrapper
 
 from django_semaphore import backends
 from django_semaphore.engine.statements.rows import LockedSemaphore
-from django_semaphore.engine.statements.tickets import ticket_statements
+from django_semaphore.engine.statements.tickets import MAX_TICKET_LIFE, ticket_statements
 from django_semaphore.exceptions import SemaphoreExhausted
 from django_semaphore.models import Ticket
 from django_semaphore.validation import Demand
-
-# A ticket never outlives this, whatever the timeout (datetime arithmetic).
-MAX_TICKET_LIFE = timedelta(days=365)
 
 _sequence = itertools.count(1)
 
@@ -143,9 +141,10 @@ def admit(
     )
     queues = ask.fair or any(s.fair for s in locked)
     if not short:
-        # This key's tickets, this call's or an earlier call's with the
-        # same key (a retry): granted, they must stop blocking others.
-        if standing.ticketed or (live and queues):
+        # This key's tickets, this call's, an earlier call's with the same
+        # key (a retry) or its parked task's: granted, they must stop
+        # holding back others.
+        if standing.ticketed or live:
             _delete_tickets(connection, cursor, [s.id for s in locked], ask.key, lock_wait)
         # A newcomer that nothing held back found a queue that is over (its
         # tickets were granted or gave up): ended, so that the next grants

@@ -1,19 +1,22 @@
-"""Parked tasks woken under the row locks: which of them fit in the room a
-release (or a capacity raise) freed.
+"""Parked tasks in line: their places taken when they park, and which of
+them a release (or a capacity raise) wakes.
 
-**Order, tenants.** A parked task that does not fit holds back younger
-tasks only on the semaphores where it lacks room: there first in, first out
-holds. Once it lacked room on a semaphore (``ParkedDemand.lacked``, set when
-it parked or when a wake-up passed it over) it keeps holding back there
-until it is woken, so a release elsewhere cannot snatch that room from it
-again and again: no demand starves (the bound is in ``docs/parked.md``).
-Where it has room it holds back nobody: tenant A's tasks waiting for A's own
-cap never keep tenant B's from the shared ``exports``.
+**One line.** A parked task waits in each of its semaphores' lines as a
+fair waiter does: by a ``Ticket`` per semaphore, keyed by its task id and
+taken under the rows' locks, and under fair mode's one rule
+(``engine/fairness``): an older ticket that lacked room keeps the room it
+asks for, and a younger waiter -- a parked task, a fair waiter, any grant
+-- fits only beside it. A task that does not fit lacks room there from
+then on and holds back younger ones in turn, so a release elsewhere cannot
+snatch that room from it again and again; where it has room it holds back
+nobody: tenant A's tasks waiting for A's own cap never keep tenant B's
+from the shared ``exports``. A woken task lacks room on all of its
+semaphores until its run (granted beside the older ones) deletes its
+tickets: that keeps its room for it meanwhile.
 
 The wake-up's decision is the engine's, as a grant's is: it locks the
-semaphore rows in the one lock order and keeps the room it hands out
-(``woken_at``) until the woken task's run claims it. Publishing their
-messages is the caller's (``parking/wake.py``), once this committed.
+semaphore rows in the one lock order. Publishing the woken tasks' messages
+is the caller's (``parking/wake.py``), once this committed.
 """
 
 from __future__ import annotations
@@ -21,49 +24,95 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import datetime
 
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Exists, F, Min, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models import Exists, F, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from django_semaphore import backends
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
-from django_semaphore.models import ParkedDemand, ParkedTask, Permit, Semaphore, Ticket
+from django_semaphore.engine.statements.tickets import MAX_TICKET_LIFE, ticket_statements
+from django_semaphore.exceptions import SemaphoreNotFound
+from django_semaphore.models import ParkedTask, Permit, Semaphore, Ticket
 
 # Parked tasks read per semaphore and kind by one wake: more than any
 # capacity frees at once in practice; the rest wait for the next release.
 CANDIDATES_READ = 200
 
 
-def _candidates(alias: str, freed: set[int]) -> list[int]:
+@dataclass(frozen=True)
+class Lined:
+    """Where a parking task's tickets were taken: its semaphores' ids by
+    name, and the rate limits among them."""
+
+    ids: dict[str, int]
+    rate_limits: set[int]
+
+
+def line_up(
+    connection: BaseDatabaseWrapper,
+    key: str,
+    demand: Mapping[str, int],
+    expires_at: datetime | None,
+) -> Lined:
+    """In the caller's transaction: lock these semaphores' rows and take
+    the task's tickets, lacking room where it does not fit beside the older
+    tickets that lacked it. A task parked again keeps its tickets, and so
+    its place.
+
+    Raises:
+        SemaphoreNotFound: a semaphore of the demand does not exist.
+    """
+    alias = connection.alias
+    rows = list(
+        Semaphore.objects.using(alias)
+        .filter(name__in=demand)
+        .locked()
+        .annotate(db_now=DatabaseNow())
+        .values_list("name", "id", "capacity", F("in_use"), "window", "db_now")
+    )
+    if len(rows) != len(demand):
+        raise SemaphoreNotFound(set(demand) - {name for name, *_ in rows})
+    now = rows[0][-1]
+    ids = {name: id for name, id, *_ in rows}
+    statements = ticket_statements(connection)
+    with connection.cursor() as cursor:
+        lock_wait = app_settings.LOCK_WAIT_TIMEOUT
+        ahead = statements.older(cursor, list(ids.values()), key, now, lock_wait)
+        short = {
+            id
+            for name, id, capacity, in_use, *_ in rows
+            if in_use + demand[name] + ahead.get(id, (0, 0))[1] > capacity
+        }
+        until = expires_at or now + MAX_TICKET_LIFE
+        counts = {ids[name]: count for name, count in demand.items()}
+        statements.take(cursor, key, "", counts, now, until, short, lock_wait)
+    return Lined(ids, {id for _, id, _, _, window, _ in rows if window is not None})
+
+
+def _candidates(alias: str, freed: set[int]) -> list[str]:
     """The parked tasks that may fit in the room on these semaphores, by
     plain reads (no lock, no transaction; the wake-up decides under the
     lock). On each semaphore with room, by two indexed reads of at most
     its room each (every task takes at least one): the oldest tasks that
     lacked room there (they come first), and the oldest that lacked room
-    nowhere else (younger ones that may pass the others). A task held back
+    nowhere (younger ones that may pass the others). A task held back
     elsewhere is found by the wake-ups of the semaphores it lacks. Most
     releases of a busy semaphore find no room left, or nothing parked, and
     end the wake-up here. A park or a release committed after these reads
     runs a wake-up of its own."""
     semaphores = Semaphore.objects.using(alias).filter(id__in=freed)
-    candidates: set[int] = set()
+    lacking = Ticket.objects.filter(external_id=OuterRef("external_id"), lacked=True)
+    candidates: set[str] = set()
     for id, capacity, in_use in semaphores.values_list("id", "capacity", F("in_use")):
         if (room := capacity - in_use) > 0:
-            waiting = _waiting(alias).filter(semaphore_id=id).order_by("task_id")
-            for kind in (Q(lacked=True), Q(elsewhere=False)):
-                oldest = waiting.filter(kind).values_list("task_id", flat=True)
+            line = Ticket.objects.using(alias).of_parked().filter(semaphore_id=id).order_by("id")
+            for kind in (Q(lacked=True), Q(lacked=False) & ~Exists(lacking)):
+                oldest = line.filter(kind).values_list("external_id", flat=True)
                 candidates.update(oldest[: min(room, CANDIDATES_READ)])
     return sorted(candidates)
-
-
-def _waiting(alias: str) -> QuerySet[Any]:
-    """The demands of parked tasks not woken and not past their expiry (the
-    sweep drops those; they are never published)."""
-    live = Q(task__expires_at__isnull=True) | Q(task__expires_at__gt=timezone.now())
-    return ParkedDemand.objects.using(alias).filter(live, task__woken_at__isnull=True)
 
 
 def next_slots(alias: str, semaphore_ids: set[int]) -> dict[int, float]:
@@ -76,7 +125,7 @@ def next_slots(alias: str, semaphore_ids: set[int]) -> dict[int, float]:
     rows = (
         Semaphore.objects.using(alias)
         .filter(id__in=semaphore_ids, window__isnull=False)
-        .filter(Exists(_waiting(alias).filter(semaphore=OuterRef("pk"))))
+        .filter(Exists(Ticket.objects.of_parked().filter(semaphore=OuterRef("pk"))))
         .annotate(
             next_ends=Subquery(slots.order_by("slot_ends").values("slot_ends")[:1]),
             db_now=DatabaseNow(),
@@ -88,136 +137,125 @@ def next_slots(alias: str, semaphore_ids: set[int]) -> dict[int, float]:
     }
 
 
+@dataclass(frozen=True)
+class _Place:
+    """One ticket: its id (its place in its semaphore's line), key, count."""
+
+    id: int
+    key: str
+    count: int
+
+
+@dataclass
+class _Line:
+    """A semaphore as the wake-up locked it, and the start of its line: the
+    oldest tickets that hold back (at most its room's worth: one more
+    could never leave room for anybody behind)."""
+
+    capacity: int
+    in_use: int
+    holding_back: list[_Place] = field(default_factory=list)
+
+    def fits(self, place: _Place) -> bool:
+        """Whether ``place`` fits beside the older tickets that hold back."""
+        ahead = sum(p.count for p in self.holding_back if p.id < place.id and p.key != place.key)
+        return self.in_use + ahead + place.count <= self.capacity
+
+    def hold_back(self, place: _Place) -> None:
+        self.holding_back.append(place)
+        self.holding_back.sort(key=lambda p: p.id)
+
+
 def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
-    """One wake-up's transaction: under the semaphores' row locks, mark the
-    oldest parked tasks that fit in the room freed on these semaphores
-    (``woken_at``, which keeps their room for them); returns their ids, for
-    the caller to publish once this is committed."""
+    """One wake-up's transaction: under the semaphores' row locks, wake the
+    oldest parked tasks that fit in the room on these semaphores (their
+    tickets lack room everywhere now: it is kept for them); returns their
+    ``ParkedTask`` ids, for the caller to publish once this is committed."""
     alias = connection.alias
-    demands = ParkedDemand.objects.using(alias)
     # Read before the transaction, to hold its lock for as short as can be
     # (grants wait on it); what another wake-up woke meanwhile is left out
     # under it.
     candidates = _candidates(alias, freed)
     if not candidates:
         return []
+    tickets = Ticket.objects.using(alias)
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
-        wanted: dict[int, dict[int, int]] = defaultdict(dict)  # task -> semaphore -> count
-        lacked: dict[int, set[int]] = defaultdict(set)  # task -> semaphores it lacked
-        for task_id, semaphore_id, count, was_lacking in demands.filter(
-            task_id__in=candidates
-        ).values_list("task_id", "semaphore_id", "count", "lacked"):
-            wanted[task_id][semaphore_id] = count
-            if was_lacking:
-                lacked[task_id].add(semaphore_id)
-        involved = freed | {s for asks in wanted.values() for s in asks}
+        involved = freed | set(
+            tickets.filter(external_id__in=candidates).values_list("semaphore_id", flat=True)
+        )
         # Locked as the grant locks them (name order): the room read here
         # stays true until this commits, and two wake-ups never spend it twice.
-        locked = list(
-            Semaphore.objects.using(alias)
+        lines = {
+            id: _Line(capacity, in_use)
+            for id, capacity, in_use in Semaphore.objects.using(alias)
             .filter(id__in=involved)
             .locked()
-            .values_list("id", "capacity", F("in_use"), "queued_until")
-        )
-        taken = set(
+            .values_list("id", "capacity", F("in_use"))
+        }
+        for id, line in lines.items():
+            room = line.capacity - line.in_use
+            if room > 0:
+                oldest = tickets.holding_back().filter(semaphore_id=id).order_by("id")
+                line.holding_back = [
+                    _Place(*row) for row in oldest.values_list("id", "external_id", "count")[:room]
+                ]
+        waiting = dict(
             ParkedTask.objects.using(alias)
-            .filter(id__in=candidates, woken_at__isnull=False)
-            .values_list("id", flat=True)
+            .filter(task_id__in=candidates, woken_at__isnull=True)
+            .values_list("task_id", "id")
         )
-        candidates = [task_id for task_id in candidates if task_id not in taken]
-        room = {id: capacity - in_use for id, capacity, in_use, _ in locked}
-        reserved = (
-            demands.filter(semaphore_id__in=involved, task__woken_at__isnull=False)
-            .values("semaphore_id")
-            .annotate(total=Sum("count"))
-            .values_list("semaphore_id", "total")
-        )
-        for semaphore_id, total in reserved:
-            room[semaphore_id] -= int(total)
-        if any(queued_until is not None for *_, queued_until in locked):
-            # Fair-mode waiters came first: a woken task would only be refused.
-            tickets = (
-                Ticket.objects.using(alias)
-                .filter(semaphore_id__in=involved, lacked=True, expires_at__gt=DatabaseNow())
-                .values("semaphore_id")
-                .annotate(total=Sum("count"))
-                .values_list("semaphore_id", "total")
-            )
-            for semaphore_id, total in tickets:
-                room[semaphore_id] -= int(total)
-        # The oldest parked task that lacked room on each semaphore, a
-        # candidate or not: it holds back the younger ones there.
-        heads = dict(
-            _waiting(alias)
-            .filter(semaphore_id__in=involved, lacked=True)
-            .values("semaphore_id")
-            .annotate(head=Min("task_id"))
-            .values_list("semaphore_id", "head")
-        )
-        choice = _choose(candidates, wanted, room, heads, lacked)
-        _mark_lacking(alias, choice.lacking)
-        if choice.woken:
-            ParkedTask.objects.using(alias).filter(id__in=choice.woken).update(
-                woken_at=timezone.now()
-            )
-    return choice.woken
+        places: dict[str, dict[int, tuple[_Place, bool]]] = defaultdict(dict)
+        for id, key, semaphore_id, count, lacked in tickets.filter(
+            external_id__in=list(waiting), semaphore_id__in=list(lines)
+        ).values_list("id", "external_id", "semaphore_id", "count", "lacked"):
+            places[key][semaphore_id] = (_Place(id, key, count), lacked)
+        choice = _choose(places, lines)
+        _hold_back(connection, choice.lacking)
+        woken = [waiting[key] for key in choice.woken]
+        if woken:
+            ParkedTask.objects.using(alias).filter(id__in=woken).update(woken_at=timezone.now())
+    return woken
 
 
 @dataclass
 class Choice:
-    """A wake-up's decision: the tasks to wake, and the semaphores each task
-    passed over newly lacked room on (it holds back younger tasks there
-    from now on)."""
+    """A wake-up's decision: the tasks to wake (keys, oldest first), and the
+    tickets that lack room from now on (newly: woken, or passed over)."""
 
-    woken: list[int] = field(default_factory=list)
-    lacking: dict[int, set[int]] = field(default_factory=dict)
+    woken: list[str] = field(default_factory=list)
+    lacking: list[int] = field(default_factory=list)
 
 
 def _choose(
-    candidates: list[int],
-    wanted: Mapping[int, Mapping[int, int]],
-    room: dict[int, int],
-    heads: Mapping[int, int],
-    lacked: Mapping[int, set[int]],
+    places: Mapping[str, Mapping[int, tuple[_Place, bool]]], lines: Mapping[int, _Line]
 ) -> Choice:
-    """The tasks to wake, oldest first: a task that does not fit holds back
-    the younger ones only on the semaphores where it lacks room now or
-    lacked it before (``heads`` are the oldest of those, candidates or
-    not); elsewhere they may pass it."""
+    """The tasks to wake, oldest first (by their first ticket): one that
+    fits beside the older tickets holding back on each of its semaphores is
+    woken and holds back there; one that does not lacks room where it does
+    not fit, and holds back younger ones there."""
     choice = Choice()
-    held_back: set[int] = set()  # semaphores a task passed over holds back
-    for task_id in candidates:
-        asks = wanted[task_id]
-        behind = any(s in held_back or heads.get(s, task_id) < task_id for s in asks)
-        short = {s for s, count in asks.items() if s not in room or room[s] < count}
-        if behind or short:
-            previously = lacked.get(task_id, set())
-            held_back.update(short | previously)
-            if short - previously:
-                choice.lacking[task_id] = short - previously
-            continue
-        for s, count in asks.items():
-            room[s] -= count
-        choice.woken.append(task_id)
+    for key in sorted(places, key=lambda key: min(p.id for p, _ in places[key].values())):
+        asks = places[key]
+        short = {s for s, (place, _) in asks.items() if not lines[s].fits(place)}
+        for s, (place, lacked) in asks.items():
+            if not lacked and (not short or s in short):
+                lines[s].hold_back(place)
+                choice.lacking.append(place.id)
+        if not short:
+            choice.woken.append(key)
     return choice
 
 
-def _mark_lacking(alias: str, lacking: Mapping[int, set[int]]) -> None:
-    """Record where the tasks passed over lacked room (see ``mark_lacked``)."""
-    for task_id, semaphore_ids in lacking.items():
-        mark_lacked(alias, task_id, semaphore_ids)
-
-
-def mark_lacked(alias: str, task_id: int, semaphore_ids: set[int]) -> None:
-    """The parked task lacked room on these semaphores: it holds back younger
-    tasks there from now on, and on its other semaphores it has lacked room
-    elsewhere. Flags are only ever set: a task keeps its place once taken."""
-    if not semaphore_ids:
+def _hold_back(connection: BaseDatabaseWrapper, ticket_ids: list[int]) -> None:
+    """Mark these tickets as lacking room, and their semaphores' queues live
+    until they expire at least."""
+    if not ticket_ids:
         return
-    demands = ParkedDemand.objects.using(alias).filter(task_id=task_id)
-    demands.filter(semaphore_id__in=semaphore_ids).update(lacked=True)
-    others = list(demands.filter(lacked=True).values_list("semaphore_id", flat=True))
-    if len(others) > 1:
-        demands.update(elsewhere=True)
-    else:
-        demands.exclude(semaphore_id__in=others).update(elsewhere=True)
+    tickets = Ticket.objects.using(connection.alias).filter(id__in=ticket_ids)
+    tickets.update(lacked=True)
+    latest: dict[int, datetime] = {}
+    for semaphore_id, expires_at in tickets.values_list("semaphore_id", "expires_at"):
+        latest[semaphore_id] = max(expires_at, latest.get(semaphore_id, expires_at))
+    with connection.cursor() as cursor:
+        for semaphore_id, expires_at in latest.items():
+            ticket_statements(connection).queue_until(cursor, [semaphore_id], expires_at)

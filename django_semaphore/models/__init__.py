@@ -7,7 +7,7 @@ permits), ``records`` (tickets, capacity history, fencing marks), ``parked``
 
 from __future__ import annotations
 
-from django_semaphore.models.parked import ParkedDemand, ParkedTask
+from django_semaphore.models.parked import ParkedTask
 from django_semaphore.models.records import CapacityChange, FencingMark, Ticket
 from django_semaphore.models.requests import Permit, PermitRequest
 from django_semaphore.models.semaphore import ReleaseCounter, Semaphore
@@ -15,7 +15,6 @@ from django_semaphore.models.semaphore import ReleaseCounter, Semaphore
 __all__ = [
     "CapacityChange",
     "FencingMark",
-    "ParkedDemand",
     "ParkedTask",
     "Permit",
     "PermitRequest",

@@ -1,4 +1,4 @@
-"""What is kept beside the semaphores: fair waiters' tickets, the capacity
+"""What is kept beside the semaphores: waiters' tickets, the capacity
 history, and the fencing marks of downstream resources."""
 
 from __future__ import annotations
@@ -7,18 +7,21 @@ from django.conf import settings
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
+from django_semaphore.managers import TicketManager
 from django_semaphore.validation import MAX_LENGTH
 
 
 class Ticket(models.Model):
-    """A fair waiter's place in the queue of one semaphore.
+    """A waiter's place in the line of one semaphore: a fair-mode acquire's
+    (keyed by its key) or a parked Celery task's (keyed by its task id).
 
-    Taken under the semaphore's row lock by the attempt that found no room, so
-    on each semaphore ticket ids follow the order of its grant transactions
-    (see ``engine/fairness.py``). It stops blocking others at ``expires_at``, the
-    waiter's deadline, whether the waiter is granted, gives up or crashed.
-    ``lacked``: the waiter lacked room on this semaphore (then or at a later
-    attempt); only then does it hold back younger waiters here.
+    Taken under the semaphore's row lock, so on each semaphore ticket ids
+    follow the order of its grant transactions (see ``engine/fairness.py``).
+    ``lacked``: the waiter lacked room on this semaphore (then, at a later
+    attempt, or when a wake-up passed it over) or was woken to take it;
+    only then does it hold back younger waiters here, by keeping the room it
+    asks for. It stops holding back at ``expires_at``: a fair waiter's
+    deadline, a parked task's expiry.
     """
 
     semaphore = models.ForeignKey(
@@ -30,24 +33,47 @@ class Ticket(models.Model):
     created_at = models.DateTimeField(_("waiting since"))
     expires_at = models.DateTimeField(_("expires at"))
     lacked = models.BooleanField(_("lacked room here"), default=True)
+    # The parked task whose ticket this is, by key (no column of its own):
+    # none for a fair waiter's.
+    parked = models.ForeignObject(
+        "django_semaphore.ParkedTask",
+        on_delete=models.DO_NOTHING,
+        from_fields=["external_id"],
+        to_fields=["task_id"],
+        related_name="tickets",
+        null=True,
+    )
+
+    objects = TicketManager()
 
     class Meta:
         verbose_name = _("ticket")
         verbose_name_plural = _("tickets")
         ordering = ["id"]
         constraints = [
-            # One place per key and semaphore: a retried acquire keeps its place.
+            # One place per key and semaphore: a retried acquire keeps its
+            # place. Key first: a parked task's tickets are found by its id.
             models.UniqueConstraint(
-                fields=["semaphore", "external_id"], name="semaphore_ticket_unique_key"
+                fields=["external_id", "semaphore"], name="semaphore_ticket_key"
             ),
         ]
         indexes = [
             # The sweep deletes dead tickets by expiry.
             models.Index(fields=["expires_at"], name="semaphore_ticket_expiry"),
+            # A semaphore's line: those holding back, or not, in order.
+            models.Index(fields=["semaphore", "lacked", "id"], name="semaphore_ticket_line"),
         ]
 
     def __str__(self) -> str:
         return f"{self.external_id}@{self.semaphore_id}#{self.id}"
+
+    @property
+    def waiter(self) -> str:
+        """Who waits: a fair waiter's owner, or the parked task (select the
+        ``parked`` relation with the tickets)."""
+        if self.parked is not None:
+            return _("parked %(task)s") % {"task": self.parked.task_name}
+        return self.owner
 
 
 class CapacityChange(models.Model):

@@ -4,8 +4,9 @@ in the broker, and is published again when releases make room for it.
 **Park.** A ``@holds_permit`` task (by default: ``PARK_TASKS``;
 ``park=False`` retries instead) whose run is refused writes a ``ParkedTask``
 row -- its message as the task's serializer encodes it, the same one
-``Task.retry`` would publish, minus the countdown -- and one ``ParkedDemand``
-row per semaphore, then ends in the ``PARKED`` state
+``Task.retry`` would publish, minus the countdown -- and takes its place in
+line: a ``Ticket`` per semaphore, keyed by its task id, as a fair waiter's
+(``engine/wakeups``), then ends in the ``PARKED`` state
 (``celery.exceptions.Ignore``: no failure, no retry counted). Once that is
 committed it looks for room once more (``wake``): a release that committed
 between its refusal and its row would otherwise have woken nobody.
@@ -15,17 +16,16 @@ the sweeps, a force release, a capacity or window change -- call
 ``room_made`` with the semaphores they freed permits on; once that is
 committed, and if this process wakes parked tasks (``enable``), ``wake``
 runs one short transaction that locks the semaphore rows in name order (as
-the grant does), reads the room left -- capacity, minus ``in_use``, minus
-what tasks woken earlier and not started yet will take, minus what live
-fair-mode tickets wait for -- and marks the oldest parked tasks that fit,
-first in, first out per semaphore where it matters: a task that does not
-fit holds back younger ones only on the semaphores where it lacks (or once
-lacked) room, so tenant A's tasks waiting for A's own cap never keep tenant
-B's from a shared semaphore with room (``engine/wakeups``). Their messages
-are published after that commits. What no door sees -- a grant's inline
-reclaim of expired permits, ``Semaphore.save()`` of a raised capacity,
-releases in processes that do not wake -- the beat sweep
-(``sweep.sweep_parked``) finds within its interval.
+the grant does) and wakes the oldest parked tasks that fit beside the older
+tickets that lacked room -- the one rule every grant obeys: a task that
+does not fit holds back younger ones only on the semaphores where it lacks
+(or once lacked) room, so tenant A's tasks waiting for A's own cap never
+keep tenant B's from a shared semaphore with room. A woken task's tickets
+keep its room until its run takes it. Their messages are published after
+that commits. What no door sees -- a grant's inline reclaim of expired
+permits, ``Semaphore.save()`` of a raised capacity, releases in processes
+that do not wake -- the beat sweep (``sweep.sweep_parked``) finds within
+its interval.
 
 **Stand by first.** Parking costs a broker round trip per hand-off
 (release, wake-up, publish, delivery, grant), longer than a short task: a
@@ -33,7 +33,7 @@ capacity of 20 ms tasks would spend more time handing permits over than
 holding them. So a refused task first *stands by* in its worker
 (``standby.stand_by``) -- unless this process saw its semaphores held for
 ``SHORT_HOLD`` or longer (a family's members count as one), or, for a task
-not woken, parked tasks are held back on them (tasks that lacked room there
+not woken, older waiters hold back on them (they lacked room there and
 came first). It waits as ``acquire(timeout=STANDBY_WAIT)`` waits --
 ``waiting``'s poller, paced by the holds this process saw
 (``standby.learn_hold``) -- and then parks (a woken task keeps its place).
@@ -48,8 +48,8 @@ a family has.
 **Nothing lost, nothing run twice.** A woken row stays until its run holds its
 permit (``started``), so a publish that failed, or a message lost before a
 worker ran it, is published again by the beat sweep (``sweep.sweep_parked``) once
-``PARKED_REPUBLISH_AFTER`` has passed; a publish that raised gives its room
-back at once. The run's key is its task id: a second copy meeting a live
+``PARKED_REPUBLISH_AFTER`` has passed; a task whose publish raised is first
+in line for the next wake-up. The run's key is its task id: a second copy meeting a live
 first one is deferred as any live duplicate is, and a copy arriving after the
 task finished is dropped (``TaskAlreadyRan``). A revoked or expired task is
 dropped when Celery discards its message (``task_revoked``); a row past its
@@ -61,6 +61,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -83,8 +84,7 @@ from django.utils import timezone
 from django_semaphore import backends, routing
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import wakeups
-from django_semaphore.exceptions import SemaphoreNotFound
-from django_semaphore.models import ParkedDemand, ParkedTask, PermitRequest, Semaphore
+from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.parking import wake
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import ReleaseReason
@@ -119,14 +119,12 @@ def park(task: Any, demand: Mapping[str, int]) -> None:
     alias = routing.alias_for_names(list(demand))
     connection = connections[alias]
     row = _Row(request.id, task.name, bytes(body), content_type, encoding, _expiry(request))
-    semaphore_ids, rate_limits = run_with_retries(
-        connection, functools.partial(_insert, connection, row, dict(demand))
-    )
+    lined = run_with_retries(connection, functools.partial(_insert, connection, row, dict(demand)))
     _set_state(task, demand)
-    wake.wake(alias, semaphore_ids)
-    if rate_limits:
+    wake.wake(alias, lined.ids.values())
+    if lined.rate_limits:
         # No release frees a slot: a wake-up for when the next one ends.
-        wake.schedule_slots(alias, rate_limits)
+        wake.schedule_slots(alias, lined.rate_limits)
 
 
 @dataclass(frozen=True)
@@ -149,59 +147,29 @@ def _expiry(request: Any) -> datetime | None:
     return moment if timezone.is_aware(moment) else timezone.make_aware(moment, UTC)
 
 
-def _insert(
-    connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]
-) -> tuple[list[int], set[int]]:
-    """The row and its demands in one transaction; the semaphores' ids, and
-    those of the rate limits among them."""
+def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) -> wakeups.Lined:
+    """The row and its tickets in one transaction (a task parked again keeps
+    both, and so its place in line)."""
     alias = connection.alias
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
-        rows = Semaphore.objects.using(alias).filter(name__in=demand)
-        room: dict[str, tuple[int, int]] = {}
-        rate_limits: set[int] = set()
-        for name, id, capacity, in_use, window in rows.values_list(
-            "name", "id", "capacity", F("in_use"), "window"
-        ):
-            room[name] = (id, capacity - in_use)
-            if window is not None:
-                rate_limits.add(id)
-        if len(room) != len(demand):
-            raise SemaphoreNotFound(set(demand) - set(room))
-        ids = {name: id for name, (id, _) in room.items()}
-        # Where it lacks room it holds back younger tasks (engine/wakeups).
-        lacking = {id for name, (id, free) in room.items() if free < demand[name]}
-        # A woken task that found no room again keeps its place in line.
+        lined = wakeups.line_up(connection, row.task_id, demand, row.expires_at)
         parked_before = ParkedTask.objects.using(alias).filter(task_id=row.task_id)
-        if parked_id := parked_before.values_list("id", flat=True).first():
-            parked_before.update(woken_at=None)
-            wakeups.mark_lacked(alias, parked_id, lacking)
-            return list(ids.values()), rate_limits
-        try:
-            with transaction.atomic(using=alias):
-                parked = ParkedTask.objects.using(alias).create(
-                    task_id=row.task_id,
-                    task_name=row.task_name,
-                    body=row.body,
-                    content_type=row.content_type,
-                    content_encoding=row.encoding,
-                    # The database's clock, as the age the console shows is
-                    # read from it (parking.with_parked).
-                    parked_at=backends.StatementNow(),
-                    expires_at=row.expires_at,
-                )
-        except IntegrityError:
-            return list(ids.values()), rate_limits  # another copy of this task parked it first
-        ParkedDemand.objects.using(alias).bulk_create(
-            ParkedDemand(
-                task=parked,
-                semaphore_id=ids[name],
-                count=count,
-                lacked=ids[name] in lacking,
-                elsewhere=bool(lacking - {ids[name]}),
+        if parked_before.update(woken_at=None):
+            return lined
+        with suppress(IntegrityError), transaction.atomic(using=alias):
+            # Unless another copy of this task parked it first.
+            ParkedTask.objects.using(alias).create(
+                task_id=row.task_id,
+                task_name=row.task_name,
+                body=row.body,
+                content_type=row.content_type,
+                content_encoding=row.encoding,
+                # The database's clock, as the age the console shows is read
+                # from it (parking.with_parked).
+                parked_at=backends.StatementNow(),
+                expires_at=row.expires_at,
             )
-            for name, count in demand.items()
-        )
-    return list(ids.values()), rate_limits
+    return lined
 
 
 def _set_state(task: Any, demand: Mapping[str, int]) -> None:
@@ -215,18 +183,17 @@ def _set_state(task: Any, demand: Mapping[str, int]) -> None:
 
 
 def started(task_id: str, demand: Mapping[str, int]) -> None:
-    """The task holds its permit now: its parked row, if any, has done its job."""
+    """The task holds its permit now: its parked row and its tickets, if any,
+    have done their job."""
     alias = routing.alias_for_names(list(demand))
-    # By id and without Django's collector (which reads the rows first): a
+    # By key and without Django's collector (which reads the rows first): a
     # run that was not parked pays one indexed read.
-    ids = list(ParkedTask.objects.using(alias).filter(task_id=task_id).values_list("id", flat=True))
-    if ids:
-        demands = ParkedDemand.objects.using(alias).filter(task_id__in=ids)
+    if _raw_delete(ParkedTask.objects.using(alias).filter(task_id=task_id)):
+        tickets = Ticket.objects.using(alias).filter(external_id=task_id)
         rate_limits = set(
-            demands.filter(semaphore__window__isnull=False).values_list("semaphore_id", flat=True)
+            tickets.filter(semaphore__window__isnull=False).values_list("semaphore_id", flat=True)
         )
-        _raw_delete(demands)
-        _raw_delete(ParkedTask.objects.using(alias).filter(id__in=ids))
+        _raw_delete(tickets)
         if rate_limits:
             # It took a slot there: the tasks parked behind it are woken
             # when that slot, or an earlier one, ends.
@@ -261,7 +228,8 @@ def on_task_revoked(request: Any = None, **kwargs: Any) -> None:
 def cancel(task_ids: Iterable[str]) -> int:
     """Drop these parked tasks (never published again); returns how many.
 
-    The room that woken ones were kept is offered to the next in line.
+    The room their tickets kept (woken, or lacking it) is offered to the
+    next in line.
 
     Raises:
         InvalidRequest: ``task_ids`` given as one str, or holding an id no
@@ -270,18 +238,14 @@ def cancel(task_ids: Iterable[str]) -> int:
     keys = validate_keys(task_ids, "task id")
     dropped = 0
     for alias in routing.aliases():
-        rows = dict(
-            ParkedTask.objects.using(alias).filter(task_id__in=keys).values_list("id", "woken_at")
-        )
-        if not rows:
+        parked = ParkedTask.objects.using(alias).filter(task_id__in=keys)
+        found = list(parked.values_list("task_id", flat=True))
+        if not found:
             continue
-        demands = ParkedDemand.objects.using(alias).filter(task_id__in=list(rows))
-        woken = [id for id, woken_at in rows.items() if woken_at is not None]
-        semaphore_ids = set(
-            demands.filter(task_id__in=woken).values_list("semaphore_id", flat=True)
-        )
-        _raw_delete(demands)
-        dropped += _raw_delete(ParkedTask.objects.using(alias).filter(id__in=list(rows)))
+        tickets = Ticket.objects.using(alias).filter(external_id__in=found)
+        semaphore_ids = set(tickets.filter(lacked=True).values_list("semaphore_id", flat=True))
+        _raw_delete(tickets)
+        dropped += _raw_delete(parked.filter(task_id__in=found))
         wake.wake(alias, semaphore_ids)
     return dropped
 
@@ -336,27 +300,23 @@ def with_parked(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
     ``timedelta``; both ``None`` when nothing is parked). For the admin,
     ``semaphore_status`` and the metrics, in the same query.
 
-    Correlated subqueries on the (semaphore, task) index: the first in line
-    is the lowest task id there (ids are handed out as tasks park, and a task
-    parked again keeps its row), read from the index alone, then its
-    ``parked_at`` by primary key: two look-ups however many are parked.
+    Correlated subqueries on the line's index: the first in line is the
+    parked task with the lowest ticket there, then its ``parked_at`` by its
+    unique key.
     """
-    demands = ParkedDemand.objects.filter(semaphore=OuterRef("pk")).order_by().values("semaphore")
-    # ORDER BY ... LIMIT 1, not MIN() ... GROUP BY: PostgreSQL then reads one
-    # index entry, where the aggregate read every demand of the semaphore.
+    tickets = Ticket.objects.filter(parked__id__isnull=False).order_by()
+    line = tickets.filter(semaphore=OuterRef("pk")).values("semaphore")
     first_in_line = (
-        ParkedDemand.objects.filter(semaphore=OuterRef(OuterRef("pk")))
-        .order_by("task_id")
-        .values("task_id")[:1]
+        tickets.filter(semaphore=OuterRef(OuterRef("pk"))).order_by("id").values("external_id")[:1]
     )
     return queryset.annotate(
         parked=Coalesce(
-            Subquery(demands.annotate(number=Count("task_id")).values("number")),
+            Subquery(line.annotate(number=Count("id")).values("number")),
             0,
             output_field=BigIntegerField(),
         ),
         parked_since=Subquery(
-            ParkedTask.objects.filter(pk=Subquery(first_in_line)).order_by().values("parked_at")
+            ParkedTask.objects.filter(task_id=Subquery(first_in_line)).values("parked_at")
         ),
     ).annotate(
         oldest_parked=ExpressionWrapper(

@@ -1,6 +1,6 @@
 """Waking parked Celery tasks (see ``parking`` for the whole story): a
-release that freed permits wakes the oldest parked tasks that fit, strictly
-first in, first out per semaphore, and publishes their messages once that
+release that freed permits wakes the oldest parked tasks that fit, in
+their semaphores' lines, and publishes their messages once that
 is committed. The doors call it through ``parking.room_made``; the beat
 sweep (``sweep.sweep_parked``) is the backstop.
 """
@@ -96,8 +96,9 @@ def schedule_slots(alias: str, semaphore_ids: set[int]) -> None:
 def publish(alias: str, parked_ids: list[int]) -> int:
     """Publish the messages of these woken rows; returns how many went out.
 
-    A publish that fails gives the row's room back (``woken_at`` cleared), so
-    the next release or the beat sweep tries again; the row is never lost.
+    A task whose publish fails is not woken any more (``woken_at`` cleared)
+    but keeps its place, first in line: the next wake-up (the beat sweep's,
+    at the latest) tries again; the row is never lost.
     """
     from celery import current_app
     from kombu import serialization

@@ -17,7 +17,6 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.models import (
     CapacityChange,
-    ParkedDemand,
     Permit,
     PermitRequest,
     ReleaseCounter,
@@ -151,7 +150,7 @@ def clean_idle_members(
         .filter(Q(queued_until__isnull=True) | Q(queued_until__lte=now))
         .filter(~Exists(Permit.objects.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)))
         # A parked task waits for it: deleting it would drop the task's demand.
-        .filter(~Exists(ParkedDemand.objects.filter(semaphore=OuterRef("pk"))))
+        .filter(~Exists(Ticket.objects.filter(semaphore=OuterRef("pk"), parked__id__isnull=False)))
     )
     report = CleanupReport("idle family members", dry_run=dry_run)
     if dry_run:

@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from django_semaphore import routing
 from django_semaphore.conf import app_settings
-from django_semaphore.models import ParkedDemand, ParkedTask
+from django_semaphore.models import ParkedTask, Ticket
 from django_semaphore.parking import wake
 
 logger = logging.getLogger("django_semaphore")
@@ -40,7 +40,7 @@ def sweep_parked() -> ParkedReport:
     for alias in routing.aliases():
         tasks = ParkedTask.objects.using(alias)
         dropped = tasks.filter(expires_at__lte=timezone.now())
-        ParkedDemand.objects.using(alias).filter(task__in=dropped).delete()
+        Ticket.objects.using(alias).filter(parked__in=dropped).delete()
         report.dropped += dropped.delete()[0]
         overdue_since = timezone.now() - app_settings.PARKED_REPUBLISH_AFTER
         overdue = list(
@@ -50,8 +50,8 @@ def sweep_parked() -> ParkedReport:
             tasks.filter(id__in=overdue).update(woken_at=timezone.now())
             report.republished += wake.publish(alias, overdue)
         semaphore_ids = set(
-            ParkedDemand.objects.using(alias)
-            .filter(task__woken_at__isnull=True)
+            Ticket.objects.using(alias)
+            .of_parked()
             .values_list("semaphore_id", flat=True)
             .distinct()
         )

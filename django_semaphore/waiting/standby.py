@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from django_semaphore import process, routing
 from django_semaphore.conf import family_of
 from django_semaphore.exceptions import AcquireTimeout
-from django_semaphore.models import ParkedDemand, ParkedTask
+from django_semaphore.models import ParkedTask, Ticket
 
 # Seconds; see "Stand by first" in ``parking``. A standby waits at most
 # STANDBY_WAIT.
@@ -71,7 +71,7 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[float], s
     ``STANDBY_WAIT``; a woken task keeps its place).
 
     It stands by unless this process knows its semaphores to be held long,
-    or, for a task not woken, parked tasks are held back on them (they
+    or, for a task not woken, older waiters are held back on them (they
     lacked room there): those came first.
 
     Raises what ``claim`` raises for anything but a want of room
@@ -84,12 +84,10 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[float], s
     parked = ParkedTask.objects.using(alias).filter(task_id=task_id).values_list("woken_at")
     match parked.first():
         case None:  # not parked
-            # Only tasks held back there come first: one waiting for another
-            # tenant's cap is no reason to park (engine/wakeups).
-            queued = ParkedDemand.objects.using(alias).filter(
-                semaphore__name__in=list(demand), lacked=True, task__woken_at__isnull=True
-            )
-            if queued.exists():
+            # Only waiters held back there come first: one waiting for
+            # another tenant's cap is no reason to park (engine/wakeups).
+            line = Ticket.objects.using(alias).holding_back().exclude(external_id=task_id)
+            if line.filter(semaphore__name__in=list(demand)).exists():
                 return None
         case (None,):  # parked, not woken: a copy of its message
             return None

@@ -22,7 +22,7 @@ from django.db.models import Q
 
 from django_semaphore import backends
 from django_semaphore.engine.statements import SQL, built, placeholders, with_arguments
-from django_semaphore.models import ParkedDemand, ParkedTask, ReleaseCounter
+from django_semaphore.models import ParkedTask, ReleaseCounter, Ticket
 
 # The release by key as a procedure that also reads what it ended, once
 # the release committed (routines.py installs it).
@@ -128,9 +128,9 @@ class ReleaseStatements(SQL):
         self.released_on_key_sql = (
             f"SELECT r.{q('external_id')}, r.{q('id')}, r.{q('created_at')},"
             f" r.{q('released_at')}, p.{q('semaphore_id')}, s.{q('name')}, p.{q('count')},"
-            f" EXISTS (SELECT 1 FROM {q(ParkedDemand._meta.db_table)} d"
-            f" JOIN {q(ParkedTask._meta.db_table)} t ON t.{q('id')} = d.{q('task_id')}"
-            f" WHERE d.{q('semaphore_id')} = p.{q('semaphore_id')}"
+            f" EXISTS (SELECT 1 FROM {q(Ticket._meta.db_table)} w"
+            f" JOIN {q(ParkedTask._meta.db_table)} t ON t.{q('task_id')} = w.{q('external_id')}"
+            f" WHERE w.{q('semaphore_id')} = p.{q('semaphore_id')}"
             f" AND t.{q('woken_at')} IS NULL)"
             f" FROM {request} r JOIN {permit} p ON p.{q('request_id')} = r.{q('id')}"
             f" JOIN {semaphore} s ON s.{q('id')} = p.{q('semaphore_id')}"

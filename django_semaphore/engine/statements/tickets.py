@@ -3,13 +3,17 @@ transaction (``engine/fairness.py`` says when they run)."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
 from django_semaphore.engine.statements import SQL, built, placeholders
 from django_semaphore.models import Ticket
+
+# A ticket never outlives this, whatever the timeout or the parked task's
+# expiry (datetime arithmetic).
+MAX_TICKET_LIFE = timedelta(days=365)
 
 # A retried key keeps its ticket (its id, so its place): the insert only
 # pushes its expiry and marks where it lacks room now. "{new}" names the
@@ -131,11 +135,18 @@ class TicketStatements(SQL):
             ],
         )
         if short:
-            # No lock wait to bound: the rows are this transaction's already.
-            cursor.execute(
-                self.queued_until_sql.format(ids=placeholders(len(short))),
-                [expires, *sorted(short), expires],
-            )
+            self.queue_until(cursor, sorted(short), expires_at)
+
+    def queue_until(
+        self, cursor: CursorWrapper, semaphore_ids: list[int], expires_at: datetime
+    ) -> None:
+        """The queues of these semaphores (rows this transaction holds
+        locked: no lock wait to bound) live until ``expires_at`` at least."""
+        expires = self.connection.ops.adapt_datetimefield_value(expires_at)
+        cursor.execute(
+            self.queued_until_sql.format(ids=placeholders(len(semaphore_ids))),
+            [expires, *semaphore_ids, expires],
+        )
 
     def delete(
         self, cursor: CursorWrapper, semaphore_ids: list[int], key: str, lock_wait: float

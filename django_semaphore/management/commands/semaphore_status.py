@@ -81,7 +81,7 @@ class Command(BaseCommand):
                     _seconds(s.oldest_parked),  # type: ignore[attr-defined]
                 )
             )
-            if waiters:
+            if waiters or s.parked:  # type: ignore[attr-defined]
                 queued.append(s)
         self._table(rows)
         if len(rows) == 1:
@@ -100,6 +100,7 @@ class Command(BaseCommand):
         tickets = (
             Ticket.objects.using(semaphore._state.db)
             .filter(semaphore=semaphore, expires_at__gt=DatabaseNow())
+            .select_related("parked")
             .order_by("id")
         )
         self.stdout.write(f"\nWaiting in line on {semaphore.name}, first served first:")
@@ -108,7 +109,7 @@ class Command(BaseCommand):
             rows.append(
                 (
                     str(place),
-                    ticket.owner or "-",
+                    ticket.waiter or "-",
                     ticket.external_id,
                     str(ticket.count),
                     ticket.created_at.isoformat(timespec="seconds"),
