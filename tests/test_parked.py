@@ -8,18 +8,21 @@ replaced, so every rule can fail on its own.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from io import StringIO
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from celery.result import AsyncResult
 from django.core.management import call_command
 from django.db import connection, connections
+from django.db.migrations.loader import MigrationLoader
 from django.db.models import DurationField, Value
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
@@ -29,7 +32,7 @@ from django_semaphore import acquire, force_release, parking, release, sweep
 from django_semaphore.admin.semaphores import SemaphoreAdmin
 from django_semaphore.api import set_capacity
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.exceptions import SemaphoreNotFound
+from django_semaphore.exceptions import SemaphoreExhausted, SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.parking import wake
 from django_semaphore.states import State
@@ -255,6 +258,65 @@ def test_woken_tasks_keep_their_room_until_they_start(published):
     parking.started(one, {s.name: 1})
     assert wake.wake("default", [s.pk]) == 1
     assert published == [one, two, three]
+
+
+def test_a_grant_waits_behind_a_parked_task_in_the_one_line(published):
+    """A parked task that lacked room keeps it from every younger caller, as
+    a fair waiter's ticket does; once its run took it, the line is over
+    and grants take one trip again."""
+    s = semaphore(1)
+    acquire(s.name, external_id="holder")
+    task_id = park_row({s.name: 1})  # lacks room: first in line
+    release("holder")
+
+    with pytest.raises(SemaphoreExhausted):
+        acquire(s.name, external_id=unique("younger"))  # its room is the task's
+    assert wake.wake("default", [s.pk]) == 1
+    with pytest.raises(SemaphoreExhausted):
+        acquire(s.name, external_id=unique("younger"))  # kept while it is woken
+    acquire(s.name, external_id=task_id)  # the woken task's run
+    parking.started(task_id, {s.name: 1})
+    assert not Ticket.objects.filter(semaphore=s).exists()
+    release(task_id)
+    acquire(s.name, external_id=unique("next"))
+    assert Semaphore.objects.get(pk=s.pk).queued_until is None  # the line is over
+
+
+def test_the_migration_puts_parked_demands_in_line_in_park_order(published):
+    """Upgrading with tasks parked: each demand becomes its task's ticket, in
+    park order, lacking room where it lacked it (everywhere for a woken
+    task), and the wake-ups go on from there."""
+    s = semaphore(1)
+    acquire(s.name, external_id="holder")
+    woken, waiting = unique("woken"), unique("waiting")
+    migration = importlib.import_module("django_semaphore.migrations.0013_parked_tasks_in_line")
+    state = MigrationLoader(connection).project_state(("django_semaphore", "0012_grant_queue"))
+    ParkedDemand = state.apps.get_model("django_semaphore", "ParkedDemand")
+    with connection.schema_editor() as editor:  # the table as 0012 left it
+        editor.create_model(ParkedDemand)
+    try:
+        for task_id, woken_at, lacked in ((woken, timezone.now(), False), (waiting, None, True)):
+            task = ParkedTask.objects.create(
+                task_id=task_id, task_name="tests.parked", body=b"{}",
+                content_type="application/json", content_encoding="utf-8",
+                parked_at=timezone.now(), woken_at=woken_at,
+            )  # fmt: skip
+            ParkedDemand.objects.create(task_id=task.pk, semaphore_id=s.pk, lacked=lacked)
+
+        migration.demands_to_tickets(state.apps, SimpleNamespace(connection=connection))
+    finally:
+        with connection.schema_editor() as editor:
+            editor.delete_model(ParkedDemand)
+
+    line = Ticket.objects.filter(semaphore=s).order_by("id")
+    assert list(line.values_list("external_id", "lacked")) == [(woken, True), (waiting, True)]
+    assert Semaphore.objects.get(pk=s.pk).queued_until is not None
+    release("holder")
+    acquire(s.name, external_id=woken)  # the woken task's run: its room was kept
+    parking.started(woken, {s.name: 1})
+    release(woken)
+    assert wake.wake("default", [s.pk]) == 1
+    assert published == [waiting]
 
 
 def test_wake_respects_the_other_semaphore_of_a_multi_semaphore_demand(published):

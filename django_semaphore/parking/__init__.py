@@ -33,7 +33,7 @@ capacity of 20 ms tasks would spend more time handing permits over than
 holding them. So a refused task first *stands by* in its worker
 (``standby.stand_by``) -- unless this process saw its semaphores held for
 ``SHORT_HOLD`` or longer (a family's members count as one), or, for a task
-not woken, older waiters hold back on them (they lacked room there and
+not woken, parked tasks are held back on them (tasks that lacked room there
 came first). It waits as ``acquire(timeout=STANDBY_WAIT)`` waits --
 ``waiting``'s poller, paced by the holds this process saw
 (``standby.learn_hold``) -- and then parks (a woken task keeps its place).
@@ -189,11 +189,13 @@ def started(task_id: str, demand: Mapping[str, int]) -> None:
     # By key and without Django's collector (which reads the rows first): a
     # run that was not parked pays one indexed read.
     if _raw_delete(ParkedTask.objects.using(alias).filter(task_id=task_id)):
-        tickets = Ticket.objects.using(alias).filter(external_id=task_id)
+        # Unless its grant deleted them (where the line was live).
+        _raw_delete(Ticket.objects.using(alias).filter(external_id=task_id))
         rate_limits = set(
-            tickets.filter(semaphore__window__isnull=False).values_list("semaphore_id", flat=True)
+            Semaphore.objects.using(alias)
+            .filter(name__in=list(demand), window__isnull=False)
+            .values_list("id", flat=True)
         )
-        _raw_delete(tickets)
         if rate_limits:
             # It took a slot there: the tasks parked behind it are woken
             # when that slot, or an earlier one, ends.

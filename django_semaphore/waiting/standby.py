@@ -71,7 +71,7 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[float], s
     ``STANDBY_WAIT``; a woken task keeps its place).
 
     It stands by unless this process knows its semaphores to be held long,
-    or, for a task not woken, older waiters are held back on them (they
+    or, for a task not woken, parked tasks are held back on them (they
     lacked room there): those came first.
 
     Raises what ``claim`` raises for anything but a want of room
@@ -84,10 +84,11 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[float], s
     parked = ParkedTask.objects.using(alias).filter(task_id=task_id).values_list("woken_at")
     match parked.first():
         case None:  # not parked
-            # Only waiters held back there come first: one waiting for
-            # another tenant's cap is no reason to park (engine/wakeups).
-            line = Ticket.objects.using(alias).holding_back().exclude(external_id=task_id)
-            if line.filter(semaphore__name__in=list(demand)).exists():
+            # Only parked tasks held back there come first: one waiting for
+            # another tenant's cap is no reason to park (engine/wakeups),
+            # nor is a waiter in a worker (it is served as this one is).
+            parked = Ticket.objects.using(alias).of_parked().filter(lacked=True)
+            if parked.filter(semaphore__name__in=list(demand)).exists():
                 return None
         case (None,):  # parked, not woken: a copy of its message
             return None
