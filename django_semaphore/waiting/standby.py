@@ -87,8 +87,8 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[float], s
             # Only parked tasks held back there come first: one waiting for
             # another tenant's cap is no reason to park (engine/wakeups),
             # nor is a waiter in a worker (it is served as this one is).
-            parked = Ticket.objects.using(alias).of_parked().filter(lacked=True)
-            if parked.filter(semaphore__name__in=list(demand)).exists():
+            ahead = Ticket.objects.using(alias).of_parked().filter(lacked=True)
+            if ahead.filter(semaphore__name__in=list(demand)).exists():
                 return None
         case (None,):  # parked, not woken: a copy of its message
             return None
