@@ -21,7 +21,7 @@ class DjangoSemaphoreConfig(AppConfig):
         )
         from django_semaphore.conf import app_settings
         from django_semaphore.declared import create_declared_semaphores
-        from django_semaphore.integrations import celery_tasks
+        from django_semaphore.integrations import celery_tasks, django_tasks
         from django_semaphore.models import Permit, PermitRequest, Semaphore, requests, semaphore
 
         post_migrate.connect(create_declared_semaphores, sender=self)
@@ -34,6 +34,7 @@ class DjangoSemaphoreConfig(AppConfig):
             pre_delete.connect(
                 guard, sender=model, dispatch_uid=f"django_semaphore.{guard.__name__}"
             )
+        django_tasks.connect()
         try:
             from celery.signals import before_task_publish, task_postrun, task_revoked
         except ImportError:  # Celery is optional

@@ -5,6 +5,7 @@ The test command runs the suite once per database: SQLite, MariaDB, PostgreSQL.
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 
 import environ
@@ -57,7 +58,17 @@ INSTALLED_APPS = [
     "django_semaphore",
     "django_semaphore.metrics",
     "tests.testapp",
+    # Django's own tasks' database backend, whose worker tests/test_django_tasks.py runs.
+    "django_tasks_db",
 ]
+# Django's own tasks: django.tasks from Django 6, the django-tasks backport before.
+_TASKS = "django.tasks" if find_spec("django.tasks") else "django_tasks"
+if _TASKS == "django_tasks":
+    INSTALLED_APPS.append("django_tasks")
+TASKS = {
+    "default": {"BACKEND": f"{_TASKS}.backends.immediate.ImmediateBackend"},
+    "database": {"BACKEND": "django_tasks_db.DatabaseBackend"},
+}
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",

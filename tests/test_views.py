@@ -310,10 +310,8 @@ def _task_decorators() -> list[Any]:
         shared_task(name="tests.above-a-task"),
         shared_task(bind=True, name="tests.above-a-bound-task"),
     ]
-    try:
-        from django.tasks import task  # Django 6
-    except ImportError:
-        return decorators
+    from tests.own_tasks import task  # Django's own, or the backport's
+
     return [*decorators, task]
 
 

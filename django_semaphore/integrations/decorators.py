@@ -19,6 +19,7 @@ from typing import Any, TypeVar, cast
 from django.db import connections
 
 from django_semaphore.exceptions import InvalidRequest
+from django_semaphore.integrations import django_tasks
 from django_semaphore.integrations.celery_tasks import run_task
 from django_semaphore.integrations.context import permit
 from django_semaphore.integrations.leases import LEASE, DefaultLease
@@ -209,13 +210,7 @@ def _task_classes() -> tuple[type, ...]:
         pass
     else:
         classes += [Task, Proxy]
-    try:
-        from django.tasks import Task as DjangoTask  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:  # before Django 6
-        pass
-    else:
-        classes.append(DjangoTask)
-    return tuple(classes)
+    return (*classes, *django_tasks.task_classes())
 
 
 def _running_task_of(body: Callable[..., Any]) -> Any:
@@ -249,6 +244,11 @@ def _sync_wrapper(func: F, options: Options, request_at: int | None) -> Callable
             bound = getattr(task, "_get_current_object", lambda: task)()  # current_task's proxy
             own = args[1:] if args and args[0] is bound else args
             return run_task(func, _for_call(options, *own, **kwargs), task, args, kwargs)
+        result = django_tasks.running_result_of(wrapper)
+        if result is not None:
+            own = django_tasks.own_arguments(result, args)
+            with django_tasks.held_for(result, _for_call(options, *own, **kwargs)):
+                return func(*args, **kwargs)
         call = _for_call(options, *args, **kwargs)
         with permit(
             call.demand,
@@ -265,6 +265,11 @@ def _sync_wrapper(func: F, options: Options, request_at: int | None) -> Callable
 def _async_wrapper(func: F, options: Options, request_at: int | None) -> Callable[..., Any]:
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = django_tasks.running_result_of(wrapper)
+        if result is not None:
+            own = django_tasks.own_arguments(result, args)
+            async with django_tasks.held_for(result, _for_call(options, *own, **kwargs)):
+                return await func(*args, **kwargs)
         if request_at is None:
             call = _for_call(options, *args, **kwargs)
             async with permit(

@@ -1,0 +1,51 @@
+"""Django's own tasks for tests/test_django_tasks.py, under ``django.tasks``
+(Django 6) or the django-tasks backport's ``@task`` (Django 5.2), at module
+level as task backends want them."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from typing import Any
+
+from django.conf import settings
+from django.utils import timezone
+
+from django_semaphore import holds_permit
+from django_semaphore.models import PermitRequest
+from django_semaphore.states import State
+from tests.testapp.models import RunLog
+
+task = importlib.import_module(settings.TASKS["default"]["BACKEND"].split(".backends.")[0]).task
+
+LIMITED = "django-tasks-limited"
+
+
+@task(takes_context=True)
+@holds_permit(LIMITED)
+def holding(context: Any, label: str, hold: float = 0.0) -> str:
+    """Hold ``LIMITED`` for ``hold`` seconds, logged; returns the owner of
+    the permit held under this run's result id."""
+    run = RunLog.objects.create(
+        label=label, task_id=context.task_result.id, pid=os.getpid(), started_at=timezone.now()
+    )
+    time.sleep(hold)
+    held = PermitRequest.objects.filter(external_id=context.task_result.id, state=State.ACQUIRED)
+    run.ended_at = timezone.now()
+    run.save(update_fields=["ended_at"])
+    return str(held.values_list("owner", flat=True).get())
+
+
+@task()
+@holds_permit(lambda customer: f"django-tasks-customer:{customer}")
+def per_customer(customer: str) -> list[str]:
+    """The semaphores held while it runs."""
+    held = PermitRequest.objects.filter(state=State.ACQUIRED)
+    return list(held.values_list("permits__semaphore__name", flat=True))
+
+
+@task()
+@holds_permit(LIMITED)
+def failing() -> None:
+    raise ValueError("the task's own failure")

@@ -1,0 +1,169 @@
+"""Django's own tasks (``django.tasks``, or the backport on Django 5.2) under
+``@holds_permit``: the permit keyed by the task result's id, on the
+immediate backend and with real workers of django-tasks-db's database
+backend."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from django_semaphore import sweep
+from django_semaphore.models import PermitRequest, Semaphore
+from django_semaphore.states import ReleaseReason, State
+from tests import own_tasks
+from tests.testapp.models import RunLog
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# Seconds a test waits for the database workers before it fails.
+WORKERS_DEADLINE = 120
+
+
+@pytest.fixture
+def limited() -> Semaphore:
+    return Semaphore.objects.create(name=own_tasks.LIMITED, capacity=2)
+
+
+def test_a_task_holds_its_permit_keyed_by_its_result_id(limited):
+    result = own_tasks.holding.enqueue("immediate")
+
+    assert result.status == "SUCCESSFUL", result.errors
+    # The owner names the run and the process, as a Celery task's does.
+    assert result.return_value.startswith(f"task:{result.id} tests.own_tasks.holding on ")
+    request = PermitRequest.objects.get(external_id=result.id)
+    assert (request.state, request.release_reason) == (State.RELEASED, ReleaseReason.RELEASED)
+    assert Semaphore.objects.get(pk=limited.pk).in_use == 0
+
+
+def test_a_failed_task_gives_its_permit_back(limited):
+    result = own_tasks.failing.enqueue()
+
+    assert result.status == "FAILED"
+    assert "the task's own failure" in result.errors[0].traceback
+    assert PermitRequest.objects.get(external_id=result.id).state == State.RELEASED
+    assert Semaphore.objects.get(pk=limited.pk).in_use == 0
+
+
+def test_computed_names_get_the_task_arguments():
+    Semaphore.objects.create(name="django-tasks-customer:acme", capacity=1)
+
+    result = own_tasks.per_customer.enqueue("acme")
+
+    assert result.return_value == ["django-tasks-customer:acme"]
+
+
+def test_a_call_outside_a_backend_holds_a_permit_of_its_own():
+    Semaphore.objects.create(name="django-tasks-customer:acme", capacity=1)
+
+    # The body called directly, as a function: a fresh key, not a task's.
+    assert own_tasks.per_customer.func("acme") == ["django-tasks-customer:acme"]
+    assert not PermitRequest.objects.filter(owner__startswith="task:").exists()
+
+
+# --- real workers of the database backend ----------------------------------------------
+
+
+@contextmanager
+def db_workers(count: int, log_dir: Path, **env: str) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``count`` workers of django-tasks-db (``db_worker --batch``: each
+    exits once no task is left) on the test database; killed on exit."""
+    environment = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "SEMAPHORE_TEST_DATABASE_NAME": str(connection.settings_dict["NAME"]),
+        **env,
+    }
+    command = [
+        sys.executable, "-m", "django", "db_worker", "--backend", "database", "--batch",
+        "--no-startup-delay", "--interval", "0.1",
+    ]  # fmt: skip
+    workers = []
+    try:
+        for n in range(count):
+            with (log_dir / f"worker-{n}.log").open("wb") as log:
+                workers.append(
+                    subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
+                )
+        yield workers
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+
+
+def finished(results: list[Any], workers: list[subprocess.Popen[bytes]], log_dir: Path) -> None:
+    """Wait until every result is final, or fail with the workers' logs."""
+    deadline = time.monotonic() + WORKERS_DEADLINE
+    while True:
+        for result in results:
+            result.refresh()
+        if all(result.is_finished for result in results):
+            return
+        logs = "\n".join(path.read_text(errors="replace")[-2000:] for path in log_dir.iterdir())
+        assert time.monotonic() < deadline, logs
+        assert any(worker.poll() is None for worker in workers), logs
+        time.sleep(0.1)
+
+
+def most_at_once(runs: list[RunLog]) -> int:
+    """The most runs that overlapped in time, from their logged starts and ends."""
+    starts = ((run.started_at, 1) for run in runs)
+    ends = ((run.ended_at, -1) for run in runs)
+    # An end sorts before a start at the same instant: they did not overlap.
+    events = sorted(itertools.chain(starts, ends))
+    return max(itertools.accumulate(change for _, change in events))
+
+
+@pytest.mark.slow
+def test_database_workers_run_no_more_than_capacity_and_none_fails(limited, tmp_path):
+    """Four workers, capacity 2: a refused run waits in its worker for room,
+    never failing, and never more than two run at once."""
+    tasks = own_tasks.holding.using(backend="database")
+    results = [tasks.enqueue(f"db-{n}", 0.3) for n in range(12)]
+
+    with db_workers(4, tmp_path) as workers:
+        finished(results, workers, tmp_path)
+
+    assert [result.status for result in results] == ["SUCCESSFUL"] * 12
+    runs = list(RunLog.objects.filter(label__startswith="db-"))
+    assert len(runs) == 12
+    assert most_at_once(runs) <= 2
+    keys = set(PermitRequest.objects.values_list("external_id", flat=True))
+    assert keys == {result.id for result in results}
+    assert Semaphore.objects.get(pk=limited.pk).in_use == 0
+
+
+@pytest.mark.slow
+def test_a_killed_worker_permit_is_back_within_its_lease(limited, tmp_path):
+    """SIGKILL a worker mid-task: its heartbeat stops, and once the lease
+    (2 s here) has run out the orphan sweep releases its permit."""
+    result = own_tasks.holding.using(backend="database").enqueue("killed", 60)
+
+    with db_workers(1, tmp_path, SEMAPHORE_TEST_LEASE="2") as workers:
+        deadline = time.monotonic() + WORKERS_DEADLINE
+        while not RunLog.objects.filter(label="killed").exists():
+            assert time.monotonic() < deadline
+            assert workers[0].poll() is None
+            time.sleep(0.1)
+        workers[0].send_signal(signal.SIGKILL)
+        workers[0].wait()
+
+    request = PermitRequest.objects.get(external_id=result.id)
+    assert request.state == State.ACQUIRED
+    time.sleep(2.5)
+    sweep.release_orphans()
+    request.refresh_from_db()
+    assert request.state == State.RELEASED
+    assert Semaphore.objects.get(pk=limited.pk).in_use == 0
