@@ -36,6 +36,17 @@ class DjangoSemaphoreConfig(AppConfig):
             )
         django_tasks.connect()
         try:
+            parks = app_settings.PARK_TASKS
+        except ImproperlyConfigured:
+            # Start-up goes on, so that manage.py check reports the settings
+            # (E001, E020) rather than a traceback here.
+            parks = False
+        if parks:
+            # Parking is the default: a release in any process (a web
+            # request's permit() too) wakes the tasks parked for its room,
+            # Celery's and Django's own.
+            parking.enable()
+        try:
             from celery.signals import before_task_publish, task_postrun, task_revoked
         except ImportError:  # Celery is optional
             return
@@ -44,13 +55,3 @@ class DjangoSemaphoreConfig(AppConfig):
             celery_tasks.on_before_task_publish, dispatch_uid="django_semaphore.publish"
         )
         task_revoked.connect(parking.on_task_revoked, dispatch_uid="django_semaphore.revoked")
-        try:
-            parks = app_settings.PARK_TASKS
-        except ImproperlyConfigured:
-            # Start-up goes on, so that manage.py check reports the settings
-            # (E001, E020) rather than a traceback here.
-            parks = False
-        if parks:
-            # Parking is the default: a release in any process (a web
-            # request's permit() too) wakes the tasks parked for its room.
-            parking.enable()

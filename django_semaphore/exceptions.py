@@ -163,6 +163,13 @@ class TaskAlreadyRan(SemaphoreError):
     published twice): it is dropped, not run again."""
 
 
+class TaskDeferred(SemaphoreError):
+    """A Django task's run found no room and was deferred in its backend:
+    recorded by the worker as the run's end, then its result is ``READY``
+    again and runs once room comes (``docs/django-tasks.md``). Not a
+    failure of the task."""
+
+
 class PrelockTimeout(Exception):
     """This process's pre-lock was not had in time. Never reaches callers:
     ``retry`` retries it as contention and raises ``LockContention`` at the

@@ -22,11 +22,25 @@ task = importlib.import_module(settings.TASKS["default"]["BACKEND"].split(".back
 LIMITED = "django-tasks-limited"
 
 
+RATED = "django-tasks-rated"
+
+
 @task(takes_context=True)
 @holds_permit(LIMITED)
 def holding(context: Any, label: str, hold: float = 0.0) -> str:
     """Hold ``LIMITED`` for ``hold`` seconds, logged; returns the owner of
     the permit held under this run's result id."""
+    return _logged(context, label, hold)
+
+
+@task(takes_context=True)
+@holds_permit(RATED)
+def rated(context: Any, label: str) -> str:
+    """Take a slot of the rate limit ``RATED``, logged."""
+    return _logged(context, label, 0.0)
+
+
+def _logged(context: Any, label: str, hold: float) -> str:
     run = RunLog.objects.create(
         label=label, task_id=context.task_result.id, pid=os.getpid(), started_at=timezone.now()
     )

@@ -20,7 +20,7 @@ import pytest
 from django.db import connection
 
 from django_semaphore import sweep
-from django_semaphore.models import PermitRequest, Semaphore
+from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.states import ReleaseReason, State
 from tests import own_tasks
 from tests.testapp.models import RunLog
@@ -76,9 +76,12 @@ def test_a_call_outside_a_backend_holds_a_permit_of_its_own():
 
 
 @contextmanager
-def db_workers(count: int, log_dir: Path, **env: str) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """``count`` workers of django-tasks-db (``db_worker --batch``: each
-    exits once no task is left) on the test database; killed on exit."""
+def db_workers(
+    count: int, log_dir: Path, *, batch: bool = True, **env: str
+) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``count`` workers of django-tasks-db on the test database, killed on
+    exit; with ``batch``, each exits once no task is ready (a deferred one
+    is not)."""
     environment = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.settings",
@@ -86,8 +89,8 @@ def db_workers(count: int, log_dir: Path, **env: str) -> Iterator[list[subproces
         **env,
     }
     command = [
-        sys.executable, "-m", "django", "db_worker", "--backend", "database", "--batch",
-        "--no-startup-delay", "--interval", "0.1",
+        sys.executable, "-m", "django", "db_worker", "--backend", "database",
+        "--no-startup-delay", "--interval", "0.1", *(["--batch"] if batch else []),
     ]  # fmt: skip
     workers = []
     try:
@@ -143,6 +146,50 @@ def test_database_workers_run_no_more_than_capacity_and_none_fails(limited, tmp_
     keys = set(PermitRequest.objects.values_list("external_id", flat=True))
     assert keys == {result.id for result in results}
     assert Semaphore.objects.get(pk=limited.pk).in_use == 0
+
+
+@pytest.mark.slow
+def test_a_refused_run_is_deferred_and_runs_again_under_its_result_id(tmp_path):
+    """Capacity 1, holds of 1.2 s (longer than a stand-by is worth): a worker
+    that learned them defers a refused run, and moves on; the release that
+    makes room resumes it, and it runs under the same result id. None fails,
+    never two at once, and nothing is left parked."""
+    one = Semaphore.objects.create(name=own_tasks.LIMITED, capacity=1)
+    tasks = own_tasks.holding.using(backend="database")
+    results = [tasks.enqueue(f"deferred-{n}", 1.2) for n in range(4)]
+
+    with db_workers(2, tmp_path, batch=False) as workers:
+        finished(results, workers, tmp_path)
+
+    assert [result.status for result in results] == ["SUCCESSFUL"] * 4, [r.errors for r in results]
+    runs = list(RunLog.objects.filter(label__startswith="deferred-"))
+    assert len(runs) == 4  # each body ran once: a deferred run never reached it
+    assert most_at_once(runs) <= 1
+    # A deferred result was taken by a worker twice: once deferred, once run.
+    assert max(len(result.worker_ids) for result in results) >= 2
+    assert not ParkedTask.objects.exists()
+    assert not Ticket.objects.exists()
+    assert Semaphore.objects.get(pk=one.pk).in_use == 0
+
+
+@pytest.mark.slow
+def test_a_run_refused_by_a_rate_limit_is_deferred_to_its_next_slot(tmp_path):
+    """One run a 2 s window: the refused runs wait in their backend for the next
+    slot (no wake-up needed, none parked), none fails, and no two start
+    within a window."""
+    Semaphore.objects.create(name=own_tasks.RATED, capacity=1, window=2)
+    tasks = own_tasks.rated.using(backend="database")
+    results = [tasks.enqueue(f"rated-{n}") for n in range(3)]
+
+    with db_workers(2, tmp_path, batch=False) as workers:
+        finished(results, workers, tmp_path)
+
+    assert [result.status for result in results] == ["SUCCESSFUL"] * 3, [r.errors for r in results]
+    grants = sorted(PermitRequest.objects.values_list("created_at", flat=True))
+    assert len(grants) == 3
+    gaps = [(later - earlier).total_seconds() for earlier, later in itertools.pairwise(grants)]
+    assert all(gap >= 2 for gap in gaps), gaps
+    assert not ParkedTask.objects.exists()
 
 
 @pytest.mark.slow

@@ -247,8 +247,7 @@ def _sync_wrapper(func: F, options: Options, request_at: int | None) -> Callable
         result = django_tasks.running_result_of(wrapper)
         if result is not None:
             own = django_tasks.own_arguments(result, args)
-            with django_tasks.held_for(result, _for_call(options, *own, **kwargs)):
-                return func(*args, **kwargs)
+            return django_tasks.run(func, _for_call(options, *own, **kwargs), result, args, kwargs)
         call = _for_call(options, *args, **kwargs)
         with permit(
             call.demand,

@@ -8,10 +8,17 @@ this module keeps the running result in a context variable, so the
 decorator tells a task's body from a plain call of the same function
 (``ImmediateBackend``, ``django-tasks-db``'s worker, any other).
 
-**Waiting.** A run that finds no room waits in its worker until room comes,
-as ``acquire(timeout=...)`` waits (the poller; no transaction open, no
-row locked): it is never failed for want of room. It keeps its worker busy
-meanwhile.
+**Waiting.** Where the backend can defer a run (django-tasks-db's
+``DatabaseBackend``), a run that finds no room stands by in its worker as a
+Celery task does (``standby``), then is *deferred*: it ends with
+``TaskDeferred``, which its worker records as the run's end, and once that
+is recorded its result is ``READY`` again, parked (``parking.defer``,
+``parking.deferred``) until a release makes room for it -- first in line
+with the fair waiters and parked Celery tasks -- and then run again under
+the same result id; a run refused by rate limits alone is deferred to
+their next slot. Elsewhere (the immediate backend, any other) it waits in
+its worker until room comes, as ``acquire(timeout=...)`` waits. Either
+way it is never failed for want of room.
 
 **Crash recovery.** The permit is held under a lease that the process's
 heartbeat renews: a worker killed mid-run stops renewing, and the permit
@@ -22,24 +29,37 @@ the worker's own machine.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import socket
 from collections.abc import Callable
 from contextvars import ContextVar
+from datetime import datetime, timedelta
 from importlib.util import find_spec
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
+from django.utils import timezone
+
+from django_semaphore import api, parking
+from django_semaphore.exceptions import SemaphoreExhausted, TaskDeferred
 from django_semaphore.integrations.context import HeldPermit, permit
 from django_semaphore.integrations.options import Options
 from django_semaphore.owners import TaskOwner
+from django_semaphore.parking import deferred
 from django_semaphore.validation import MAX_TTL
+from django_semaphore.waiting import standby
 
 FRAMEWORKS = ("django.tasks", "django_tasks")
 
 # The task result whose body runs in this context (task_started to task_finished).
 _running: ContextVar[Any] = ContextVar("django_semaphore_task_result", default=None)
+# The run this context deferred (result id, and when it runs again; None:
+# when woken), until its worker has recorded its end.
+_deferring: ContextVar[tuple[str, datetime | None] | None] = ContextVar(
+    "django_semaphore_deferring", default=None
+)
 
 
 def frameworks() -> list[ModuleType]:
@@ -64,6 +84,11 @@ def on_task_started(sender: Any, task_result: Any, **kwargs: Any) -> None:
 def on_task_finished(sender: Any, task_result: Any, **kwargs: Any) -> None:
     if _running.get() is task_result:
         _running.set(None)
+    pending = _deferring.get()
+    if pending is not None and pending[0] == task_result.id:
+        # Its worker recorded the deferred run's end: now it waits again.
+        _deferring.set(None)
+        deferred.hold(task_result.id, pending[1])
 
 
 def task_classes() -> list[type]:
@@ -86,16 +111,62 @@ def own_arguments(result: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return args[1:] if result.task.takes_context else args
 
 
+def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwargs: Any) -> Any:
+    """Run the task's body holding its permit, claimed under its result's
+    id: when refused, defer it where its backend can, else wait for room.
+
+    Raises:
+        TaskDeferred: the run was deferred (its worker records that).
+    """
+    if not options.timeout and options.parks and deferred.can_defer(result.task.get_backend()):
+        parking.enable()  # this process's releases resume the tasks parked for their room
+        claim = functools.partial(_claim, result, options)
+        try:
+            claim(0)
+        except SemaphoreExhausted as refused:
+            if refused.retry_after is not None:  # only rate limits: their next slot
+                _defer(result, options, timezone.now() + timedelta(seconds=refused.retry_after))
+            if standby.stand_by(result.id, options.demand, claim) is None:
+                parking.defer(result.id, result.task.module_path, result.backend, options.demand)
+                _defer(result, options, None)
+        parking.started(result.id, options.demand)
+    with held_for(result, options):  # re-attaches to the permit claimed, by its key
+        return func(*args, **kwargs)
+
+
 def held_for(result: Any, options: Options) -> HeldPermit:
     """The permit of this run, keyed by its result's id: ``with`` it around
     the body. Waits for room without a deadline unless the decorator gave a
     ``timeout``."""
-    owner = TaskOwner(result.id, result.task.module_path, socket.gethostname(), os.getpid())
     return permit(
         options.demand,
         external_id=result.id,
-        owner=str(owner),
+        owner=_owner(result),
         ttl=options.ttl,
         timeout=options.timeout or MAX_TTL,
         fair=options.fair,
     )
+
+
+def _owner(result: Any) -> str:
+    return str(TaskOwner(result.id, result.task.module_path, socket.gethostname(), os.getpid()))
+
+
+def _claim(result: Any, options: Options, timeout: float) -> str:
+    request = api.acquire(
+        options.demand,
+        external_id=result.id,
+        owner=_owner(result),
+        ttl=options.lease,
+        timeout=timeout,
+        fair=options.fair,
+    )
+    return request.external_id
+
+
+def _defer(result: Any, options: Options, until: datetime | None) -> NoReturn:
+    """End this run deferred: its result waits in its backend until
+    ``until``, or, ``None``, until a wake-up (``on_task_finished``)."""
+    _deferring.set((result.id, until))
+    names = ", ".join(sorted(options.demand))
+    raise TaskDeferred(f"Task {result.id} deferred: no room on {names}; it runs when room comes.")

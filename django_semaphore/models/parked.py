@@ -9,19 +9,23 @@ from django_semaphore.validation import MAX_LENGTH
 
 
 class ParkedTask(models.Model):
-    """A Celery task that found no room and waits, without a broker message,
-    until releases make room for it (``parking``).
+    """A task that found no room and waits, without a broker message or a
+    worker, until releases make room for it (``parking``).
 
-    Holds what publishing it again exactly takes: the message's body as the
-    task's serializer encoded it (name, id, args, kwargs and the options the
-    worker received: queue, routing key, priority, headers, expiry). What it
+    A Celery task's row holds what publishing it again exactly takes: the
+    message's body as the task's serializer encoded it (name, id, args,
+    kwargs and the options the worker received: queue, routing key,
+    priority, headers, expiry). A Django task's names its ``backend``
+    instead, where its result waits, deferred, to be run again. What it
     waits for, and its place in each semaphore's line, are its ``Ticket``
     rows, keyed by its task id as a fair waiter's are by its key.
     """
 
     task_id = models.CharField(_("task id"), max_length=MAX_LENGTH, unique=True)
     task_name = models.CharField(_("task"), max_length=MAX_LENGTH)
-    # The signature as the task's serializer encoded it (kombu.serialization).
+    # A Django task's backend (an alias of TASKS); empty for a Celery task.
+    backend = models.CharField(_("task backend"), max_length=100, blank=True)
+    # A Celery task's signature as its serializer encoded it (kombu.serialization).
     body = models.BinaryField(_("message body"))
     content_type = models.CharField(_("content type"), max_length=100)
     content_encoding = models.CharField(_("content encoding"), max_length=30)

@@ -116,15 +116,25 @@ def park(task: Any, demand: Mapping[str, int]) -> None:
     )
     if isinstance(body, str):
         body = body.encode(encoding)
-    alias = routing.alias_for_names(list(demand))
-    connection = connections[alias]
     row = _Row(request.id, task.name, bytes(body), content_type, encoding, _expiry(request))
-    lined = run_with_retries(connection, functools.partial(_insert, connection, row, dict(demand)))
+    alias, lined = _park(row, demand)
     _set_state(task, demand)
     wake.wake(alias, lined.ids.values())
     if lined.rate_limits:
         # No release frees a slot: a wake-up for when the next one ends.
         wake.schedule_slots(alias, lined.rate_limits)
+
+
+def defer(result_id: str, task_name: str, backend: str, demand: Mapping[str, int]) -> None:
+    """Park the running Django task of this result, deferred in its task
+    ``backend`` (``deferred.hold``, once its run has ended), then look for
+    room: a wake-up resumes it there.
+
+    Raises:
+        SemaphoreError: the row could not be written.
+    """
+    alias, lined = _park(_Row(result_id, task_name, b"", "", "", None, backend), demand)
+    wake.wake(alias, lined.ids.values())
 
 
 @dataclass(frozen=True)
@@ -135,6 +145,16 @@ class _Row:
     content_type: str
     encoding: str
     expires_at: datetime | None
+    backend: str = ""
+
+
+def _park(row: _Row, demand: Mapping[str, int]) -> tuple[str, wakeups.Lined]:
+    """The task's row and its tickets; its semaphores' alias, and where its
+    tickets were taken."""
+    alias = routing.alias_for_names(list(demand))
+    connection = connections[alias]
+    insert = functools.partial(_insert, connection, row, dict(demand))
+    return alias, run_with_retries(connection, insert)
 
 
 def _expiry(request: Any) -> datetime | None:
@@ -161,6 +181,7 @@ def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) 
             ParkedTask.objects.using(alias).create(
                 task_id=row.task_id,
                 task_name=row.task_name,
+                backend=row.backend,
                 body=row.body,
                 content_type=row.content_type,
                 content_encoding=row.encoding,

@@ -19,6 +19,7 @@ from django_semaphore import process
 from django_semaphore.engine import wakeups
 from django_semaphore.exceptions import SemaphoreError
 from django_semaphore.models import ParkedTask
+from django_semaphore.parking import deferred
 from django_semaphore.retry import run_with_retries
 
 logger = logging.getLogger("django_semaphore")
@@ -94,29 +95,38 @@ def schedule_slots(alias: str, semaphore_ids: set[int]) -> None:
 
 
 def publish(alias: str, parked_ids: list[int]) -> int:
-    """Publish the messages of these woken rows; returns how many went out.
+    """Publish the messages of these woken rows (a Django task's: resume its
+    deferred result); returns how many went out.
 
     A task whose publish fails is not woken any more (``woken_at`` cleared)
     but keeps its place, first in line: the next wake-up (the beat sweep's,
     at the latest) tries again; the row is never lost.
     """
-    from celery import current_app
-    from kombu import serialization
-
     rows = ParkedTask.objects.using(alias).filter(id__in=parked_ids).order_by("id")
     sent = 0
     for parked in rows:
         try:
-            message = serialization.loads(  # type: ignore[no-untyped-call]
-                bytes(parked.body),
-                parked.content_type,
-                parked.content_encoding,
-                accept={parked.content_type},
-            )
-            current_app.signature(message).apply_async()
+            if parked.backend:
+                deferred.resume(parked.task_id)
+            else:
+                _send(parked)
         except Exception:  # the broker's errors are as varied as brokers
             logger.exception("Could not publish the parked task %s", parked)
             ParkedTask.objects.using(alias).filter(pk=parked.pk).update(woken_at=None)
             continue
         sent += 1
     return sent
+
+
+def _send(parked: ParkedTask) -> None:
+    """Publish a parked Celery task's message again."""
+    from celery import current_app
+    from kombu import serialization
+
+    message = serialization.loads(  # type: ignore[no-untyped-call]
+        bytes(parked.body),
+        parked.content_type,
+        parked.content_encoding,
+        accept={parked.content_type},
+    )
+    current_app.signature(message).apply_async()

@@ -1,0 +1,64 @@
+"""Django tasks deferred in their backend while they are parked: the result
+row of django-tasks-db's ``DatabaseBackend`` goes back to ``READY`` with a
+``run_after`` no worker reaches, and a wake-up brings that ``run_after``
+to now. The only backend that can defer today; the others' runs wait in
+their worker (``integrations.django_tasks``).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from importlib.util import find_spec
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from django_semaphore import routing
+from django_semaphore.models import ParkedTask
+
+# A run_after no worker reaches while the task is parked. Not the maximum
+# date: django-tasks-db reads that as "no run_after", ready at once.
+PARKED_UNTIL = datetime(9000, 1, 1, tzinfo=UTC)
+
+
+def can_defer(backend: Any) -> bool:
+    """Whether runs of this task backend can be deferred while parked."""
+    if find_spec("django_tasks_db") is None:
+        return False
+    from django_tasks_db import DatabaseBackend
+
+    return isinstance(backend, DatabaseBackend)
+
+
+def _results() -> Any:
+    from django_tasks_db.models import DBTaskResult
+
+    return DBTaskResult.objects
+
+
+def hold(result_id: str, until: datetime | None = None) -> None:
+    """The run of ``result_id`` ended deferred (its worker recorded it as
+    failed): ``READY`` again, to run at ``until`` -- or, parked, once a
+    wake-up says so (at once if one already did)."""
+    with transaction.atomic(using=routing.current_alias()):
+        if until is None:
+            parked = ParkedTask.objects.using(routing.current_alias()).select_for_update()
+            # Locked: a wake-up marking it woken meanwhile comes before or
+            # after this, never between the read and the write.
+            woken_at = parked.filter(task_id=result_id).values_list("woken_at", flat=True).first()
+            until = PARKED_UNTIL if woken_at is None else timezone.now()
+        _results().filter(id=result_id).update(
+            status="READY",
+            run_after=until,
+            finished_at=None,
+            exception_class_path="",
+            traceback="",
+            return_value=None,
+        )
+
+
+def resume(result_id: str) -> bool:
+    """Run the parked ``result_id`` now; whether its row was waiting (one
+    whose run has not ended yet is resumed by ``hold``)."""
+    return bool(_results().filter(id=result_id, status="READY").update(run_after=timezone.now()))
