@@ -50,3 +50,10 @@ if os.environ.get("BENCH_FAMILY"):
 if os.environ.get("BENCH_CLEANUP_BATCH"):
     # Scenario 6 with another clean-up batch size (python -m benchmarks --cleanup-batch).
     DJANGO_SEMAPHORE["CLEANUP_BATCH_SIZE"] = int(os.environ["BENCH_CLEANUP_BATCH"])
+if os.environ.get("BENCH_DJANGO_TASKS"):
+    # python -m benchmarks.own_tasks: Django's own tasks on django-tasks-db's
+    # database backend (the backport's framework on Django 5.2).
+    if importlib.util.find_spec("django.tasks") is None:
+        INSTALLED_APPS.append("django_tasks")
+    INSTALLED_APPS.append("django_tasks_db")
+    TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}

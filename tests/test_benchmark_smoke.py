@@ -115,6 +115,28 @@ def test_parked_benchmark_smoke_mode_drains_without_failures(tmp_path):
     assert family["standby_waits_per_process_max"] <= 1, family
 
 
+@pytest.mark.slow
+@pytest.mark.once
+def test_own_tasks_benchmark_smoke_mode_drains_without_failures(tmp_path):
+    """``python -m benchmarks.own_tasks --smoke``: real django-tasks-db
+    workers drain a backlog through one semaphore; none fails, never more
+    than the capacity at once. Marked ``once``: the database's part is
+    tested per database in test_django_tasks."""
+    output = tmp_path / "own_tasks.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    command = [
+        sys.executable, "-m", "benchmarks.own_tasks", "--smoke",
+        "--database-url", smoke_database_url(tmp_path), "--json", str(output),
+    ]  # fmt: skip
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    result = json.loads(output.read_text())
+    assert (result["ran"], result["failed"]) == (40, 0), result
+    assert 1 <= result["most_at_once"] <= result["capacity"], result
+
+
 def test_rates_checker_counts_every_window_over_the_limit():
     from benchmarks.rates import SECOND, windows_over
 
