@@ -167,6 +167,10 @@ def test_a_refused_run_is_deferred_and_runs_again_under_its_result_id(tmp_path):
     assert most_at_once(runs) <= 1
     # A deferred result was taken by a worker twice: once deferred, once run.
     assert max(len(result.worker_ids) for result in results) >= 2
+    # Its workers logged the deferral as one, not as a failed run's traceback.
+    logs = "".join(path.read_text(errors="replace") for path in tmp_path.iterdir())
+    assert "deferred: Task" in logs
+    assert "Traceback" not in logs
     assert not ParkedTask.objects.exists()
     assert not Ticket.objects.exists()
     assert Semaphore.objects.get(pk=one.pk).in_use == 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -69,12 +70,29 @@ def frameworks() -> list[ModuleType]:
 
 
 def connect() -> None:
-    """Follow the runs of the installed tasks frameworks (``apps``)."""
+    """Follow the runs of the installed tasks frameworks (``apps``), and log
+    a deferred run's end as what it is."""
     for tasks in frameworks():
         signals = importlib.import_module(f"{tasks.__name__}.signals")
         uid = f"django_semaphore.{tasks.__name__}"
         signals.task_started.connect(on_task_started, dispatch_uid=f"{uid}.started")
         signals.task_finished.connect(on_task_finished, dispatch_uid=f"{uid}.finished")
+        # The framework's logger, which records every failed run's end as an
+        # error with its traceback (error trackers pick those up).
+        logger = logging.getLogger(tasks.__name__)
+        if deferred_runs not in logger.filters:
+            logger.addFilter(deferred_runs)
+
+
+def deferred_runs(record: logging.LogRecord) -> bool:
+    """The framework's record of a run that ended deferred, logged at INFO
+    as deferred, without the traceback, instead of as a failed run."""
+    exception = record.exc_info[1] if record.exc_info else None
+    if isinstance(exception, TaskDeferred) and isinstance(record.args, tuple):
+        record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        record.msg, record.args = "Task id=%s path=%s deferred: %s", (*record.args[:2], exception)
+        record.exc_info = record.exc_text = None
+    return True
 
 
 def on_task_started(sender: Any, task_result: Any, **kwargs: Any) -> None:
