@@ -7,6 +7,7 @@ SECRET_KEY, DEBUG, ALLOWED_HOSTS
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 
 import environ
@@ -34,7 +35,12 @@ INSTALLED_APPS = [
     # view also counts what the Celery worker's processes did.
     "django_semaphore.metrics",
     "example_project.demo",
+    # Django's own tasks, on the database backend; scripts/demo starts its worker.
+    "django_tasks_db",
 ]
+if find_spec("django.tasks") is None:  # before Django 6: the backport
+    INSTALLED_APPS.append("django_tasks")
+TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -81,6 +87,7 @@ DJANGO_SEMAPHORE = {
         "backups": 1,
         "network": 2,
         "reports": 2,
+        "thumbnails": 2,
         "mirror-syncs": {"rate": "5/m"},
         "export:customer:*": 2,
     },

@@ -1,7 +1,7 @@
 """The README's first command, run as a new user would: on a clean checkout,
-non-interactively, until the admin answers, a demo task has completed, the
-rate-limited mirror syncs have started, and the metrics view shows what the
-Celery worker's processes granted."""
+non-interactively, until the admin answers, a demo task (Celery's and a
+Django task) has completed, the rate-limited mirror syncs have started, and
+the metrics view shows what the Celery worker's processes granted."""
 
 from __future__ import annotations
 
@@ -63,16 +63,17 @@ def worker_grants_exposed(port: int) -> bool:
     )
 
 
-def demo_tasks_done(database: Path) -> int:
-    """Tasks of the demo that held their permit and released it."""
+def demo_tasks_done(database: Path, module: str = "tasks") -> int:
+    """Tasks of the demo's ``module`` (Celery's ``tasks``, Django's own
+    ``jobs``) that held their permit and released it."""
     if not database.exists():
         return 0
     with sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=5) as db:
         try:
             (count,) = db.execute(
                 "SELECT COUNT(*) FROM django_semaphore_permitrequest"
-                " WHERE owner LIKE 'task:% example_project.demo.tasks.%'"
-                " AND release_reason = 'released'"
+                " WHERE owner LIKE ? AND release_reason = 'released'",
+                [f"task:% example_project.demo.{module}.%"],
             ).fetchone()
         except sqlite3.OperationalError:  # not migrated yet, or busy
             return 0
@@ -123,6 +124,7 @@ def test_first_readme_command_on_a_clean_checkout(tmp_path):
         while not (
             admin_login_answers(port)
             and demo_tasks_done(database)
+            and demo_tasks_done(database, "jobs")  # a Django task, on its database worker
             and mirror_sync_slots(database)
             and worker_grants_exposed(port)
         ):

@@ -11,6 +11,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from example_project.demo.jobs import make_thumbnails
 from example_project.demo.tasks import build_export, render_report, run_backup, sync_mirror
 
 
@@ -61,6 +62,11 @@ class Command(BaseCommand):
                     # A burst: a backlog of parked tasks draining, two at a time.
                     for page in range(12):
                         render_report.delay(n, page)
+                if n % 20 == 3:
+                    # Django's own tasks: six albums, two at a time, the
+                    # others deferred until a release makes room.
+                    for album in range(6):
+                        make_thumbnails.enqueue(n * 10 + album)
                 time.sleep(random.uniform(1, 2))
         except KeyboardInterrupt:
             pass
