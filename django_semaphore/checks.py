@@ -1,5 +1,6 @@
 """System checks for the ``DJANGO_SEMAPHORE`` settings dict, the databases
-the app runs on, and the Celery beat schedule its sweeps need."""
+the app runs on, the Celery beat schedule its sweeps need, and the Django
+tasks backends that cannot defer a waiting run."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ from typing import Any
 
 from django import db
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
+from django.utils.module_loading import import_string
 
 from django_semaphore import backends, beat, declared, routing, sweep
 from django_semaphore.conf import DEFAULTS, app_settings, setting_problems
+from django_semaphore.integrations import django_tasks
 from django_semaphore.models import Permit, PermitRequest, Semaphore
+from django_semaphore.parking import deferred
 from django_semaphore.validation import is_pattern
 
 DOCS = "See docs/settings.md."
@@ -122,6 +126,29 @@ def check_beat_schedule(**kwargs: Any) -> list[CheckMessage]:
             id="django_semaphore.W020",
         )
     ]
+
+
+@register(Tags.compatibility)
+def check_task_backends(**kwargs: Any) -> list[CheckMessage]:
+    """Where a Django tasks backend cannot defer a run, a task under
+    ``@holds_permit`` that finds no room waits in its worker: say so."""
+    messages: list[CheckMessage] = []
+    for alias, options in getattr(settings, "TASKS", {}).items():
+        try:
+            backend = import_string(options["BACKEND"])
+        except (ImportError, KeyError, TypeError):
+            continue  # the tasks framework's own checks report it
+        if issubclass(backend, django_tasks.inline_backends()) or deferred.can_defer(backend):
+            continue
+        messages.append(
+            Info(
+                f"Django tasks of the task backend {alias!r} that find no room wait in "
+                "their worker, which they keep busy: it cannot defer runs.",
+                hint="django-tasks-db's DatabaseBackend defers them; see docs/django-tasks.md.",
+                id="django_semaphore.I001",
+            )
+        )
+    return messages
 
 
 @register(Tags.compatibility)

@@ -72,6 +72,27 @@ def test_a_call_outside_a_backend_holds_a_permit_of_its_own():
     assert not PermitRequest.objects.filter(owner__startswith="task:").exists()
 
 
+class QueueBackend(own_tasks.BaseTaskBackend):
+    """A backend that runs tasks elsewhere and cannot take a run back."""
+
+    def enqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+def test_a_backend_that_cannot_defer_is_named_by_a_check(settings):
+    from django_semaphore.checks import check_task_backends
+
+    assert check_task_backends() == []  # the immediate and the database backends
+    settings.TASKS = {
+        **settings.TASKS,
+        "queue": {"BACKEND": f"{__name__}.QueueBackend"},
+    }
+
+    [info] = check_task_backends()
+    assert info.id == "django_semaphore.I001"
+    assert "'queue'" in info.msg
+
+
 # --- real workers of the database backend ----------------------------------------------
 
 

@@ -115,6 +115,16 @@ def task_classes() -> list[type]:
     return [importlib.import_module(f"{tasks.__name__}.base").Task for tasks in frameworks()]
 
 
+def inline_backends() -> tuple[type, ...]:
+    """The frameworks' own backends, which run a task where it is enqueued
+    (immediate) or never (dummy): nothing to defer there."""
+    return tuple(
+        getattr(importlib.import_module(f"{tasks.__name__}.backends.{module}"), name)
+        for tasks in frameworks()
+        for module, name in (("immediate", "ImmediateBackend"), ("dummy", "DummyBackend"))
+    )
+
+
 def running_result_of(body: Callable[..., Any]) -> Any:
     """The task result whose body ``body`` is, if a backend is running it now."""
     result = _running.get()
@@ -136,7 +146,8 @@ def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwar
     Raises:
         TaskDeferred: the run was deferred (its worker records that).
     """
-    if not options.timeout and options.parks and deferred.can_defer(result.task.get_backend()):
+    backend = type(result.task.get_backend())
+    if not options.timeout and options.parks and deferred.can_defer(backend):
         parking.enable()  # this process's releases resume the tasks parked for their room
         claim = functools.partial(_claim, result, options)
         try:

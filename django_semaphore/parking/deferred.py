@@ -22,13 +22,13 @@ from django_semaphore.models import ParkedTask
 PARKED_UNTIL = datetime(9000, 1, 1, tzinfo=UTC)
 
 
-def can_defer(backend: Any) -> bool:
-    """Whether runs of this task backend can be deferred while parked."""
+def can_defer(backend: type) -> bool:
+    """Whether runs of this task backend (class) can be deferred while parked."""
     if find_spec("django_tasks_db") is None:
         return False
     from django_tasks_db import DatabaseBackend
 
-    return isinstance(backend, DatabaseBackend)
+    return issubclass(backend, DatabaseBackend)
 
 
 def _results() -> Any:
