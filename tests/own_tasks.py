@@ -17,9 +17,9 @@ from django_semaphore.models import PermitRequest
 from django_semaphore.states import State
 from tests.testapp.models import RunLog
 
-_framework = settings.TASKS["default"]["BACKEND"].split(".backends.")[0]
-task = importlib.import_module(_framework).task
-BaseTaskBackend = importlib.import_module(f"{_framework}.backends.base").BaseTaskBackend
+framework = settings.TASKS["default"]["BACKEND"].split(".backends.")[0]
+task = importlib.import_module(framework).task
+BaseTaskBackend = importlib.import_module(f"{framework}.backends.base").BaseTaskBackend
 
 LIMITED = "django-tasks-limited"
 

@@ -6,6 +6,7 @@ backend."""
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 from django.db import connection
 
 from django_semaphore import sweep
+from django_semaphore.exceptions import TaskDeferred
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.states import ReleaseReason, State
 from tests import own_tasks
@@ -70,6 +72,30 @@ def test_a_call_outside_a_backend_holds_a_permit_of_its_own():
     # The body called directly, as a function: a fresh key, not a task's.
     assert own_tasks.per_customer.func("acme") == ["django-tasks-customer:acme"]
     assert not PermitRequest.objects.filter(owner__startswith="task:").exists()
+
+
+def test_a_deferred_runs_end_is_logged_as_deferred_not_as_a_failure(caplog):
+    """The framework logs a failed run's end as an error with its traceback
+    (inside its except block); a deferred one is logged at INFO instead."""
+    logger = logging.getLogger(own_tasks.framework)
+    with caplog.at_level(logging.INFO, logger=own_tasks.framework):
+        try:
+            raise TaskDeferred("Task r-1 deferred: no room on exports; it runs when room comes.")
+        except TaskDeferred:
+            logger.exception("Task id=%s path=%s state=%s", "r-1", "tests.own_tasks.x", "FAILED")
+        try:
+            raise ValueError("the task's own failure")
+        except ValueError:
+            logger.exception("Task id=%s path=%s state=%s", "r-2", "tests.own_tasks.x", "FAILED")
+
+    deferral, failure = caplog.records
+    assert (deferral.levelno, deferral.exc_info) == (logging.INFO, None)
+    assert deferral.getMessage() == (
+        "Task id=r-1 path=tests.own_tasks.x deferred: "
+        "Task r-1 deferred: no room on exports; it runs when room comes."
+    )
+    assert failure.levelno == logging.ERROR
+    assert failure.exc_info is not None
 
 
 class QueueBackend(own_tasks.BaseTaskBackend):
@@ -188,9 +214,8 @@ def test_a_refused_run_is_deferred_and_runs_again_under_its_result_id(tmp_path):
     assert most_at_once(runs) <= 1
     # A deferred result was taken by a worker twice: once deferred, once run.
     assert max(len(result.worker_ids) for result in results) >= 2
-    # Its workers logged the deferral as one, not as a failed run's traceback.
+    # No worker logged a deferral as a failed run's traceback.
     logs = "".join(path.read_text(errors="replace") for path in tmp_path.iterdir())
-    assert "deferred: Task" in logs
     assert "Traceback" not in logs
     assert not ParkedTask.objects.exists()
     assert not Ticket.objects.exists()
