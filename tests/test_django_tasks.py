@@ -98,6 +98,29 @@ def test_a_deferred_runs_end_is_logged_as_deferred_not_as_a_failure(caplog):
     assert failure.exc_info is not None
 
 
+def test_a_deferred_run_left_failed_is_resumed_by_its_wake_up():
+    """Its worker recorded the deferred run's end, and the rewrite to READY
+    never came (the database failed then): the wake-up's resume still finds
+    the row and runs it again; a real failure is never resumed."""
+    from django_tasks_db.models import DBTaskResult
+
+    from django_semaphore.parking import deferred
+
+    task = own_tasks.holding.using(backend="database")
+    left, failed = (task.enqueue(label) for label in ("left", "failed"))
+    DBTaskResult.objects.filter(id=left.id).update(
+        status="FAILED", exception_class_path=deferred.DEFERRED
+    )
+    DBTaskResult.objects.filter(id=failed.id).update(
+        status="FAILED", exception_class_path="builtins.ValueError"
+    )
+
+    assert deferred.resume(left.id)
+    assert not deferred.resume(failed.id)
+    left.refresh()
+    assert (left.status, left.errors) == ("READY", [])
+
+
 class QueueBackend(own_tasks.BaseTaskBackend):
     """A backend that runs tasks elsewhere and cannot take a run back."""
 

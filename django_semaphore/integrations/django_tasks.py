@@ -41,6 +41,7 @@ from importlib.util import find_spec
 from types import ModuleType
 from typing import Any, NoReturn
 
+from django.db import DatabaseError
 from django.utils import timezone
 
 from django_semaphore import api, parking
@@ -51,6 +52,8 @@ from django_semaphore.owners import TaskOwner
 from django_semaphore.parking import deferred
 from django_semaphore.validation import MAX_TTL
 from django_semaphore.waiting import standby
+
+logger = logging.getLogger("django_semaphore")
 
 FRAMEWORKS = ("django.tasks", "django_tasks")
 
@@ -79,9 +82,9 @@ def connect() -> None:
         signals.task_finished.connect(on_task_finished, dispatch_uid=f"{uid}.finished")
         # The framework's logger, which records every failed run's end as an
         # error with its traceback (error trackers pick those up).
-        logger = logging.getLogger(tasks.__name__)
-        if deferred_runs not in logger.filters:
-            logger.addFilter(deferred_runs)
+        framework_logger = logging.getLogger(tasks.__name__)
+        if deferred_runs not in framework_logger.filters:
+            framework_logger.addFilter(deferred_runs)
 
 
 def deferred_runs(record: logging.LogRecord) -> bool:
@@ -106,7 +109,10 @@ def on_task_finished(sender: Any, task_result: Any, **kwargs: Any) -> None:
     if pending is not None and pending[0] == task_result.id:
         # Its worker recorded the deferred run's end: now it waits again.
         _deferring.set(None)
-        deferred.hold(task_result.id, pending[1])
+        try:
+            deferred.hold(task_result.id, pending[1])
+        except DatabaseError:  # never into the worker's loop: resume() finds it
+            logger.exception("Could not defer the run of task %s", task_result.id)
 
 
 def task_classes() -> list[type]:

@@ -12,10 +12,15 @@ from importlib.util import find_spec
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from django_semaphore import routing
+from django_semaphore.exceptions import TaskDeferred
 from django_semaphore.models import ParkedTask
+
+# How a worker records the end of a run that was deferred.
+DEFERRED = f"{TaskDeferred.__module__}.{TaskDeferred.__qualname__}"
 
 # A run_after no worker reaches while the task is parked. Not the maximum
 # date: django-tasks-db reads that as "no run_after", ready at once.
@@ -31,34 +36,41 @@ def can_defer(backend: type) -> bool:
     return issubclass(backend, DatabaseBackend)
 
 
-def _results() -> Any:
-    from django_tasks_db.models import DBTaskResult
-
-    return DBTaskResult.objects
-
-
 def hold(result_id: str, until: datetime | None = None) -> None:
     """The run of ``result_id`` ended deferred (its worker recorded it as
     failed): ``READY`` again, to run at ``until`` -- or, parked, once a
-    wake-up says so (at once if one already did)."""
-    with transaction.atomic(using=routing.current_alias()):
+    wake-up says so (at once if one already did). If this fails, the
+    wake-up's ``resume`` finds the row as its worker left it."""
+    alias = routing.current_alias()
+    with transaction.atomic(using=alias):
         if until is None:
-            parked = ParkedTask.objects.using(routing.current_alias()).select_for_update()
+            parked = ParkedTask.objects.using(alias).select_for_update()
             # Locked: a wake-up marking it woken meanwhile comes before or
             # after this, never between the read and the write.
             woken_at = parked.filter(task_id=result_id).values_list("woken_at", flat=True).first()
             until = PARKED_UNTIL if woken_at is None else timezone.now()
-        _results().filter(id=result_id).update(
-            status="READY",
-            run_after=until,
-            finished_at=None,
-            exception_class_path="",
-            traceback="",
-            return_value=None,
-        )
+        _waiting(result_id).update(run_after=until, **_READY)
 
 
 def resume(result_id: str) -> bool:
     """Run the parked ``result_id`` now; whether its row was waiting (one
     whose run has not ended yet is resumed by ``hold``)."""
-    return bool(_results().filter(id=result_id, status="READY").update(run_after=timezone.now()))
+    return bool(_waiting(result_id).update(run_after=timezone.now(), **_READY))
+
+
+# A result ready to run again, with nothing of the deferred run's end left.
+_READY = {
+    "status": "READY",
+    "finished_at": None,
+    "exception_class_path": "",
+    "traceback": "",
+    "return_value": None,
+}
+
+
+def _waiting(result_id: str) -> Any:
+    """The row of ``result_id`` if it waits: ready, or ended deferred."""
+    from django_tasks_db.models import DBTaskResult
+
+    deferred_end = Q(status="FAILED", exception_class_path=DEFERRED)
+    return DBTaskResult.objects.filter(Q(status="READY") | deferred_end, id=result_id)
