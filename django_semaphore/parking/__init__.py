@@ -1,5 +1,7 @@
-"""Parked Celery tasks: a task that finds no room waits in the database, not
-in the broker, and is published again when releases make room for it.
+"""Parked tasks: a Celery task that finds no room waits in the database, not
+in the broker, and is published again when releases make room for it; a
+Django task deferred in its backend (``defer``, ``deferred``) waits the
+same way, and is resumed there.
 
 **Park.** A ``@holds_permit`` task (by default: ``PARK_TASKS``;
 ``park=False`` retries instead) whose run is refused writes a ``ParkedTask``
