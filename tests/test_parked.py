@@ -207,8 +207,10 @@ def test_a_parked_task_published_twice_runs_once(park, wakes):
 
 
 def park_row(demand: dict[str, int], task_id: str | None = None, **fields: Any) -> str:
+    task_id = task_id or unique("task")
     row = parking._Row(
-        task_id or unique("task"),
+        task_id,
+        task_id,
         "tests.parked",
         b"{}",
         "application/json",
@@ -297,7 +299,7 @@ def test_the_migration_puts_parked_demands_in_line_in_park_order(published):
     try:
         for task_id, woken_at, lacked in ((woken, timezone.now(), False), (waiting, None, True)):
             task = ParkedTask.objects.create(
-                task_id=task_id, task_name="tests.parked", body=b"{}",
+                task_id=task_id, key=task_id, task_name="tests.parked", body=b"{}",
                 content_type="application/json", content_encoding="utf-8",
                 parked_at=timezone.now(), woken_at=woken_at,
             )  # fmt: skip

@@ -201,8 +201,8 @@ def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
                 ]
         waiting = dict(
             ParkedTask.objects.using(alias)
-            .filter(task_id__in=candidates, woken_at__isnull=True)
-            .values_list("task_id", "id")
+            .filter(key__in=candidates, woken_at__isnull=True)
+            .values_list("key", "id")
         )
         places: dict[str, dict[int, tuple[_Place, bool]]] = defaultdict(dict)
         for id, key, semaphore_id, count, lacked in tickets.filter(

@@ -179,7 +179,7 @@ def _park_task(task: Any, options: Options) -> None:
     Any other error (a semaphore deleted meanwhile) fails the run, as the
     claim would have."""
     try:
-        parking.park(task, options.demand)
+        parking.park(task, options.demand, _next_key(task.request.id))
     except SemaphoreError as exc:
         if not _database_failed(exc):
             raise
@@ -243,6 +243,18 @@ def current_owner(task: Any, pid: int | None = None) -> TaskOwner:
         hostname=task.request.hostname or socket.gethostname(),
         pid=os.getpid() if pid is None else pid,
     )
+
+
+def _next_key(task_id: str) -> str:
+    """The key this task's next run claims its permit with: the first of its
+    keys whose permit its holder has not released (``claim``)."""
+    keys = list(_keys(task_id))
+    released = set(
+        PermitRequest.objects.using(routing.alias_for_key(task_id))
+        .filter(external_id__in=keys, state=State.RELEASED)
+        .values_list("external_id", flat=True)
+    )
+    return next((key for key in keys if key not in released), keys[-1])
 
 
 def _keys(task_id: str) -> Iterator[str]:

@@ -1,5 +1,6 @@
-"""Parked tasks wait in the one line of waiters: a ``ParkedDemand`` becomes a
-``Ticket`` keyed by its task id (in park order, so each keeps its place;
+"""Parked tasks wait in the one line of waiters: a parked task gets the
+``key`` its run claims its permit under (its task id), each ``ParkedDemand``
+becomes a ``Ticket`` under that key (in park order, so each keeps its place;
 a woken task's tickets lack room, which keeps its room for it), the
 semaphores where such tickets lack room have live queues, and the routines
 are installed again (the release's read of where parked tasks wait)."""
@@ -17,6 +18,11 @@ from django_semaphore.engine.statements import routines
 MAX_TICKET_LIFE = timedelta(days=365)
 
 
+def keys_from_task_ids(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
+    ParkedTask = apps.get_model("django_semaphore", "ParkedTask")
+    ParkedTask.objects.using(schema_editor.connection.alias).update(key=models.F("task_id"))
+
+
 def demands_to_tickets(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
     ParkedDemand = apps.get_model("django_semaphore", "ParkedDemand")
     Ticket = apps.get_model("django_semaphore", "Ticket")
@@ -32,7 +38,7 @@ def demands_to_tickets(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor)
         (
             Ticket(
                 semaphore_id=demand.semaphore_id,
-                external_id=demand.task.task_id,
+                external_id=demand.task.key,
                 count=demand.count,
                 created_at=demand.task.parked_at,
                 expires_at=demand.task.expires_at or demand.task.parked_at + MAX_TICKET_LIFE,
@@ -83,6 +89,18 @@ class Migration(migrations.Migration):
             name="semaphore_ticket_unique_key",
         ),
         migrations.AddField(
+            model_name="parkedtask",
+            name="key",
+            field=models.CharField(default="", max_length=255, verbose_name="key"),
+            preserve_default=False,
+        ),
+        migrations.RunPython(keys_from_task_ids, migrations.RunPython.noop),
+        migrations.AlterField(
+            model_name="parkedtask",
+            name="key",
+            field=models.CharField(max_length=255, unique=True, verbose_name="key"),
+        ),
+        migrations.AddField(
             model_name="ticket",
             name="parked",
             field=models.ForeignObject(
@@ -91,7 +109,7 @@ class Migration(migrations.Migration):
                 on_delete=models.DO_NOTHING,
                 related_name="tickets",
                 to="django_semaphore.parkedtask",
-                to_fields=["task_id"],
+                to_fields=["key"],
             ),
         ),
         migrations.RunPython(demands_to_tickets, migrations.RunPython.noop),

@@ -18,10 +18,14 @@ class ParkedTask(models.Model):
     priority, headers, expiry). A Django task's names its ``backend``
     instead, where its result waits, deferred, to be run again. What it
     waits for, and its place in each semaphore's line, are its ``Ticket``
-    rows, keyed by its task id as a fair waiter's are by its key.
+    rows, under its ``key`` as a fair waiter's are under its own.
     """
 
     task_id = models.CharField(_("task id"), max_length=MAX_LENGTH, unique=True)
+    # The key its run claims its permit under, and its tickets stand under:
+    # the task id, or a later generation of it once a permit under the id
+    # was released (integrations.celery_tasks).
+    key = models.CharField(_("key"), max_length=MAX_LENGTH, unique=True)
     task_name = models.CharField(_("task"), max_length=MAX_LENGTH)
     # A Django task's backend (an alias of TASKS); empty for a Celery task.
     backend = models.CharField(_("task backend"), max_length=100, blank=True)

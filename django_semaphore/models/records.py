@@ -13,7 +13,7 @@ from django_semaphore.validation import MAX_LENGTH
 
 class Ticket(models.Model):
     """A waiter's place in the line of one semaphore: a fair-mode acquire's
-    (keyed by its key) or a parked Celery task's (keyed by its task id).
+    or a parked task's, under the key its permit is (to be) claimed with.
 
     Taken under the semaphore's row lock, so on each semaphore ticket ids
     follow the order of its grant transactions (see ``engine/fairness.py``).
@@ -39,7 +39,7 @@ class Ticket(models.Model):
         "django_semaphore.ParkedTask",
         on_delete=models.DO_NOTHING,
         from_fields=["external_id"],
-        to_fields=["task_id"],
+        to_fields=["key"],
         related_name="tickets",
         null=True,
     )

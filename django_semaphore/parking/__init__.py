@@ -101,9 +101,10 @@ not failed, not pending on the broker; ``info`` says what it waits for."""
 # --- park ------------------------------------------------------------------------
 
 
-def park(task: Any, demand: Mapping[str, int]) -> None:
+def park(task: Any, demand: Mapping[str, int], key: str) -> None:
     """Write the running task's message to a ``ParkedTask`` row (once per
-    task id: a woken task parked again keeps its place), then look for room.
+    task id: a woken task parked again keeps its place), its tickets under
+    ``key``, the key its next run claims its permit with; then look for room.
 
     Raises:
         SemaphoreError: the row could not be written (the caller retries
@@ -118,7 +119,7 @@ def park(task: Any, demand: Mapping[str, int]) -> None:
     )
     if isinstance(body, str):
         body = body.encode(encoding)
-    row = _Row(request.id, task.name, bytes(body), content_type, encoding, _expiry(request))
+    row = _Row(request.id, key, task.name, bytes(body), content_type, encoding, _expiry(request))
     alias, lined = _park(row, demand)
     _set_state(task, demand)
     wake.wake(alias, lined.ids.values())
@@ -135,13 +136,14 @@ def defer(result_id: str, task_name: str, backend: str, demand: Mapping[str, int
     Raises:
         SemaphoreError: the row could not be written.
     """
-    alias, lined = _park(_Row(result_id, task_name, b"", "", "", None, backend), demand)
+    alias, lined = _park(_Row(result_id, result_id, task_name, b"", "", "", None, backend), demand)
     wake.wake(alias, lined.ids.values())
 
 
 @dataclass(frozen=True)
 class _Row:
     task_id: str
+    key: str
     task_name: str
     body: bytes
     content_type: str
@@ -171,17 +173,23 @@ def _expiry(request: Any) -> datetime | None:
 
 def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) -> wakeups.Lined:
     """The row and its tickets in one transaction (a task parked again keeps
-    both, and so its place in line)."""
+    both, and so its place in line, unless its key changed)."""
     alias = connection.alias
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
-        lined = wakeups.line_up(connection, row.task_id, demand, row.expires_at)
+        lined = wakeups.line_up(connection, row.key, demand, row.expires_at)
         parked_before = ParkedTask.objects.using(alias).filter(task_id=row.task_id)
-        if parked_before.update(woken_at=None):
+        if (before := parked_before.values_list("key", flat=True).first()) is not None:
+            if before != row.key:
+                # A permit under its old key was released meanwhile: the
+                # tickets under that key would hold back its own run.
+                _raw_delete(Ticket.objects.using(alias).filter(external_id=before))
+            parked_before.update(woken_at=None, key=row.key)
             return lined
         with suppress(IntegrityError), transaction.atomic(using=alias):
             # Unless another copy of this task parked it first.
             ParkedTask.objects.using(alias).create(
                 task_id=row.task_id,
+                key=row.key,
                 task_name=row.task_name,
                 backend=row.backend,
                 body=row.body,
@@ -211,9 +219,12 @@ def started(task_id: str, demand: Mapping[str, int]) -> None:
     alias = routing.alias_for_names(list(demand))
     # By key and without Django's collector (which reads the rows first): a
     # run that was not parked pays one indexed read.
-    if _raw_delete(ParkedTask.objects.using(alias).filter(task_id=task_id)):
+    parked = ParkedTask.objects.using(alias).filter(task_id=task_id)
+    keys = list(parked.values_list("key", flat=True))
+    if keys:
+        _raw_delete(parked)
         # Unless its grant deleted them (where the line was live).
-        _raw_delete(Ticket.objects.using(alias).filter(external_id=task_id))
+        _raw_delete(Ticket.objects.using(alias).filter(external_id__in=keys))
         rate_limits = set(
             Semaphore.objects.using(alias)
             .filter(name__in=list(demand), window__isnull=False)
@@ -264,13 +275,13 @@ def cancel(task_ids: Iterable[str]) -> int:
     dropped = 0
     for alias in routing.aliases():
         parked = ParkedTask.objects.using(alias).filter(task_id__in=keys)
-        found = list(parked.values_list("task_id", flat=True))
+        found = dict(parked.values_list("key", "id"))
         if not found:
             continue
-        tickets = Ticket.objects.using(alias).filter(external_id__in=found)
+        tickets = Ticket.objects.using(alias).filter(external_id__in=list(found))
         semaphore_ids = set(tickets.filter(lacked=True).values_list("semaphore_id", flat=True))
         _raw_delete(tickets)
-        dropped += _raw_delete(parked.filter(task_id__in=found))
+        dropped += _raw_delete(ParkedTask.objects.using(alias).filter(id__in=found.values()))
         wake.wake(alias, semaphore_ids)
     return dropped
 
@@ -341,7 +352,7 @@ def with_parked(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
             output_field=BigIntegerField(),
         ),
         parked_since=Subquery(
-            ParkedTask.objects.filter(task_id=Subquery(first_in_line)).values("parked_at")
+            ParkedTask.objects.filter(key=Subquery(first_in_line)).values("parked_at")
         ),
     ).annotate(
         oldest_parked=ExpressionWrapper(

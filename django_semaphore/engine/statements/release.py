@@ -129,7 +129,7 @@ class ReleaseStatements(SQL):
             f"SELECT r.{q('external_id')}, r.{q('id')}, r.{q('created_at')},"
             f" r.{q('released_at')}, p.{q('semaphore_id')}, s.{q('name')}, p.{q('count')},"
             f" EXISTS (SELECT 1 FROM {q(Ticket._meta.db_table)} w"
-            f" JOIN {q(ParkedTask._meta.db_table)} t ON t.{q('task_id')} = w.{q('external_id')}"
+            f" JOIN {q(ParkedTask._meta.db_table)} t ON t.{q('key')} = w.{q('external_id')}"
             f" WHERE w.{q('semaphore_id')} = p.{q('semaphore_id')}"
             f" AND t.{q('woken_at')} IS NULL)"
             f" FROM {request} r JOIN {permit} p ON p.{q('request_id')} = r.{q('id')}"
