@@ -33,6 +33,7 @@ from django_semaphore.admin.semaphores import SemaphoreAdmin
 from django_semaphore.api import set_capacity
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import SemaphoreExhausted, SemaphoreNotFound
+from django_semaphore.integrations import celery_tasks
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.parking import wake
 from django_semaphore.states import State
@@ -206,11 +207,13 @@ def test_a_parked_task_published_twice_runs_once(park, wakes):
 # --- the wake-up's choices, on rows written directly ----------------------------
 
 
-def park_row(demand: dict[str, int], task_id: str | None = None, **fields: Any) -> str:
+def park_row(
+    demand: dict[str, int], task_id: str | None = None, key: str | None = None, **fields: Any
+) -> str:
     task_id = task_id or unique("task")
     row = parking._Row(
         task_id,
-        task_id,
+        key or task_id,
         "tests.parked",
         b"{}",
         "application/json",
@@ -284,6 +287,26 @@ def test_a_grant_waits_behind_a_parked_task_in_the_one_line(published):
     assert Semaphore.objects.get(pk=s.pk).queued_until is None  # the line is over
 
 
+def test_a_task_whose_permit_was_released_waits_under_its_next_key(published):
+    """Its first run's permit was reclaimed (released) before the task
+    ended: its next run claims under ``id~2``, and its tickets stand under
+    that key, so its own place never holds its run back."""
+    s = semaphore(1)
+    task_id = unique("task")
+    acquire(s.name, external_id=task_id)
+    release(task_id)
+    acquire(s.name, external_id="holder")
+    key = celery_tasks._next_key(task_id)
+    assert key == f"{task_id}~2"
+    park_row({s.name: 1}, task_id=task_id, key=key)
+    release("holder")
+
+    assert wake.wake("default", [s.pk]) == 1
+    acquire(s.name, external_id=key)  # its run: the room kept for it is its own
+    parking.started(task_id, {s.name: 1})
+    assert not Ticket.objects.filter(semaphore=s).exists()
+
+
 def test_the_migration_puts_parked_demands_in_line_in_park_order(published):
     """Upgrading with tasks parked: each demand becomes its task's ticket, in
     park order, lacking room where it lacked it (everywhere for a woken
@@ -292,7 +315,15 @@ def test_the_migration_puts_parked_demands_in_line_in_park_order(published):
     acquire(s.name, external_id="holder")
     woken, waiting = unique("woken"), unique("waiting")
     migration = importlib.import_module("django_semaphore.migrations.0013_parked_tasks_in_line")
-    state = MigrationLoader(connection).project_state(("django_semaphore", "0012_grant_queue"))
+    # The models as 0013 hands them to the function: 0012's, with the
+    # operations before it applied.
+    loader = MigrationLoader(connection)
+    state = loader.project_state(("django_semaphore", "0012_grant_queue"))
+    operations = loader.get_migration("django_semaphore", "0013_parked_tasks_in_line").operations
+    for operation in operations:
+        if getattr(operation, "code", None) is migration.demands_to_tickets:
+            break
+        operation.state_forwards("django_semaphore", state)
     ParkedDemand = state.apps.get_model("django_semaphore", "ParkedDemand")
     with connection.schema_editor() as editor:  # the table as 0012 left it
         editor.create_model(ParkedDemand)
