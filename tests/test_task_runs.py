@@ -110,13 +110,13 @@ def test_a_parking_run_parks_for_want_of_room_only(refusal, parks):
 def test_a_park_the_database_failed_falls_back_to_a_retry(failure, monkeypatch):
     if type(failure) is SemaphoreError:
         failure.__cause__ = DatabaseError("driver")
-    monkeypatch.setattr(parking, "park", lambda task, demand: _raise(failure))
+    monkeypatch.setattr(parking, "park", lambda task, demand, key: _raise(failure))
 
     assert _park_task(Refused(), _options()) is None  # the caller retries the task
 
 
 def test_a_park_refused_for_anything_else_fails_the_run(monkeypatch):
-    monkeypatch.setattr(parking, "park", lambda task, demand: _raise(SemaphoreNotFound(["s"])))
+    monkeypatch.setattr(parking, "park", lambda task, demand, key: _raise(SemaphoreNotFound(["s"])))
 
     with pytest.raises(SemaphoreNotFound):
         _park_task(Refused(), _options())
