@@ -4,7 +4,10 @@ semaphore by django-tasks-db's ``db_worker`` processes.
 ``python -m benchmarks.own_tasks`` enqueues ``--tasks`` tasks that each hold
 one permit of a capacity ``--capacity`` semaphore for ``--hold`` seconds,
 then starts ``--workers`` workers (more than the capacity: a refused run
-stands by, then is deferred, so the others keep working), and reports:
+stands by, then is deferred, so the others keep working), and reports,
+for it and for the same tasks without a semaphore on ``--capacity``
+workers (``unlimited``: what the workers do by themselves, the practical
+ideal):
 
 - **drain**: from the first run's start to the last run's end, against the
   ideal ``tasks x hold / capacity``;
@@ -61,24 +64,30 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import own_tasks_app
 
     call_command("migrate", verbosity=0, interactive=False)
-    result = drain(own_tasks_app, args)
-    print(format_result(result), flush=True)
+    results = [
+        drain(own_tasks_app.free, "unlimited", args.capacity, args),
+        drain(own_tasks_app.held, "limited", args.workers, args),
+    ]
+    for result in results:
+        print(format_result(result), flush=True)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if result["failed"] == 0 and result["most_at_once"] <= args.capacity else 1
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    limited = results[-1]
+    return 0 if limited["failed"] == 0 and limited["most_at_once"] <= args.capacity else 1
 
 
-def drain(app: Any, args: argparse.Namespace) -> dict[str, Any]:
+def drain(task: Any, mode: str, workers: int, args: argparse.Namespace) -> dict[str, Any]:
     from django_tasks_db.models import DBTaskResult
 
+    from benchmarks.own_tasks_app import NAME
     from django_semaphore.models import ParkedTask, Semaphore
 
     DBTaskResult.objects.all().delete()
     ParkedTask.objects.all().delete()
-    Semaphore.objects.filter(name=app.NAME).delete()
-    Semaphore.objects.create(name=app.NAME, capacity=args.capacity)
-    ids = [str(app.held.enqueue().id) for _ in range(args.tasks)]
-    workers = _start_workers(args.workers)
+    Semaphore.objects.filter(name=NAME).delete()
+    Semaphore.objects.create(name=NAME, capacity=args.capacity)
+    ids = [str(task.enqueue().id) for _ in range(args.tasks)]
+    running = _start_workers(workers)
     try:
         deadline = time.monotonic() + args.timeout
         results = DBTaskResult.objects.filter(id__in=ids)
@@ -87,7 +96,7 @@ def drain(app: Any, args: argparse.Namespace) -> dict[str, Any]:
                 raise SystemExit(f"not drained within {args.timeout} s")
             time.sleep(0.2)
     finally:
-        for worker in workers:
+        for worker in running:
             worker.kill()
             worker.wait()
     rows = list(results.values_list("status", "return_value", "worker_ids"))
@@ -95,10 +104,11 @@ def drain(app: Any, args: argparse.Namespace) -> dict[str, Any]:
     ideal = args.tasks * args.hold / args.capacity
     took = max(end for _, end in spans) - min(start for start, _ in spans)
     return {
+        "mode": mode,
         "tasks": args.tasks,
         "hold": args.hold,
         "capacity": args.capacity,
-        "workers": args.workers,
+        "workers": workers,
         "ran": len(spans),
         "failed": sum(status == "FAILED" for status, _, _ in rows),
         "drain_s": round(took, 3),
@@ -130,6 +140,7 @@ def _most_at_once(spans: list[list[float]]) -> int:
 
 def format_result(result: dict[str, Any]) -> str:
     return (
+        f"{result['mode']:9} {result['workers']} workers: "
         f"{result['ran']}/{result['tasks']} ran, {result['failed']} failed; drain "
         f"{result['drain_s']}s ({result['x_ideal']}x ideal {result['ideal_s']}s); most at once "
         f"{result['most_at_once']} (capacity {result['capacity']}); deferred {result['deferred']}"

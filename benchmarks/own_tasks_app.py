@@ -28,6 +28,16 @@ task = importlib.import_module(frameworks()[0].__name__).task
 @task()
 @holds_permit(NAME)
 def held() -> list[float]:
+    return _run()
+
+
+@task()
+def free() -> list[float]:
+    """The same without a semaphore: what the workers do by themselves."""
+    return _run()
+
+
+def _run() -> list[float]:
     started = time.time()
     time.sleep(HOLD)
     return [started, time.time()]
