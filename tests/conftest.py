@@ -16,6 +16,7 @@ from functools import partial
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.core.checks import CheckMessage, run_checks
 from django.db import connection, connections
 from django.db.models import DurationField, OuterRef, Subquery, Sum, Value
 from django.db.models.functions import Coalesce
@@ -178,6 +179,14 @@ def behind_the_engine() -> AbstractContextManager[None]:
     manual SQL edit or a restore from backup would leave it (no guard sees
     those)."""
     return engine_writes()
+
+
+def static_checks() -> list[CheckMessage]:
+    """The system checks that open no database. Django 6.1 runs the model
+    checks against every alias unless told none (a JSONField's, such as
+    django-tasks-db's, reads the database's features), which a test without
+    database access must not."""
+    return run_checks(databases=[])
 
 
 def unique(prefix: str = "sem") -> str:

@@ -8,7 +8,6 @@ from datetime import timedelta
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
 
 from django_semaphore import (
@@ -28,7 +27,7 @@ from django_semaphore.engine import verifier
 from django_semaphore.exceptions import InvalidRequest, SemaphoreError
 from django_semaphore.models import CapacityChange, PermitRequest
 from django_semaphore.states import State
-from tests.conftest import unique
+from tests.conftest import static_checks, unique
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -298,7 +297,7 @@ BAD_SETTINGS = [
 
 
 def setting_errors() -> list[str]:
-    return [m.msg for m in run_checks() if m.id and m.id.startswith("django_semaphore.E")]
+    return [m.msg for m in static_checks() if m.id and m.id.startswith("django_semaphore.E")]
 
 
 @pytest.mark.parametrize(("key", "value"), BAD_SETTINGS, ids=repr)
