@@ -14,13 +14,16 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from io import StringIO
 from pathlib import Path
 from typing import Any
 
 import pytest
+from django.core.management import call_command
 from django.db import connection
+from django.utils import timezone
 
-from django_semaphore import sweep
+from django_semaphore import acquire, parking, release, sweep
 from django_semaphore.exceptions import TaskDeferred
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.states import ReleaseReason, State
@@ -119,6 +122,28 @@ def test_a_deferred_run_left_failed_is_resumed_by_its_wake_up():
     assert not deferred.resume(failed.id)
     left.refresh()
     assert (left.status, left.errors) == ("READY", [])
+
+
+def test_the_sweep_command_resumes_a_parked_task_no_release_woke(limited, wakes_nobody):
+    """Without Celery beat, ``semaphore_sweep --parked`` from cron is the
+    backstop: a release in a process that wakes nobody left room, and the
+    parked task's result waits until the sweep resumes it."""
+    from django_tasks_db.models import DBTaskResult
+
+    from django_semaphore.parking import deferred
+
+    acquire({own_tasks.LIMITED: 2}, external_id="holder")
+    result = own_tasks.holding.using(backend="database").enqueue("missed")
+    parking.defer(result.id, "tests.own_tasks.holding", "database", {own_tasks.LIMITED: 1})
+    deferred.hold(result.id)  # as when its worker recorded the deferred run's end
+    release("holder")
+    row = DBTaskResult.objects.filter(id=result.id)
+    assert row.values_list("run_after", flat=True).get() == deferred.PARKED_UNTIL
+
+    call_command("semaphore_sweep", "--parked", stdout=StringIO())
+
+    assert row.values_list("run_after", flat=True).get() <= timezone.now()
+    assert ParkedTask.objects.get(task_id=result.id).woken_at is not None
 
 
 class QueueBackend(own_tasks.BaseTaskBackend):

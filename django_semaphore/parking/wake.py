@@ -71,8 +71,12 @@ def schedule_slots(alias: str, semaphore_ids: set[int]) -> None:
     room when its window moves on, and no release says so. Called where a
     task parks, by that wake-up itself (so they follow one another while
     tasks wait) and by the beat sweep (the backstop of one lost); one a
-    process per slot's end."""
-    from celery import current_app
+    process per slot's end. Without Celery, nothing: a Django task refused
+    by a rate limit waits for its slot in its backend."""
+    try:
+        from celery import current_app
+    except ImportError:
+        return
 
     try:
         due = wakeups.next_slots(alias, semaphore_ids)

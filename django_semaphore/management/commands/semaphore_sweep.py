@@ -54,6 +54,13 @@ class Command(BaseCommand):
         parser.add_argument(
             "--history", action="store_true", help="Delete capacity history past HISTORY_RETENTION."
         )
+        parser.add_argument(
+            "--parked",
+            action="store_true",
+            help="Wake the parked tasks that fit, publish again the wake-ups overdue, drop "
+            "expired ones: the wake_parked beat task, for a project without Celery beat. "
+            "Only when asked for; no dry run.",
+        )
         parser.add_argument("--dry-run", action="store_true", help="Count only; change nothing.")
         parser.add_argument(
             "--batch-size",
@@ -71,13 +78,18 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         self.verbosity = int(options["verbosity"])
-        everything = not (options["orphans"] or options["cleanup"] or options["history"])
+        asked = ("orphans", "cleanup", "history", "parked")
+        everything = not any(options[name] for name in asked)
         try:  # again: call_command(batch_size=...) does not go through argparse
             size = validate_batch_size(options["batch_size"])
             budget = validate_time_budget(options["time_budget"]) or None
         except InvalidRequest as exc:
             raise CommandError(str(exc)) from exc
         dry_run = options["dry_run"]
+        if options["parked"]:
+            if dry_run:
+                raise CommandError("--parked has no dry run: it wakes what fits.")
+            self.stdout.write(str(sweep.sweep_parked()))
         if options["orphans"] or everything:
             self.stdout.write(str(sweep.release_orphans(batch_size=size, dry_run=dry_run)))
             tickets = sweep.clean_tickets(batch_size=size, dry_run=dry_run)
