@@ -35,6 +35,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from contextlib import ExitStack
 from contextvars import ContextVar
 from datetime import datetime, timedelta
 from importlib.util import find_spec
@@ -153,32 +154,36 @@ def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwar
         TaskDeferred: the run was deferred (its worker records that).
     """
     backend = type(result.task.get_backend())
-    if not options.timeout and options.parks and deferred.can_defer(backend):
-        parking.enable()  # this process's releases resume the tasks parked for their room
-        claim = functools.partial(_claim, result, options)
+    if options.timeout or not options.parks or not deferred.can_defer(backend):
+        with held_for(result, options):
+            return func(*args, **kwargs)
+    parking.enable()  # this process's releases resume the tasks parked for their room
+    with ExitStack() as held:
         try:
-            claim(0)
+            held.enter_context(held_for(result, options, timeout=0))
         except SemaphoreExhausted as refused:
             if refused.retry_after is not None:  # only rate limits: their next slot
                 _defer(result, options, timezone.now() + timedelta(seconds=refused.retry_after))
+            claim = functools.partial(_claim, result, options)
             if standby.stand_by(result.id, options.demand, claim) is None:
                 parking.defer(result.id, result.task.module_path, result.backend, options.demand)
                 _defer(result, options, None)
+            # Re-attaches to the permit the stand-by claimed, by its key.
+            held.enter_context(held_for(result, options))
         parking.started(result.id, options.demand)
-    with held_for(result, options):  # re-attaches to the permit claimed, by its key
         return func(*args, **kwargs)
 
 
-def held_for(result: Any, options: Options) -> HeldPermit:
+def held_for(result: Any, options: Options, timeout: float | None = None) -> HeldPermit:
     """The permit of this run, keyed by its result's id: ``with`` it around
-    the body. Waits for room without a deadline unless the decorator gave a
-    ``timeout``."""
+    the body. Waits ``timeout`` seconds for room; by default the decorator's
+    ``timeout``, else without a deadline."""
     return permit(
         options.demand,
         external_id=result.id,
         owner=_owner(result),
         ttl=options.ttl,
-        timeout=options.timeout or MAX_TTL,
+        timeout=(options.timeout or MAX_TTL) if timeout is None else timeout,
         fair=options.fair,
     )
 
