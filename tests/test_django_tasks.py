@@ -134,7 +134,7 @@ def test_the_sweep_command_resumes_a_parked_task_no_release_woke(limited, wakes_
 
     acquire({own_tasks.LIMITED: 2}, external_id="holder")
     result = own_tasks.holding.using(backend="database").enqueue("missed")
-    parking.defer(result.id, "tests.own_tasks.holding", "database", {own_tasks.LIMITED: 1})
+    parking.defer(result.id, result.id, "tests.own_tasks.holding", "database", {own_tasks.LIMITED: 1})
     deferred.hold(result.id)  # as when its worker recorded the deferred run's end
     release("holder")
     row = DBTaskResult.objects.filter(id=result.id)

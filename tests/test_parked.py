@@ -33,7 +33,7 @@ from django_semaphore.admin.semaphores import SemaphoreAdmin
 from django_semaphore.api import set_capacity
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import SemaphoreExhausted, SemaphoreNotFound
-from django_semaphore.integrations import celery_tasks
+from django_semaphore.integrations import task_keys
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.parking import wake
 from django_semaphore.states import State
@@ -296,7 +296,7 @@ def test_a_task_whose_permit_was_released_waits_under_its_next_key(published):
     acquire(s.name, external_id=task_id)
     release(task_id)
     acquire(s.name, external_id="holder")
-    key = celery_tasks._next_key(task_id)
+    key = task_keys.next_key(task_id)
     assert key == f"{task_id}~2"
     park_row({s.name: 1}, task_id=task_id, key=key)
     release("holder")

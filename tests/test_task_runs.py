@@ -21,7 +21,8 @@ from django_semaphore.exceptions import (
     SemaphoreExhausted,
     SemaphoreNotFound,
 )
-from django_semaphore.integrations.celery_tasks import _park_task, _parks_for, _retry, _take_over
+from django_semaphore.integrations.celery_tasks import _park_task, _parks_for, _retry
+from django_semaphore.integrations.task_keys import take_over
 from django_semaphore.integrations.options import Options
 from django_semaphore.models import PermitRequest
 from django_semaphore.owners import NO_PROCESS, TaskOwner
@@ -60,7 +61,7 @@ def test_take_over_rules(make_semaphore, holder, taken_over):
     request = acquire(sem.name, external_id=task_id, owner=str(previous))
     me = TaskOwner(task_id, "app.tasks.job", HERE, os.getpid() + 1)
 
-    assert _take_over(request, me) is taken_over
+    assert take_over(request, me) is taken_over
 
     expected = str(me) if taken_over else str(previous)
     assert PermitRequest.objects.get(pk=request.pk).owner == expected
@@ -74,8 +75,8 @@ def test_two_runs_taking_over_at_once_one_wins(make_semaphore):
     first = TaskOwner(task_id, "app.tasks.job", HERE, 1001)
     second = TaskOwner(task_id, "app.tasks.job", HERE, 1002)
 
-    assert _take_over(request, first)
-    assert not _take_over(request, second)  # the owner it judged (parked) is gone
+    assert take_over(request, first)
+    assert not take_over(request, second)  # the owner it judged (parked) is gone
 
 
 class Refused:

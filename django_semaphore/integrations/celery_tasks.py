@@ -1,11 +1,8 @@
 """How a Celery task run holds permits (``@holds_permit`` on a task).
 
-The key is the task id, so a redelivered message or a ``self.retry()`` finds
-the permit its task already holds instead of taking a second one. The owner
-column says which process holds it (``TaskOwner``): a second run of the same
-task id that is *alive at the same time* (a broker's visibility timeout
-redelivering a long task) must not share the permit, so a run only takes
-over a permit whose previous holder is parked (between retries) or dead.
+The key is the task id (``task_keys``), so a redelivered message or a
+``self.retry()`` finds the permit its task already holds instead of taking a
+second one, and a second *live* run of the same task id does not share it.
 
 A run that finds no room waits without spending its retries: it stands by
 in its worker, then is parked in the database until a release makes room
@@ -23,44 +20,36 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import random
-import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
-from django.db import Error, connections
-from django.db.models import F, QuerySet
+from django.db import Error
+from django.db.models import F
 from django.db.models.functions import Greatest
 
-from django_semaphore import api, liveness, parking, routing
+from django_semaphore import api, parking, routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import (
     DatabaseUnavailable,
     FamilyFull,
     LiveDuplicate,
     LockContention,
-    PermitAlreadyReleased,
     PermitLost,
     SemaphoreError,
     SemaphoreExhausted,
     TaskAlreadyRan,
 )
+from django_semaphore.integrations import task_keys
 from django_semaphore.integrations.leases import HEARTBEAT, Lease
 from django_semaphore.integrations.options import Options
-from django_semaphore.models import PermitRequest
 from django_semaphore.owners import NO_PROCESS, TaskOwner
-from django_semaphore.retry import run_with_retries
-from django_semaphore.states import State
 from django_semaphore.waiting import standby
 
 logger = logging.getLogger("django_semaphore")
 
-# A task whose permit was reclaimed (TTL, sweep) while it was parked or after
-# its worker died takes a new one under the next key: <task id>~2, ~3, ...
-MAX_GENERATIONS = 50
 # Attribute of the Celery task request that carries the key a run holds, for
 # the task_postrun receiver (tasks.py can't see the decorator's locals).
 TASK_KEY_ATTRIBUTE = "django_semaphore_key"
@@ -179,7 +168,7 @@ def _park_task(task: Any, options: Options) -> None:
     Any other error (a semaphore deleted meanwhile) fails the run, as the
     claim would have."""
     try:
-        parking.park(task, options.demand, _next_key(task.request.id))
+        parking.park(task, options.demand, task_keys.next_key(task.request.id))
     except SemaphoreError as exc:
         if not _database_failed(exc):
             raise
@@ -207,98 +196,13 @@ def _forget_parked(task: Any, options: Options) -> None:
 def claim(
     task: Any, demand: Any, ttl: int | None, timeout: float = 0, *, rerun_finished: bool = True
 ) -> str:
-    """Acquire (or re-attach to) this task id's permit, waiting up to
-    ``timeout`` seconds for room; returns the key held.
-
-    ``rerun_finished=False`` (parked tasks, which may be published twice):
-    a run whose task id's permit was released by its holder -- the task
-    finished -- is a duplicate and does not run.
-
-    Raises:
-        SemaphoreExhausted: no room; ``LiveDuplicate`` when another live run
-            holds the permit.
-        TaskAlreadyRan: ``rerun_finished`` is false and the task finished.
-    """
+    """Acquire (or re-attach to) this task id's permit (``task_keys.claim``)."""
     me = current_owner(task)
-    for key in _keys(task.request.id):
-        try:
-            request = api.acquire(demand, external_id=key, owner=str(me), ttl=ttl, timeout=timeout)
-        except PermitAlreadyReleased:
-            if not rerun_finished and key == task.request.id and parking.finished_before(key):
-                raise TaskAlreadyRan(f"Task {key} already ran; this copy is dropped.") from None
-            continue
-        if request.owner == str(me) or _take_over(request, me):
-            return key
-        raise LiveDuplicate(
-            list(request.fencing_tokens),
-            f"Another live run holds the permit of task {task.request.id}: {request.owner}",
-        )
-    raise SemaphoreError(f"Task {task.request.id} lost its permit {MAX_GENERATIONS} times.")
+    return task_keys.claim(me, demand, ttl, timeout, rerun_finished=rerun_finished)
 
 
 def current_owner(task: Any, pid: int | None = None) -> TaskOwner:
-    return TaskOwner(
-        task_id=task.request.id,
-        task_name=task.name,
-        hostname=task.request.hostname or socket.gethostname(),
-        pid=os.getpid() if pid is None else pid,
-    )
-
-
-def _next_key(task_id: str) -> str:
-    """The key this task's next run claims its permit with: the first of its
-    keys whose permit its holder has not released (``claim``)."""
-    keys = list(_keys(task_id))
-    released = set(
-        PermitRequest.objects.using(routing.alias_for_key(task_id))
-        .filter(external_id__in=keys, state=State.RELEASED)
-        .values_list("external_id", flat=True)
-    )
-    return next((key for key in keys if key not in released), keys[-1])
-
-
-def _keys(task_id: str) -> Iterator[str]:
-    yield task_id
-    for generation in range(2, MAX_GENERATIONS + 1):
-        yield f"{task_id}~{generation}"
-
-
-def _take_over(request: PermitRequest, me: TaskOwner) -> bool:
-    """Adopt the permit if its previous holder is parked or known dead; a live
-    holder is a duplicate delivery of the same task, and keeps it."""
-    previous = request.owner
-    holder = TaskOwner.parse(previous)
-    if holder is None or holder.task_id != me.task_id:
-        return False
-    if holder.pid != NO_PROCESS and not _is_dead(holder):
-        return False
-    # Conditional on the owner we judged: of two runs adopting at once, one wins.
-    return bool(
-        _update_held(
-            str(request._state.db),
-            lambda held: held.filter(pk=request.pk, owner=previous),
-            owner=str(me),
-        )
-    )
-
-
-def _is_dead(holder: TaskOwner) -> bool:
-    """Gone from this machine's process table, or reported dead by the
-    configured liveness checkers (an unknown answer is not dead)."""
-    return _gone_from_this_machine(holder) or liveness.is_dead(str(holder))
-
-
-def _gone_from_this_machine(holder: TaskOwner) -> bool:
-    machine = holder.hostname.partition("@")[2] or holder.hostname
-    if machine != socket.gethostname():
-        return False
-    try:
-        os.kill(holder.pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return task_keys.owner(task.request.id, task.name, task.request.hostname or "", pid)
 
 
 def _park_permit(key: str, task: Any, delay: float) -> None:
@@ -310,11 +214,11 @@ def _park_permit(key: str, task: Any, delay: float) -> None:
     alias = routing.alias_for_key(key)
     lease: Lease | None = getattr(task.request, TASK_LEASE_ATTRIBUTE, None)
     if lease is None:
-        _update_held(alias, lambda held: held.filter(external_id=key), owner=parked)
+        task_keys.update_held(alias, lambda held: held.filter(external_id=key), owner=parked)
         return
     lease.drop()
     kept_until = DatabaseNow() + timedelta(seconds=math.ceil(delay) + lease.ttl)
-    _update_held(
+    task_keys.update_held(
         alias,
         lambda held: held.filter(external_id=key, expires_at__gt=DatabaseNow()),
         owner=parked,
@@ -333,16 +237,6 @@ def _seconds_until(when: Any) -> float:
     if isinstance(when, int | float) and not isinstance(when, bool):
         return max(0.0, float(when))
     return 0.0
-
-
-def _update_held(
-    alias: str, select: Callable[[QuerySet[Any]], QuerySet[Any]], **values: Any
-) -> int:
-    """Update a held request, retrying transient database errors."""
-
-    connection = connections[alias]
-    held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED)
-    return run_with_retries(connection, lambda: select(held).update(**values))
 
 
 def on_before_task_publish(headers: dict[str, Any] | None = None, **kwargs: Any) -> None:

@@ -267,8 +267,8 @@ def _async_wrapper(func: F, options: Options, request_at: int | None) -> Callabl
         result = django_tasks.running_result_of(wrapper)
         if result is not None:
             own = django_tasks.own_arguments(result, args)
-            async with django_tasks.held_for(result, _for_call(options, *own, **kwargs)):
-                return await func(*args, **kwargs)
+            call = _for_call(options, *own, **kwargs)
+            return await django_tasks.run_async(func, call, result, args, kwargs)
         if request_at is None:
             call = _for_call(options, *args, **kwargs)
             async with permit(

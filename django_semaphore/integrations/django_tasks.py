@@ -24,7 +24,10 @@ way it is never failed for want of room.
 heartbeat renews: a worker killed mid-run stops renewing, and the permit
 is back within the lease. Its owner names the worker process as a Celery
 task's does (``owners.TaskOwner``), so the orphan sweep finds it sooner on
-the worker's own machine.
+the worker's own machine. A re-run of the same result (a backend's retry,
+RQ's requeue) claims it as a redelivered Celery task does (``task_keys``):
+it takes over a dead run's permit, takes a new one once the old was
+released, and is refused (``LiveDuplicate``) while the first run lives.
 """
 
 from __future__ import annotations
@@ -32,22 +35,21 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
-import socket
 from collections.abc import Callable
-from contextlib import ExitStack
 from contextvars import ContextVar
 from datetime import datetime, timedelta
 from importlib.util import find_spec
 from types import ModuleType
 from typing import Any, NoReturn
 
+from asgiref.sync import sync_to_async
 from django.db import DatabaseError
 from django.utils import timezone
 
-from django_semaphore import api, parking
-from django_semaphore.exceptions import SemaphoreExhausted, TaskDeferred
-from django_semaphore.integrations.context import HeldPermit, permit
+from django_semaphore import api, parking, routing
+from django_semaphore.exceptions import LiveDuplicate, PermitLost, SemaphoreExhausted, TaskDeferred
+from django_semaphore.integrations import task_keys
+from django_semaphore.integrations.leases import HEARTBEAT, Lease
 from django_semaphore.integrations.options import Options
 from django_semaphore.owners import TaskOwner
 from django_semaphore.parking import deferred
@@ -152,56 +154,76 @@ def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwar
 
     Raises:
         TaskDeferred: the run was deferred (its worker records that).
+        LiveDuplicate: another live run of the same result holds its permit.
     """
+    key = _claim_or_defer(result, options)
+    lease = _lease(key, options)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _settle(result, key, lease)
+
+
+async def run_async(
+    func: Callable[..., Any], options: Options, result: Any, args: Any, kwargs: Any
+) -> Any:
+    """``run`` for an ``async def`` task: it waits for room, never deferred."""
+    key = await sync_to_async(_claim)(_owner(result), options, options.timeout or MAX_TTL)
+    lease = _lease(key, options)
+    try:
+        return await func(*args, **kwargs)
+    finally:
+        await sync_to_async(_settle)(result, key, lease)
+
+
+def _claim_or_defer(result: Any, options: Options) -> str:
+    """The key of the run's permit, claimed at once, after standing by, or
+    after waiting in the worker where the backend cannot defer."""
+    me = _owner(result)
     backend = type(result.task.get_backend())
     if options.timeout or not options.parks or not deferred.can_defer(backend):
-        with held_for(result, options):
-            return func(*args, **kwargs)
+        return _claim(me, options, options.timeout or MAX_TTL)
     parking.enable()  # this process's releases resume the tasks parked for their room
-    with ExitStack() as held:
-        try:
-            held.enter_context(held_for(result, options, timeout=0))
-        except SemaphoreExhausted as refused:
-            if refused.retry_after is not None:  # only rate limits: their next slot
-                _defer(result, options, timezone.now() + timedelta(seconds=refused.retry_after))
-            claim = functools.partial(_claim, result, options)
-            if standby.stand_by(result.id, options.demand, claim) is None:
-                parking.defer(result.id, result.task.module_path, result.backend, options.demand)
-                _defer(result, options, None)
-            # Re-attaches to the permit the stand-by claimed, by its key.
-            held.enter_context(held_for(result, options))
-        parking.started(result.id, options.demand)
-        return func(*args, **kwargs)
+    try:
+        key = _claim(me, options, 0)
+    except LiveDuplicate:
+        raise
+    except SemaphoreExhausted as refused:
+        if refused.retry_after is not None:  # only rate limits: their next slot
+            _defer(result, options, timezone.now() + timedelta(seconds=refused.retry_after))
+        claim = functools.partial(_claim, me, options)
+        if (stood_by := standby.stand_by(result.id, options.demand, claim)) is None:
+            key = task_keys.next_key(result.id)
+            parking.defer(result.id, key, result.task.module_path, result.backend, options.demand)
+            _defer(result, options, None)
+        key = stood_by
+    parking.started(result.id, options.demand)
+    return key
 
 
-def held_for(result: Any, options: Options, timeout: float | None = None) -> HeldPermit:
-    """The permit of this run, keyed by its result's id: ``with`` it around
-    the body. Waits ``timeout`` seconds for room; by default the decorator's
-    ``timeout``, else without a deadline."""
-    return permit(
-        options.demand,
-        external_id=result.id,
-        owner=_owner(result),
-        ttl=options.ttl,
-        timeout=(options.timeout or MAX_TTL) if timeout is None else timeout,
-        fair=options.fair,
-    )
+def _claim(me: TaskOwner, options: Options, timeout: float | timedelta) -> str:
+    return task_keys.claim(me, options.demand, options.lease, timeout, fair=options.fair)
 
 
-def _owner(result: Any) -> str:
-    return str(TaskOwner(result.id, result.task.module_path, socket.gethostname(), os.getpid()))
+def _lease(key: str, options: Options) -> Lease | None:
+    """Have this process's heartbeat renew the run's permit while it runs."""
+    ttl = options.lease
+    if ttl is None:
+        return None
+    return HEARTBEAT.hold(key, ttl, routing.alias_for_names(options.demand))
 
 
-def _claim(result: Any, options: Options, timeout: float) -> str:
-    request = api.acquire(
-        options.demand,
-        external_id=result.id,
-        owner=_owner(result),
-        ttl=options.lease,
-        timeout=timeout,
-        fair=options.fair,
-    )
-    return request.external_id
+def _settle(result: Any, key: str, lease: Lease | None) -> None:
+    """Give the run's permit back, its body ended (failed or not)."""
+    if lease is not None:
+        lease.drop()  # first: a renewal would find it released
+    api.release(key)
+    if lease is not None and lease.lost:
+        raise PermitLost(f"Task {result.id} lost its permit while it ran.")
+
+
+def _owner(result: Any) -> TaskOwner:
+    return task_keys.owner(result.id, result.task.module_path)
 
 
 def _defer(result: Any, options: Options, until: datetime | None) -> NoReturn:

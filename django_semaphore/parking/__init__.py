@@ -128,15 +128,18 @@ def park(task: Any, demand: Mapping[str, int], key: str) -> None:
         wake.schedule_slots(alias, lined.rate_limits)
 
 
-def defer(result_id: str, task_name: str, backend: str, demand: Mapping[str, int]) -> None:
+def defer(
+    result_id: str, key: str, task_name: str, backend: str, demand: Mapping[str, int]
+) -> None:
     """Park the running Django task of this result, deferred in its task
     ``backend`` (``deferred.hold``, once its run has ended), then look for
-    room: a wake-up resumes it there.
+    room: a wake-up resumes it there, and its run claims its permit under
+    ``key``.
 
     Raises:
         SemaphoreError: the row could not be written.
     """
-    alias, lined = _park(_Row(result_id, result_id, task_name, b"", "", "", None, backend), demand)
+    alias, lined = _park(_Row(result_id, key, task_name, b"", "", "", None, backend), demand)
     wake.wake(alias, lined.ids.values())
 
 
