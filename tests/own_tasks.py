@@ -31,7 +31,7 @@ RATED = "django-tasks-rated"
 @holds_permit(LIMITED)
 def holding(context: Any, label: str, hold: float = 0.0) -> str:
     """Hold ``LIMITED`` for ``hold`` seconds, logged; returns the owner of
-    the permit held under this run's result id."""
+    the permit this run holds."""
     return _logged(context, label, hold)
 
 
@@ -47,7 +47,10 @@ def _logged(context: Any, label: str, hold: float) -> str:
         label=label, task_id=context.task_result.id, pid=os.getpid(), started_at=timezone.now()
     )
     time.sleep(hold)
-    held = PermitRequest.objects.filter(external_id=context.task_result.id, state=State.ACQUIRED)
+    # Under the result's id, or ``id~2``... for a re-run after its release.
+    held = PermitRequest.objects.filter(
+        external_id__startswith=context.task_result.id, state=State.ACQUIRED
+    )
     run.ended_at = timezone.now()
     run.save(update_fields=["ended_at"])
     return str(held.values_list("owner", flat=True).get())

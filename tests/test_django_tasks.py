@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from django.utils import timezone
 from django_semaphore import acquire, parking, release, sweep
 from django_semaphore.exceptions import TaskDeferred
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
+from django_semaphore.owners import TaskOwner
 from django_semaphore.states import ReleaseReason, State
 from tests import own_tasks
 from tests.testapp.models import RunLog
@@ -134,7 +136,9 @@ def test_the_sweep_command_resumes_a_parked_task_no_release_woke(limited, wakes_
 
     acquire({own_tasks.LIMITED: 2}, external_id="holder")
     result = own_tasks.holding.using(backend="database").enqueue("missed")
-    parking.defer(result.id, result.id, "tests.own_tasks.holding", "database", {own_tasks.LIMITED: 1})
+    parking.defer(
+        result.id, result.id, "tests.own_tasks.holding", "database", {own_tasks.LIMITED: 1}
+    )
     deferred.hold(result.id)  # as when its worker recorded the deferred run's end
     release("holder")
     row = DBTaskResult.objects.filter(id=result.id)
@@ -144,6 +148,81 @@ def test_the_sweep_command_resumes_a_parked_task_no_release_woke(limited, wakes_
 
     assert row.values_list("run_after", flat=True).get() <= timezone.now()
     assert ParkedTask.objects.get(task_id=result.id).woken_at is not None
+
+
+# --- re-runs of the same result ---------------------------------------------------------
+
+
+def run_here(result: Any) -> Any:
+    """Run a ready result of the database backend in this process, as its
+    worker does (claim the row, run it, record its end); the result after."""
+    from django_tasks_db.management.commands.db_worker import Worker
+    from django_tasks_db.models import DBTaskResult
+
+    row = DBTaskResult.objects.get(id=result.id)
+    row.claim("test-worker")
+    worker = Worker(
+        queue_names=["default"], interval=0, batch=True, backend_name="database",
+        startup_delay=False, max_tasks=None, worker_id="test-worker", excluded_queue_names=[],
+    )  # fmt: skip
+    worker.run_task(row)
+    result.refresh()
+    return result
+
+
+def owner_in(pid: int, result: Any) -> str:
+    return str(TaskOwner(result.id, "tests.own_tasks.holding", socket.gethostname(), pid))
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_rerun_takes_over_the_permit_its_dead_run_held(limited):
+    """Its first run's worker died holding the permit (lease not yet out):
+    the re-run adopts it, owned by the re-run's process, and releases it."""
+    result = own_tasks.holding.using(backend="database").enqueue("rerun")
+    acquire(own_tasks.LIMITED, external_id=result.id, owner=owner_in(dead_pid(), result), ttl=60)
+
+    run_here(result)
+
+    assert result.status == "SUCCESSFUL", result.errors
+    assert result.return_value == owner_in(os.getpid(), result)
+    assert PermitRequest.objects.get(external_id=result.id).state == State.RELEASED
+    assert Semaphore.objects.get(pk=limited.pk).in_use == 0
+
+
+def test_a_rerun_after_its_permit_was_released_takes_the_next_key(limited):
+    """A finished (or reclaimed) run released the permit under the result's
+    id: a re-run of the same result (a requeue) takes one under ``id~2``."""
+    from django_tasks_db.models import DBTaskResult
+
+    result = own_tasks.holding.using(backend="database").enqueue("again")
+    assert run_here(result).status == "SUCCESSFUL"
+    DBTaskResult.objects.filter(id=result.id).update(status="READY", finished_at=None)
+
+    assert run_here(result).status == "SUCCESSFUL", result.errors
+
+    keys = PermitRequest.objects.filter(state=State.RELEASED).values_list("external_id", flat=True)
+    assert sorted(keys) == [result.id, f"{result.id}~2"]
+    assert Semaphore.objects.get(pk=limited.pk).in_use == 0
+
+
+def test_a_rerun_while_its_first_run_lives_is_refused(limited):
+    """Two live runs of one result never share its permit: the second
+    fails with ``LiveDuplicate``, and the first keeps the permit."""
+    result = own_tasks.holding.using(backend="database").enqueue("twice")
+    alive = owner_in(os.getppid(), result)
+    acquire(own_tasks.LIMITED, external_id=result.id, owner=alive, ttl=60)
+
+    run_here(result)
+
+    assert result.status == "FAILED"
+    assert result.errors[0].exception_class_path.endswith("LiveDuplicate")
+    request = PermitRequest.objects.get(external_id=result.id)
+    assert (request.state, request.owner) == (State.ACQUIRED, alive)
 
 
 class QueueBackend(own_tasks.BaseTaskBackend):
