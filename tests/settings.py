@@ -5,6 +5,7 @@ The test command runs the suite once per database: SQLite, MariaDB, PostgreSQL.
 
 from __future__ import annotations
 
+import uuid
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -58,9 +59,16 @@ INSTALLED_APPS = [
     "django_semaphore",
     "django_semaphore.metrics",
     "tests.testapp",
-    # Django's own tasks' database backend, whose worker tests/test_django_tasks.py runs.
+    # Django's own tasks' database and RQ backends, whose workers
+    # tests/test_django_tasks.py runs.
     "django_tasks_db",
+    "django_rq",
 ]
+# RQ, for Django tasks on the RQ backend: a queue of this test run's own
+# (its workers are told its name), so parallel runs never take its jobs.
+RQ_QUEUE = env("SEMAPHORE_RQ_QUEUE", default=f"tests-{uuid.uuid4().hex[:8]}")
+_redis = {"URL": env("SEMAPHORE_REDIS_URL", default="redis://127.0.0.1:63791/0")}
+RQ_QUEUES = {"default": _redis, RQ_QUEUE: _redis}  # django-rq reads results via "default"
 # Django's own tasks: django.tasks from Django 6, the django-tasks backport before.
 _TASKS = "django.tasks" if find_spec("django.tasks") else "django_tasks"
 if _TASKS == "django_tasks":
@@ -68,6 +76,7 @@ if _TASKS == "django_tasks":
 TASKS = {
     "default": {"BACKEND": f"{_TASKS}.backends.immediate.ImmediateBackend"},
     "database": {"BACKEND": "django_tasks_db.DatabaseBackend"},
+    "rq": {"BACKEND": "django_tasks_rq.RQBackend", "QUEUES": [RQ_QUEUE]},
 }
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",

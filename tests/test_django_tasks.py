@@ -19,7 +19,9 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
+import django_rq
 import pytest
+from django.conf import settings
 from django.core.management import call_command
 from django.db import connection
 from django.utils import timezone
@@ -225,25 +227,13 @@ def test_a_rerun_while_its_first_run_lives_is_refused(limited):
     assert (request.state, request.owner) == (State.ACQUIRED, alive)
 
 
-class QueueBackend(own_tasks.BaseTaskBackend):
-    """A backend that runs tasks elsewhere and cannot take a run back."""
-
-    def enqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
-        raise NotImplementedError
-
-
-def test_a_backend_that_cannot_defer_is_named_by_a_check(settings):
+def test_a_backend_that_cannot_defer_is_named_by_a_check():
     from django_semaphore.checks import check_task_backends
 
-    assert check_task_backends() == []  # the immediate and the database backends
-    settings.TASKS = {
-        **settings.TASKS,
-        "queue": {"BACKEND": f"{__name__}.QueueBackend"},
-    }
-
+    # The immediate and database backends are not named; RQ's is.
     [info] = check_task_backends()
     assert info.id == "django_semaphore.I001"
-    assert "'queue'" in info.msg
+    assert "'rq'" in info.msg
 
 
 # --- real workers of the database backend ----------------------------------------------
@@ -390,4 +380,92 @@ def test_a_killed_worker_permit_is_back_within_its_lease(limited, tmp_path):
     sweep.release_orphans()
     request.refresh_from_db()
     assert request.state == State.RELEASED
+    assert Semaphore.objects.get(pk=limited.pk).in_use == 0
+
+
+# --- real workers of the RQ backend ----------------------------------------------------
+
+
+@contextmanager
+def rq_workers(count: int, log_dir: Path, **env: str) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``count`` RQ workers on this run's queue and the test database, each
+    running a job in a work horse it forks; killed on exit."""
+    environment = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "SEMAPHORE_TEST_DATABASE_NAME": str(connection.settings_dict["NAME"]),
+        "SEMAPHORE_RQ_QUEUE": settings.RQ_QUEUE,
+        **env,
+    }
+    command = [
+        sys.executable, "-m", "django", "rqworker", "--job-class", "django_tasks_rq.Job",
+        settings.RQ_QUEUE,
+    ]  # fmt: skip
+    workers = []
+    try:
+        for n in range(count):
+            with (log_dir / f"rq-worker-{n}.log").open("wb") as log:
+                workers.append(
+                    subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
+                )
+        yield workers
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+
+
+def on_rq(task: Any) -> Any:
+    return task.using(backend="rq", queue_name=settings.RQ_QUEUE)
+
+
+@pytest.mark.slow
+def test_rq_workers_run_no_more_than_capacity_and_none_fails(limited, tmp_path):
+    """The same guarantees on a second backend: four RQ workers, capacity 2;
+    a refused run waits in its work horse (RQ cannot defer it), never
+    failing, and never more than two run at once."""
+    results = [on_rq(own_tasks.holding).enqueue(f"rq-{n}", 0.3) for n in range(8)]
+
+    with rq_workers(4, tmp_path) as workers:
+        finished(results, workers, tmp_path)
+
+    assert [result.status for result in results] == ["SUCCESSFUL"] * 8, [r.errors for r in results]
+    runs = list(RunLog.objects.filter(label__startswith="rq-"))
+    assert len(runs) == 8
+    assert most_at_once(runs) <= 2
+    keys = set(PermitRequest.objects.values_list("external_id", flat=True))
+    assert keys == {result.id for result in results}
+    assert Semaphore.objects.get(pk=limited.pk).in_use == 0
+
+
+@pytest.mark.slow
+def test_an_rq_run_killed_holding_its_permit_is_requeued_and_takes_it_over(limited, tmp_path):
+    """SIGKILL the work horse mid-run: RQ records the job failed, and its
+    permit stays held by the dead horse until its lease runs out. Requeued
+    under the same id, the re-run takes that permit over (no second one),
+    and releases it when it ends."""
+    from rq.registry import FailedJobRegistry
+
+    result = on_rq(own_tasks.holding).enqueue("killed", 1.5)
+
+    with rq_workers(1, tmp_path) as workers:
+        deadline = time.monotonic() + WORKERS_DEADLINE
+        while not (first := RunLog.objects.filter(label="killed").first()):
+            assert time.monotonic() < deadline, (tmp_path / "rq-worker-0.log").read_text()
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGKILL)
+        while result.status != "FAILED":
+            assert time.monotonic() < deadline, (tmp_path / "rq-worker-0.log").read_text()
+            time.sleep(0.1)
+            result.refresh()
+        assert PermitRequest.objects.get(external_id=result.id).state == State.ACQUIRED
+
+        FailedJobRegistry(queue=django_rq.get_queue(settings.RQ_QUEUE)).requeue(result.id)
+        finished([result], workers, tmp_path)
+
+    assert result.status == "SUCCESSFUL", result.errors
+    second = RunLog.objects.exclude(pk=first.pk).get(label="killed")
+    request = PermitRequest.objects.get()  # the one permit, under the result's id
+    assert (request.external_id, request.state) == (result.id, State.RELEASED)
+    assert request.owner == owner_in(second.pid, result)  # taken over by the re-run
     assert Semaphore.objects.get(pk=limited.pk).in_use == 0

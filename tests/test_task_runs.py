@@ -22,8 +22,8 @@ from django_semaphore.exceptions import (
     SemaphoreNotFound,
 )
 from django_semaphore.integrations.celery_tasks import _park_task, _parks_for, _retry
-from django_semaphore.integrations.task_keys import take_over
 from django_semaphore.integrations.options import Options
+from django_semaphore.integrations.task_keys import take_over
 from django_semaphore.models import PermitRequest
 from django_semaphore.owners import NO_PROCESS, TaskOwner
 from tests.conftest import unique
