@@ -12,9 +12,11 @@ a checker that is unsure, fails or times out has said nothing.
 from __future__ import annotations
 
 import enum
+import importlib
 import logging
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from typing import Any
 
 from django.utils.module_loading import import_string
@@ -219,3 +221,51 @@ class CeleryTaskChecker(LivenessChecker):
             logger.debug("No task state for %s", task_id, exc_info=True)
             return False
         return state in CELERY_READY_STATES
+
+
+# --- Django's own tasks ------------------------------------------------------
+
+
+class DjangoTaskChecker(LivenessChecker):
+    """Judges owners written by ``holds_permit`` on Django's own tasks
+    (``TaskOwner``, whose task id is the task result's id) by asking each
+    task backend that keeps results (``supports_get_result``: the database
+    and RQ backends, not the immediate one). Any other owner, and a result
+    no backend knows, is UNKNOWN.
+
+    DEAD when a backend says the result finished (SUCCESSFUL or FAILED):
+    its run released the permit before its backend recorded the end, so a
+    permit still held is one whose release failed. Never ALIVE: a RUNNING
+    result may be a killed worker's (django-tasks-db leaves it RUNNING),
+    which the lease settles. A result run again meanwhile (a requeue) takes
+    the permit over, and the sweep, re-reading the owner under the row lock,
+    leaves it to the new run.
+    """
+
+    def check(self, owners: Collection[str]) -> Mapping[str, Liveness]:
+        answers = dict.fromkeys(owners, Liveness.UNKNOWN)
+        backends = _result_backends()
+        for owner in owners:
+            task = TaskOwner.parse(owner)
+            if task is not None and any(_finished(backend, task.task_id) for backend in backends):
+                answers[owner] = Liveness.DEAD
+        return answers
+
+
+def _result_backends() -> list[Any]:
+    """The configured task backends that keep results: ``django.tasks`` from
+    Django 6 (it loads the backport's backends too), else the backport."""
+    framework = next((name for name in ("django.tasks", "django_tasks") if find_spec(name)), None)
+    if framework is None:
+        return []
+    backends = importlib.import_module(framework).task_backends.all()
+    return [backend for backend in backends if backend.supports_get_result]
+
+
+def _finished(backend: Any, result_id: str) -> bool:
+    try:
+        return bool(backend.get_result(result_id).is_finished)
+    except Exception:
+        # Not this backend's result, or it is unreachable: cannot tell.
+        logger.debug("No result %s in task backend %s", result_id, backend.alias, exc_info=True)
+        return False

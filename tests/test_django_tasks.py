@@ -227,6 +227,42 @@ def test_a_rerun_while_its_first_run_lives_is_refused(limited):
     assert (request.state, request.owner) == (State.ACQUIRED, alive)
 
 
+def test_the_sweep_releases_the_permit_of_a_finished_task_its_run_did_not_release(limited):
+    """``DjangoTaskChecker`` asks the task backends: a result recorded
+    finished whose permit is still held (its release failed) is DEAD, and
+    the sweep releases it; a running result's permit (its worker may be
+    alive elsewhere) and other owners are left alone."""
+    from django_tasks_db.models import DBTaskResult
+
+    from django_semaphore.liveness import DjangoTaskChecker, Liveness
+
+    task = own_tasks.holding.using(backend="database")
+    done, running = task.enqueue("done"), task.enqueue("running")
+    owners = {
+        result.id: str(TaskOwner(result.id, "tests.own_tasks.holding", "elsewhere", 4242))
+        for result in (done, running)
+    }
+    for key, owner in owners.items():
+        acquire(own_tasks.LIMITED, external_id=key, owner=owner, ttl=600)
+    DBTaskResult.objects.filter(id=done.id).update(status="SUCCESSFUL")
+    DBTaskResult.objects.filter(id=running.id).update(status="RUNNING")
+    other = str(TaskOwner("not-a-result", "tests.own_tasks.holding", "elsewhere", 4242))
+
+    answers = DjangoTaskChecker().check([*owners.values(), other, "web-1 pid 7"])
+    assert [answers[owner] for owner in (owners[done.id], owners[running.id], other)] == [
+        Liveness.DEAD,
+        Liveness.UNKNOWN,
+        Liveness.UNKNOWN,
+    ]
+    assert answers["web-1 pid 7"] == Liveness.UNKNOWN
+
+    report = sweep.release_orphans(checkers=[DjangoTaskChecker()])
+
+    assert report.owner_dead == 1
+    held = PermitRequest.objects.filter(state=State.ACQUIRED)
+    assert list(held.values_list("external_id", flat=True)) == [running.id]
+
+
 def test_a_backend_that_cannot_defer_is_named_by_a_check():
     from django_semaphore.checks import check_task_backends
 
