@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from django_semaphore.api import set_window as set_window
     from django_semaphore.integrations.context import permit as permit
     from django_semaphore.integrations.decorators import holds_permit as holds_permit
+    from django_semaphore.integrations.task_class import permit_task_class as permit_task_class
     from django_semaphore.states import ReleaseOutcome as ReleaseOutcome
 
 # Name -> the module that defines it.
@@ -29,6 +30,7 @@ _HOMES = {
     "force_release": "django_semaphore.api",
     "holds_permit": "django_semaphore.integrations.decorators",
     "permit": "django_semaphore.integrations.context",
+    "permit_task_class": "django_semaphore.integrations.task_class",
     "release": "django_semaphore.api",
     "renew": "django_semaphore.api",
     "set_capacity": "django_semaphore.api",

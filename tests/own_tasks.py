@@ -13,13 +13,21 @@ from django.conf import settings
 from django.utils import timezone
 
 from django_semaphore import holds_permit
+from django_semaphore.integrations.task_class import permit_task_class
 from django_semaphore.models import PermitRequest
 from django_semaphore.states import State
 from tests.testapp.models import RunLog
 
 framework = settings.TASKS["default"]["BACKEND"].split(".backends.")[0]
 task = importlib.import_module(framework).task
-BaseTaskBackend = importlib.import_module(f"{framework}.backends.base").BaseTaskBackend
+ImmediateBackend = importlib.import_module(f"{framework}.backends.immediate").ImmediateBackend
+
+
+class PermitImmediateBackend(ImmediateBackend):  # type: ignore[misc,valid-type]
+    """The immediate backend, with ``@task(semaphores=...)`` (settings: "permits")."""
+
+    task_class = permit_task_class(ImmediateBackend.task_class)
+
 
 LIMITED = "django-tasks-limited"
 
@@ -62,6 +70,12 @@ def per_customer(customer: str) -> list[str]:
     """The semaphores held while it runs."""
     held = PermitRequest.objects.filter(state=State.ACQUIRED)
     return list(held.values_list("permits__semaphore__name", flat=True))
+
+
+@task(backend="permits", semaphores=LIMITED, takes_context=True)
+def declared(context: Any, label: str) -> str:
+    """``holding``, its demand declared on ``@task``."""
+    return _logged(context, label, 0.0)
 
 
 @task()

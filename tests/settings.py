@@ -77,6 +77,8 @@ TASKS = {
     "default": {"BACKEND": f"{_TASKS}.backends.immediate.ImmediateBackend"},
     "database": {"BACKEND": "django_tasks_db.DatabaseBackend"},
     "rq": {"BACKEND": "django_tasks_rq.RQBackend", "QUEUES": [RQ_QUEUE]},
+    # The immediate backend with @task(semaphores=...).
+    "permits": {"BACKEND": "tests.own_tasks.PermitImmediateBackend"},
 }
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",

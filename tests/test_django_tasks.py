@@ -56,6 +56,23 @@ def test_a_task_holds_its_permit_keyed_by_its_result_id(limited):
     assert Semaphore.objects.get(pk=limited.pk).in_use == 0
 
 
+def test_a_demand_declared_on_task_holds_the_permit_as_the_decorator_does(limited):
+    """``@task(semaphores=...)`` on a backend whose task class allows it:
+    the same permit, keyed by the result's id, once per run (a copy by
+    ``using()`` is not wrapped twice)."""
+    results = [
+        own_tasks.declared.enqueue("declared"),
+        own_tasks.declared.using(priority=5).enqueue("copied"),
+    ]
+
+    for result in results:
+        assert result.status == "SUCCESSFUL", result.errors
+        assert result.return_value.startswith(f"task:{result.id} tests.own_tasks.declared on ")
+    requests = PermitRequest.objects.values_list("external_id", "state")
+    assert sorted(requests) == sorted((result.id, State.RELEASED) for result in results)
+    assert Semaphore.objects.get(pk=limited.pk).in_use == 0
+
+
 def test_a_failed_task_gives_its_permit_back(limited):
     result = own_tasks.failing.enqueue()
 

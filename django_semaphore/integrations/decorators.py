@@ -50,7 +50,7 @@ def holds_permit(
     park: bool | None = None,
     view: bool | None = None,
 ) -> Callable[[F], F]:
-    """Hold permits while a view, Celery task or function runs.
+    """Hold permits while a view, a task (Celery's or Django's) or a function runs.
 
     - **Views** (function views, ``dispatch`` or a handler of class-based
       views, sync and async): the permit is taken and committed before the
@@ -71,6 +71,11 @@ def holds_permit(
       published again when a release makes room for it (``docs/parked.md``).
       With ``park=False`` it retries itself later (jittered countdown) and,
       once its retries are spent, fails with ``SemaphoreExhausted``.
+    - **Django's own tasks** (placed under ``@task``, on any backend): the
+      key is the task result's id. A run that finds no room is deferred
+      where its backend can take it back (django-tasks-db's), else waits
+      in its worker; it never fails for want of room
+      (``docs/django-tasks.md``).
     - **Anything else**: held for the call with a fresh key; errors propagate.
 
     Args:
@@ -90,9 +95,9 @@ def holds_permit(
         retry_after: seconds a refused client is told to wait.
         fair: wait in first-come, first-served order (see ``acquire``); a
             task, which never waits, is refused while older waiters queue.
-        park: Celery tasks only: whether a task that finds no room is parked
-            (``True``) or retried (``False``); ``None``:
-            ``DJANGO_SEMAPHORE["PARK_TASKS"]``, on by default.
+        park: tasks only: whether a task that finds no room is parked
+            (``True``) or retried (``False``; a Django task waits in its
+            worker); ``None``: ``DJANGO_SEMAPHORE["PARK_TASKS"]``, on by default.
         view: whether the function is a Django view. ``None``: it is when its
             first parameter (after ``self``) is named ``request``; pass
             ``False`` for a helper that takes a request but must raise, not
