@@ -57,3 +57,5 @@ if os.environ.get("BENCH_DJANGO_TASKS"):
         INSTALLED_APPS.append("django_tasks")
     INSTALLED_APPS.append("django_tasks_db")
     TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}
+    # No Celery beat here (Celery is installed): each worker would warn.
+    SILENCED_SYSTEM_CHECKS = ["django_semaphore.W020"]
