@@ -73,9 +73,9 @@ def per_customer(customer: str) -> list[str]:
 
 
 @task(backend="permits", semaphores=LIMITED, takes_context=True)
-def declared(context: Any, label: str) -> str:
+def declared(context: Any, label: str, hold: float = 0.0) -> str:
     """``holding``, its demand declared on ``@task``."""
-    return _logged(context, label, 0.0)
+    return _logged(context, label, hold)
 
 
 @task()

@@ -349,9 +349,12 @@ def most_at_once(runs: list[RunLog]) -> int:
 @pytest.mark.slow
 def test_database_workers_run_no_more_than_capacity_and_none_fails(limited, tmp_path):
     """Four workers, capacity 2: a refused run waits in its worker for room,
-    never failing, and never more than two run at once."""
-    tasks = own_tasks.holding.using(backend="database")
-    results = [tasks.enqueue(f"db-{n}", 0.3) for n in range(12)]
+    never failing, and never more than two run at once; half of the tasks
+    declare their demand on ``@task`` (``permit_task_class``)."""
+    kinds = itertools.cycle(
+        [own_tasks.holding.using(backend="database"), own_tasks.declared.using(backend="database")]
+    )
+    results = [next(kinds).enqueue(f"db-{n}", 0.3) for n in range(12)]
 
     with db_workers(4, tmp_path) as workers:
         finished(results, workers, tmp_path)
