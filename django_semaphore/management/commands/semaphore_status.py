@@ -1,12 +1,13 @@
 """``manage.py semaphore_status``: every semaphore's capacity, use, holders,
 waiters and parked tasks, then the queue of each semaphore that fair waiters wait on.
 ``--verify`` first checks every in-use counter against the permits it counts
-(``sweep.verify_counters``), corrects any difference and reports it."""
+(``sweep.verify_counters``), corrects any difference and reports it.
+``--why KEY`` says why one waiter waits instead (``blockers.why_waiting``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -14,6 +15,7 @@ from django.db.models import QuerySet
 
 from django_semaphore import parking, routing, sweep
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.blockers import Blocker, why_waiting
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.models import Semaphore, Ticket
 from django_semaphore.validation import format_limit, validate_keys
@@ -37,12 +39,22 @@ class Command(BaseCommand):
             help="First recount what each semaphore holds under its row lock; correct "
             "and report any in-use counter that differs (a bug: please report it).",
         )
+        parser.add_argument(
+            "--why",
+            metavar="KEY",
+            help="Only say why the waiter under KEY waits (a fair waiter's key, a parked "
+            "task's id): which semaphore lacks room, who holds it and since when, which "
+            "older waiters keep some, and a rate limit's next slot.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             names = validate_keys(options["names"], "semaphore name")
         except InvalidRequest as exc:
             raise CommandError(str(exc)) from exc
+        if options["why"] is not None:
+            self._why(options["why"])
+            return
         if options["verify"]:
             self._verify(names or None)
         rows = [
@@ -96,6 +108,22 @@ class Command(BaseCommand):
         if not drifts:
             self.stdout.write(self.style.SUCCESS("Every in-use counter is exact."))
 
+    def _why(self, key: str) -> None:
+        waiting = why_waiting(key)
+        if waiting is None:
+            raise CommandError(
+                f"Nobody waits under {key!r} (a fair waiter's key, a parked task's id)."
+            )
+        self.stdout.write(
+            f"{waiting.key} waits: {waiting.waiter or '-'}, since {_moment(waiting.since)}, "
+            f"gives up at {_moment(waiting.gives_up_at)}"
+        )
+        if waiting.woken:
+            self.stdout.write("  Woken: room is kept for it until its run takes it.")
+        for blocker in waiting.blockers:
+            for line in _explained(blocker):
+                self.stdout.write(line)
+
     def _queue(self, semaphore: Semaphore) -> None:
         tickets = (
             Ticket.objects.using(semaphore._state.db)
@@ -130,6 +158,40 @@ class Command(BaseCommand):
         semaphores = Semaphore.objects.db_manager(alias).with_usage()
         parked = parking.with_parked(semaphores)
         return parked.filter(name__in=names) if names else parked
+
+
+def _explained(blocker: Blocker) -> list[str]:
+    verdict = "lacks room" if blocker.lacks_room else "has room"
+    lines = [
+        f"  {blocker.semaphore}: {verdict}: wants {blocker.wants}, "
+        f"{blocker.in_use} of {format_limit(blocker.capacity, blocker.window)} in use, "
+        f"{blocker.kept} kept for {blocker.older} older waiter(s), {blocker.room} free for it"
+    ]
+    if blocker.older_named:
+        more = blocker.older - len(blocker.older_named)
+        lines.append(
+            f"    older waiters: {', '.join(blocker.older_named)}"
+            + (f" and {more} more" if more else "")
+        )
+    for holder in blocker.holders:
+        expires = (
+            "never"
+            if holder.expires_at is None
+            else holder.expires_at.isoformat(timespec="seconds")
+        )
+        lines.append(
+            f"    held by {holder.owner or '-'} ({holder.key}): {holder.count} since "
+            f"{_moment(holder.since)}, lease until {expires}"
+        )
+    if blocker.held_by > len(blocker.holders):
+        lines.append(f"    and {blocker.held_by - len(blocker.holders)} more holders")
+    if blocker.next_slot is not None:
+        lines.append(f"    next slot: {_moment(blocker.next_slot)}")
+    return lines
+
+
+def _moment(at: datetime) -> str:
+    return at.isoformat(timespec="seconds")
 
 
 def _seconds(wait: timedelta | None) -> str:

@@ -1,0 +1,156 @@
+"""Why a waiter waits: for each semaphore of its demand, whether it lacks
+room there, who holds that room (and since when), which older waiters keep
+some of it, and, on a rate limit, when the next slot opens.
+
+A waiter here is one that holds tickets (``Ticket``): a fair waiter, whose
+ticket's key is its acquire's key, or a parked task (its key, or its task
+id). A waiter that is not fair polls without a ticket, and leaves nothing
+to explain in the database. Every read is a short, indexed query, with no
+lock taken: the answer is a snapshot, a moment old when it is shown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db.models import Count, Min, Sum
+from django.db.models.functions import Coalesce
+
+from django_semaphore import routing
+from django_semaphore.backends import DatabaseNow
+from django_semaphore.models import ParkedTask, Permit, Semaphore, Ticket
+from django_semaphore.states import State
+
+# Holders and older waiters named on each semaphore; the rest are counted.
+NAMED = 5
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A request holding permits on the semaphore."""
+
+    key: str
+    owner: str
+    count: int
+    since: datetime
+    expires_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Blocker:
+    """One semaphore of the waiter's demand, as it stands."""
+
+    semaphore: str
+    wants: int
+    capacity: int
+    in_use: int
+    window: int | None  # seconds: a rate limit
+    kept: int  # permits older waiters that lacked room keep from it
+    older: int  # how many such waiters there are
+    older_named: list[str]  # the first of them (their waiter)
+    holders: list[Holder]  # the first of them, oldest first
+    held_by: int  # how many requests hold permits here
+    next_slot: datetime | None  # a rate limit's: when its oldest counted grant stops counting
+
+    @property
+    def room(self) -> int:
+        """What is free for this waiter: not in use, not kept for older waiters."""
+        return max(0, self.capacity - self.in_use - self.kept)
+
+    @property
+    def lacks_room(self) -> bool:
+        return self.wants > self.room
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A waiter and what keeps it waiting."""
+
+    key: str
+    waiter: str  # a fair waiter's owner, or "parked <task name>"
+    task_id: str  # the parked task's id; "" for a fair waiter
+    since: datetime
+    gives_up_at: datetime  # a fair waiter's deadline, a parked task's expiry
+    woken: bool  # a parked task woken and on its way to run
+    blockers: list[Blocker]
+
+    @property
+    def lacking(self) -> list[Blocker]:
+        return [blocker for blocker in self.blockers if blocker.lacks_room]
+
+
+def why_waiting(key: str) -> Waiting | None:
+    """What the waiter under ``key`` (a ticket's key, or a parked task's
+    id) waits for; ``None`` when nobody waits under it."""
+    for alias in routing.aliases():
+        tickets = list(
+            Ticket.objects.using(alias)
+            .filter(external_id=_ticket_key(alias, key), expires_at__gt=DatabaseNow())
+            .select_related("parked")
+        )
+        if tickets:
+            return _waiting(alias, tickets)
+    return None
+
+
+def _ticket_key(alias: str, key: str) -> str:
+    """``key``, or the key of the task parked under the task id ``key``."""
+    parked = ParkedTask.objects.using(alias).filter(task_id=key).values_list("key", flat=True)
+    return next(iter(parked), None) or key
+
+
+def _waiting(alias: str, tickets: list[Ticket]) -> Waiting:
+    # Read apart: the manager's ``in_use`` is an annotation a join would lack.
+    semaphores = Semaphore.objects.using(alias).in_bulk([t.semaphore_id for t in tickets])
+    first = tickets[0]
+    parked = first.parked
+    return Waiting(
+        key=first.external_id,
+        waiter=first.waiter,
+        task_id=parked.task_id if parked is not None else "",
+        since=min(ticket.created_at for ticket in tickets),
+        gives_up_at=min(ticket.expires_at for ticket in tickets),
+        woken=parked is not None and parked.woken_at is not None,
+        blockers=sorted(
+            (_blocker(alias, ticket, semaphores[ticket.semaphore_id]) for ticket in tickets),
+            key=lambda blocker: blocker.semaphore,
+        ),
+    )
+
+
+def _blocker(alias: str, ticket: Ticket, semaphore: Semaphore) -> Blocker:
+    older = Ticket.objects.using(alias).filter(
+        semaphore=semaphore, lacked=True, id__lt=ticket.pk, expires_at__gt=DatabaseNow()
+    )
+    kept = older.aggregate(n=Count("pk"), kept=Coalesce(Sum("count"), 0))
+    held = Permit.objects.using(alias).filter(semaphore=semaphore, state=State.ACQUIRED)
+    holders = [
+        Holder(
+            key=permit.request.external_id,
+            owner=permit.request.owner,
+            count=permit.count,
+            since=permit.request.created_at,
+            expires_at=permit.request.expires_at,
+        )
+        for permit in held.select_related("request").order_by("request__created_at", "pk")[:NAMED]
+    ]
+    next_slot = None
+    if semaphore.window is not None:
+        counted = Permit.objects.using(alias).filter(
+            semaphore=semaphore, slot_ends__gt=DatabaseNow()
+        )
+        next_slot = counted.aggregate(first=Min("slot_ends"))["first"]
+    return Blocker(
+        semaphore=semaphore.name,
+        wants=ticket.count,
+        capacity=semaphore.capacity,
+        in_use=semaphore.in_use,
+        window=semaphore.window,
+        kept=kept["kept"],
+        older=kept["n"],
+        older_named=[t.waiter for t in older.select_related("parked").order_by("id")[:NAMED]],
+        holders=holders,
+        held_by=held.count() if len(holders) == NAMED else len(holders),
+        next_slot=next_slot,
+    )
