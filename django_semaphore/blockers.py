@@ -21,6 +21,7 @@ from django_semaphore import routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.models import ParkedTask, Permit, Semaphore, Ticket
 from django_semaphore.states import State
+from django_semaphore.validation import format_limit
 
 # Holders and older waiters named on each semaphore; the rest are counted.
 NAMED = 5
@@ -60,7 +61,33 @@ class Blocker:
 
     @property
     def lacks_room(self) -> bool:
+        """Whether this semaphore keeps the waiter waiting."""
         return self.wants > self.room
+
+    def explained(self) -> list[str]:
+        """In words, as the status command and the admin show it: a summary,
+        then the older waiters, the holders and a rate limit's next slot."""
+        verdict = "lacks room" if self.lacks_room else "has room"
+        limit = format_limit(self.capacity, self.window)
+        lines = [
+            f"{self.semaphore}: {verdict}: wants {self.wants}, {self.in_use} of {limit} in use, "
+            f"{self.kept} kept for {self.older} older waiter(s), {self.room} free for it"
+        ]
+        if self.older_named:
+            more = self.older - len(self.older_named)
+            named = ", ".join(self.older_named) + (f" and {more} more" if more else "")
+            lines.append(f"older waiters: {named}")
+        for holder in self.holders:
+            until = "never" if holder.expires_at is None else _moment(holder.expires_at)
+            lines.append(
+                f"held by {holder.owner or '-'} ({holder.key}): {holder.count} since "
+                f"{_moment(holder.since)}, lease until {until}"
+            )
+        if self.held_by > len(self.holders):
+            lines.append(f"and {self.held_by - len(self.holders)} more holders")
+        if self.next_slot is not None:
+            lines.append(f"next slot: {_moment(self.next_slot)}")
+        return lines
 
 
 @dataclass(frozen=True)
@@ -77,7 +104,13 @@ class Waiting:
 
     @property
     def lacking(self) -> list[Blocker]:
+        """The semaphores that keep it waiting: none once a wake-up or a
+        release made room everywhere, and its run has yet to take it."""
         return [blocker for blocker in self.blockers if blocker.lacks_room]
+
+
+def _moment(at: datetime) -> str:
+    return at.isoformat(timespec="seconds")
 
 
 def why_waiting(key: str) -> Waiting | None:

@@ -8,12 +8,14 @@ from io import StringIO
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.urls import reverse
 from django.utils import timezone
 
 from django_semaphore import acquire
 from django_semaphore.blockers import why_waiting
 from django_semaphore.models import ParkedTask, Semaphore, Ticket
 from tests.conftest import unique
+from tests.test_admin import semaphore_url, staff
 from tests.test_parked import park_row
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -125,3 +127,40 @@ def test_the_status_command_says_why(full):
     assert "lease until never" in text
     with pytest.raises(CommandError, match="Nobody waits under 'nobody'"):
         call_command("semaphore_status", "--why", "nobody", stdout=StringIO())
+
+
+def test_a_parked_tasks_admin_page_says_why_it_waits(client, full):
+    task_id = park_row({full.name: 1})
+    client.force_login(staff("view_parkedtask"))
+
+    parked = ParkedTask.objects.get(task_id=task_id)
+    html = client.get(reverse("admin:django_semaphore_parkedtask_change", args=[parked.pk]))
+    text = html.content.decode()
+
+    assert html.status_code == 200
+    assert f"<strong>{full.name}: lacks room: wants 1, 2 of 2 in use" in text
+    assert "held by web-1 (holder-1): 1 since " in text
+    Ticket.objects.filter(external_id=task_id).update(expires_at=timezone.now())  # expired
+    text = client.get(
+        reverse("admin:django_semaphore_parkedtask_change", args=[parked.pk])
+    ).content.decode()
+    assert "It no longer waits in line" in text
+
+
+def test_the_semaphores_queue_says_who_has_room_there_and_links_parked_tasks(
+    client, make_semaphore
+):
+    semaphore = make_semaphore(2)
+    acquire(semaphore.name, external_id="holder", owner="web-1")
+    ticket(semaphore, "first")  # lacked: keeps the one permit left
+    task_id = park_row({semaphore.name: 1})
+    client.force_login(staff("view_semaphore", "view_parkedtask"))
+
+    text = client.get(semaphore_url(semaphore)).content.decode()
+
+    rows = text.split('class="waiter"')[1:]
+    assert 'class="has-room"' in rows[0]
+    assert 'class="lacks-room"' in rows[1]
+    assert "lacks room (0 free for it)" in rows[1]
+    parked = ParkedTask.objects.get(task_id=task_id)
+    assert reverse("admin:django_semaphore_parkedtask_change", args=[parked.pk]) in rows[1]

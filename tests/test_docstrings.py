@@ -23,6 +23,7 @@ import django_semaphore.management.commands
 # The modules whose public names are the API; everything else is internal.
 PUBLIC_MODULES = (
     "beat",
+    "blockers",
     "engine.verifier",
     "exceptions",
     "fencing",

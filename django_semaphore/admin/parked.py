@@ -1,5 +1,7 @@
-"""Parked Celery tasks: listed in the order they are woken, dropped through
-``parking.cancel`` so the room a woken task was keeping goes to the next."""
+"""Parked tasks (Celery's, and Django's own deferred ones): listed in the
+order they are woken, each page saying why it waits (``blockers``), dropped
+through ``parking.cancel`` so the room a woken task was keeping goes to the
+next."""
 
 from __future__ import annotations
 
@@ -8,24 +10,27 @@ from typing import Any
 from django.contrib import admin, messages
 from django.db.models import Prefetch, QuerySet
 from django.http import HttpRequest
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
+from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
-from django.utils.translation import ngettext
 
 from django_semaphore import parking, routing
 from django_semaphore.admin.base import OperatorAdmin
+from django_semaphore.blockers import Waiting, why_waiting
 from django_semaphore.models import ParkedTask, Ticket
 
 
 @admin.register(ParkedTask)
 class ParkedTaskAdmin(OperatorAdmin):
-    """Parked Celery tasks, oldest first: the order they are woken in."""
+    """Parked tasks, oldest first: the order they are woken in."""
 
     list_display = ["task_name", "task_id", "semaphores", "parked_at", "woken_at", "expires_at"]
     list_filter = ["tickets__semaphore", "task_name"]
     search_fields = ["task_id", "task_name"]
     ordering = ["id"]
     actions = ["drop"]
-    fields = ("task_name", "task_id", "semaphores", "parked_at", "woken_at", "expires_at")
+    fields = ("task_name", "task_id", "semaphores", "parked_at", "woken_at", "expires_at", "why")
     readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ParkedTask]:
@@ -61,6 +66,18 @@ class ParkedTaskAdmin(OperatorAdmin):
             for ticket in obj.tickets.all()
         )
 
+    @admin.display(description=_("why it waits"))
+    def why(self, obj: ParkedTask) -> str:
+        """Each semaphore of its demand: whether it lacks room, the older
+        waiters that keep some, the holders, a rate limit's next slot."""
+        waiting = why_waiting(obj.key)
+        if waiting is None:
+            return gettext("It no longer waits in line: its run has started, or it expired.")
+        if waiting.woken:
+            woken = gettext("Woken: room is kept for it until its run takes it.")
+            return format_html("<p>{}</p>{}", woken, _explained(waiting))
+        return _explained(waiting)
+
     @admin.action(permissions=["delete"], description=_("Drop selected parked tasks"))
     def drop(self, request: HttpRequest, queryset: QuerySet[ParkedTask]) -> None:
         """Drop the selected tasks: never published again, their room offered
@@ -76,3 +93,17 @@ class ParkedTaskAdmin(OperatorAdmin):
             % {"count": dropped},
             messages.SUCCESS,
         )
+
+
+def _explained(waiting: Waiting) -> SafeString:
+    return format_html(
+        '<ul class="why-waiting">{}</ul>',
+        format_html_join(
+            "",
+            "<li><strong>{}</strong>{}</li>",
+            (
+                (summary, format_html_join("", "<br>{}", ((line,) for line in details)))
+                for summary, *details in (blocker.explained() for blocker in waiting.blockers)
+            ),
+        ),
+    )

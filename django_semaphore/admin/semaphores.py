@@ -382,6 +382,37 @@ class SemaphoreAdmin(OperatorAdmin):
             context.update(self.sections(request, obj))
         return super().render_change_form(request, context, add, change, form_url, obj)
 
+    def _queue(
+        self, request: HttpRequest, obj: Semaphore, waiting: list[Ticket], now: datetime
+    ) -> list[dict[str, Any]]:
+        """The waiters in line, each with the room left for it here: what is
+        not in use nor kept by the older waiters that lacked room (the
+        grant's rule); a parked task links to its page, which says why it
+        waits on every semaphore of its demand."""
+        can_view_parked = self.can_view(request, ParkedTask)
+        queue, kept = [], 0
+        for ticket in waiting:
+            free = max(0, obj.capacity - obj.in_use - kept)
+            queue.append(
+                {
+                    "owner": ticket.waiter,
+                    "key": ticket.external_id,
+                    "url": (
+                        self.admin_url(ParkedTask, "change", ticket.parked.pk)
+                        if ticket.parked is not None and can_view_parked
+                        else ""
+                    ),
+                    "count": ticket.count,
+                    "free": free,
+                    "lacks": ticket.count > free,
+                    "waiting": duration(ticket.created_at, now),
+                    "since": ticket.created_at,
+                    "gives_up": expiry(ticket.expires_at, now),
+                }
+            )
+            kept += ticket.count if ticket.lacked else 0
+        return queue
+
     def sections(self, request: HttpRequest, obj: Semaphore) -> dict[str, Any]:
         """Context of the read-only sections below the form: chart, holders,
         queue, history."""
@@ -432,17 +463,7 @@ class SemaphoreAdmin(OperatorAdmin):
                 if can_view_requests
                 else ""
             ),
-            "queue": [
-                {
-                    "owner": ticket.waiter,
-                    "key": ticket.external_id,
-                    "count": ticket.count,
-                    "waiting": duration(ticket.created_at, now),
-                    "since": ticket.created_at,
-                    "gives_up": expiry(ticket.expires_at, now),
-                }
-                for ticket in waiting
-            ],
+            "queue": self._queue(request, obj, waiting, now),
             "queue_total": queue.count() if len(waiting) == HOLDERS_SHOWN else len(waiting),
             "history": [
                 {

@@ -15,7 +15,7 @@ from django.db.models import QuerySet
 
 from django_semaphore import parking, routing, sweep
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.blockers import Blocker, why_waiting
+from django_semaphore.blockers import why_waiting
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.models import Semaphore, Ticket
 from django_semaphore.validation import format_limit, validate_keys
@@ -121,8 +121,10 @@ class Command(BaseCommand):
         if waiting.woken:
             self.stdout.write("  Woken: room is kept for it until its run takes it.")
         for blocker in waiting.blockers:
-            for line in _explained(blocker):
-                self.stdout.write(line)
+            summary, *details = blocker.explained()
+            self.stdout.write(f"  {summary}")
+            for line in details:
+                self.stdout.write(f"    {line}")
 
     def _queue(self, semaphore: Semaphore) -> None:
         tickets = (
@@ -158,36 +160,6 @@ class Command(BaseCommand):
         semaphores = Semaphore.objects.db_manager(alias).with_usage()
         parked = parking.with_parked(semaphores)
         return parked.filter(name__in=names) if names else parked
-
-
-def _explained(blocker: Blocker) -> list[str]:
-    verdict = "lacks room" if blocker.lacks_room else "has room"
-    lines = [
-        f"  {blocker.semaphore}: {verdict}: wants {blocker.wants}, "
-        f"{blocker.in_use} of {format_limit(blocker.capacity, blocker.window)} in use, "
-        f"{blocker.kept} kept for {blocker.older} older waiter(s), {blocker.room} free for it"
-    ]
-    if blocker.older_named:
-        more = blocker.older - len(blocker.older_named)
-        lines.append(
-            f"    older waiters: {', '.join(blocker.older_named)}"
-            + (f" and {more} more" if more else "")
-        )
-    for holder in blocker.holders:
-        expires = (
-            "never"
-            if holder.expires_at is None
-            else holder.expires_at.isoformat(timespec="seconds")
-        )
-        lines.append(
-            f"    held by {holder.owner or '-'} ({holder.key}): {holder.count} since "
-            f"{_moment(holder.since)}, lease until {expires}"
-        )
-    if blocker.held_by > len(blocker.holders):
-        lines.append(f"    and {blocker.held_by - len(blocker.holders)} more holders")
-    if blocker.next_slot is not None:
-        lines.append(f"    next slot: {_moment(blocker.next_slot)}")
-    return lines
 
 
 def _moment(at: datetime) -> str:
