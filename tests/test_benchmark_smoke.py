@@ -211,3 +211,20 @@ def test_rates_benchmark_celery_smoke_mode_runs_real_workers(tmp_path):
     assert celery["grants"] > 0, celery
     left = redis.Redis.from_url(redis_url).keys("*bench-rates*")
     assert left == [], left
+
+
+@pytest.mark.once
+def test_why_benchmark_answers_for_the_last_of_a_line(tmp_path):
+    """``python -m benchmarks.why``, small: why_waiting, ``--why`` and both
+    admin pages answer for the last parked task of a line (the benchmark
+    checks the answer: it lacks room, every other task older)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    command = [
+        sys.executable, "-m", "benchmarks.why", "--parked", "200", "--repeat", "2",
+        "--database-url", smoke_database_url(tmp_path),
+    ]  # fmt: skip
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for what in ("why_waiting", "--why", "admin page", "semaphore page"):
+        assert f"  {what} " in run.stdout
