@@ -59,3 +59,27 @@ if os.environ.get("BENCH_DJANGO_TASKS"):
     TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}
     # No Celery beat here (Celery is installed): each worker would warn.
     SILENCED_SYSTEM_CHECKS = ["django_semaphore.W020"]
+if os.environ.get("BENCH_ADMIN"):
+    # python -m benchmarks.why: the admin's pages, through Django's test client.
+    INSTALLED_APPS[:0] = ["django.contrib.admin"]
+    INSTALLED_APPS += ["django.contrib.sessions", "django.contrib.messages"]
+    MIDDLEWARE = [
+        "django.contrib.sessions.middleware.SessionMiddleware",
+        "django.contrib.auth.middleware.AuthenticationMiddleware",
+        "django.contrib.messages.middleware.MessageMiddleware",
+    ]
+    TEMPLATES = [
+        {
+            "BACKEND": "django.template.backends.django.DjangoTemplates",
+            "APP_DIRS": True,
+            "OPTIONS": {
+                "context_processors": [
+                    "django.template.context_processors.request",
+                    "django.contrib.auth.context_processors.auth",
+                    "django.contrib.messages.context_processors.messages",
+                ]
+            },
+        }
+    ]
+    ROOT_URLCONF = "benchmarks.why"
+    SILENCED_SYSTEM_CHECKS = ["django_semaphore.W002"]  # SQLite outside DEBUG

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import statistics
 import sys
 import time
@@ -40,50 +41,10 @@ CAPACITY = 4
 
 def configure(database_url: str) -> None:
     import django
-    import environ
-    from django.conf import settings
 
-    database = environ.Env.db_url_config(database_url)
-    if database["ENGINE"].endswith("sqlite3"):
-        database["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 30}
-    elif database["ENGINE"].endswith("mysql"):
-        database["OPTIONS"] = {"charset": "utf8mb4"}
-    settings.configure(
-        DATABASES={"default": database},
-        INSTALLED_APPS=[
-            "django.contrib.admin",
-            "django.contrib.auth",
-            "django.contrib.contenttypes",
-            "django.contrib.sessions",
-            "django.contrib.messages",
-            "django_semaphore",
-        ],
-        MIDDLEWARE=[
-            "django.contrib.sessions.middleware.SessionMiddleware",
-            "django.contrib.auth.middleware.AuthenticationMiddleware",
-            "django.contrib.messages.middleware.MessageMiddleware",
-        ],
-        TEMPLATES=[
-            {
-                "BACKEND": "django.template.backends.django.DjangoTemplates",
-                "APP_DIRS": True,
-                "OPTIONS": {
-                    "context_processors": [
-                        "django.template.context_processors.request",
-                        "django.contrib.auth.context_processors.auth",
-                        "django.contrib.messages.context_processors.messages",
-                    ]
-                },
-            }
-        ],
-        ROOT_URLCONF=__name__,
-        SECRET_KEY="benchmark-only",
-        ALLOWED_HOSTS=["testserver"],
-        USE_TZ=True,
-        TIME_ZONE="UTC",
-        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
-        SILENCED_SYSTEM_CHECKS=["django_semaphore.W002"],
-    )
+    os.environ["BENCH_DATABASE_URL"] = database_url
+    os.environ["BENCH_ADMIN"] = "1"
+    os.environ["DJANGO_SETTINGS_MODULE"] = "benchmarks.settings"
     django.setup()
 
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -289,38 +289,69 @@ def test_a_backend_that_cannot_defer_is_named_by_a_check():
     assert "'rq'" in info.msg
 
 
-# --- real workers of the database backend ----------------------------------------------
+# --- real workers: the database backend and RQ -----------------------------------------
 
 
 @contextmanager
-def db_workers(
-    count: int, log_dir: Path, *, batch: bool = True, **env: str
+def workers_running(
+    command: list[str], count: int, log_dir: Path, name: str, **env: str
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """``count`` workers of django-tasks-db on the test database, killed on
-    exit; with ``batch``, each exits once no task is ready (a deferred one
-    is not)."""
+    """``count`` processes of ``python -m django <command>`` on the test
+    database, each logging to ``<name>-<n>.log``; killed on exit."""
     environment = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.settings",
         "SEMAPHORE_TEST_DATABASE_NAME": str(connection.settings_dict["NAME"]),
         **env,
     }
-    command = [
-        sys.executable, "-m", "django", "db_worker", "--backend", "database",
-        "--no-startup-delay", "--interval", "0.1", *(["--batch"] if batch else []),
-    ]  # fmt: skip
     workers = []
     try:
         for n in range(count):
-            with (log_dir / f"worker-{n}.log").open("wb") as log:
+            with (log_dir / f"{name}-{n}.log").open("wb") as log:
                 workers.append(
-                    subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
+                    subprocess.Popen(
+                        [sys.executable, "-m", "django", *command],
+                        env=environment,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
                 )
         yield workers
     finally:
         for worker in workers:
             worker.kill()
             worker.wait()
+
+
+def db_workers(
+    count: int, log_dir: Path, *, batch: bool = True, **env: str
+) -> AbstractContextManager[list[subprocess.Popen[bytes]]]:
+    """``count`` workers of django-tasks-db; with ``batch``, each exits once
+    no task is ready (a deferred one is not)."""
+    command = [
+        "db_worker", "--backend", "database", "--no-startup-delay", "--interval", "0.1",
+        *(["--batch"] if batch else []),
+    ]  # fmt: skip
+    return workers_running(command, count, log_dir, "worker", **env)
+
+
+def rq_workers(
+    count: int, log_dir: Path, **env: str
+) -> AbstractContextManager[list[subprocess.Popen[bytes]]]:
+    """``count`` RQ workers on this run's queue, each running a job in a
+    work horse it forks."""
+    command = ["rqworker", "--job-class", "django_tasks_rq.Job", settings.RQ_QUEUE]
+    return workers_running(
+        command, count, log_dir, "rq-worker", SEMAPHORE_RQ_QUEUE=settings.RQ_QUEUE, **env
+    )
+
+
+def on_database(task: Any) -> Any:
+    return task.using(backend="database")
+
+
+def on_rq(task: Any) -> Any:
+    return task.using(backend="rq", queue_name=settings.RQ_QUEUE)
 
 
 def finished(results: list[Any], workers: list[subprocess.Popen[bytes]], log_dir: Path) -> None:
@@ -347,20 +378,21 @@ def most_at_once(runs: list[RunLog]) -> int:
 
 
 @pytest.mark.slow
-def test_database_workers_run_no_more_than_capacity_and_none_fails(limited, tmp_path):
-    """Four workers, capacity 2: a refused run waits in its worker for room,
-    never failing, and never more than two run at once; half of the tasks
-    declare their demand on ``@task`` (``permit_task_class``)."""
-    kinds = itertools.cycle(
-        [own_tasks.holding.using(backend="database"), own_tasks.declared.using(backend="database")]
-    )
-    results = [next(kinds).enqueue(f"db-{n}", 0.3) for n in range(12)]
+@pytest.mark.parametrize("backend", ["database", "rq"])
+def test_real_workers_run_no_more_than_capacity_and_none_fails(limited, tmp_path, backend):
+    """Four workers of each backend, capacity 2: a refused run waits (the
+    database backend's stands by or is deferred, RQ's waits in its work
+    horse), never failing, and never more than two run at once; half of the
+    tasks declare their demand on ``@task`` (``permit_task_class``)."""
+    on, workers = {"database": (on_database, db_workers), "rq": (on_rq, rq_workers)}[backend]
+    kinds = itertools.cycle([on(own_tasks.holding), on(own_tasks.declared)])
+    results = [next(kinds).enqueue(f"{backend}-{n}", 0.3) for n in range(12)]
 
-    with db_workers(4, tmp_path) as workers:
-        finished(results, workers, tmp_path)
+    with workers(4, tmp_path) as running:
+        finished(results, running, tmp_path)
 
-    assert [result.status for result in results] == ["SUCCESSFUL"] * 12
-    runs = list(RunLog.objects.filter(label__startswith="db-"))
+    assert [result.status for result in results] == ["SUCCESSFUL"] * 12, [r.errors for r in results]
+    runs = list(RunLog.objects.filter(label__startswith=f"{backend}-"))
     assert len(runs) == 12
     assert most_at_once(runs) <= 2
     keys = set(PermitRequest.objects.values_list("external_id", flat=True))
@@ -436,61 +468,6 @@ def test_a_killed_worker_permit_is_back_within_its_lease(limited, tmp_path):
     sweep.release_orphans()
     request.refresh_from_db()
     assert request.state == State.RELEASED
-    assert Semaphore.objects.get(pk=limited.pk).in_use == 0
-
-
-# --- real workers of the RQ backend ----------------------------------------------------
-
-
-@contextmanager
-def rq_workers(count: int, log_dir: Path, **env: str) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """``count`` RQ workers on this run's queue and the test database, each
-    running a job in a work horse it forks; killed on exit."""
-    environment = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "SEMAPHORE_TEST_DATABASE_NAME": str(connection.settings_dict["NAME"]),
-        "SEMAPHORE_RQ_QUEUE": settings.RQ_QUEUE,
-        **env,
-    }
-    command = [
-        sys.executable, "-m", "django", "rqworker", "--job-class", "django_tasks_rq.Job",
-        settings.RQ_QUEUE,
-    ]  # fmt: skip
-    workers = []
-    try:
-        for n in range(count):
-            with (log_dir / f"rq-worker-{n}.log").open("wb") as log:
-                workers.append(
-                    subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
-                )
-        yield workers
-    finally:
-        for worker in workers:
-            worker.kill()
-            worker.wait()
-
-
-def on_rq(task: Any) -> Any:
-    return task.using(backend="rq", queue_name=settings.RQ_QUEUE)
-
-
-@pytest.mark.slow
-def test_rq_workers_run_no_more_than_capacity_and_none_fails(limited, tmp_path):
-    """The same guarantees on a second backend: four RQ workers, capacity 2;
-    a refused run waits in its work horse (RQ cannot defer it), never
-    failing, and never more than two run at once."""
-    results = [on_rq(own_tasks.holding).enqueue(f"rq-{n}", 0.3) for n in range(8)]
-
-    with rq_workers(4, tmp_path) as workers:
-        finished(results, workers, tmp_path)
-
-    assert [result.status for result in results] == ["SUCCESSFUL"] * 8, [r.errors for r in results]
-    runs = list(RunLog.objects.filter(label__startswith="rq-"))
-    assert len(runs) == 8
-    assert most_at_once(runs) <= 2
-    keys = set(PermitRequest.objects.values_list("external_id", flat=True))
-    assert keys == {result.id for result in results}
     assert Semaphore.objects.get(pk=limited.pk).in_use == 0
 
 
