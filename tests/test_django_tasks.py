@@ -27,7 +27,7 @@ from django.db import connection
 from django.utils import timezone
 
 from django_semaphore import acquire, parking, release, sweep
-from django_semaphore.exceptions import TaskDeferred
+from django_semaphore.exceptions import DatabaseUnavailable, TaskDeferred
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.owners import TaskOwner
 from django_semaphore.states import ReleaseReason, State
@@ -278,6 +278,26 @@ def test_the_sweep_releases_the_permit_of_a_finished_task_its_run_did_not_releas
     assert report.owner_dead == 1
     held = PermitRequest.objects.filter(state=State.ACQUIRED)
     assert list(held.values_list("external_id", flat=True)) == [running.id]
+
+
+def test_a_release_the_database_refuses_leaves_the_task_successful(limited, monkeypatch, caplog):
+    """The body's work is done: a failed release is logged, not the task's
+    failure, and the sweep asking the backend gives the permit back."""
+    from django_semaphore.liveness import DjangoTaskChecker
+
+    def unreachable(*args: Any, **kwargs: Any) -> None:
+        raise DatabaseUnavailable("connection refused")
+
+    monkeypatch.setattr("django_semaphore.api.release", unreachable)
+    result = own_tasks.holding.using(backend="database").enqueue("unreleased")
+    run_here(result)
+    monkeypatch.undo()
+
+    assert result.status == "SUCCESSFUL", result.errors
+    assert f"Could not release the permit {result.id} of task {result.id}" in caplog.text
+    assert PermitRequest.objects.get(external_id=result.id).state == State.ACQUIRED
+    assert sweep.release_orphans(checkers=[DjangoTaskChecker()]).owner_dead == 1
+    assert Semaphore.objects.get(pk=limited.pk).in_use == 0
 
 
 def test_a_backend_that_cannot_defer_is_named_by_a_check():

@@ -47,7 +47,13 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from django_semaphore import api, parking, routing
-from django_semaphore.exceptions import LiveDuplicate, PermitLost, SemaphoreExhausted, TaskDeferred
+from django_semaphore.exceptions import (
+    LiveDuplicate,
+    PermitLost,
+    SemaphoreError,
+    SemaphoreExhausted,
+    TaskDeferred,
+)
 from django_semaphore.integrations import task_keys
 from django_semaphore.integrations.leases import HEARTBEAT, Lease
 from django_semaphore.integrations.options import Options
@@ -214,10 +220,15 @@ def _lease(key: str, options: Options) -> Lease | None:
 
 
 def _settle(result: Any, key: str, lease: Lease | None) -> None:
-    """Give the run's permit back, its body ended (failed or not)."""
+    """Give the run's permit back, its body ended (failed or not). A release
+    the database refuses is logged, not the run's failure: the lease, or the
+    sweep asking its backend (``DjangoTaskChecker``), gives it back."""
     if lease is not None:
         lease.drop()  # first: a renewal would find it released
-    api.release(key)
+    try:
+        api.release(key)
+    except SemaphoreError:
+        logger.exception("Could not release the permit %s of task %s", key, result.id)
     if lease is not None and lease.lost:
         raise PermitLost(f"Task {result.id} lost its permit while it ran.")
 
