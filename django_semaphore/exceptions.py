@@ -65,6 +65,11 @@ class FamilyFull(SemaphoreExhausted):
     created (idle members are deleted by the clean-up, making room)."""
 
 
+class LineFull(SemaphoreExhausted):
+    """A task found no room, and ``max_waiting`` tasks already wait parked
+    on ``names``: it was refused, not parked (``holds_permit(max_waiting=...)``)."""
+
+
 class PermitRefused(SemaphoreError):
     """A view's request got no permit: what ``DJANGO_SEMAPHORE["REFUSED_VIEW"]``
     is called with, ``view(request, exception)``, to render the answer. Never

@@ -174,6 +174,12 @@ def parked_on_two(self: Any, label: str, hold: float) -> int:
     return _work_on(PARK, label, hold, self)
 
 
+@shared_task(bind=True, max_retries=0)
+@holds_permit(PARK, park=True, max_waiting=3)
+def parked_at_most_three(self: Any, label: str, hold: float) -> int:
+    return _work_on(PARK, label, hold, self)
+
+
 RATE_PARK = "celery-rate-park"  # a rate limit, created by test_rates
 
 

@@ -208,7 +208,11 @@ def test_a_parked_task_published_twice_runs_once(park, wakes):
 
 
 def park_row(
-    demand: dict[str, int], task_id: str | None = None, key: str | None = None, **fields: Any
+    demand: dict[str, int],
+    task_id: str | None = None,
+    key: str | None = None,
+    max_waiting: int | None = None,
+    **fields: Any,
 ) -> str:
     task_id = task_id or unique("task")
     row = parking._Row(
@@ -220,7 +224,7 @@ def park_row(
         "utf-8",
         fields.pop("expires_at", None),
     )
-    parking._insert(connections["default"], row, demand)
+    parking._insert(connections["default"], row, demand, max_waiting)
     if fields:
         ParkedTask.objects.filter(task_id=row.task_id).update(**fields)
     return row.task_id

@@ -168,7 +168,7 @@ def _park_task(task: Any, options: Options) -> None:
     Any other error (a semaphore deleted meanwhile) fails the run, as the
     claim would have."""
     try:
-        parking.park(task, options.demand, task_keys.next_key(task.request.id))
+        parking.park(task, options.demand, task_keys.next_key(task.request.id), options.max_waiting)
     except SemaphoreError as exc:
         if not _database_failed(exc):
             raise

@@ -48,6 +48,7 @@ def holds_permit(
     retry_after: int = 1,
     fair: bool = False,
     park: bool | None = None,
+    max_waiting: int | None = None,
     view: bool | None = None,
 ) -> Callable[[F], F]:
     """Hold permits while a view, a task (Celery's or Django's) or a function runs.
@@ -98,6 +99,10 @@ def holds_permit(
         park: tasks only: whether a task that finds no room is parked
             (``True``) or retried (``False``; a Django task waits in its
             worker); ``None``: ``DJANGO_SEMAPHORE["PARK_TASKS"]``, on by default.
+        max_waiting: tasks only: at most this many tasks wait parked on each
+            semaphore of the demand; a task that would park beyond that fails
+            with ``LineFull`` instead (counted under the semaphores' row
+            locks, so never more). ``None``: no limit.
         view: whether the function is a Django view. ``None``: it is when its
             first parameter (after ``self``) is named ``request``; pass
             ``False`` for a helper that takes a request but must raise, not
@@ -126,6 +131,10 @@ def holds_permit(
             f"retry_after must be an int of seconds from 0 to {MAX_TTL}, not {retry_after!r}."
         )
     validate_flag(fair, "fair")
+    if max_waiting is not None and not is_int(max_waiting, 1, MAX_COUNT):
+        raise InvalidRequest(
+            f"max_waiting must be None or an int from 1 to {MAX_COUNT}, not {max_waiting!r}."
+        )
     for flag, name in ((park, "park"), (view, "view")):
         if flag is not None:
             validate_flag(flag, name)
@@ -133,8 +142,9 @@ def holds_permit(
     def decorate(func: F) -> F:
         _refuse_task_object(func)
         options = Options(
-            demand, lease, timeout, retry_after, _label(func), fair, park, count, names_of
-        )
+            demand, lease, timeout, retry_after, _label(func), fair, park, count, names_of,
+            max_waiting,
+        )  # fmt: skip
         request_at = _request_position(func, view)
         if inspect.iscoroutinefunction(func):
             return cast(F, _async_wrapper(func, options, request_at))

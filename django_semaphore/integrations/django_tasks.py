@@ -200,7 +200,8 @@ def _claim_or_defer(result: Any, options: Options) -> str:
         claim = functools.partial(_claim, me, options)
         if (stood_by := standby.stand_by(result.id, options.demand, claim)) is None:
             key = task_keys.next_key(result.id)
-            parking.defer(result.id, key, result.task.module_path, result.backend, options.demand)
+            task = (result.id, key, result.task.module_path, result.backend)
+            parking.defer(*task, options.demand, options.max_waiting)
             _defer(result, options, None)
         key = stood_by
     parking.started(result.id, options.demand)

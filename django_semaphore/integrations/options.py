@@ -36,3 +36,4 @@ class Options:
 
     count: int
     names_of: Callable[..., Any] | None  # names computed from each call's arguments
+    max_waiting: int | None = None  # parked tasks each semaphore may have waiting

@@ -86,6 +86,7 @@ from django.utils import timezone
 from django_semaphore import backends, routing
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import wakeups
+from django_semaphore.exceptions import LineFull
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.parking import wake
 from django_semaphore.retry import run_with_retries
@@ -101,12 +102,14 @@ not failed, not pending on the broker; ``info`` says what it waits for."""
 # --- park ------------------------------------------------------------------------
 
 
-def park(task: Any, demand: Mapping[str, int], key: str) -> None:
+def park(task: Any, demand: Mapping[str, int], key: str, max_waiting: int | None = None) -> None:
     """Write the running task's message to a ``ParkedTask`` row (once per
     task id: a woken task parked again keeps its place), its tickets under
     ``key``, the key its next run claims its permit with; then look for room.
 
     Raises:
+        LineFull: ``max_waiting`` tasks already wait parked on one of its
+            semaphores: nothing was written.
         SemaphoreError: the row could not be written (the caller retries
             the task as without parking, so it is not lost).
     """
@@ -120,7 +123,7 @@ def park(task: Any, demand: Mapping[str, int], key: str) -> None:
     if isinstance(body, str):
         body = body.encode(encoding)
     row = _Row(request.id, key, task.name, bytes(body), content_type, encoding, _expiry(request))
-    alias, lined = _park(row, demand)
+    alias, lined = _park(row, demand, max_waiting)
     _set_state(task, demand)
     wake.wake(alias, lined.ids.values())
     if lined.rate_limits:
@@ -129,7 +132,12 @@ def park(task: Any, demand: Mapping[str, int], key: str) -> None:
 
 
 def defer(
-    result_id: str, key: str, task_name: str, backend: str, demand: Mapping[str, int]
+    result_id: str,
+    key: str,
+    task_name: str,
+    backend: str,
+    demand: Mapping[str, int],
+    max_waiting: int | None = None,
 ) -> None:
     """Park the running Django task of this result, deferred in its task
     ``backend`` (``deferred.hold``, once its run has ended), then look for
@@ -137,9 +145,11 @@ def defer(
     ``key``.
 
     Raises:
+        LineFull: as for ``park``.
         SemaphoreError: the row could not be written.
     """
-    alias, lined = _park(_Row(result_id, key, task_name, b"", "", "", None, backend), demand)
+    row = _Row(result_id, key, task_name, b"", "", "", None, backend)
+    alias, lined = _park(row, demand, max_waiting)
     wake.wake(alias, lined.ids.values())
 
 
@@ -155,12 +165,14 @@ class _Row:
     backend: str = ""
 
 
-def _park(row: _Row, demand: Mapping[str, int]) -> tuple[str, wakeups.Lined]:
+def _park(
+    row: _Row, demand: Mapping[str, int], max_waiting: int | None
+) -> tuple[str, wakeups.Lined]:
     """The task's row and its tickets; its semaphores' alias, and where its
     tickets were taken."""
     alias = routing.alias_for_names(list(demand))
     connection = connections[alias]
-    insert = functools.partial(_insert, connection, row, dict(demand))
+    insert = functools.partial(_insert, connection, row, dict(demand), max_waiting)
     return alias, run_with_retries(connection, insert)
 
 
@@ -174,14 +186,21 @@ def _expiry(request: Any) -> datetime | None:
     return moment if timezone.is_aware(moment) else timezone.make_aware(moment, UTC)
 
 
-def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) -> wakeups.Lined:
+def _insert(
+    connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int], max_waiting: int | None
+) -> wakeups.Lined:
     """The row and its tickets in one transaction (a task parked again keeps
-    both, and so its place in line, unless its key changed)."""
+    both, and so its place in line, unless its key changed); a new one only
+    while fewer than ``max_waiting`` wait parked on each of its semaphores,
+    counted under their row locks (``line_up``'s), so never more."""
     alias = connection.alias
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
         lined = wakeups.line_up(connection, row.key, demand, row.expires_at)
         parked_before = ParkedTask.objects.using(alias).filter(task_id=row.task_id)
-        if (before := parked_before.values_list("key", flat=True).first()) is not None:
+        before = parked_before.values_list("key", flat=True).first()
+        if before is None and max_waiting is not None:
+            _refuse_a_full_line(alias, row.key, lined, max_waiting)
+        if before is not None:
             if before != row.key:
                 # A permit under its old key was released meanwhile: the
                 # tickets under that key would hold back its own run.
@@ -204,6 +223,24 @@ def _insert(connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int]) 
                 expires_at=row.expires_at,
             )
     return lined
+
+
+def _refuse_a_full_line(alias: str, key: str, lined: wakeups.Lined, max_waiting: int) -> None:
+    """Raise ``LineFull`` (rolling back the tickets just taken) when
+    ``max_waiting`` parked tasks other than ``key``'s wait on a semaphore."""
+    waiting = (
+        Ticket.objects.using(alias)
+        .filter(semaphore__in=lined.ids.values(), parked__id__isnull=False)
+        .filter(expires_at__gt=backends.DatabaseNow())
+        .exclude(external_id=key)
+        .values("semaphore__name")
+        .annotate(n=Count("pk"))
+        .filter(n__gte=max_waiting)
+    )
+    if full := [line["semaphore__name"] for line in waiting]:
+        raise LineFull(
+            full, f"{max_waiting} tasks already wait parked on {', '.join(sorted(full))}."
+        )
 
 
 def _set_state(task: Any, demand: Mapping[str, int]) -> None:
