@@ -24,6 +24,12 @@ The driver also plays beat, only when nothing has run for ``STALLED``
 seconds: it then runs ``sweep.sweep_parked()`` and reports what it woke (a
 wake-up the releases missed; it should stay 0). ``--smoke`` is small enough for the test suite.
 
+The ``capped`` mode floods a semaphore held by the driver with ``--tasks``
+tasks whose line is capped (``max_waiting=--max-waiting``): it samples the
+parked rows until every task parked or failed, then releases, and reports
+the most parked at once, the ``LineFull`` failures, and that the parked ones
+all ran, once each, and nothing was lost.
+
 The ``family`` mode measures what stand-by learns: ``--members`` members of
 one family (capacity 1), each held by the driver, get a task each; every
 refused task stands by or parks. It reports the **stand-by waits per worker
@@ -70,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="worker processes")
     parser.add_argument("--modes", default="unlimited,default,retried,family")
     parser.add_argument("--members", type=int, default=1000, help="of the family mode")
+    parser.add_argument("--max-waiting", type=int, default=10, help="of the capped mode")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--smoke", action="store_true", help="40 tasks of 10 ms")
     parser.add_argument("--json", type=Path)
@@ -88,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         BENCH_HOLD=str(args.hold),
         BENCH_QUEUE=f"bench-parked-{uuid.uuid4().hex[:8]}",
         BENCH_FAMILY=FAMILY,
+        BENCH_MAX_WAITING=str(args.max_waiting),
     )
     from django.core.management import call_command
 
@@ -96,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     call_command("migrate", verbosity=0, interactive=False)
     results = []
     for mode in args.modes.split(","):
-        measure = run_family if mode == "family" else run
+        measure = {"family": run_family, "capped": run_capped}.get(mode, run)
         results.append(measure(mode, args, parked_app))
         print(format_result(results[-1]), flush=True)
     if args.json:
@@ -230,6 +238,64 @@ def run_family(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str
     }
 
 
+def run_capped(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
+    """A flood on a held semaphore whose line is capped: the most parked at
+    once (sampled), the refusals, then (released) that the parked all ran."""
+    from django_semaphore import acquire, release
+    from django_semaphore.guards import engine_writes
+    from django_semaphore.models import ParkedTask, PermitRequest, Semaphore
+
+    counts = parked_app.counts
+    os.environ["BENCH_QUEUE"] = f"bench-parked-{mode}-{uuid.uuid4().hex[:8]}"
+    parked_app.app.conf.task_default_queue = os.environ["BENCH_QUEUE"]
+    counts.delete(parked_app.PUBLISHED, parked_app.RUNS, parked_app.FAILED, parked_app.LINE_FULL)
+    with engine_writes():
+        ParkedTask.objects.all().delete()
+        PermitRequest.objects.all().delete()
+        Semaphore.objects.filter(name=parked_app.NAME).delete()
+    Semaphore.objects.create(name=parked_app.NAME, capacity=args.capacity)
+    acquire({parked_app.NAME: args.capacity}, external_id="held-by-the-driver")
+    for _ in range(args.tasks):
+        parked_app.capped.delay()
+    log = ROOT / ".runtime" / "benchmarks" / f"parked-{mode}-worker.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    most_parked = 0
+    with worker(args.concurrency, log, parked_app):
+        started = time.monotonic()
+        deadline = started + args.timeout
+        while (parked := ParkedTask.objects.count()) + int(
+            counts.get(parked_app.FAILED) or 0
+        ) < args.tasks:
+            most_parked = max(most_parked, parked)
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{mode}: not all decided after {args.timeout}s; see {log}")
+            time.sleep(0.05)
+        decided = time.monotonic() - started
+        most_parked = max(most_parked, parked)
+        release("held-by-the-driver")
+        while _done(counts, parked_app) < args.tasks:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{mode}: not drained after {args.timeout}s; see {log}")
+            time.sleep(0.05)
+        time.sleep(1.0)  # what comes after is a task run twice
+    rows = [row.decode().split() for row in counts.lrange(parked_app.RUNS, 0, -1)]
+    failed = int(counts.get(parked_app.FAILED) or 0)
+    return {
+        "mode": mode,
+        "tasks": args.tasks,
+        "max_waiting": args.max_waiting,
+        "most_parked": most_parked,
+        "parked_when_decided": parked,
+        "line_full": int(counts.get(parked_app.LINE_FULL) or 0),
+        "failed": failed,
+        "ran": len(rows),
+        "ran_twice": len(rows) - len({task_id for *_, task_id in rows}),
+        "lost": args.tasks - failed - len({task_id for *_, task_id in rows}),
+        "decided_s": round(decided, 2),
+        "parked_left": ParkedTask.objects.count(),
+    }
+
+
 def _done(counts: Any, parked_app: Any) -> int:
     return int(counts.llen(parked_app.RUNS)) + int(counts.get(parked_app.FAILED) or 0)
 
@@ -275,6 +341,13 @@ class worker:
 
 
 def format_result(r: dict[str, Any]) -> str:
+    if r["mode"] == "capped":
+        return (
+            f"capped   {r['tasks']} tasks, max_waiting {r['max_waiting']}: at most "
+            f"{r['most_parked']} parked (sampled), {r['line_full']} refused with LineFull "
+            f"({r['failed']} failed), decided in {r['decided_s']}s; then {r['ran']} ran "
+            f"({r['ran_twice']} twice), {r['lost']} lost, {r['parked_left']} left parked"
+        )
     if r["mode"] == "family":
         return (
             f"family   {r['tasks']} members held: all parked in {r['all_parked_s']}s; "

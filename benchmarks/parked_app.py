@@ -1,6 +1,7 @@
 """The Celery app and tasks of ``python -m benchmarks.parked``: one task with
 the library's defaults (it parks when refused), one that retries
-(``park=False``), one per member of a family; and the tenants' export task
+(``park=False``), one whose line is capped (``max_waiting``), one per
+member of a family; and the tenants' export task
 of ``python -m benchmarks.tenants``.
 
 Both the driver and the worker import it. What they do is counted in Redis,
@@ -26,6 +27,7 @@ from celery import Celery  # noqa: E402
 from celery.signals import before_task_publish, task_failure  # noqa: E402
 
 from django_semaphore import holds_permit  # noqa: E402
+from django_semaphore.exceptions import LineFull  # noqa: E402
 from django_semaphore.waiting import standby  # noqa: E402
 
 NAME = "bench-parked"
@@ -33,6 +35,8 @@ FAMILY = os.environ["BENCH_FAMILY"]  # declared by benchmarks.settings, capacity
 PUBLISHED, RUNS, FAILED = "bench-parked:published", "bench-parked:runs", "bench-parked:failed"
 STANDBYS = "bench-parked:standbys"  # worker pid -> stand-by waits
 HOLD = float(os.environ.get("BENCH_HOLD", "0.02"))
+MAX_WAITING = int(os.environ.get("BENCH_MAX_WAITING", "10"))
+LINE_FULL = "bench-parked:line-full"  # failures that were LineFull refusals
 
 app = Celery("bench_parked", broker=os.environ["BENCH_REDIS_URL"])
 app.conf.update(
@@ -62,6 +66,13 @@ def default(self: Any) -> None:
 @app.task(bind=True)
 @holds_permit(NAME, park=False)
 def retried(self: Any) -> None:
+    _run(self.request.id)
+
+
+@app.task(bind=True)
+@holds_permit(NAME, max_waiting=MAX_WAITING)
+def capped(self: Any) -> None:
+    """At most ``MAX_WAITING`` wait parked; the rest fail with ``LineFull``."""
     _run(self.request.id)
 
 
@@ -118,5 +129,7 @@ def _count_publish(**kwargs: Any) -> None:
 
 
 @task_failure.connect
-def _count_failure(**kwargs: Any) -> None:
+def _count_failure(exception: BaseException | None = None, **kwargs: Any) -> None:
     counts.incr(FAILED)
+    if isinstance(exception, LineFull):
+        counts.incr(LINE_FULL)
