@@ -15,6 +15,7 @@ from django_semaphore import acquire, parking
 from django_semaphore.exceptions import (
     DatabaseUnavailable,
     FamilyFull,
+    LineFull,
     LiveDuplicate,
     LockContention,
     SemaphoreError,
@@ -111,15 +112,16 @@ def test_a_parking_run_parks_for_want_of_room_only(refusal, parks):
 def test_a_park_the_database_failed_falls_back_to_a_retry(failure, monkeypatch):
     if type(failure) is SemaphoreError:
         failure.__cause__ = DatabaseError("driver")
-    monkeypatch.setattr(parking, "park", lambda task, demand, key: _raise(failure))
+    monkeypatch.setattr(parking, "park", lambda *args: _raise(failure))
 
     assert _park_task(Refused(), _options()) is None  # the caller retries the task
 
 
-def test_a_park_refused_for_anything_else_fails_the_run(monkeypatch):
-    monkeypatch.setattr(parking, "park", lambda task, demand, key: _raise(SemaphoreNotFound(["s"])))
+@pytest.mark.parametrize("refusal", [SemaphoreNotFound(["s"]), LineFull(["s"])])
+def test_a_park_refused_for_anything_else_fails_the_run(refusal, monkeypatch):
+    monkeypatch.setattr(parking, "park", lambda *args: _raise(refusal))
 
-    with pytest.raises(SemaphoreNotFound):
+    with pytest.raises(type(refusal)):
         _park_task(Refused(), _options())
 
 
