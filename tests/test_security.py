@@ -189,7 +189,9 @@ def test_holds_permit_has_no_way_to_take_a_key_from_a_request():
     from django_semaphore.integrations.decorators import holds_permit
 
     parameters = set(inspect.signature(holds_permit).parameters)
-    assert parameters == {"names", "count", "ttl", "timeout", "retry_after", "fair", "park", "view"}
+    assert parameters == {
+        "names", "count", "ttl", "timeout", "retry_after", "fair", "park", "max_waiting", "view"
+    }  # fmt: skip
 
 
 # --- no SQL built from values ----------------------------------------------------------
