@@ -24,6 +24,7 @@ from benchmarks.faults.history import read
 from benchmarks.faults.scenarios import SEMAPHORES, Scenario
 
 CONCURRENCY = 8
+REPO = Path(__file__).resolve().parents[2]  # the worker runs from the checkout
 
 
 def _children(pid: int) -> list[int]:
@@ -34,8 +35,6 @@ def _children(pid: int) -> list[int]:
 
 
 def run(scenario: Scenario, servers: Any, out: Path, ci: bool, log: Any) -> dict[str, Any]:
-    from benchmarks.faults.runner import REPO
-
     out.mkdir(parents=True, exist_ok=True)
     url = servers.url
     db.reset(url, SEMAPHORES)
