@@ -15,7 +15,8 @@ sharded over several aliases (``SHARDS``) the admin shows one alias at a time:
 
 One module a job: ``base`` (alias pinning, 403s, the read-only base),
 ``display`` (the usage bar, durations), ``usage`` (the semaphore list's
-annotated query and its filter), ``semaphores``, ``requests``, ``parked`` and
+annotated query and its filter), ``sections`` (what a semaphore's page shows
+below its form), ``semaphores``, ``requests``, ``parked`` and
 ``history`` (one ModelAdmin each, registered when imported here). This module
 only imports them, so that Django's admin autodiscovery registers them, and
 keeps the names importable from ``django_semaphore.admin``.
@@ -33,13 +34,8 @@ from django_semaphore.admin.display import BAR_FULL, BAR_IN_USE, BAR_OVER, durat
 from django_semaphore.admin.history import CapacityChangeAdmin
 from django_semaphore.admin.parked import ParkedTaskAdmin
 from django_semaphore.admin.requests import ExpiredFilter, PermitInline, PermitRequestAdmin
-from django_semaphore.admin.semaphores import (
-    HISTORY_SHOWN,
-    HOLDERS_SHOWN,
-    FamilyFilter,
-    SemaphoreAdmin,
-    SemaphoreForm,
-)
+from django_semaphore.admin.sections import HISTORY_SHOWN, HOLDERS_SHOWN
+from django_semaphore.admin.semaphores import FamilyFilter, SemaphoreAdmin, SemaphoreForm
 from django_semaphore.admin.usage import (
     INFINITE_UTILIZATION,
     UsageFilter,

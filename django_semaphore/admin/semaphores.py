@@ -25,14 +25,12 @@ from django.utils.translation import gettext_lazy as _
 
 from django_semaphore import conf, parking, routing
 from django_semaphore.admin.base import OperatorAdmin
-from django_semaphore.admin.chart import describe, render_svg
 from django_semaphore.admin.display import (
     duration,
     elapsed,
-    expiry,
-    limit_change,
     usage_bar,
 )
+from django_semaphore.admin.sections import sections
 from django_semaphore.admin.usage import UsageFilter, annotated, with_changelist_columns
 from django_semaphore.api import set_capacity, set_window
 from django_semaphore.backends import DatabaseNow
@@ -43,16 +41,9 @@ from django_semaphore.models import (
     Permit,
     PermitRequest,
     Semaphore,
-    Ticket,
 )
 from django_semaphore.states import State
-from django_semaphore.utilization import load_utilization
 from django_semaphore.validation import MAX_COUNT, MAX_LENGTH, format_rate
-
-# The semaphore page lists at most this many holders and capacity changes;
-# links lead to the full, filtered lists.
-HOLDERS_SHOWN = 100
-HISTORY_SHOWN = 20
 
 
 class FamilyFilter(admin.SimpleListFilter):
@@ -379,105 +370,5 @@ class SemaphoreAdmin(OperatorAdmin):
         obj: Semaphore | None = None,
     ) -> HttpResponse:
         if obj is not None and obj.pk is not None:
-            context.update(self.sections(request, obj))
+            context.update(sections(self, request, obj))
         return super().render_change_form(request, context, add, change, form_url, obj)
-
-    def _queue(
-        self, request: HttpRequest, obj: Semaphore, waiting: list[Ticket], now: datetime
-    ) -> list[dict[str, Any]]:
-        """The waiters in line, each with the room left for it here: what is
-        not in use nor kept by the older waiters that lacked room (the
-        grant's rule); a parked task links to its page, which says why it
-        waits on every semaphore of its demand."""
-        can_view_parked = self.can_view(request, ParkedTask)
-        queue, kept = [], 0
-        for ticket in waiting:
-            free = max(0, obj.capacity - obj.in_use - kept)
-            queue.append(
-                {
-                    "owner": ticket.waiter,
-                    "key": ticket.external_id,
-                    "url": (
-                        self.admin_url(ParkedTask, "change", ticket.parked.pk)
-                        if ticket.parked is not None and can_view_parked
-                        else ""
-                    ),
-                    "count": ticket.count,
-                    "free": free,
-                    "lacks": ticket.count > free,
-                    "waiting": duration(ticket.created_at, now),
-                    "since": ticket.created_at,
-                    "gives_up": expiry(ticket.expires_at, now),
-                }
-            )
-            kept += ticket.count if ticket.lacked else 0
-        return queue
-
-    def sections(self, request: HttpRequest, obj: Semaphore) -> dict[str, Any]:
-        """Context of the read-only sections below the form: chart, holders,
-        queue, history."""
-        using = routing.current_alias()
-        utilization = load_utilization(obj)
-        now = utilization.end  # the database's clock, as on the chart
-        held = Permit.objects.using(using).filter(semaphore=obj, state=State.ACQUIRED)
-        holders = list(
-            held.select_related("request").order_by("request__created_at", "pk")[:HOLDERS_SHOWN]
-        )
-        history = CapacityChange.objects.using(using).filter(semaphore=obj)
-        queue = Ticket.objects.using(using).filter(semaphore=obj, expires_at__gt=now)
-        waiting = list(queue.select_related("parked").order_by("id")[:HOLDERS_SHOWN])
-        can_view_requests = self.can_view(request, PermitRequest)
-        return {
-            "utilization_summary": describe(utilization),
-            "utilization_chart": render_svg(
-                utilization,
-                title=gettext("Utilization of %(name)s, last 24 hours") % {"name": obj.name},
-            ),
-            "holders": [
-                {
-                    "owner": permit.request.owner,
-                    "key": permit.request.external_id,
-                    "url": (
-                        self.admin_url(PermitRequest, "change", permit.request_id)
-                        if can_view_requests
-                        else ""
-                    ),
-                    "count": permit.count,
-                    "age": duration(permit.request.created_at, now),
-                    "expires": expiry(permit.request.expires_at, now),
-                    "expired": (
-                        permit.request.expires_at is not None and permit.request.expires_at <= now
-                    ),
-                    "fencing_token": permit.fencing_token,
-                }
-                for permit in holders
-            ],
-            "holders_total": held.count() if len(holders) == HOLDERS_SHOWN else len(holders),
-            "holders_url": (
-                self.admin_url(
-                    PermitRequest,
-                    "changelist",
-                    permits__semaphore__id__exact=obj.pk,
-                    state__exact=State.ACQUIRED,
-                )
-                if can_view_requests
-                else ""
-            ),
-            "queue": self._queue(request, obj, waiting, now),
-            "queue_total": queue.count() if len(waiting) == HOLDERS_SHOWN else len(waiting),
-            "history": [
-                {
-                    "changed_at": change.changed_at,
-                    "change": limit_change(change),
-                    "changed_by": change.changed_by,
-                    "reason": change.reason,
-                }
-                for change in history.select_related("changed_by")[:HISTORY_SHOWN]
-            ],
-            "history_total": history.count(),
-            "history_url": (
-                self.admin_url(CapacityChange, "changelist", semaphore__id__exact=obj.pk)
-                if self.can_view(request, CapacityChange)
-                else ""
-            ),
-        }
