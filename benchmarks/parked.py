@@ -115,17 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
     from django_semaphore import sweep
-    from django_semaphore.guards import engine_writes
-    from django_semaphore.models import ParkedTask, PermitRequest, Semaphore
+    from django_semaphore.models import ParkedTask, Semaphore
 
     counts = parked_app.counts
-    os.environ["BENCH_QUEUE"] = f"bench-parked-{mode}-{uuid.uuid4().hex[:8]}"
-    parked_app.app.conf.task_default_queue = os.environ["BENCH_QUEUE"]
-    counts.delete(parked_app.PUBLISHED, parked_app.RUNS, parked_app.FAILED)
-    with engine_writes():  # a wholesale reset of the benchmark's database
-        ParkedTask.objects.all().delete()
-        PermitRequest.objects.all().delete()
-        Semaphore.objects.filter(name=parked_app.NAME).delete()
+    _fresh(mode, parked_app, name=parked_app.NAME)
     Semaphore.objects.create(name=parked_app.NAME, capacity=args.capacity)
     task = getattr(parked_app, mode)
     log = ROOT / ".runtime" / "benchmarks" / f"parked-{mode}-worker.log"
@@ -192,17 +185,10 @@ def run_family(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str
     many stand-by waits each worker process paid before they were all
     parked, then (the holders released) whether all ran."""
     from django_semaphore import acquire, release
-    from django_semaphore.guards import engine_writes
-    from django_semaphore.models import ParkedTask, PermitRequest, Semaphore
+    from django_semaphore.models import ParkedTask
 
     counts = parked_app.counts
-    os.environ["BENCH_QUEUE"] = f"bench-parked-{mode}-{uuid.uuid4().hex[:8]}"
-    parked_app.app.conf.task_default_queue = os.environ["BENCH_QUEUE"]
-    counts.delete(parked_app.PUBLISHED, parked_app.RUNS, parked_app.FAILED, parked_app.STANDBYS)
-    with engine_writes():
-        ParkedTask.objects.all().delete()
-        PermitRequest.objects.all().delete()
-        Semaphore.objects.filter(family=FAMILY).delete()
+    _fresh(mode, parked_app, family=FAMILY)
     members = [str(n) for n in range(args.members)]
     for member in members:  # created on first use, then held
         acquire(FAMILY.replace("*", member), external_id=f"holder-{member}")
@@ -242,17 +228,10 @@ def run_capped(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str
     """A flood on a held semaphore whose line is capped: the most parked at
     once (sampled), the refusals, then (released) that the parked all ran."""
     from django_semaphore import acquire, release
-    from django_semaphore.guards import engine_writes
-    from django_semaphore.models import ParkedTask, PermitRequest, Semaphore
+    from django_semaphore.models import ParkedTask, Semaphore
 
     counts = parked_app.counts
-    os.environ["BENCH_QUEUE"] = f"bench-parked-{mode}-{uuid.uuid4().hex[:8]}"
-    parked_app.app.conf.task_default_queue = os.environ["BENCH_QUEUE"]
-    counts.delete(parked_app.PUBLISHED, parked_app.RUNS, parked_app.FAILED, parked_app.LINE_FULL)
-    with engine_writes():
-        ParkedTask.objects.all().delete()
-        PermitRequest.objects.all().delete()
-        Semaphore.objects.filter(name=parked_app.NAME).delete()
+    _fresh(mode, parked_app, name=parked_app.NAME)
     Semaphore.objects.create(name=parked_app.NAME, capacity=args.capacity)
     acquire({parked_app.NAME: args.capacity}, external_id="held-by-the-driver")
     for _ in range(args.tasks):
@@ -294,6 +273,23 @@ def run_capped(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str
         "decided_s": round(decided, 2),
         "parked_left": ParkedTask.objects.count(),
     }
+
+
+def _fresh(mode: str, parked_app: Any, **semaphores: str) -> None:
+    """A queue of this run's own, its counters emptied, and a wholesale reset
+    of the benchmark's database: every request and parked row, and the
+    semaphores ``semaphores`` filters."""
+    from django_semaphore.guards import engine_writes
+    from django_semaphore.models import ParkedTask, PermitRequest, Semaphore
+
+    os.environ["BENCH_QUEUE"] = f"bench-parked-{mode}-{uuid.uuid4().hex[:8]}"
+    parked_app.app.conf.task_default_queue = os.environ["BENCH_QUEUE"]
+    counters = ("PUBLISHED", "RUNS", "FAILED", "STANDBYS", "LINE_FULL")
+    parked_app.counts.delete(*(getattr(parked_app, counter) for counter in counters))
+    with engine_writes():
+        ParkedTask.objects.all().delete()
+        PermitRequest.objects.all().delete()
+        Semaphore.objects.filter(**semaphores).delete()
 
 
 def _done(counts: Any, parked_app: Any) -> int:
