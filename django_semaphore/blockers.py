@@ -102,6 +102,20 @@ class Waiting:
     woken: bool  # a parked task woken and on its way to run
     blockers: list[Blocker]
 
+    def explained(self) -> list[str]:
+        """In words, as ``semaphore_status --why`` says it: who waits, since
+        and until when, then each semaphore (``Blocker.explained``)."""
+        lines = [
+            f"{self.key} waits: {self.waiter or '-'}, since {_moment(self.since)}, "
+            f"gives up at {_moment(self.gives_up_at)}"
+        ]
+        if self.woken:
+            lines.append("  Woken: room is kept for it until its run takes it.")
+        for blocker in self.blockers:
+            summary, *details = blocker.explained()
+            lines += [f"  {summary}", *(f"    {line}" for line in details)]
+        return lines
+
     @property
     def lacking(self) -> list[Blocker]:
         """The semaphores that keep it waiting: none once a wake-up or a

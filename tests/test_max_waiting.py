@@ -98,7 +98,8 @@ def test_parking_at_once_never_passes_the_limit(held):
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=park_one, args=(n,)) for n in range(12)]
+    # Daemons: one left hanging never keeps the test process from exiting.
+    threads = [threading.Thread(target=park_one, args=(n,), daemon=True) for n in range(12)]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -24,7 +24,7 @@ class ParkedTask(models.Model):
     task_id = models.CharField(_("task id"), max_length=MAX_LENGTH, unique=True)
     # The key its run claims its permit under, and its tickets stand under:
     # the task id, or a later generation of it once a permit under the id
-    # was released (integrations.celery_tasks).
+    # was released (integrations.task_keys).
     key = models.CharField(_("key"), max_length=MAX_LENGTH, unique=True)
     task_name = models.CharField(_("task"), max_length=MAX_LENGTH)
     # A Django task's backend (an alias of TASKS); empty for a Celery task.

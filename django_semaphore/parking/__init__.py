@@ -237,10 +237,8 @@ def _refuse_a_full_line(alias: str, key: str, lined: wakeups.Lined, max_waiting:
         .annotate(n=Count("pk"))
         .filter(n__gte=max_waiting)
     )
-    if full := [line["semaphore__name"] for line in waiting]:
-        raise LineFull(
-            full, f"{max_waiting} tasks already wait parked on {', '.join(sorted(full))}."
-        )
+    if full := sorted(line["semaphore__name"] for line in waiting):
+        raise LineFull(full, f"{max_waiting} tasks already wait parked on {', '.join(full)}.")
 
 
 def _set_state(task: Any, demand: Mapping[str, int]) -> None:

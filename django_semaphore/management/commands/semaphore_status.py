@@ -7,7 +7,7 @@ waiters and parked tasks, then the queue of each semaphore that fair waiters wai
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -114,17 +114,8 @@ class Command(BaseCommand):
             raise CommandError(
                 f"Nobody waits under {key!r} (a fair waiter's key, a parked task's id)."
             )
-        self.stdout.write(
-            f"{waiting.key} waits: {waiting.waiter or '-'}, since {_moment(waiting.since)}, "
-            f"gives up at {_moment(waiting.gives_up_at)}"
-        )
-        if waiting.woken:
-            self.stdout.write("  Woken: room is kept for it until its run takes it.")
-        for blocker in waiting.blockers:
-            summary, *details = blocker.explained()
-            self.stdout.write(f"  {summary}")
-            for line in details:
-                self.stdout.write(f"    {line}")
+        for line in waiting.explained():
+            self.stdout.write(line)
 
     def _queue(self, semaphore: Semaphore) -> None:
         tickets = (
@@ -160,10 +151,6 @@ class Command(BaseCommand):
         semaphores = Semaphore.objects.db_manager(alias).with_usage()
         parked = parking.with_parked(semaphores)
         return parked.filter(name__in=names) if names else parked
-
-
-def _moment(at: datetime) -> str:
-    return at.isoformat(timespec="seconds")
 
 
 def _seconds(wait: timedelta | None) -> str:
