@@ -20,11 +20,13 @@ if TYPE_CHECKING:
     from django_semaphore.api import set_window as set_window
     from django_semaphore.integrations.context import permit as permit
     from django_semaphore.integrations.decorators import holds_permit as holds_permit
+    from django_semaphore.integrations.permit_task import PermitTask as PermitTask
     from django_semaphore.integrations.task_class import permit_task_class as permit_task_class
     from django_semaphore.states import ReleaseOutcome as ReleaseOutcome
 
 # Name -> the module that defines it.
 _HOMES = {
+    "PermitTask": "django_semaphore.integrations.permit_task",
     "ReleaseOutcome": "django_semaphore.states",
     "acquire": "django_semaphore.api",
     "force_release": "django_semaphore.api",

@@ -9,7 +9,7 @@ from typing import Any
 from celery import shared_task
 from django.utils import timezone
 
-from django_semaphore import holds_permit
+from django_semaphore import PermitTask, holds_permit
 from tests.testapp.models import RunLog
 
 ONE = "celery-one"  # capacity 1, created by each test
@@ -216,3 +216,47 @@ def per_member(self: Any, member: str, hold: float = 0.0) -> int:
 
     time.sleep(hold)
     return Semaphore.objects.get(name=f"celery-family:{member}").in_use
+
+
+# --- who may wait: policies decided when the task is sent (test_policies) ------------
+
+ONCE = "celery-once"  # capacity 1, created by each test of test_policies
+LATEST = "celery-latest"
+
+
+@shared_task(bind=True, base=PermitTask, max_retries=0)
+@holds_permit(ONCE, on_conflict="discard")
+def once(self: Any, label: str, hold: float) -> int:
+    return _work_on(ONCE, label, hold, self)
+
+
+@shared_task(bind=True, base=PermitTask, max_retries=0)
+@holds_permit(lambda customer, hold: f"{ONCE}:{customer}", on_conflict="discard")
+def once_per_customer(self: Any, customer: int, hold: float) -> int:
+    return _work_on(f"{ONCE}:{customer}", str(customer), hold, self)
+
+
+@shared_task(bind=True, base=PermitTask, max_retries=2)
+@holds_permit(ONCE, on_conflict="discard")
+def once_retried(self: Any, label: str) -> int:
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return _work_on(ONCE, label, 0, self)
+
+
+@shared_task(bind=True, base=PermitTask, max_retries=0)
+@holds_permit(LATEST, on_conflict="replace")
+def latest(self: Any, label: str, hold: float) -> int:
+    return _work_on(LATEST, label, hold, self)
+
+
+@shared_task(bind=True, base=PermitTask, max_retries=0)
+@holds_permit(LATEST, max_waiting=2)
+def at_most_two_wait(self: Any, label: str, hold: float) -> int:
+    return _work_on(LATEST, label, hold, self)
+
+
+@shared_task(bind=True, max_retries=0)
+@holds_permit(ONCE, on_conflict="discard")
+def discards_without_its_class(self: Any) -> None:
+    """``on_conflict`` on a plain task class: its run fails."""

@@ -215,7 +215,7 @@ def park_row(
     **fields: Any,
 ) -> str:
     task_id = task_id or unique("task")
-    row = parking._Row(
+    row = parking.Row(
         task_id,
         key or task_id,
         "tests.parked",

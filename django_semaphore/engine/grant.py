@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 
 from django.db import IntegrityError, transaction
@@ -45,7 +45,7 @@ from django.db.backends.utils import CursorWrapper
 from django_semaphore import backends, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.engine import fairness, families, prelock
-from django_semaphore.engine.releasing import release_requests
+from django_semaphore.engine.releasing import reclaim_expired, release_requests
 from django_semaphore.engine.statements import Statements, queue, statements
 from django_semaphore.engine.statements.one_trip import one_trip_statements
 from django_semaphore.engine.statements.rows import LockedSemaphore
@@ -308,8 +308,8 @@ def refusal(
             sql.close_slots(cursor, s, usage.now)
     # Expired holders free room on concurrency limits only: a rate limit's
     # slots end with their window, released or not.
-    lacking = [s for s in _lacking_room(locked, demand) if s.window is None]
-    if lacking and usage.expired and _reclaim_expired(connection, lacking, usage.now, lock_wait):
+    lacking = [s.id for s in _lacking_room(locked, demand) if s.window is None]
+    if lacking and usage.expired and reclaim_expired(connection, lacking, usage.now, lock_wait):
         sql.read_released(cursor, locked)
     waiting_on, standing = fairness.admit(
         connection, cursor, locked, usage.now, lock_wait, ask, standing
@@ -365,44 +365,6 @@ def _slot_ends(s: LockedSemaphore, now: datetime) -> datetime | None:
 
 def _lacking_room(locked: list[LockedSemaphore], demand: Demand) -> list[LockedSemaphore]:
     return [s for s in locked if s.in_use + demand.counts[s.name] > s.capacity]
-
-
-def _reclaim_expired(
-    connection: BaseDatabaseWrapper,
-    lacking: list[LockedSemaphore],
-    now: datetime,
-    lock_wait: float,
-) -> int:
-    """Release expired requests holding the locked semaphores that lack room:
-    a TTL takes effect when due, not at the next sweep.
-
-    An expired request may also hold semaphores this transaction has not
-    locked; its release locks them after these (out of name order), and
-    should that meet another transaction in a circle, the database reports
-    a deadlock and the attempt is retried whole.
-    """
-    # Release's updates of request and permit rows carry no per-statement
-    # bound (a sweep may hold those rows): on MariaDB the session's lock wait
-    # is bounded around the reclaim instead (elsewhere it already is, for
-    # the whole grant transaction).
-    bound = (
-        backends.bounded_lock_wait(connection, lock_wait)
-        if backends.bounds_each_statement(connection)
-        else nullcontext()
-    )
-    with bound:
-        expired = list(
-            PermitRequest.objects.using(connection.alias)
-            .filter(
-                state=State.ACQUIRED,
-                expires_at__lte=now,
-                permits__semaphore_id__in=[s.id for s in lacking],
-                permits__state=State.ACQUIRED,
-            )
-            .values_list("id", flat=True)
-            .distinct()
-        )
-        return release_requests(connection.alias, expired, ReleaseReason.EXPIRED).ended
 
 
 # --- idempotent re-entry -----------------------------------------------------

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from datetime import datetime
 from typing import NamedTuple
 
 from django.db import Error, connections, transaction
@@ -147,6 +148,42 @@ def release_permits(alias: str, permit_ids: Sequence[int]) -> Released:
         return Released(0, {})
     with _transaction(alias) as (cursor, sql, lock_wait):
         return Released(*sql.release_permits(cursor, list(permit_ids), lock_wait))
+
+
+def reclaim_expired(
+    connection: BaseDatabaseWrapper, semaphore_ids: list[int], now: datetime, lock_wait: float
+) -> int:
+    """In the caller's transaction, holding these semaphores' rows locked:
+    release the expired requests that hold them (how many): a TTL takes
+    effect when due, not at the next sweep.
+
+    An expired request may also hold semaphores the caller has not locked;
+    its release locks them after these (out of name order), and should that
+    meet another transaction in a circle, the database reports a deadlock
+    and the caller's attempt is retried whole.
+    """
+    # Release's updates of request and permit rows carry no per-statement
+    # bound (a sweep may hold those rows): on MariaDB the session's lock wait
+    # is bounded around the reclaim instead (elsewhere it already is, for
+    # the caller's whole transaction).
+    bound = (
+        backends.bounded_lock_wait(connection, lock_wait)
+        if backends.bounds_each_statement(connection)
+        else nullcontext()
+    )
+    with bound:
+        expired = list(
+            PermitRequest.objects.using(connection.alias)
+            .filter(
+                state=State.ACQUIRED,
+                expires_at__lte=now,
+                permits__semaphore_id__in=semaphore_ids,
+                permits__state=State.ACQUIRED,
+            )
+            .values_list("id", flat=True)
+            .distinct()
+        )
+        return release_requests(connection.alias, expired, ReleaseReason.EXPIRED).ended
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Exists, F, OuterRef, Q, Subquery
@@ -33,6 +34,7 @@ from django.utils import timezone
 from django_semaphore import backends
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
+from django_semaphore.engine.releasing import reclaim_expired
 from django_semaphore.engine.statements.tickets import MAX_TICKET_LIFE, ticket_statements
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.models import ParkedTask, Permit, Semaphore, Ticket
@@ -45,10 +47,11 @@ CANDIDATES_READ = 200
 @dataclass(frozen=True)
 class Lined:
     """Where a parking task's tickets were taken: its semaphores' ids by
-    name, and the rate limits among them."""
+    name, the rate limits among them, and those where it lacks room."""
 
     ids: dict[str, int]
     rate_limits: set[int]
+    short: set[int]
 
 
 def line_up(
@@ -56,18 +59,41 @@ def line_up(
     key: str,
     demand: Mapping[str, int],
     expires_at: datetime | None,
+    *,
+    woken: bool = False,
 ) -> Lined:
     """In the caller's transaction: lock these semaphores' rows and take
     the task's tickets, lacking room where it does not fit beside the older
-    tickets that lacked it. A task parked again keeps its tickets, and so
-    its place.
+    tickets that lacked it (expired holders reclaimed first). A task parked
+    again keeps its tickets, and so its place. ``woken``: a task that fits
+    everywhere takes its tickets lacking room everywhere, which keeps the
+    room for its run (as a wake-up does).
 
     Raises:
         SemaphoreNotFound: a semaphore of the demand does not exist.
     """
-    alias = connection.alias
+    lock_wait = app_settings.LOCK_WAIT_TIMEOUT
+    rows = _locked(connection, demand)
+    now = rows[0][-1]
+    ids = {name: id for name, id, *_ in rows}
+    statements = ticket_statements(connection)
+    with connection.cursor() as cursor:
+        ahead = statements.older(cursor, list(ids.values()), key, now, lock_wait)
+        short = _short(rows, demand, ahead)
+        held_short = [id for name, id, *_, window, _ in rows if id in short and window is None]
+        if held_short and reclaim_expired(connection, held_short, now, lock_wait):
+            short = _short(_locked(connection, demand), demand, ahead)
+        until = expires_at or now + MAX_TICKET_LIFE
+        counts = {ids[name]: count for name, count in demand.items()}
+        lacking = set(ids.values()) if woken and not short else short
+        statements.take(cursor, key, "", counts, now, until, lacking, lock_wait)
+    return Lined(ids, {id for _, id, _, _, window, _ in rows if window is not None}, short)
+
+
+def _locked(connection: BaseDatabaseWrapper, demand: Mapping[str, int]) -> list[tuple[Any, ...]]:
+    """These semaphores' rows, locked (again), with the database's clock."""
     rows = list(
-        Semaphore.objects.using(alias)
+        Semaphore.objects.using(connection.alias)
         .filter(name__in=demand)
         .locked()
         .annotate(db_now=DatabaseNow())
@@ -75,21 +101,18 @@ def line_up(
     )
     if len(rows) != len(demand):
         raise SemaphoreNotFound(set(demand) - {name for name, *_ in rows})
-    now = rows[0][-1]
-    ids = {name: id for name, id, *_ in rows}
-    statements = ticket_statements(connection)
-    with connection.cursor() as cursor:
-        lock_wait = app_settings.LOCK_WAIT_TIMEOUT
-        ahead = statements.older(cursor, list(ids.values()), key, now, lock_wait)
-        short = {
-            id
-            for name, id, capacity, in_use, *_ in rows
-            if in_use + demand[name] + ahead.get(id, (0, 0))[1] > capacity
-        }
-        until = expires_at or now + MAX_TICKET_LIFE
-        counts = {ids[name]: count for name, count in demand.items()}
-        statements.take(cursor, key, "", counts, now, until, short, lock_wait)
-    return Lined(ids, {id for _, id, _, _, window, _ in rows if window is not None})
+    return rows
+
+
+def _short(
+    rows: list[tuple[Any, ...]], demand: Mapping[str, int], ahead: Mapping[int, tuple[int, int]]
+) -> set[int]:
+    """The semaphores where the demand does not fit beside ``ahead``."""
+    return {
+        id
+        for name, id, capacity, in_use, *_ in rows
+        if in_use + demand[name] + ahead.get(id, (0, 0))[1] > capacity
+    }
 
 
 def _candidates(alias: str, freed: set[int]) -> list[str]:

@@ -35,6 +35,7 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import (
     DatabaseUnavailable,
     FamilyFull,
+    InvalidRequest,
     LiveDuplicate,
     LockContention,
     PermitLost,
@@ -67,6 +68,11 @@ def run_task(
 ) -> Any:
     """Run the task holding its permits, claimed by its task id: when they
     are refused, stand by, park, retry or fail, as ``options`` say."""
+    if options.on_conflict is not None and not getattr(task, "decides_when_sent", False):
+        raise InvalidRequest(
+            f"Task {task.name} sets on_conflict, which is decided when it is sent: "
+            "make it a PermitTask (@shared_task(base=PermitTask))."
+        )
     parks = options.parks
     if parks:
         # From this process's first parking task on, its releases (this

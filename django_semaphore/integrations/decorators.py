@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -23,14 +22,14 @@ from django_semaphore.integrations import django_tasks
 from django_semaphore.integrations.celery_tasks import run_task
 from django_semaphore.integrations.context import permit
 from django_semaphore.integrations.leases import LEASE, DefaultLease
-from django_semaphore.integrations.options import Options
+from django_semaphore.integrations.options import OPTIONS_ATTRIBUTE, Options, demand_of
 from django_semaphore.integrations.views import run_async_view, run_view
 from django_semaphore.owners import process_owner
+from django_semaphore.parking.admission import ON_CONFLICT
 from django_semaphore.validation import (
     MAX_COUNT,
     MAX_TTL,
     is_int,
-    validate_demand,
     validate_flag,
     validate_timeout,
     validate_ttl,
@@ -49,6 +48,7 @@ def holds_permit(
     fair: bool = False,
     park: bool | None = None,
     max_waiting: int | None = None,
+    on_conflict: str | None = None,
     view: bool | None = None,
 ) -> Callable[[F], F]:
     """Hold permits while a view, a task (Celery's or Django's) or a function runs.
@@ -102,7 +102,16 @@ def holds_permit(
         max_waiting: tasks only: at most this many tasks wait parked on each
             semaphore of the demand; a task that would park beyond that fails
             with ``LineFull`` instead (counted under the semaphores' row
-            locks, so never more). ``None``: no limit.
+            locks, so never more). ``None``: no limit. With a task class of
+            ``PermitTask``, decided when the task is sent: ``.delay()``
+            raises ``LineFull``.
+        on_conflict: Celery tasks of ``base=PermitTask`` only: what sending
+            the task does when its demand has no room (held, or kept for
+            tasks already sent): ``"discard"`` sends nothing and
+            ``.delay()`` returns the existing task's result (one holding or
+            waiting there); ``"replace"`` drops the tasks of the same name
+            still waiting on the same semaphores, and waits in their stead.
+            ``None``: it waits (``docs/policies.md``).
         view: whether the function is a Django view. ``None``: it is when its
             first parameter (after ``self``) is named ``request``; pass
             ``False`` for a helper that takes a request but must raise, not
@@ -121,7 +130,7 @@ def holds_permit(
     if callable(names) and not isinstance(names, str | Mapping):
         names_of, demand = names, {}
     else:
-        demand = _demand(names, count)
+        demand = demand_of(names, count)
     # The LEASE setting is read at each call (override_settings works).
     lease = ttl if ttl is LEASE else validate_ttl(ttl)
     validate_timeout(timeout)
@@ -138,17 +147,25 @@ def holds_permit(
     for flag, name in ((park, "park"), (view, "view")):
         if flag is not None:
             validate_flag(flag, name)
+    if on_conflict is not None and on_conflict not in ON_CONFLICT:
+        raise InvalidRequest(
+            f"on_conflict must be None, 'discard' or 'replace', not {on_conflict!r}."
+        )
+    if on_conflict is not None and park is False:
+        raise InvalidRequest("on_conflict parks the task as it is sent: park=False contradicts it.")
 
     def decorate(func: F) -> F:
         _refuse_task_object(func)
         options = Options(
             demand, lease, timeout, retry_after, _label(func), fair, park, count, names_of,
-            max_waiting,
+            max_waiting, on_conflict,
         )  # fmt: skip
         request_at = _request_position(func, view)
         if inspect.iscoroutinefunction(func):
             return cast(F, _async_wrapper(func, options, request_at))
         wrapper = _sync_wrapper(func, options, request_at)
+        # What PermitTask reads when the task is sent.
+        setattr(wrapper, OPTIONS_ATTRIBUTE, options)
         if view is not False:
             # Django's handler must not open ATOMIC_REQUESTS' transaction
             # around the wrapper: the permit is committed first, then
@@ -159,22 +176,6 @@ def holds_permit(
         return cast(F, wrapper)
 
     return decorate
-
-
-def _demand(names: Any, count: int) -> dict[str, int]:
-    if isinstance(names, str):
-        names = [names]
-    if not isinstance(names, Mapping):
-        names = dict.fromkeys(validate_demand(names).names, count)
-    return validate_demand(names).counts
-
-
-def _for_call(options: Options, *args: Any, **kwargs: Any) -> Options:
-    """The options of one call: its demand computed from its arguments, when
-    the decorator was given a callable."""
-    if options.names_of is None:
-        return options
-    return replace(options, demand=_demand(options.names_of(*args, **kwargs), options.count))
 
 
 def _label(func: Callable[..., Any]) -> str:
@@ -252,18 +253,18 @@ def _sync_wrapper(func: F, options: Options, request_at: int | None) -> Callable
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if request_at is not None:
             request = args[request_at]
-            return run_view(func, _for_call(options, request), request, args, kwargs)
+            return run_view(func, options.for_call(request), request, args, kwargs)
         task = _running_task_of(wrapper)
         if task is not None:
             # A bound task's body gets the task first; the names do not.
             bound = getattr(task, "_get_current_object", lambda: task)()  # current_task's proxy
             own = args[1:] if args and args[0] is bound else args
-            return run_task(func, _for_call(options, *own, **kwargs), task, args, kwargs)
+            return run_task(func, options.for_call(*own, **kwargs), task, args, kwargs)
         result = django_tasks.running_result_of(wrapper)
         if result is not None:
             own = django_tasks.own_arguments(result, args)
-            return django_tasks.run(func, _for_call(options, *own, **kwargs), result, args, kwargs)
-        call = _for_call(options, *args, **kwargs)
+            return django_tasks.run(func, options.for_call(*own, **kwargs), result, args, kwargs)
+        call = options.for_call(*args, **kwargs)
         with permit(
             call.demand,
             owner=process_owner(call.label),
@@ -282,10 +283,10 @@ def _async_wrapper(func: F, options: Options, request_at: int | None) -> Callabl
         result = django_tasks.running_result_of(wrapper)
         if result is not None:
             own = django_tasks.own_arguments(result, args)
-            call = _for_call(options, *own, **kwargs)
+            call = options.for_call(*own, **kwargs)
             return await django_tasks.run_async(func, call, result, args, kwargs)
         if request_at is None:
-            call = _for_call(options, *args, **kwargs)
+            call = options.for_call(*args, **kwargs)
             async with permit(
                 call.demand,
                 owner=process_owner(call.label),
@@ -295,6 +296,6 @@ def _async_wrapper(func: F, options: Options, request_at: int | None) -> Callabl
             ):
                 return await func(*args, **kwargs)
         request = args[request_at]
-        return await run_async_view(func, _for_call(options, request), request, args, kwargs)
+        return await run_async_view(func, options.for_call(request), request, args, kwargs)
 
     return wrapper

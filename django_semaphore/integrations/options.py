@@ -1,4 +1,5 @@
-"""What the doors of ``@holds_permit`` share: a decorator's options.
+"""What the doors of ``@holds_permit`` share: a decorator's options, and
+the demand of each call.
 
 It sits below ``decorators``, ``views`` and ``celery_tasks``, so that the two
 doors need not import each other.
@@ -6,13 +7,18 @@ doors need not import each other.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
 from django_semaphore.conf import app_settings
 from django_semaphore.integrations.leases import DefaultLease, lease_seconds
+from django_semaphore.validation import validate_demand
+
+# Attribute of a decorated function that carries its options (a task's body:
+# what PermitTask reads when the task is sent).
+OPTIONS_ATTRIBUTE = "django_semaphore_options"
 
 
 @dataclass(frozen=True)
@@ -32,8 +38,33 @@ class Options:
 
     @property
     def parks(self) -> bool:
-        return app_settings.PARK_TASKS if self.park is None else self.park
+        if self.park is None:
+            return app_settings.PARK_TASKS or self.on_conflict is not None
+        return self.park
 
     count: int
     names_of: Callable[..., Any] | None  # names computed from each call's arguments
     max_waiting: int | None = None  # parked tasks each semaphore may have waiting
+    on_conflict: str | None = None  # "discard" or "replace": decided when sent (PermitTask)
+
+    @property
+    def decides_at_enqueue(self) -> bool:
+        """Whether ``PermitTask`` decides, when the task is sent, whether it
+        is sent, waits or is discarded (``parking.admission``)."""
+        return self.on_conflict is not None or self.max_waiting is not None
+
+    def for_call(self, *args: Any, **kwargs: Any) -> Options:
+        """The options of one call: its demand computed from its arguments,
+        when the decorator was given a callable."""
+        if self.names_of is None:
+            return self
+        return replace(self, demand=demand_of(self.names_of(*args, **kwargs), self.count))
+
+
+def demand_of(names: Any, count: int) -> dict[str, int]:
+    """Name -> permits, from what ``holds_permit`` takes as ``names``."""
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, Mapping):
+        names = dict.fromkeys(validate_demand(names).names, count)
+    return validate_demand(names).counts

@@ -113,18 +113,11 @@ def park(task: Any, demand: Mapping[str, int], key: str, max_waiting: int | None
         SemaphoreError: the row could not be written (the caller retries
             the task as without parking, so it is not lost).
     """
-    from kombu import serialization
-
     request = task.request
     signature = task.signature_from_request(request, request.args, request.kwargs)
-    content_type, encoding, body = serialization.dumps(  # type: ignore[no-untyped-call]
-        dict(signature), serializer=task.serializer
-    )
-    if isinstance(body, str):
-        body = body.encode(encoding)
-    row = _Row(request.id, key, task.name, bytes(body), content_type, encoding, _expiry(request))
+    row = Row(request.id, key, task.name, *encode(task, signature), expiry(request.expires))
     alias, lined = _park(row, demand, max_waiting)
-    _set_state(task, demand)
+    set_state(task, demand)
     wake.wake(alias, lined.ids.values())
     if lined.rate_limits:
         # No release frees a slot: a wake-up for when the next one ends.
@@ -148,13 +141,15 @@ def defer(
         LineFull: as for ``park``.
         SemaphoreError: the row could not be written.
     """
-    row = _Row(result_id, key, task_name, b"", "", "", None, backend)
+    row = Row(result_id, key, task_name, b"", "", "", None, backend)
     alias, lined = _park(row, demand, max_waiting)
     wake.wake(alias, lined.ids.values())
 
 
 @dataclass(frozen=True)
-class _Row:
+class Row:
+    """What a parked task's row is written with (``ParkedTask``'s fields)."""
+
     task_id: str
     key: str
     task_name: str
@@ -166,7 +161,7 @@ class _Row:
 
 
 def _park(
-    row: _Row, demand: Mapping[str, int], max_waiting: int | None
+    row: Row, demand: Mapping[str, int], max_waiting: int | None
 ) -> tuple[str, wakeups.Lined]:
     """The task's row and its tickets; its semaphores' alias, and where its
     tickets were taken."""
@@ -176,10 +171,24 @@ def _park(
     return alias, run_with_retries(connection, insert)
 
 
-def _expiry(request: Any) -> datetime | None:
+def encode(task: Any, signature: Any) -> tuple[bytes, str, str]:
+    """A task's message as its serializer encodes it: body, content type
+    and encoding (``kombu.serialization``)."""
+    from kombu import serialization
+
+    content_type, encoding, body = serialization.dumps(  # type: ignore[no-untyped-call]
+        dict(signature), serializer=task.serializer
+    )
+    if isinstance(body, str):
+        body = body.encode(encoding)
+    return bytes(body), content_type, encoding
+
+
+def expiry(expires: Any) -> datetime | None:
+    """A task's ``expires`` (a datetime, or ISO text as a worker's request
+    has it; naive is UTC, as Celery sends it) as an aware datetime."""
     from celery.utils.time import maybe_iso8601
 
-    expires = request.expires
     if expires is None:
         return None
     moment = expires if isinstance(expires, datetime) else maybe_iso8601(expires)
@@ -187,7 +196,7 @@ def _expiry(request: Any) -> datetime | None:
 
 
 def _insert(
-    connection: BaseDatabaseWrapper, row: _Row, demand: dict[str, int], max_waiting: int | None
+    connection: BaseDatabaseWrapper, row: Row, demand: dict[str, int], max_waiting: int | None
 ) -> wakeups.Lined:
     """The row and its tickets in one transaction (a task parked again keeps
     both, and so its place in line, unless its key changed); a new one only
@@ -199,12 +208,12 @@ def _insert(
         parked_before = ParkedTask.objects.using(alias).filter(task_id=row.task_id)
         before = parked_before.values_list("key", flat=True).first()
         if before is None and max_waiting is not None:
-            _refuse_a_full_line(alias, row.key, lined, max_waiting)
+            refuse_a_full_line(alias, row.key, lined, max_waiting)
         if before is not None:
             if before != row.key:
                 # A permit under its old key was released meanwhile: the
                 # tickets under that key would hold back its own run.
-                _raw_delete(Ticket.objects.using(alias).filter(external_id=before))
+                raw_delete(Ticket.objects.using(alias).filter(external_id=before))
             parked_before.update(woken_at=None, key=row.key)
             return lined
         with suppress(IntegrityError), transaction.atomic(using=alias):
@@ -225,7 +234,7 @@ def _insert(
     return lined
 
 
-def _refuse_a_full_line(alias: str, key: str, lined: wakeups.Lined, max_waiting: int) -> None:
+def refuse_a_full_line(alias: str, key: str, lined: wakeups.Lined, max_waiting: int) -> None:
     """Raise ``LineFull`` (rolling back the tickets just taken) when
     ``max_waiting`` parked tasks other than ``key``'s wait on a semaphore."""
     waiting = (
@@ -241,14 +250,16 @@ def _refuse_a_full_line(alias: str, key: str, lined: wakeups.Lined, max_waiting:
         raise LineFull(full, f"{max_waiting} tasks already wait parked on {', '.join(full)}.")
 
 
-def _set_state(task: Any, demand: Mapping[str, int]) -> None:
-    """Record ``PARKED`` in the result backend, if the task keeps results."""
-    if task.request.ignore_result or task.ignore_result:
+def set_state(task: Any, demand: Mapping[str, int], task_id: str | None = None) -> None:
+    """Record ``PARKED`` for the running task (or ``task_id``) in the result
+    backend, if the task keeps results."""
+    if task.ignore_result or (task_id is None and task.request.ignore_result):
         return
+    task_id = task_id or task.request.id
     try:
-        task.update_state(state=PARKED, meta={"semaphores": dict(demand)})
+        task.update_state(task_id=task_id, state=PARKED, meta={"semaphores": dict(demand)})
     except Exception:  # a disabled or unreachable backend must not lose the task
-        logger.warning("Could not record the PARKED state of %s", task.request.id, exc_info=True)
+        logger.warning("Could not record the PARKED state of %s", task_id, exc_info=True)
 
 
 def started(task_id: str, demand: Mapping[str, int]) -> None:
@@ -260,9 +271,9 @@ def started(task_id: str, demand: Mapping[str, int]) -> None:
     parked = ParkedTask.objects.using(alias).filter(task_id=task_id)
     keys = list(parked.values_list("key", flat=True))
     if keys:
-        _raw_delete(parked)
+        raw_delete(parked)
         # Unless its grant deleted them (where the line was live).
-        _raw_delete(Ticket.objects.using(alias).filter(external_id__in=keys))
+        raw_delete(Ticket.objects.using(alias).filter(external_id__in=keys))
         rate_limits = set(
             Semaphore.objects.using(alias)
             .filter(name__in=list(demand), window__isnull=False)
@@ -274,7 +285,9 @@ def started(task_id: str, demand: Mapping[str, int]) -> None:
             wake.schedule_slots(alias, rate_limits)
 
 
-def _raw_delete(queryset: QuerySet[Any]) -> int:
+def raw_delete(queryset: QuerySet[Any]) -> int:
+    """Delete these rows by one statement, without Django's collector
+    (which reads them first); how many."""
     return int(queryset._raw_delete(queryset.db))
 
 
@@ -318,8 +331,8 @@ def cancel(task_ids: Iterable[str]) -> int:
             continue
         tickets = Ticket.objects.using(alias).filter(external_id__in=list(found))
         semaphore_ids = set(tickets.filter(lacked=True).values_list("semaphore_id", flat=True))
-        _raw_delete(tickets)
-        dropped += _raw_delete(ParkedTask.objects.using(alias).filter(id__in=found.values()))
+        raw_delete(tickets)
+        dropped += raw_delete(ParkedTask.objects.using(alias).filter(id__in=found.values()))
         wake.wake(alias, semaphore_ids)
     return dropped
 

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from contextvars import ContextVar
 
 from django.db import Error, connections, transaction
 
@@ -133,4 +134,18 @@ def _send(parked: ParkedTask) -> None:
         parked.content_encoding,
         accept={parked.content_type},
     )
-    current_app.signature(message).apply_async()
+    token = _REPUBLISHING.set(True)
+    try:
+        current_app.signature(message).apply_async()
+    finally:
+        _REPUBLISHING.reset(token)
+
+
+# Set while a parked task's message is published: the enqueue-time policies
+# (``PermitTask``) decided on it when it was first sent.
+_REPUBLISHING: ContextVar[bool] = ContextVar("django_semaphore_republishing", default=False)
+
+
+def republishing() -> bool:
+    """Whether the task being sent now is a parked task published again."""
+    return _REPUBLISHING.get()

@@ -1,0 +1,190 @@
+"""Who may wait: a Celery task sent under ``holds_permit``'s enqueue-time
+policies (``on_conflict``, ``max_waiting``; ``PermitTask.apply_async``) is
+parked as it is sent, and woken at once where it fits.
+
+One transaction under its semaphores' row locks decides and writes: the
+task's tickets and its ``ParkedTask`` row, woken (its tickets keep the
+room for its run, so the next enqueue finds none) or waiting in line. Its
+message is published once that committed, as a woken task's is
+(``wake.publish``). So two enqueues at once never both pass, and a crash
+between the decision and the publish loses nothing: the beat sweep
+publishes a woken row whose run never started (``PARKED_REPUBLISH_AFTER``),
+and a copy that arrives after the task ran is dropped by its key.
+
+The policies, where the task does not fit:
+
+- ``discard``: it is not sent; the caller is told who holds or waits there.
+- ``replace``: the tasks of the same name waiting on the same semaphores
+  (not yet woken) are dropped, and it waits in their stead.
+- ``max_waiting``: it waits, unless that many already wait parked on one
+  of its semaphores (``LineFull``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import IntegrityError, connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import Count
+from django.utils import timezone
+
+from django_semaphore import backends, routing
+from django_semaphore.conf import app_settings
+from django_semaphore.engine import wakeups
+from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
+from django_semaphore.parking import (
+    Row,
+    encode,
+    expiry,
+    raw_delete,
+    refuse_a_full_line,
+    set_state,
+    wake,
+)
+from django_semaphore.retry import run_with_retries
+from django_semaphore.states import State
+
+DISCARD = "discard"
+REPLACE = "replace"
+ON_CONFLICT = (DISCARD, REPLACE)
+
+# The tasks a discarded one is told of, at most.
+EXISTING_TOLD = 10
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What an enqueue came to. ``existing``: it was discarded, and these
+    keys hold or wait where it found no room (holders first, then the line
+    in order); empty: it was sent, or waits. ``replaced``: the task ids of
+    the waiting tasks it replaced."""
+
+    existing: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)
+
+
+class _Discarded(Exception):
+    """Rolls the enqueue's transaction back, telling whom it found."""
+
+    def __init__(self, existing: list[str]) -> None:
+        self.existing = existing
+
+
+def enqueue(
+    task: Any,
+    signature: Any,
+    demand: Mapping[str, int],
+    on_conflict: str | None,
+    max_waiting: int | None,
+) -> Admission:
+    """Decide, under the demand's row locks, whether the task ``signature``
+    (with its ``task_id``) is sent now, waits parked, or is discarded; send
+    it once that committed (when the caller's transaction commits, if it has
+    one: an outbox).
+
+    Raises:
+        LineFull: ``max_waiting`` tasks already wait on one of its semaphores.
+        SemaphoreNotFound: a semaphore of the demand does not exist.
+        SemaphoreError: the database failed (nothing was written or sent).
+    """
+    options = signature.options
+    task_id = options["task_id"]
+    row = Row(task_id, task_id, task.name, *encode(task, signature), expiry(options.get("expires")))
+    alias = routing.alias_for_names(list(demand))
+    connection = connections[alias]
+    admit = functools.partial(_admit, connection, row, dict(demand), on_conflict, max_waiting)
+    try:
+        lined, parked_id, replaced = run_with_retries(connection, admit)
+    except _Discarded as discarded:
+        return Admission(existing=discarded.existing)
+    if not lined.short:
+        transaction.on_commit(functools.partial(wake.publish, alias, [parked_id]), using=alias)
+    else:
+        set_state(task, demand, task_id)
+        if lined.rate_limits:
+            wake.schedule_slots(alias, lined.rate_limits)
+    return Admission(replaced=replaced)
+
+
+def _admit(
+    connection: BaseDatabaseWrapper,
+    row: Row,
+    demand: dict[str, int],
+    on_conflict: str | None,
+    max_waiting: int | None,
+) -> tuple[wakeups.Lined, int, list[str]]:
+    """The decision's transaction: where the task's tickets were taken, its
+    row's id, and the task ids it replaced."""
+    alias = connection.alias
+    with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
+        replaced = _drop_waiting(alias, row.task_name, demand) if on_conflict == REPLACE else []
+        lined = wakeups.line_up(connection, row.key, demand, row.expires_at, woken=True)
+        if lined.short:
+            if on_conflict == DISCARD:
+                raise _Discarded(_existing(alias, lined.short))
+            if max_waiting is not None:
+                refuse_a_full_line(alias, row.key, lined, max_waiting)
+        try:
+            with transaction.atomic(using=alias):
+                parked = ParkedTask.objects.using(alias).create(
+                    task_id=row.task_id,
+                    key=row.key,
+                    task_name=row.task_name,
+                    body=row.body,
+                    content_type=row.content_type,
+                    content_encoding=row.encoding,
+                    parked_at=backends.StatementNow(),
+                    woken_at=None if lined.short else timezone.now(),
+                    expires_at=row.expires_at,
+                )
+        except IntegrityError:
+            # This task id was sent before: that one is the existing task.
+            raise _Discarded([row.task_id]) from None
+    return lined, parked.pk, replaced
+
+
+def _drop_waiting(alias: str, task_name: str, demand: Mapping[str, int]) -> list[str]:
+    """Drop the tasks named ``task_name`` waiting (not woken) on each of
+    these semaphores, locked first; their task ids."""
+    locked = Semaphore.objects.using(alias).filter(name__in=demand).locked()
+    ids = list(locked.values_list("id", flat=True))
+    keys = list(
+        Ticket.objects.using(alias)
+        .filter(semaphore_id__in=ids)
+        .filter(parked__task_name=task_name, parked__woken_at__isnull=True)
+        .values("external_id")
+        .annotate(n=Count("id"))
+        .filter(n=len(ids))
+        .values_list("external_id", flat=True)
+    )
+    if not keys:
+        return []
+    parked = ParkedTask.objects.using(alias).filter(key__in=keys)
+    task_ids = list(parked.values_list("task_id", flat=True))
+    raw_delete(Ticket.objects.using(alias).filter(external_id__in=keys))
+    raw_delete(parked)
+    return task_ids
+
+
+def _existing(alias: str, semaphore_ids: set[int]) -> list[str]:
+    """Who holds or waits on these semaphores: the holders' keys, oldest
+    first, then the parked tasks' ids in line order."""
+    held = (
+        PermitRequest.objects.using(alias)
+        .filter(state=State.ACQUIRED, permits__semaphore_id__in=semaphore_ids)
+        .filter(permits__state=State.ACQUIRED)
+        .order_by("id")
+        .values_list("external_id", flat=True)
+    )
+    waiting = (
+        Ticket.objects.using(alias)
+        .filter(semaphore_id__in=semaphore_ids, parked__id__isnull=False)
+        .order_by("id")
+        .values_list("parked__task_id", flat=True)
+    )
+    told = [*held[:EXISTING_TOLD], *waiting[:EXISTING_TOLD]]
+    return list(dict.fromkeys(told))[:EXISTING_TOLD]

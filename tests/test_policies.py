@@ -1,0 +1,287 @@
+"""Who may wait: ``holds_permit``'s ``on_conflict`` and ``max_waiting``
+decided when a ``PermitTask`` is sent (``parking.admission``), in one
+transaction under the semaphores' row locks.
+
+The first part checks the decisions with the publish recorded instead of
+sent, so every rule can fail on its own; the second runs a real prefork
+worker on Redis, with the peers' bug reports as scenarios.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+from django.db import connections
+
+from django_semaphore import acquire, holds_permit, release, sweep
+from django_semaphore.exceptions import InvalidRequest, LineFull
+from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
+from django_semaphore.states import ReleaseReason, State
+from tests import tasks
+from tests.celery_app import app
+from tests.test_parked import parked_ids, settled
+from tests.testapp.models import RunLog
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def once(db: Any) -> Semaphore:
+    return Semaphore.objects.create(name=tasks.ONCE, capacity=1)
+
+
+@pytest.fixture
+def latest(db: Any) -> Semaphore:
+    return Semaphore.objects.create(name=tasks.LATEST, capacity=1)
+
+
+def woken() -> list[str]:
+    return list(
+        ParkedTask.objects.filter(woken_at__isnull=False)
+        .order_by("id")
+        .values_list("task_id", flat=True)
+    )
+
+
+# --- the decisions, the publish recorded ------------------------------------------
+
+
+def test_a_task_that_fits_is_sent_and_keeps_its_room_until_it_runs(once, published):
+    first = tasks.once.delay("a", 0)
+
+    assert published == [first.id]
+    assert woken() == [first.id]
+    # Its ticket keeps the room: a plain grant now finds none.
+    ticket = Ticket.objects.get(external_id=first.id)
+    assert ticket.lacked
+    with pytest.raises(Exception, match="celery-once"):
+        acquire(tasks.ONCE, external_id="a-view")
+
+
+def test_a_second_send_is_discarded_and_told_the_first(once, published):
+    first = tasks.once.delay("a", 0)
+
+    second = tasks.once.delay("b", 0)
+
+    assert second.id == first.id
+    assert published == [first.id]
+    assert parked_ids() == [first.id]
+
+
+def test_a_send_while_a_task_holds_is_told_the_holder(once, published):
+    acquire(tasks.ONCE, external_id="some-task-id~2")
+
+    result = tasks.once.delay("a", 0)
+
+    assert result.id == "some-task-id"
+    assert published == []
+    assert parked_ids() == []
+
+
+def test_computed_names_discard_per_key(once, published):
+    for customer in (1, 2):
+        Semaphore.objects.create(name=f"{tasks.ONCE}:{customer}", capacity=1)
+
+    sent = [tasks.once_per_customer.delay(customer, 0) for customer in (1, 2, 1, 2)]
+
+    assert sent[2].id == sent[0].id
+    assert sent[3].id == sent[1].id
+    assert published == [sent[0].id, sent[1].id]
+
+
+def test_an_expired_holder_does_not_discard(once, published):
+    """Solid Queue #804: jobs piled up behind a semaphore nobody held any
+    more. A holder whose lease lapsed is reclaimed by the send itself."""
+    acquire(tasks.ONCE, external_id="dead-worker", ttl=1)
+    PermitRequest.objects.filter(external_id="dead-worker").update(
+        expires_at=PermitRequest.objects.get(external_id="dead-worker").created_at
+    )
+
+    result = tasks.once.delay("a", 0)
+
+    assert published == [result.id]
+    dead = PermitRequest.objects.get(external_id="dead-worker")
+    assert dead.state == State.RELEASED
+    assert dead.release_reason == ReleaseReason.EXPIRED
+
+
+def test_replace_keeps_only_the_latest_waiting(latest, published):
+    acquire(tasks.LATEST, external_id="held-by-the-test")
+
+    sent = [tasks.latest.delay(label, 0) for label in ("a", "b", "c")]
+
+    assert [r.id for r in sent] == [s.id for s in sent]  # each told its own id
+    assert parked_ids() == [sent[2].id]
+    assert published == []
+    assert {sent[0].state, sent[1].state} == {"REVOKED"}
+    assert Ticket.objects.filter(external_id__in=[sent[0].id, sent[1].id]).count() == 0
+
+
+def test_replace_leaves_a_task_already_sent(latest, published):
+    first = tasks.latest.delay("a", 0)  # fits: sent
+
+    second = tasks.latest.delay("b", 0)
+
+    assert published == [first.id]
+    assert parked_ids() == [first.id, second.id]
+    assert woken() == [first.id]
+
+
+def test_max_waiting_refuses_the_send(latest, published):
+    acquire(tasks.LATEST, external_id="held-by-the-test")
+    tasks.at_most_two_wait.delay("a", 0)
+    tasks.at_most_two_wait.delay("b", 0)
+
+    with pytest.raises(LineFull):
+        tasks.at_most_two_wait.delay("c", 0)
+
+    assert len(parked_ids()) == 2
+
+
+def test_sends_at_once_never_both_pass(once, published):
+    """Solid Queue #597: duplicates that still ran. Twelve threads, each on
+    its own connection, send at once: one is sent, the others are told its id."""
+    barrier = threading.Barrier(12)
+    ids: list[str] = []
+
+    def send() -> None:
+        try:
+            barrier.wait(timeout=30)
+            ids.append(tasks.once.delay("race", 0).id)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=send, daemon=True) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+
+    assert len(ids) == 12
+    assert len(published) == 1
+    assert set(ids) == set(published)
+    assert parked_ids() == published
+
+
+def test_eager_tasks_are_sent_as_celery_sends_them(once, published):
+    app.conf.task_always_eager = True
+    try:
+        result = tasks.once.delay("eager", 0)
+    finally:
+        app.conf.task_always_eager = False
+
+    assert result.successful(), result.traceback
+    assert published == []
+    assert parked_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"on_conflict": "skip"}, "on_conflict must be"),
+        ({"on_conflict": "discard", "park": False}, "park=False"),
+    ],
+)
+def test_a_bad_policy_is_refused_when_decorating(options, message):
+    with pytest.raises(InvalidRequest, match=message):
+        holds_permit("x", **options)
+
+
+def test_on_conflict_without_its_task_class_fails_the_run(once):
+    result = tasks.discards_without_its_class.apply()
+
+    assert isinstance(result.result, InvalidRequest)
+    assert "PermitTask" in str(result.result)
+
+
+# --- a real worker on Redis --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_one_runs_while_others_are_sent_and_one_runs_after(once, celery_worker, wakes):
+    first = tasks.once.delay("first", 1.0)
+    others = [tasks.once.delay("other", 0) for _ in range(5)]
+    assert {r.id for r in others} == {first.id}
+    settled([first])
+
+    after = tasks.once.delay("after", 0)
+    settled([after])
+
+    assert after.id != first.id
+    assert [log.task_id for log in RunLog.objects.order_by("started_at")] == [first.id, after.id]
+    assert parked_ids() == []
+    assert not PermitRequest.objects.filter(state=State.ACQUIRED).exists()
+
+
+@pytest.mark.slow
+def test_its_own_retry_is_not_discarded(once, celery_worker, wakes):
+    result = tasks.once_retried.delay("retried")
+    settled([result])
+
+    assert result.state == "SUCCESS", result.traceback
+    assert RunLog.objects.filter(label="retried").count() == 1
+
+
+@pytest.mark.slow
+def test_the_replacing_task_runs_once_room_is_made(latest, celery_worker, wakes):
+    acquire(tasks.LATEST, external_id="held-by-the-test")
+    sent = [tasks.latest.delay(label, 0) for label in ("a", "b", "c")]
+
+    release("held-by-the-test")
+    settled([sent[2]])
+
+    assert list(RunLog.objects.values_list("label", flat=True)) == ["c"]
+    assert parked_ids() == []
+
+
+@pytest.mark.slow
+def test_a_sender_killed_between_decision_and_publish(once, celery_worker, settings):
+    """SIGKILL after the decision committed, before the message went out:
+    nothing is sent meanwhile (the room is kept), and the beat sweep
+    publishes it: it runs once."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "SEMAPHORE_TEST_DATABASE_NAME": str(connections["default"].settings_dict["NAME"]),
+    }
+    child = subprocess.run(
+        [sys.executable, "-c", _SEND_AND_DIE],
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    [task_id] = woken()
+    assert tasks.once.delay("meanwhile", 0).id == task_id  # its room is kept
+
+    settings.DJANGO_SEMAPHORE = {"PARKED_REPUBLISH_AFTER": timedelta(milliseconds=1)}
+    assert sweep.sweep_parked().republished == 1
+    settled([AsyncResult(task_id)])
+    assert sweep.sweep_parked().republished == 0
+
+    assert list(RunLog.objects.values_list("task_id", flat=True)) == [task_id]
+    assert parked_ids() == []
+
+
+_SEND_AND_DIE = """
+import os, signal
+import django
+django.setup()
+from django_semaphore.parking import wake
+wake.publish = lambda alias, ids: os.kill(os.getpid(), signal.SIGKILL)
+from tests import tasks
+from tests.celery_app import app
+tasks.once.delay("killed", 0)
+"""
