@@ -30,6 +30,12 @@ parked rows until every task parked or failed, then releases, and reports
 the most parked at once, the ``LineFull`` failures, and that the parked ones
 all ran, once each, and nothing was lost.
 
+The ``discard`` mode sends ``--tasks`` identical tasks of
+``on_conflict="discard"`` (``PermitTask``) from ``--senders`` processes at
+once, while a worker runs them for ``--discard-hold`` seconds each: it
+reports how many ran (exactly one, when the sends end within a run), whether
+every sender was told that one's id, and the send rate and latency.
+
 The ``family`` mode measures what stand-by learns: ``--members`` members of
 one family (capacity 1), each held by the driver, get a task each; every
 refused task stands by or parks. It reports the **stand-by waits per worker
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import signal
 import statistics
@@ -77,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="unlimited,default,retried,family")
     parser.add_argument("--members", type=int, default=1000, help="of the family mode")
     parser.add_argument("--max-waiting", type=int, default=10, help="of the capped mode")
+    parser.add_argument("--senders", type=int, default=16, help="of the discard mode")
+    parser.add_argument("--discard-hold", type=float, default=20.0, help="of the discard mode")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--smoke", action="store_true", help="40 tasks of 10 ms")
     parser.add_argument("--json", type=Path)
@@ -85,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.smoke:
         args.tasks, args.hold, args.concurrency, args.members = 40, 0.01, 6, 20
+        args.senders, args.discard_hold = 4, 5.0
 
     from benchmarks.db import Target, ensure_database
 
@@ -103,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
     call_command("migrate", verbosity=0, interactive=False)
     results = []
+    measures = {"family": run_family, "capped": run_capped, "discard": run_discard}
     for mode in args.modes.split(","):
-        measure = {"family": run_family, "capped": run_capped}.get(mode, run)
+        measure = measures.get(mode, run)
         results.append(measure(mode, args, parked_app))
         print(format_result(results[-1]), flush=True)
     if args.json:
@@ -275,6 +286,73 @@ def run_capped(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str
     }
 
 
+def run_discard(mode: str, args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
+    """``--tasks`` identical sends from ``--senders`` processes at once,
+    under ``on_conflict="discard"``, while a worker runs what is sent."""
+    from django_semaphore.models import ParkedTask, Semaphore
+
+    counts = parked_app.counts
+    _fresh(mode, parked_app, name=parked_app.NAME)
+    Semaphore.objects.create(name=parked_app.NAME, capacity=1)
+    log = ROOT / ".runtime" / "benchmarks" / f"parked-{mode}-worker.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    context = multiprocessing.get_context("spawn")
+    ready = context.Barrier(args.senders + 1)
+    each = [
+        args.tasks // args.senders + (n < args.tasks % args.senders) for n in range(args.senders)
+    ]
+    with worker(args.concurrency, log, parked_app):
+        senders = [
+            context.Process(target=_send, args=(n, args.discard_hold, ready), daemon=True)
+            for n in each
+        ]
+        for sender in senders:
+            sender.start()
+        ready.wait(timeout=args.timeout)
+        started = time.monotonic()
+        for sender in senders:
+            sender.join(timeout=args.timeout)
+        if any(sender.exitcode != 0 for sender in senders):
+            raise SystemExit(f"{mode}: a sender failed: {[s.exitcode for s in senders]}")
+        sent_in = time.monotonic() - started
+        deadline = time.monotonic() + args.timeout
+        while counts.llen(parked_app.RUNS) < 1 or ParkedTask.objects.exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{mode}: nothing ran after {args.timeout}s; see {log}")
+            time.sleep(0.1)
+        time.sleep(args.discard_hold + 1.0)  # what comes after is a second run
+    rows = [row.decode().split() for row in counts.lrange(parked_app.RUNS, 0, -1)]
+    told = [row.decode().split() for row in counts.lrange(TOLD, 0, -1)]
+    latencies = sorted(float(seconds) for _, seconds in told)
+    return {
+        "mode": mode,
+        "tasks": args.tasks,
+        "senders": args.senders,
+        "ran": len(rows),
+        "told_ids": len({task_id for task_id, _ in told}),
+        "told_the_run": all(task_id == rows[0][-1] for task_id, _ in told) if rows else False,
+        "sends_s": round(sent_in, 2),
+        "sends_per_s": round(args.tasks / sent_in),
+        "send_p50_ms": round(_quantile(latencies, 0.5) * 1000, 1),
+        "send_p99_ms": round(_quantile(latencies, 0.99) * 1000, 1),
+        "failed": int(counts.get(parked_app.FAILED) or 0),
+    }
+
+
+TOLD = "bench-parked:told"  # "<task id told> <seconds the send took>", per send
+
+
+def _send(tasks: int, hold: float, ready: Any) -> None:
+    """A sender process of the discard mode: its sends, once all are ready."""
+    from benchmarks import parked_app
+
+    ready.wait(timeout=600)
+    for _ in range(tasks):
+        started = time.monotonic()
+        task_id = parked_app.once.delay(hold).id
+        parked_app.counts.rpush(TOLD, f"{task_id} {time.monotonic() - started}")
+
+
 def _fresh(mode: str, parked_app: Any, **semaphores: str) -> None:
     """A queue of this run's own, its counters emptied, and a wholesale reset
     of the benchmark's database: every request and parked row, and the
@@ -285,7 +363,7 @@ def _fresh(mode: str, parked_app: Any, **semaphores: str) -> None:
     os.environ["BENCH_QUEUE"] = f"bench-parked-{mode}-{uuid.uuid4().hex[:8]}"
     parked_app.app.conf.task_default_queue = os.environ["BENCH_QUEUE"]
     counters = ("PUBLISHED", "RUNS", "FAILED", "STANDBYS", "LINE_FULL")
-    parked_app.counts.delete(*(getattr(parked_app, counter) for counter in counters))
+    parked_app.counts.delete(TOLD, *(getattr(parked_app, counter) for counter in counters))
     with engine_writes():
         ParkedTask.objects.all().delete()
         PermitRequest.objects.all().delete()
@@ -337,6 +415,13 @@ class worker:
 
 
 def format_result(r: dict[str, Any]) -> str:
+    if r["mode"] == "discard":
+        return (
+            f"discard  {r['tasks']} identical sends from {r['senders']} processes in "
+            f"{r['sends_s']}s ({r['sends_per_s']}/s, p50 {r['send_p50_ms']} ms, p99 "
+            f"{r['send_p99_ms']} ms): {r['ran']} ran, {r['told_ids']} id(s) told, every "
+            f"sender told the run's id: {r['told_the_run']}; {r['failed']} failed"
+        )
     if r["mode"] == "capped":
         return (
             f"capped   {r['tasks']} tasks, max_waiting {r['max_waiting']}: at most "

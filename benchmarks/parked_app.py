@@ -1,7 +1,7 @@
 """The Celery app and tasks of ``python -m benchmarks.parked``: one task with
 the library's defaults (it parks when refused), one that retries
-(``park=False``), one whose line is capped (``max_waiting``), one per
-member of a family; and the tenants' export task
+(``park=False``), one whose line is capped (``max_waiting``), one sent
+under ``on_conflict="discard"``, one per member of a family; and the tenants' export task
 of ``python -m benchmarks.tenants``.
 
 Both the driver and the worker import it. What they do is counted in Redis,
@@ -26,7 +26,7 @@ import redis  # noqa: E402
 from celery import Celery  # noqa: E402
 from celery.signals import before_task_publish, task_failure  # noqa: E402
 
-from django_semaphore import holds_permit  # noqa: E402
+from django_semaphore import PermitTask, holds_permit  # noqa: E402
 from django_semaphore.exceptions import LineFull  # noqa: E402
 from django_semaphore.waiting import standby  # noqa: E402
 
@@ -74,6 +74,16 @@ def retried(self: Any) -> None:
 def capped(self: Any) -> None:
     """At most ``MAX_WAITING`` wait parked; the rest fail with ``LineFull``."""
     _run(self.request.id)
+
+
+@app.task(bind=True, base=PermitTask)
+@holds_permit(NAME, on_conflict="discard")
+def once(self: Any, hold: float) -> None:
+    """One at a time: sent while another is sent, waits or runs, it is
+    discarded (the sender is told that one's id)."""
+    started = time.time()
+    time.sleep(hold)
+    counts.rpush(RUNS, f"{started} {time.time()} {self.request.id}")
 
 
 @app.task(bind=True)
