@@ -83,7 +83,8 @@ def test_smoke_mode_produces_sane_results(tmp_path):
 def test_parked_benchmark_smoke_mode_drains_without_failures(tmp_path):
     """``python -m benchmarks.parked --smoke``: a real prefork worker on the
     test Redis; tasks with the defaults park, all run once, none fails, no
-    stall needs the sweep; a family's members cost a process one stand-by.
+    stall needs the sweep; a family's members cost a process one stand-by;
+    identical sends under ``discard`` from processes at once run one task.
 
     Marked ``once``: what it adds is the benchmark's own Celery and Redis
     plumbing, the same on any database; parking and waking on each database's
@@ -97,6 +98,7 @@ def test_parked_benchmark_smoke_mode_drains_without_failures(tmp_path):
     redis_url = settings.CELERY_BROKER_URL.rsplit("/", 1)[0] + "/6"
     command = [
         sys.executable, "-m", "benchmarks.parked", "--smoke",
+        "--modes", "unlimited,default,retried,family,discard",
         "--database-url", smoke_database_url(tmp_path), "--redis-url", redis_url,
         "--json", str(output),
     ]  # fmt: skip
@@ -104,7 +106,7 @@ def test_parked_benchmark_smoke_mode_drains_without_failures(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     results = {r["mode"]: r for r in json.loads(output.read_text())["results"]}
-    assert set(results) == {"unlimited", "default", "retried", "family"}
+    assert set(results) == {"unlimited", "default", "retried", "family", "discard"}
     parked = results["default"]  # no park=: tasks park by default
     assert (parked["ran"], parked["ran_twice"], parked["failed"]) == (40, 0, 0), parked
     assert parked["woken_by_sweep"] == 0, parked
@@ -113,6 +115,9 @@ def test_parked_benchmark_smoke_mode_drains_without_failures(tmp_path):
     family = results["family"]  # stand-by learned per family: one wait a process at most
     assert (family["ran"], family["failed"]) == (20, 0), family
     assert family["standby_waits_per_process_max"] <= 1, family
+    discard = results["discard"]  # identical sends at once: one ran, all told its id
+    assert (discard["ran"], discard["told_ids"], discard["failed"]) == (1, 1, 0), discard
+    assert discard["told_the_run"], discard
 
 
 @pytest.mark.slow
