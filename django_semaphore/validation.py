@@ -136,6 +136,16 @@ def validate_timeout(timeout: Any) -> float:
     return _seconds_up_to(timeout, "timeout", MAX_TTL)
 
 
+def validate_debounce(debounce: Any) -> float | None:
+    """Seconds a debounced send waits for the sends that follow it."""
+    if debounce is None:
+        return None
+    seconds = _seconds_up_to(debounce, "debounce", MAX_TTL)
+    if seconds <= 0:
+        raise InvalidRequest(f"debounce must be positive, not {debounce!r}.")
+    return seconds
+
+
 def validate_time_budget(time_budget: Any) -> float | None:
     """Seconds after which a sweep starts no new batch; ``None``: no limit."""
     if time_budget is None:

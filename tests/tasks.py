@@ -260,3 +260,12 @@ def at_most_two_wait(self: Any, label: str, hold: float) -> int:
 @holds_permit(ONCE, on_conflict="discard")
 def discards_without_its_class(self: Any) -> None:
     """``on_conflict`` on a plain task class: its run fails."""
+
+
+DEBOUNCED = "celery-debounced"
+
+
+@shared_task(bind=True, base=PermitTask, max_retries=0)
+@holds_permit(DEBOUNCED, debounce=1)
+def debounced(self: Any, label: str, hold: float) -> int:
+    return _work_on(DEBOUNCED, label, hold, self)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from django.db import connections
 from django_semaphore import acquire, holds_permit, release, sweep
 from django_semaphore.exceptions import InvalidRequest, LineFull
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
+from django_semaphore.parking import wake
 from django_semaphore.states import ReleaseReason, State
 from tests import tasks
 from tests.celery_app import app
@@ -185,11 +187,56 @@ def test_eager_tasks_are_sent_as_celery_sends_them(once, published):
     assert parked_ids() == []
 
 
+@pytest.fixture
+def debounced(db: Any) -> Semaphore:
+    return Semaphore.objects.create(name=tasks.DEBOUNCED, capacity=1)
+
+
+@pytest.fixture
+def woken_later(monkeypatch) -> list[tuple[list[int], float]]:
+    """The wake-ups a debounced send publishes for later, recorded instead."""
+    later: list[tuple[list[int], float]] = []
+    monkeypatch.setattr(wake, "wake_later", lambda alias, ids, s: later.append((sorted(ids), s)))
+    return later
+
+
+def test_sends_within_the_window_collapse_into_the_first(debounced, published, woken_later):
+    first = tasks.debounced.delay("a", 0)
+    again = [tasks.debounced.delay(label, 0) for label in ("b", "c")]
+
+    assert [r.id for r in again] == [first.id, first.id]
+    assert parked_ids() == [first.id]
+    assert woken_later == [([debounced.pk], 1.0)]
+    # Room, but its window is open: nothing is sent yet.
+    wake.wake("default", [debounced.pk])
+    assert published == []
+
+    time.sleep(1.1)
+    wake.wake("default", [debounced.pk])
+    assert published == [first.id]
+
+
+def test_a_send_after_the_burst_went_out_starts_another(debounced, published, woken_later):
+    first = tasks.debounced.delay("a", 0)
+    time.sleep(1.1)
+    wake.wake("default", [debounced.pk])
+
+    second = tasks.debounced.delay("b", 0)
+
+    assert second.id != first.id
+    assert parked_ids() == [first.id, second.id]
+    assert published == [first.id]
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         ({"on_conflict": "skip"}, "on_conflict must be"),
         ({"on_conflict": "discard", "park": False}, "park=False"),
+        ({"debounce": 1, "park": False}, "park=False"),
+        ({"debounce": 1, "on_conflict": "replace"}, "takes no on_conflict"),
+        ({"debounce": 0}, "debounce must be positive"),
+        ({"debounce": "1s"}, "debounce"),
     ],
 )
 def test_a_bad_policy_is_refused_when_decorating(options, message):
@@ -241,6 +288,19 @@ def test_the_replacing_task_runs_once_room_is_made(latest, celery_worker, wakes)
     settled([sent[2]])
 
     assert list(RunLog.objects.values_list("label", flat=True)) == ["c"]
+    assert parked_ids() == []
+
+
+@pytest.mark.slow
+def test_a_burst_runs_once_after_its_window(debounced, celery_worker, wakes):
+    started = time.monotonic()
+    sent = [tasks.debounced.delay(label, 0) for label in ("a", "b", "c")]
+    assert {r.id for r in sent} == {sent[0].id}
+
+    settled([sent[0]])
+
+    assert time.monotonic() - started >= 1.0
+    assert list(RunLog.objects.values_list("label", flat=True)) == ["a"]  # the first's arguments
     assert parked_ids() == []
 
 

@@ -68,9 +68,9 @@ def run_task(
 ) -> Any:
     """Run the task holding its permits, claimed by its task id: when they
     are refused, stand by, park, retry or fail, as ``options`` say."""
-    if options.on_conflict is not None and not getattr(task, "decides_when_sent", False):
+    if options.decided_when_sent and not getattr(task, "decides_when_sent", False):
         raise InvalidRequest(
-            f"Task {task.name} sets on_conflict, which is decided when it is sent: "
+            f"Task {task.name} sets on_conflict or debounce, decided when it is sent: "
             "make it a PermitTask (@shared_task(base=PermitTask))."
         )
     parks = options.parks

@@ -30,6 +30,7 @@ from django_semaphore.validation import (
     MAX_COUNT,
     MAX_TTL,
     is_int,
+    validate_debounce,
     validate_flag,
     validate_timeout,
     validate_ttl,
@@ -49,6 +50,7 @@ def holds_permit(
     park: bool | None = None,
     max_waiting: int | None = None,
     on_conflict: str | None = None,
+    debounce: int | float | timedelta | None = None,
     view: bool | None = None,
 ) -> Callable[[F], F]:
     """Hold permits while a view, a task (Celery's or Django's) or a function runs.
@@ -112,6 +114,11 @@ def holds_permit(
             waiting there); ``"replace"`` drops the tasks of the same name
             still waiting on the same semaphores, and waits in their stead.
             ``None``: it waits (``docs/policies.md``).
+        debounce: Celery tasks of ``base=PermitTask`` only: seconds (or a
+            ``timedelta``) the first send of a burst waits, parked, before
+            it may run; the sends of the same task while it still waits
+            collapse into it (``.delay()`` returns its result). Not with
+            ``on_conflict``.
         view: whether the function is a Django view. ``None``: it is when its
             first parameter (after ``self``) is named ``request``; pass
             ``False`` for a helper that takes a request but must raise, not
@@ -151,14 +158,19 @@ def holds_permit(
         raise InvalidRequest(
             f"on_conflict must be None, 'discard' or 'replace', not {on_conflict!r}."
         )
-    if on_conflict is not None and park is False:
-        raise InvalidRequest("on_conflict parks the task as it is sent: park=False contradicts it.")
+    debounce_seconds = validate_debounce(debounce)
+    if on_conflict is not None and debounce is not None:
+        raise InvalidRequest("debounce collapses duplicates itself: it takes no on_conflict.")
+    if (on_conflict is not None or debounce is not None) and park is False:
+        raise InvalidRequest(
+            "on_conflict and debounce park the task as it is sent: park=False contradicts them."
+        )
 
     def decorate(func: F) -> F:
         _refuse_task_object(func)
         options = Options(
             demand, lease, timeout, retry_after, _label(func), fair, park, count, names_of,
-            max_waiting, on_conflict,
+            max_waiting, on_conflict, debounce_seconds,
         )  # fmt: skip
         request_at = _request_position(func, view)
         if inspect.iscoroutinefunction(func):

@@ -39,19 +39,26 @@ class Options:
     @property
     def parks(self) -> bool:
         if self.park is None:
-            return app_settings.PARK_TASKS or self.on_conflict is not None
+            return app_settings.PARK_TASKS or self.decided_when_sent
         return self.park
 
     count: int
     names_of: Callable[..., Any] | None  # names computed from each call's arguments
     max_waiting: int | None = None  # parked tasks each semaphore may have waiting
     on_conflict: str | None = None  # "discard" or "replace": decided when sent (PermitTask)
+    debounce: float | None = None  # seconds a send waits for the ones that follow it
+
+    @property
+    def decided_when_sent(self) -> bool:
+        """Whether only ``PermitTask``'s send can apply these options."""
+        return self.on_conflict is not None or self.debounce is not None
 
     @property
     def decides_at_enqueue(self) -> bool:
         """Whether ``PermitTask`` decides, when the task is sent, whether it
         is sent, waits or is discarded (``parking.admission``)."""
-        return self.on_conflict is not None or self.max_waiting is not None
+        policies = (self.on_conflict, self.max_waiting, self.debounce)
+        return any(policy is not None for policy in policies)
 
     def for_call(self, *args: Any, **kwargs: Any) -> Options:
         """The options of one call: its demand computed from its arguments,

@@ -26,15 +26,16 @@ logger = logging.getLogger("django_semaphore")
 
 class PermitTask(Task):  # type: ignore[misc]
     """A Celery task class: ``@shared_task(base=PermitTask)`` (or the app's
-    ``task_cls``) applies ``@holds_permit``'s ``on_conflict`` and
-    ``max_waiting`` when the task is sent.
+    ``task_cls``) applies ``@holds_permit``'s ``on_conflict``,
+    ``max_waiting`` and ``debounce`` when the task is sent.
 
     ``apply_async`` (so ``delay``, and a chain's or a group's tasks) returns
     the task's result as usual; when ``on_conflict="discard"`` dropped it,
     the result of the task it found holding or waiting (its ``id`` says
-    which). It raises ``LineFull`` past ``max_waiting``. Its own retries,
-    a parked task published again and ``task_always_eager`` are sent as
-    Celery sends them. ``send_task`` by name bypasses the class.
+    which); when a ``debounce`` window collapsed it, the waiting one's. It
+    raises ``LineFull`` past ``max_waiting``. Its own retries, a parked task
+    published again and ``task_always_eager`` are sent as Celery sends them.
+    ``send_task`` by name bypasses the class.
     """
 
     # What the run checks: a task whose on_conflict no send decided fails.
@@ -72,7 +73,7 @@ class PermitTask(Task):  # type: ignore[misc]
             **options,
         )  # fmt: skip
         admitted = admission.enqueue(
-            self, signature, call.demand, call.on_conflict, call.max_waiting
+            self, signature, call.demand, call.on_conflict, call.max_waiting, call.debounce
         )
         if admitted.existing:
             existing = admitted.existing[0].partition("~")[0]

@@ -18,6 +18,11 @@ The policies, where the task does not fit:
   (not yet woken) are dropped, and it waits in their stead.
 - ``max_waiting``: it waits, unless that many already wait parked on one
   of its semaphores (``LineFull``).
+
+A ``debounce`` window: the first send of a burst waits parked, room or not,
+until its window ends (``not_before``; a wake-up is published for then),
+and every send of the same task while it still waits collapses into it:
+nothing is written, and the caller is told its id.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from django.db import IntegrityError, connections, transaction
@@ -33,6 +39,7 @@ from django.db.models import Count
 from django.utils import timezone
 
 from django_semaphore import backends, routing
+from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import wakeups
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
@@ -80,6 +87,7 @@ def enqueue(
     demand: Mapping[str, int],
     on_conflict: str | None,
     max_waiting: int | None,
+    debounce: float | None = None,
 ) -> Admission:
     """Decide, under the demand's row locks, whether the task ``signature``
     (with its ``task_id``) is sent now, waits parked, or is discarded; send
@@ -96,12 +104,17 @@ def enqueue(
     row = Row(task_id, task_id, task.name, *encode(task, signature), expiry(options.get("expires")))
     alias = routing.alias_for_names(list(demand))
     connection = connections[alias]
-    admit = functools.partial(_admit, connection, row, dict(demand), on_conflict, max_waiting)
+    admit = functools.partial(
+        _admit, connection, row, dict(demand), on_conflict, max_waiting, debounce
+    )
     try:
         lined, parked_id, replaced = run_with_retries(connection, admit)
     except _Discarded as discarded:
         return Admission(existing=discarded.existing)
-    if not lined.short:
+    if debounce is not None:
+        set_state(task, demand, task_id)
+        wake.wake_later(alias, set(lined.ids.values()), debounce)
+    elif not lined.short:
         transaction.on_commit(functools.partial(wake.publish, alias, [parked_id]), using=alias)
     else:
         set_state(task, demand, task_id)
@@ -116,14 +129,22 @@ def _admit(
     demand: dict[str, int],
     on_conflict: str | None,
     max_waiting: int | None,
+    debounce: float | None,
 ) -> tuple[wakeups.Lined, int, list[str]]:
     """The decision's transaction: where the task's tickets were taken, its
     row's id, and the task ids it replaced."""
     alias = connection.alias
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
-        replaced = _drop_waiting(alias, row.task_name, demand) if on_conflict == REPLACE else []
-        lined = wakeups.line_up(connection, row.key, demand, row.expires_at, woken=True)
-        if lined.short:
+        alike = {}
+        if on_conflict == REPLACE or debounce is not None:
+            alike = _waiting_alike(alias, row.task_name, demand)
+        if debounce is not None and alike:
+            raise _Discarded(list(alike.values()))
+        replaced = _drop(alias, alike) if on_conflict == REPLACE else []
+        not_before = None if debounce is None else DatabaseNow() + timedelta(seconds=debounce)
+        woken = not_before is None
+        lined = wakeups.line_up(connection, row.key, demand, row.expires_at, woken=woken)
+        if lined.short or not woken:
             if on_conflict == DISCARD:
                 raise _Discarded(_existing(alias, lined.short))
             if max_waiting is not None:
@@ -138,7 +159,8 @@ def _admit(
                     content_type=row.content_type,
                     content_encoding=row.encoding,
                     parked_at=backends.StatementNow(),
-                    woken_at=None if lined.short else timezone.now(),
+                    woken_at=None if lined.short or not woken else timezone.now(),
+                    not_before=not_before,
                     expires_at=row.expires_at,
                 )
         except IntegrityError:
@@ -147,12 +169,12 @@ def _admit(
     return lined, parked.pk, replaced
 
 
-def _drop_waiting(alias: str, task_name: str, demand: Mapping[str, int]) -> list[str]:
-    """Drop the tasks named ``task_name`` waiting (not woken) on each of
-    these semaphores, locked first; their task ids."""
+def _waiting_alike(alias: str, task_name: str, demand: Mapping[str, int]) -> dict[str, str]:
+    """The tasks named ``task_name`` waiting (not woken) on each of these
+    semaphores, locked first: key -> task id, oldest first."""
     locked = Semaphore.objects.using(alias).filter(name__in=demand).locked()
     ids = list(locked.values_list("id", flat=True))
-    keys = list(
+    keys = (
         Ticket.objects.using(alias)
         .filter(semaphore_id__in=ids)
         .filter(parked__task_name=task_name, parked__woken_at__isnull=True)
@@ -161,13 +183,16 @@ def _drop_waiting(alias: str, task_name: str, demand: Mapping[str, int]) -> list
         .filter(n=len(ids))
         .values_list("external_id", flat=True)
     )
-    if not keys:
-        return []
-    parked = ParkedTask.objects.using(alias).filter(key__in=keys)
-    task_ids = list(parked.values_list("task_id", flat=True))
-    raw_delete(Ticket.objects.using(alias).filter(external_id__in=keys))
-    raw_delete(parked)
-    return task_ids
+    parked = ParkedTask.objects.using(alias).filter(key__in=list(keys)).order_by("id")
+    return dict(parked.values_list("key", "task_id"))
+
+
+def _drop(alias: str, waiting: dict[str, str]) -> list[str]:
+    """Drop these waiting tasks (key -> task id) and their tickets; their task ids."""
+    if waiting:
+        raw_delete(Ticket.objects.using(alias).filter(external_id__in=list(waiting)))
+        raw_delete(ParkedTask.objects.using(alias).filter(key__in=list(waiting)))
+    return list(waiting.values())
 
 
 def _existing(alias: str, semaphore_ids: set[int]) -> list[str]:

@@ -26,7 +26,8 @@ from django_semaphore.retry import run_with_retries
 logger = logging.getLogger("django_semaphore")
 
 
-# The task a rate limit's wake-up is published as, for when its next slot ends.
+# The task a wake-up for later is published as: when a rate limit's next slot
+# ends, or a debounced send's window.
 WAKE_SLOTS = "django_semaphore.wake_slots"
 # A wake-up this process published for a slot's end that comes no later
 # than SLOT_SLACK seconds after a newer one's makes the newer one needless.
@@ -97,6 +98,18 @@ def schedule_slots(alias: str, semaphore_ids: set[int]) -> None:
             logger.exception("Could not publish the wake-up of rate limit %s", id)
             with SCHEDULED.lock:
                 SCHEDULED.due.pop((alias, id), None)
+
+
+def wake_later(alias: str, semaphore_ids: set[int], seconds: float) -> None:
+    """Publish a wake-up of these semaphores' parked tasks (``WAKE_SLOTS``)
+    for ``seconds`` from now: a debounced send's window ends then. Lost, the
+    beat sweep wakes it."""
+    from celery import current_app
+
+    try:
+        current_app.send_task(WAKE_SLOTS, args=(alias, sorted(semaphore_ids)), countdown=seconds)
+    except Exception:  # the broker's errors are as varied as brokers
+        logger.exception("Could not publish the wake-up of semaphores %s", sorted(semaphore_ids))
 
 
 def publish(alias: str, parked_ids: list[int]) -> int:
