@@ -101,6 +101,7 @@ class Waiting:
     gives_up_at: datetime  # a fair waiter's deadline, a parked task's expiry
     woken: bool  # a parked task woken and on its way to run
     blockers: list[Blocker]
+    not_before: datetime | None = None  # a debounced send's window ends then
 
     def explained(self) -> list[str]:
         """In words, as ``semaphore_status --why`` says it: who waits, since
@@ -111,6 +112,8 @@ class Waiting:
         ]
         if self.woken:
             lines.append("  Woken: room is kept for it until its run takes it.")
+        if self.not_before is not None:
+            lines.append(f"  Debounced: not woken before {_moment(self.not_before)}.")
         for blocker in self.blockers:
             summary, *details = blocker.explained()
             lines += [f"  {summary}", *(f"    {line}" for line in details)]
@@ -163,6 +166,7 @@ def _waiting(alias: str, tickets: list[Ticket]) -> Waiting:
             (_blocker(alias, ticket, semaphores[ticket.semaphore_id]) for ticket in tickets),
             key=lambda blocker: blocker.semaphore,
         ),
+        not_before=parked.not_before if parked is not None else None,
     )
 
 

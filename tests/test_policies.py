@@ -24,6 +24,7 @@ from celery.result import AsyncResult
 from django.db import connections
 
 from django_semaphore import acquire, holds_permit, release, sweep
+from django_semaphore.blockers import why_waiting
 from django_semaphore.exceptions import InvalidRequest, LineFull
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.parking import wake
@@ -214,6 +215,18 @@ def test_sends_within_the_window_collapse_into_the_first(debounced, published, w
     time.sleep(1.1)
     wake.wake("default", [debounced.pk])
     assert published == [first.id]
+
+
+def test_why_says_a_debounced_task_waits_for_its_window(debounced, published, woken_later):
+    first = tasks.debounced.delay("a", 0)
+
+    waiting = why_waiting(first.id)
+
+    assert waiting is not None
+    assert waiting.not_before is not None
+    assert f"  Debounced: not woken before {waiting.not_before:%Y-%m-%dT%H:%M:%S}" in "\n".join(
+        waiting.explained()
+    )
 
 
 def test_a_send_after_the_burst_went_out_starts_another(debounced, published, woken_later):
