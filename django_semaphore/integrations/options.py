@@ -14,6 +14,7 @@ from typing import Any
 
 from django_semaphore.conf import app_settings
 from django_semaphore.integrations.leases import DefaultLease, lease_seconds
+from django_semaphore.parking.admission import Policy
 from django_semaphore.validation import validate_demand
 
 # Attribute of a decorated function that carries its options (a task's body:
@@ -47,6 +48,11 @@ class Options:
     max_waiting: int | None = None  # parked tasks each semaphore may have waiting
     on_conflict: str | None = None  # "discard" or "replace": decided when sent (PermitTask)
     debounce: float | None = None  # seconds a send waits for the ones that follow it
+
+    @property
+    def policy(self) -> Policy:
+        """What a send decides (``parking.admission``)."""
+        return Policy(self.on_conflict, self.max_waiting, self.debounce)
 
     @property
     def decided_when_sent(self) -> bool:

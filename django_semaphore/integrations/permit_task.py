@@ -10,6 +10,7 @@ not -- or discarded, replacing, refused, as its policy says.
 
 from __future__ import annotations
 
+import functools
 import logging
 from datetime import timedelta
 from typing import Any
@@ -18,6 +19,7 @@ from celery import Task
 from celery.utils import uuid
 from django.utils import timezone
 
+from django_semaphore import parking
 from django_semaphore.integrations.options import OPTIONS_ATTRIBUTE, Options
 from django_semaphore.parking import admission, wake
 
@@ -72,9 +74,8 @@ class PermitTask(Task):  # type: ignore[misc]
             args, kwargs, task_id=task_id, link=link, link_error=link_error, shadow=shadow,
             **options,
         )  # fmt: skip
-        admitted = admission.enqueue(
-            self, signature, call.demand, call.on_conflict, call.max_waiting, call.debounce
-        )
+        row_of = functools.partial(admission.celery_row, self, signature)
+        admitted = admission.enqueue(row_of, call.demand, call.policy)
         if admitted.existing:
             existing = admitted.existing[0].partition("~")[0]
             logger.info("Task %s[%s] discarded: %s holds or waits", self.name, task_id, existing)
@@ -82,6 +83,8 @@ class PermitTask(Task):  # type: ignore[misc]
         for replaced in admitted.replaced:
             logger.info("Task %s[%s] replaced by %s", self.name, replaced, task_id)
             _mark_revoked(self, replaced)
+        if admitted.waits:
+            parking.set_state(self, call.demand, task_id)
         return self.AsyncResult(task_id)
 
 

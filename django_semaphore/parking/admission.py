@@ -28,7 +28,8 @@ nothing is written, and the caller is told its id.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -45,11 +46,11 @@ from django_semaphore.engine import wakeups
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.parking import (
     Row,
+    deferred,
     encode,
     expiry,
     raw_delete,
     refuse_a_full_line,
-    set_state,
     wake,
 )
 from django_semaphore.retry import run_with_retries
@@ -64,108 +65,130 @@ EXISTING_TOLD = 10
 
 
 @dataclass(frozen=True)
+class Policy:
+    """What a send decides (``holds_permit``'s options of the same names)."""
+
+    on_conflict: str | None = None
+    max_waiting: int | None = None
+    debounce: float | None = None  # seconds
+
+
+@dataclass(frozen=True)
 class Admission:
-    """What an enqueue came to. ``existing``: it was discarded, and these
-    keys hold or wait where it found no room (holders first, then the line
-    in order); empty: it was sent, or waits. ``replaced``: the task ids of
-    the waiting tasks it replaced."""
+    """What a send came to. ``existing``: it was discarded, and these keys
+    hold or wait where it found no room (holders first, then the line in
+    order); empty: it was sent, or ``waits`` parked. ``replaced``: the task
+    ids of the waiting tasks it replaced."""
 
     existing: list[str] = field(default_factory=list)
     replaced: list[str] = field(default_factory=list)
+    waits: bool = False
 
 
 class _Discarded(Exception):
-    """Rolls the enqueue's transaction back, telling whom it found."""
+    """Rolls the send's transaction back, telling whom it found."""
 
     def __init__(self, existing: list[str]) -> None:
         self.existing = existing
 
 
+def celery_row(task: Any, signature: Any) -> Row:
+    """The parked row of the Celery task ``signature`` (with its ``task_id``)."""
+    options = signature.options
+    task_id = options["task_id"]
+    return Row(
+        task_id, task_id, task.name, *encode(task, signature), expiry(options.get("expires"))
+    )
+
+
 def enqueue(
-    task: Any,
-    signature: Any,
+    row_of: Callable[[], Row],
     demand: Mapping[str, int],
-    on_conflict: str | None,
-    max_waiting: int | None,
-    debounce: float | None = None,
+    policy: Policy,
+    *,
+    also: str | None = None,
 ) -> Admission:
-    """Decide, under the demand's row locks, whether the task ``signature``
-    (with its ``task_id``) is sent now, waits parked, or is discarded; send
-    it once that committed (when the caller's transaction commits, if it has
-    one: an outbox).
+    """Decide, under the demand's row locks, whether the task is sent now,
+    waits parked, or is discarded; publish it once that committed (when the
+    caller's transaction commits, if it has one: an outbox).
+
+    ``row_of`` makes the task's row inside the decision's transaction: a
+    Django task's backend writes its result there, rolled back with it when
+    the send is discarded; ``also`` is the alias of that write, when it is
+    not the semaphores'.
 
     Raises:
         LineFull: ``max_waiting`` tasks already wait on one of its semaphores.
         SemaphoreNotFound: a semaphore of the demand does not exist.
         SemaphoreError: the database failed (nothing was written or sent).
     """
-    options = signature.options
-    task_id = options["task_id"]
-    row = Row(task_id, task_id, task.name, *encode(task, signature), expiry(options.get("expires")))
     alias = routing.alias_for_names(list(demand))
     connection = connections[alias]
-    admit = functools.partial(
-        _admit, connection, row, dict(demand), on_conflict, max_waiting, debounce
-    )
+    admit = functools.partial(_admit, connection, row_of, dict(demand), policy)
+    both = transaction.atomic(using=also) if also not in (None, alias) else nullcontext()
     try:
-        lined, parked_id, replaced = run_with_retries(connection, admit)
+        with both:
+            lined, parked_id, replaced = run_with_retries(connection, admit)
     except _Discarded as discarded:
         return Admission(existing=discarded.existing)
-    if debounce is not None:
-        set_state(task, demand, task_id)
-        wake.wake_later(alias, set(lined.ids.values()), debounce)
-    elif not lined.short:
+    waits = policy.debounce is not None or bool(lined.short)
+    if policy.debounce is not None:
+        wake.wake_later(alias, set(lined.ids.values()), policy.debounce)
+    elif not waits:
         transaction.on_commit(functools.partial(wake.publish, alias, [parked_id]), using=alias)
-    else:
-        set_state(task, demand, task_id)
-        if lined.rate_limits:
-            wake.schedule_slots(alias, lined.rate_limits)
-    return Admission(replaced=replaced)
+    elif lined.rate_limits:
+        wake.schedule_slots(alias, lined.rate_limits)
+    return Admission(replaced=replaced, waits=waits)
 
 
 def _admit(
     connection: BaseDatabaseWrapper,
-    row: Row,
+    row_of: Callable[[], Row],
     demand: dict[str, int],
-    on_conflict: str | None,
-    max_waiting: int | None,
-    debounce: float | None,
+    policy: Policy,
 ) -> tuple[wakeups.Lined, int, list[str]]:
     """The decision's transaction: where the task's tickets were taken, its
     row's id, and the task ids it replaced."""
     alias = connection.alias
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
+        row = row_of()
         alike = {}
-        if on_conflict == REPLACE or debounce is not None:
+        if policy.on_conflict == REPLACE or policy.debounce is not None:
             alike = _waiting_alike(alias, row.task_name, demand)
-        if debounce is not None and alike:
+        if policy.debounce is not None and alike:
             raise _Discarded(list(alike.values()))
-        replaced = _drop(alias, alike) if on_conflict == REPLACE else []
-        not_before = None if debounce is None else DatabaseNow() + timedelta(seconds=debounce)
+        replaced = _drop(alias, alike) if policy.on_conflict == REPLACE else []
+        not_before = None
+        if policy.debounce is not None:
+            not_before = DatabaseNow() + timedelta(seconds=policy.debounce)
         woken = not_before is None
         lined = wakeups.line_up(connection, row.key, demand, row.expires_at, woken=woken)
-        if lined.short or not woken:
-            if on_conflict == DISCARD:
+        if lined.short:
+            if policy.on_conflict == DISCARD:
                 raise _Discarded(_existing(alias, lined.short))
-            if max_waiting is not None:
-                refuse_a_full_line(alias, row.key, lined, max_waiting)
+            if policy.max_waiting is not None:
+                refuse_a_full_line(alias, row.key, lined, policy.max_waiting)
+        woken = woken and not lined.short
         try:
             with transaction.atomic(using=alias):
                 parked = ParkedTask.objects.using(alias).create(
                     task_id=row.task_id,
                     key=row.key,
                     task_name=row.task_name,
+                    backend=row.backend,
                     body=row.body,
                     content_type=row.content_type,
                     content_encoding=row.encoding,
                     parked_at=backends.StatementNow(),
-                    woken_at=None if lined.short or not woken else timezone.now(),
+                    woken_at=timezone.now() if woken else None,
                     not_before=not_before,
                     expires_at=row.expires_at,
                 )
         except IntegrityError:
             # This task id was sent before: that one is the existing task.
             raise _Discarded([row.task_id]) from None
+        if row.backend and not woken:
+            deferred.park(row.task_id)
     return lined, parked.pk, replaced
 
 

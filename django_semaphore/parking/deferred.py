@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from importlib.util import find_spec
 from typing import Any
 
-from django.db import transaction
+from django.db import router, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -50,6 +50,19 @@ def hold(result_id: str, until: datetime | None = None) -> None:
             woken_at = parked.filter(task_id=result_id).values_list("woken_at", flat=True).first()
             until = PARKED_UNTIL if woken_at is None else timezone.now()
         _waiting(result_id).update(run_after=until, **_READY)
+
+
+def park(result_id: str) -> None:
+    """A result just enqueued waits parked: no worker takes it until a
+    wake-up resumes it (in the transaction that parked it)."""
+    _waiting(result_id).update(run_after=PARKED_UNTIL)
+
+
+def alias() -> str:
+    """The database django-tasks-db writes its results to."""
+    from django_tasks_db.models import DBTaskResult
+
+    return router.db_for_write(DBTaskResult)
 
 
 def resume(result_id: str) -> bool:
