@@ -168,6 +168,12 @@ class TaskAlreadyRan(SemaphoreError):
     published twice): it is dropped, not run again."""
 
 
+class TaskReplaced(SemaphoreError):
+    """A waiting Django task dropped for a newer send of the same task
+    (``holds_permit(on_conflict="replace")``): recorded as its result's
+    failure, never run."""
+
+
 class TaskDeferred(SemaphoreError):
     """A Django task's run found no room and was deferred in its backend:
     recorded by the worker as the run's end, then its result is ``READY``

@@ -11,6 +11,7 @@ from typing import Any
 
 from django.conf import settings
 from django.utils import timezone
+from django_tasks_db import DatabaseBackend
 
 from django_semaphore import holds_permit
 from django_semaphore.integrations.task_class import permit_task_class
@@ -27,6 +28,13 @@ class PermitImmediateBackend(ImmediateBackend):  # type: ignore[misc,valid-type]
     """The immediate backend, with ``@task(semaphores=...)`` (settings: "permits")."""
 
     task_class = permit_task_class(ImmediateBackend.task_class)
+
+
+class PermitDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
+    """django-tasks-db's backend, its sends deciding who may wait
+    (settings: "permits-database")."""
+
+    task_class = permit_task_class(DatabaseBackend.task_class)
 
 
 LIMITED = "django-tasks-limited"
@@ -82,3 +90,32 @@ def declared(context: Any, label: str, hold: float = 0.0) -> str:
 @holds_permit(LIMITED)
 def failing() -> None:
     raise ValueError("the task's own failure")
+
+
+# --- who may wait: decided when the task is sent (test_policies) ------------------
+
+ONCE = "django-tasks-once"  # capacity 1, created by each test
+
+
+@task(backend="permits-database", takes_context=True)
+@holds_permit(ONCE, on_conflict="discard")
+def once(context: Any, label: str, hold: float = 0.0) -> str:
+    return _logged(context, label, hold)
+
+
+@task(backend="permits-database", takes_context=True)
+@holds_permit(ONCE, on_conflict="replace")
+def latest(context: Any, label: str, hold: float = 0.0) -> str:
+    return _logged(context, label, hold)
+
+
+@task(backend="permits-database", takes_context=True)
+@holds_permit(ONCE, debounce=1)
+def debounced(context: Any, label: str, hold: float = 0.0) -> str:
+    return _logged(context, label, hold)
+
+
+@task(backend="database")
+@holds_permit(ONCE, on_conflict="discard")
+def discards_without_its_class() -> None:
+    """``on_conflict`` on a task class that does not decide it: its run fails."""

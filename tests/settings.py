@@ -79,6 +79,8 @@ TASKS = {
     "rq": {"BACKEND": "django_tasks_rq.RQBackend", "QUEUES": [RQ_QUEUE]},
     # The immediate backend with @task(semaphores=...).
     "permits": {"BACKEND": "tests.own_tasks.PermitImmediateBackend"},
+    # django-tasks-db's backend, its sends deciding who may wait.
+    "permits-database": {"BACKEND": "tests.own_tasks.PermitDatabaseBackend"},
 }
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",

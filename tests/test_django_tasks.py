@@ -344,12 +344,12 @@ def workers_running(
 
 
 def db_workers(
-    count: int, log_dir: Path, *, batch: bool = True, **env: str
+    count: int, log_dir: Path, *, batch: bool = True, backend: str = "database", **env: str
 ) -> AbstractContextManager[list[subprocess.Popen[bytes]]]:
-    """``count`` workers of django-tasks-db; with ``batch``, each exits once
-    no task is ready (a deferred one is not)."""
+    """``count`` workers of django-tasks-db (of the TASKS alias ``backend``);
+    with ``batch``, each exits once no task is ready (a deferred one is not)."""
     command = [
-        "db_worker", "--backend", "database", "--no-startup-delay", "--interval", "0.1",
+        "db_worker", "--backend", backend, "--no-startup-delay", "--interval", "0.1",
         *(["--batch"] if batch else []),
     ]  # fmt: skip
     return workers_running(command, count, log_dir, "worker", **env)

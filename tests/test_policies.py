@@ -21,17 +21,20 @@ from typing import Any
 
 import pytest
 from celery.result import AsyncResult
+from django.conf import settings
 from django.db import connections
+from django.utils import timezone
 
 from django_semaphore import acquire, holds_permit, release, sweep
 from django_semaphore.blockers import why_waiting
 from django_semaphore.exceptions import InvalidRequest, LineFull
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
-from django_semaphore.parking import wake
+from django_semaphore.parking import deferred, wake
 from django_semaphore.states import ReleaseReason, State
-from tests import tasks
+from tests import own_tasks, tasks
 from tests.celery_app import app
-from tests.test_parked import parked_ids, settled
+from tests.test_django_tasks import db_workers, finished, run_here
+from tests.test_parked import eventually, parked_ids, settled
 from tests.testapp.models import RunLog
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -264,6 +267,120 @@ def test_on_conflict_without_its_task_class_fails_the_run(once):
     assert "PermitTask" in str(result.result)
 
 
+# --- Django's own tasks: django-tasks-db's backend ---------------------------------
+
+
+@pytest.fixture
+def django_once(db: Any) -> Semaphore:
+    return Semaphore.objects.create(name=own_tasks.ONCE, capacity=1)
+
+
+def result_rows() -> list[tuple[str, str, Any]]:
+    from django_tasks_db.models import DBTaskResult
+
+    rows = DBTaskResult.objects.order_by("enqueued_at")
+    return [(str(id), *rest) for id, *rest in rows.values_list("id", "status", "run_after")]
+
+
+def test_a_django_task_sent_twice_is_discarded_and_rolled_back(django_once, published):
+    first = own_tasks.once.enqueue("a")
+
+    second = own_tasks.once.enqueue("b")
+
+    assert second.id == first.id
+    assert [(id, status) for id, status, _ in result_rows()] == [(first.id, "READY")]
+    assert woken() == [first.id]
+    assert published == [first.id]  # resumed: it runs now
+
+
+def test_a_django_task_that_waits_is_deferred_until_woken(django_once, published):
+    acquire(own_tasks.ONCE, external_id="held-by-the-test")
+    result = own_tasks.latest.enqueue("a")
+
+    [(_, status, run_after)] = result_rows()
+    assert status == "READY"
+    assert run_after == deferred.PARKED_UNTIL
+    assert parked_ids() == [result.id]
+
+    release("held-by-the-test")
+    wake.wake("default", [django_once.pk])
+    assert published == [result.id]
+
+
+def test_replace_fails_the_waiting_django_tasks(django_once, published):
+    acquire(own_tasks.ONCE, external_id="held-by-the-test")
+    sent = [own_tasks.latest.enqueue(label) for label in ("a", "b", "c")]
+
+    assert parked_ids() == [sent[2].id]
+    for result in sent[:2]:
+        result.refresh()
+        assert result.status == "FAILED"
+    dropped = {id: status for id, status, _ in result_rows()}
+    assert dropped[sent[2].id] == "READY"
+
+
+def test_a_debounced_django_task_runs_when_its_window_ends(django_once, published, woken_later):
+    before = timezone.now()
+    first = own_tasks.debounced.enqueue("a")
+    assert own_tasks.debounced.enqueue("b").id == first.id
+
+    [(_, status, run_after)] = result_rows()
+    assert status == "READY"
+    assert before + timedelta(seconds=1) <= run_after <= timezone.now() + timedelta(seconds=1)
+    assert woken_later == []  # its worker takes it then: no wake-up needed
+    wake.wake("default", [django_once.pk])
+    assert published == []  # nor does a release's wake-up send it sooner
+
+
+def test_a_django_policy_needs_its_task_class(django_once):
+    result = own_tasks.discards_without_its_class.enqueue()
+
+    result = run_here(result)
+
+    assert result.status == "FAILED"
+    assert "InvalidRequest" in result.errors[0].exception_class_path
+
+
+def test_on_conflict_on_a_backend_that_cannot_defer_is_refused(django_once):
+    with pytest.raises(InvalidRequest, match="need a backend that can defer"):
+        own_tasks.once.using(backend="rq", queue_name=settings.RQ_QUEUE).enqueue("a")
+
+
+@pytest.mark.slow
+def test_a_debounced_burst_of_django_tasks_runs_once(django_once, wakes, tmp_path):
+    started = time.monotonic()
+    sent = [own_tasks.debounced.enqueue(label) for label in ("a", "b", "c")]
+    with db_workers(1, tmp_path, batch=False, backend="permits-database") as workers:
+        finished([sent[0]], workers, tmp_path)
+
+    assert {r.id for r in sent} == {sent[0].id}
+    assert sent[0].status == "SUCCESSFUL"
+    assert time.monotonic() - started >= 1.0
+    assert list(RunLog.objects.values_list("label", flat=True)) == ["a"]
+    assert parked_ids() == []
+
+
+@pytest.mark.slow
+def test_one_django_task_runs_while_the_others_are_discarded(django_once, wakes, tmp_path):
+    """Real db_workers: sent while the first runs, five more are told its
+    id; one ran. Sent after it finished, one more runs."""
+    first = own_tasks.once.enqueue("first", 1.0)
+    with db_workers(2, tmp_path, batch=False, backend="permits-database") as workers:
+        eventually(lambda: RunLog.objects.filter(label="first").exists(), "the first started")
+        others = [own_tasks.once.enqueue("other") for _ in range(5)]
+        finished([first], workers, tmp_path)
+        after = own_tasks.once.enqueue("after")
+        finished([after], workers, tmp_path)
+
+    assert {r.id for r in others} == {first.id}
+    assert [first.status, after.status] == ["SUCCESSFUL", "SUCCESSFUL"]
+    assert list(RunLog.objects.order_by("started_at").values_list("label", flat=True)) == [
+        "first",
+        "after",
+    ]
+    assert parked_ids() == []
+
+
 # --- a real worker on Redis --------------------------------------------------------
 
 
@@ -355,6 +472,5 @@ django.setup()
 from django_semaphore.parking import wake
 wake.publish = lambda alias, ids: os.kill(os.getpid(), signal.SIGKILL)
 from tests import tasks
-from tests.celery_app import app
 tasks.once.delay("killed", 0)
 """

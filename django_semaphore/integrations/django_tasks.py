@@ -36,6 +36,7 @@ import functools
 import importlib
 import logging
 from collections.abc import Callable
+from contextlib import suppress
 from contextvars import ContextVar
 from datetime import datetime, timedelta
 from importlib.util import find_spec
@@ -48,17 +49,19 @@ from django.utils import timezone
 
 from django_semaphore import api, parking, routing
 from django_semaphore.exceptions import (
+    InvalidRequest,
     LiveDuplicate,
     PermitLost,
     SemaphoreError,
     SemaphoreExhausted,
     TaskDeferred,
+    TaskReplaced,
 )
 from django_semaphore.integrations import task_keys
 from django_semaphore.integrations.leases import HEARTBEAT, Lease
-from django_semaphore.integrations.options import Options
+from django_semaphore.integrations.options import OPTIONS_ATTRIBUTE, Options
 from django_semaphore.owners import TaskOwner
-from django_semaphore.parking import deferred
+from django_semaphore.parking import Row, admission, deferred
 from django_semaphore.validation import MAX_TTL
 from django_semaphore.waiting import standby
 
@@ -154,6 +157,57 @@ def own_arguments(result: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return args[1:] if result.task.takes_context else args
 
 
+def send(task: Any, enqueue: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Enqueue ``task`` by ``enqueue`` (its class's own), under its
+    ``@holds_permit``'s policies (``on_conflict``, ``max_waiting``,
+    ``debounce``) where the backend can defer its runs: the result is
+    written in the decision's transaction (``parking.admission``), rolled
+    back when discarded. Returns its result, or the existing task's.
+
+    Raises:
+        InvalidRequest: ``on_conflict`` or ``debounce`` on a backend that
+            cannot defer a run (only django-tasks-db's can).
+        LineFull: ``max_waiting`` tasks already wait on one of its semaphores.
+        SemaphoreExhausted: discarded for holders that are no result of
+            this backend.
+    """
+    options = getattr(task.func, OPTIONS_ATTRIBUTE, None)
+    backend = type(task.get_backend())
+    if options is None or not options.decides_at_enqueue or issubclass(backend, inline_backends()):
+        return enqueue(task, *args, **kwargs)
+    if not deferred.can_defer(backend):
+        if options.decided_when_sent:
+            raise InvalidRequest(
+                f"Task {task.module_path}: on_conflict and debounce need a backend that can "
+                f"defer a run (django-tasks-db's DatabaseBackend), not {backend.__name__}."
+            )
+        return enqueue(task, *args, **kwargs)  # max_waiting applies when it runs
+    call = options.for_call(*args, **kwargs)
+    sent: list[Any] = []
+
+    def row_of() -> Row:
+        sent.append(enqueue(task, *args, **kwargs))  # again on a retried transaction
+        result = sent[-1]
+        return parking.Row(
+            result.id, result.id, task.module_path, b"", "", "", None, result.backend
+        )
+
+    admitted = admission.enqueue(row_of, call.demand, call.policy, also=deferred.alias())
+    if admitted.existing:
+        return _existing(task, admitted.existing, call.demand)
+    if admitted.replaced:
+        deferred.drop(admitted.replaced, TaskReplaced)
+    return sent[-1]
+
+
+def _existing(task: Any, keys: list[str], demand: dict[str, int]) -> Any:
+    """The result of the first task among these keys that is one of this backend's."""
+    for key in keys:
+        with suppress(Exception):  # the framework's TaskResultDoesNotExist, or a bad id
+            return task.get_result(task_keys.task_id_of(key))
+    raise SemaphoreExhausted(sorted(demand), f"Task {task.module_path} discarded: held by {keys}.")
+
+
 def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwargs: Any) -> Any:
     """Run the task's body holding its permit, claimed under its result's
     id: when refused, defer it where its backend can, else wait for room.
@@ -161,7 +215,10 @@ def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwar
     Raises:
         TaskDeferred: the run was deferred (its worker records that).
         LiveDuplicate: another live run of the same result holds its permit.
+        InvalidRequest: its options are decided when it is sent, and its
+            task class does not (``permit_task_class``).
     """
+    _refuse_undecided(result, options)
     key = _claim_or_defer(result, options)
     lease = _lease(key, options)
     try:
@@ -174,12 +231,21 @@ async def run_async(
     func: Callable[..., Any], options: Options, result: Any, args: Any, kwargs: Any
 ) -> Any:
     """``run`` for an ``async def`` task: it waits for room, never deferred."""
+    _refuse_undecided(result, options)
     key = await sync_to_async(_claim)(_owner(result), options, options.timeout or MAX_TTL)
     lease = _lease(key, options)
     try:
         return await func(*args, **kwargs)
     finally:
         await sync_to_async(_settle)(result, key, lease)
+
+
+def _refuse_undecided(result: Any, options: Options) -> None:
+    if options.decided_when_sent and not getattr(result.task, "decides_when_sent", False):
+        raise InvalidRequest(
+            f"Task {result.task.module_path} sets on_conflict or debounce, decided when it is "
+            "sent: make its backend's task_class permit_task_class(...)."
+        )
 
 
 def _claim_or_defer(result: Any, options: Options) -> str:

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from asgiref.sync import sync_to_async
+
+from django_semaphore.integrations import django_tasks
 from django_semaphore.integrations.decorators import holds_permit
 
 # Set on a function this module wrapped: a task copied by ``using()`` or
@@ -36,6 +39,10 @@ def permit_task_class(base: Any) -> Any:
         base: the task class to extend (``django.tasks.Task``, the
             backport's, or a backend's own subclass).
 
+    Its ``enqueue`` applies ``@holds_permit``'s ``on_conflict``,
+    ``max_waiting`` and ``debounce`` when the task is sent, on a backend
+    that can defer runs (django-tasks-db's): ``docs/policies.md``.
+
     Returns:
         A subclass of ``base`` whose ``semaphores`` takes what
         ``holds_permit``'s ``names`` takes; the other options of
@@ -45,6 +52,14 @@ def permit_task_class(base: Any) -> Any:
     @dataclass(frozen=True, slots=True, kw_only=True)
     class PermitTask(base):  # type: ignore[misc]
         semaphores: Any = None
+        # What a run checks: options decided when it is sent need this class.
+        decides_when_sent = True
+
+        def enqueue(self, *args: Any, **kwargs: Any) -> Any:
+            return django_tasks.send(self, base.enqueue, args, kwargs)
+
+        async def aenqueue(self, *args: Any, **kwargs: Any) -> Any:
+            return await sync_to_async(self.enqueue)(*args, **kwargs)
 
         def __post_init__(self) -> None:
             if self.semaphores is not None and not hasattr(self.func, _DEMAND):

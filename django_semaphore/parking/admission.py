@@ -128,17 +128,17 @@ def enqueue(
     both = transaction.atomic(using=also) if also not in (None, alias) else nullcontext()
     try:
         with both:
-            lined, parked_id, replaced = run_with_retries(connection, admit)
+            lined, parked, replaced = run_with_retries(connection, admit)
     except _Discarded as discarded:
         return Admission(existing=discarded.existing)
-    waits = policy.debounce is not None or bool(lined.short)
-    if policy.debounce is not None:
+    if parked.woken_at is not None:
+        transaction.on_commit(functools.partial(wake.publish, alias, [parked.pk]), using=alias)
+    elif policy.debounce is not None and not parked.backend:
+        # A Django task's result runs when its window ends (deferred.park).
         wake.wake_later(alias, set(lined.ids.values()), policy.debounce)
-    elif not waits:
-        transaction.on_commit(functools.partial(wake.publish, alias, [parked_id]), using=alias)
     elif lined.rate_limits:
         wake.schedule_slots(alias, lined.rate_limits)
-    return Admission(replaced=replaced, waits=waits)
+    return Admission(replaced=replaced, waits=parked.woken_at is None)
 
 
 def _admit(
@@ -146,9 +146,9 @@ def _admit(
     row_of: Callable[[], Row],
     demand: dict[str, int],
     policy: Policy,
-) -> tuple[wakeups.Lined, int, list[str]]:
+) -> tuple[wakeups.Lined, ParkedTask, list[str]]:
     """The decision's transaction: where the task's tickets were taken, its
-    row's id, and the task ids it replaced."""
+    row, and the task ids it replaced."""
     alias = connection.alias
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
         row = row_of()
@@ -188,8 +188,9 @@ def _admit(
             # This task id was sent before: that one is the existing task.
             raise _Discarded([row.task_id]) from None
         if row.backend and not woken:
-            deferred.park(row.task_id)
-    return lined, parked.pk, replaced
+            window = policy.debounce
+            deferred.park(row.task_id, None if window is None else timedelta(seconds=window))
+    return lined, parked, replaced
 
 
 def _waiting_alike(alias: str, task_name: str, demand: Mapping[str, int]) -> dict[str, str]:

@@ -7,7 +7,7 @@ their worker (``integrations.django_tasks``).
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from importlib.util import find_spec
 from typing import Any
 
@@ -52,10 +52,20 @@ def hold(result_id: str, until: datetime | None = None) -> None:
         _waiting(result_id).update(run_after=until, **_READY)
 
 
-def park(result_id: str) -> None:
-    """A result just enqueued waits parked: no worker takes it until a
-    wake-up resumes it (in the transaction that parked it)."""
-    _waiting(result_id).update(run_after=PARKED_UNTIL)
+def park(result_id: str, window: timedelta | None = None) -> None:
+    """A result just enqueued waits parked (in the transaction that parked
+    it): no worker takes it until a wake-up resumes it -- or, debounced,
+    its ``window`` has passed (its run then claims its permit as any run)."""
+    until = PARKED_UNTIL if window is None else timezone.now() + window
+    _waiting(result_id).update(run_after=until)
+
+
+def drop(result_ids: list[str], reason: type[Exception]) -> None:
+    """These parked results never run: recorded as failed with ``reason``."""
+    path = f"{reason.__module__}.{reason.__qualname__}"
+    _waiting(result_ids).update(
+        status="FAILED", finished_at=timezone.now(), exception_class_path=path, traceback=""
+    )
 
 
 def alias() -> str:
@@ -81,9 +91,10 @@ _READY = {
 }
 
 
-def _waiting(result_id: str) -> Any:
-    """The row of ``result_id`` if it waits: ready, or ended deferred."""
+def _waiting(result_ids: str | list[str]) -> Any:
+    """The rows of these results that wait: ready, or ended deferred."""
     from django_tasks_db.models import DBTaskResult
 
     deferred_end = Q(status="FAILED", exception_class_path=DEFERRED)
-    return DBTaskResult.objects.filter(Q(status="READY") | deferred_end, id=result_id)
+    ids = [result_ids] if isinstance(result_ids, str) else result_ids
+    return DBTaskResult.objects.filter(Q(status="READY") | deferred_end, id__in=ids)
