@@ -104,20 +104,20 @@ def holds_permit(
         max_waiting: tasks only: at most this many tasks wait parked on each
             semaphore of the demand; a task that would park beyond that fails
             with ``LineFull`` instead (counted under the semaphores' row
-            locks, so never more). ``None``: no limit. With a task class of
-            ``PermitTask``, decided when the task is sent: ``.delay()``
-            raises ``LineFull``.
-        on_conflict: Celery tasks of ``base=PermitTask`` only: what sending
-            the task does when its demand has no room (held, or kept for
-            tasks already sent): ``"discard"`` sends nothing and
-            ``.delay()`` returns the existing task's result (one holding or
-            waiting there); ``"replace"`` drops the tasks of the same name
+            locks, so never more). ``None``: no limit. With a task class
+            that decides when the task is sent, sending raises ``LineFull``.
+        on_conflict: tasks whose class decides it when they are sent only
+            (Celery's ``base=PermitTask``, a Django task's
+            ``permit_task_class``): what sending the task does when its
+            demand has no room (held, or kept for tasks already sent):
+            ``"discard"`` sends nothing and returns the existing task's
+            result (one holding or waiting there); ``"replace"`` drops the tasks of the same name
             still waiting on the same semaphores, and waits in their stead.
             ``None``: it waits (``docs/policies.md``).
-        debounce: Celery tasks of ``base=PermitTask`` only: seconds (or a
-            ``timedelta``) the first send of a burst waits, parked, before
-            it may run; the sends of the same task while it still waits
-            collapse into it (``.delay()`` returns its result). Not with
+        debounce: as ``on_conflict``, sent by such a class only: seconds
+            (or a ``timedelta``) the first send of a burst waits, parked,
+            before it may run; the sends of the same task while it still
+            waits collapse into it (and are given its result). Not with
             ``on_conflict``.
         view: whether the function is a Django view. ``None``: it is when its
             first parameter (after ``self``) is named ``request``; pass
