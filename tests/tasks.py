@@ -269,3 +269,9 @@ DEBOUNCED = "celery-debounced"
 @holds_permit(DEBOUNCED, debounce=1)
 def debounced(self: Any, label: str, hold: float) -> int:
     return _work_on(DEBOUNCED, label, hold, self)
+
+
+@shared_task(bind=True, base=PermitTask, max_retries=0)
+@holds_permit(lambda member: f"celery-family:{member}", on_conflict="discard")
+def once_per_member(self: Any, member: str) -> None:
+    """One at a time per member of ``celery-family:*``, created when first sent."""

@@ -33,6 +33,7 @@ from django_semaphore.parking import deferred, wake
 from django_semaphore.states import ReleaseReason, State
 from tests import own_tasks, tasks
 from tests.celery_app import app
+from tests.conftest import unique
 from tests.test_django_tasks import db_workers, finished, run_here
 from tests.test_parked import eventually, parked_ids, settled
 from tests.testapp.models import RunLog
@@ -102,6 +103,17 @@ def test_computed_names_discard_per_key(once, published):
     assert sent[2].id == sent[0].id
     assert sent[3].id == sent[1].id
     assert published == [sent[0].id, sent[1].id]
+
+
+def test_a_family_member_is_created_when_first_sent(published):
+    member = unique("member")
+
+    first = tasks.once_per_member.delay(member)
+    second = tasks.once_per_member.delay(member)
+
+    assert Semaphore.objects.get(name=f"celery-family:{member}").capacity == 1
+    assert second.id == first.id
+    assert published == [first.id]
 
 
 def test_an_expired_holder_does_not_discard(once, published):

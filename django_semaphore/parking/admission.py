@@ -42,7 +42,8 @@ from django.utils import timezone
 from django_semaphore import backends, routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
-from django_semaphore.engine import wakeups
+from django_semaphore.engine import families, wakeups
+from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.parking import (
     Row,
@@ -125,10 +126,14 @@ def enqueue(
     alias = routing.alias_for_names(list(demand))
     connection = connections[alias]
     admit = functools.partial(_admit, connection, row_of, dict(demand), policy)
-    both = transaction.atomic(using=also) if also not in (None, alias) else nullcontext()
     try:
-        with both:
-            lined, parked, replaced = run_with_retries(connection, admit)
+        try:
+            lined, parked, replaced = _decide(connection, admit, also)
+        except SemaphoreNotFound as missing:
+            # A family's member is created on first use, as a grant creates
+            # it: in a transaction of its own, then the send decides again.
+            families.create_members(connection, missing.names, app_settings.LOCK_WAIT_TIMEOUT)
+            lined, parked, replaced = _decide(connection, admit, also)
     except _Discarded as discarded:
         return Admission(existing=discarded.existing)
     if parked.woken_at is not None:
@@ -139,6 +144,18 @@ def enqueue(
     elif lined.rate_limits:
         wake.schedule_slots(alias, lined.rate_limits)
     return Admission(replaced=replaced, waits=parked.woken_at is None)
+
+
+def _decide(
+    connection: BaseDatabaseWrapper,
+    admit: Callable[[], tuple[wakeups.Lined, ParkedTask, list[str]]],
+    also: str | None,
+) -> tuple[wakeups.Lined, ParkedTask, list[str]]:
+    """``admit``, retried as its database says; with ``also``'s writes in
+    one transaction of that alias around it."""
+    both = transaction.atomic(using=also) if also not in (None, connection.alias) else nullcontext()
+    with both:
+        return run_with_retries(connection, admit)
 
 
 def _admit(
