@@ -87,6 +87,7 @@ DJANGO_SEMAPHORE = {
         "backups": 1,
         "network": 2,
         "reports": 2,
+        "search-index": 1,
         "thumbnails": 2,
         "mirror-syncs": {"rate": "5/m"},
         "export:customer:*": 2,

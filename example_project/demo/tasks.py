@@ -9,7 +9,7 @@ from typing import Any
 
 from celery import shared_task
 
-from django_semaphore import holds_permit
+from django_semaphore import PermitTask, holds_permit
 
 
 @shared_task(bind=True)
@@ -45,3 +45,12 @@ def render_report(self: Any, batch: int, page: int) -> str:
     parked tasks) and woken first in, first out as each one finishes."""
     time.sleep(random.uniform(1, 2))
     return f"batch {batch} page {page} rendered"
+
+
+@shared_task(bind=True, base=PermitTask)
+@holds_permit("search-index", ttl=60, on_conflict="discard")
+def refresh_search_index(self: Any) -> str:
+    """Sent after every export: one refresh waits or runs at a time, and a
+    send meanwhile is discarded (told that one's id) instead of queueing."""
+    time.sleep(random.uniform(2, 4))
+    return "search index refreshed"

@@ -12,7 +12,13 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from example_project.demo.jobs import make_thumbnails
-from example_project.demo.tasks import build_export, render_report, run_backup, sync_mirror
+from example_project.demo.tasks import (
+    build_export,
+    refresh_search_index,
+    render_report,
+    run_backup,
+    sync_mirror,
+)
 
 
 class Command(BaseCommand):
@@ -50,6 +56,8 @@ class Command(BaseCommand):
             while time.monotonic() < deadline:
                 n += 1
                 build_export.delay(n)
+                # One refresh at a time; the sends meanwhile are discarded.
+                refresh_search_index.delay()
                 if n % 3 == 0:
                     run_backup.delay(random.choice(["db-1", "db-2", "files"]))
                 if n % 60 == 2:
