@@ -1,15 +1,17 @@
-"""Who may wait: a Celery task sent under ``holds_permit``'s enqueue-time
-policies (``on_conflict``, ``max_waiting``; ``PermitTask.apply_async``) is
-parked as it is sent, and woken at once where it fits.
+"""Who may wait: a task sent under ``holds_permit``'s send-time policies
+(``on_conflict``, ``max_waiting``, ``debounce``) by a class that decides
+them -- Celery's ``PermitTask``, a Django task's ``permit_task_class`` --
+is parked as it is sent, and woken at once where it fits.
 
 One transaction under its semaphores' row locks decides and writes: the
 task's tickets and its ``ParkedTask`` row, woken (its tickets keep the
-room for its run, so the next enqueue finds none) or waiting in line. Its
-message is published once that committed, as a woken task's is
-(``wake.publish``). So two enqueues at once never both pass, and a crash
-between the decision and the publish loses nothing: the beat sweep
-publishes a woken row whose run never started (``PARKED_REPUBLISH_AFTER``),
-and a copy that arrives after the task ran is dropped by its key.
+room for its run, so the next send finds none) or waiting in line; a
+Django task's result is written in it too. A Celery task's message is
+published once that committed, as a woken task's is (``wake.publish``).
+So two sends at once never both pass, and a crash between the decision
+and the publish loses nothing: the beat sweep publishes a woken row whose
+run never started (``PARKED_REPUBLISH_AFTER``), and a copy that arrives
+after the task ran is dropped by its key.
 
 The policies, where the task does not fit:
 
@@ -19,10 +21,11 @@ The policies, where the task does not fit:
 - ``max_waiting``: it waits, unless that many already wait parked on one
   of its semaphores (``LineFull``).
 
-A ``debounce`` window: the first send of a burst waits parked, room or not,
-until its window ends (``not_before``; a wake-up is published for then),
-and every send of the same task while it still waits collapses into it:
-nothing is written, and the caller is told its id.
+``debounce``: the first send of a burst waits parked, room or not, until
+its window ends (``not_before``; a Celery task's wake-up is published for
+then, a Django task's result runs then), and every send of the same task
+while it still waits collapses into it: nothing is written, and the
+caller is told its id.
 """
 
 from __future__ import annotations
