@@ -434,6 +434,22 @@ def test_the_replacing_task_runs_once_room_is_made(latest, celery_worker, wakes)
 
 
 @pytest.mark.slow
+def test_a_capped_line_refuses_when_sent_and_the_rest_run(latest, celery_worker, wakes):
+    acquire(tasks.LATEST, external_id="held-by-the-test")
+    waiting = [tasks.at_most_two_wait.delay(label, 0) for label in ("a", "b")]
+    for label in ("c", "d", "e"):
+        with pytest.raises(LineFull):
+            tasks.at_most_two_wait.delay(label, 0)
+
+    release("held-by-the-test")
+    settled(waiting)
+
+    assert [r.state for r in waiting] == ["SUCCESS", "SUCCESS"]
+    assert sorted(RunLog.objects.values_list("label", flat=True)) == ["a", "b"]
+    assert parked_ids() == []
+
+
+@pytest.mark.slow
 def test_a_burst_runs_once_after_its_window(debounced, celery_worker, wakes):
     started = time.monotonic()
     sent = [tasks.debounced.delay(label, 0) for label in ("a", "b", "c")]
