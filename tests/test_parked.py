@@ -35,7 +35,7 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import SemaphoreExhausted, SemaphoreNotFound
 from django_semaphore.integrations import task_keys
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
-from django_semaphore.parking import wake
+from django_semaphore.parking import rows, wake
 from django_semaphore.states import State
 from django_semaphore.waiting import standby
 from tests import tasks
@@ -215,7 +215,7 @@ def park_row(
     **fields: Any,
 ) -> str:
     task_id = task_id or unique("task")
-    row = parking.Row(
+    row = rows.Row(
         task_id,
         key or task_id,
         "tests.parked",

@@ -61,7 +61,8 @@ from django_semaphore.integrations import task_keys
 from django_semaphore.integrations.leases import HEARTBEAT, Lease
 from django_semaphore.integrations.options import OPTIONS_ATTRIBUTE, Options
 from django_semaphore.owners import TaskOwner
-from django_semaphore.parking import Row, admission, deferred
+from django_semaphore.parking import admission, deferred
+from django_semaphore.parking.rows import Row
 from django_semaphore.validation import MAX_TTL
 from django_semaphore.waiting import standby
 
@@ -188,9 +189,7 @@ def send(task: Any, enqueue: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     def row_of() -> Row:
         sent.append(enqueue(task, *args, **kwargs))  # again on a retried transaction
         result = sent[-1]
-        return parking.Row(
-            result.id, result.id, task.module_path, b"", "", "", None, result.backend
-        )
+        return Row(result.id, result.id, task.module_path, b"", "", "", None, result.backend)
 
     admitted = admission.enqueue(row_of, call.demand, call.policy, also=deferred.alias())
     if admitted.existing:

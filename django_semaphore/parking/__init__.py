@@ -64,8 +64,6 @@ import functools
 import logging
 from collections.abc import Iterable, Mapping
 from contextlib import suppress
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from django.db import IntegrityError, connections, transaction
@@ -81,7 +79,6 @@ from django.db.models import (
     Subquery,
 )
 from django.db.models.functions import Coalesce
-from django.utils import timezone
 
 from django_semaphore import backends, routing
 from django_semaphore.conf import app_settings
@@ -89,6 +86,7 @@ from django_semaphore.engine import wakeups
 from django_semaphore.exceptions import LineFull
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.parking import wake
+from django_semaphore.parking.rows import Row, encode, expiry, raw_delete, write
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import ReleaseReason
 from django_semaphore.validation import validate_keys
@@ -146,20 +144,6 @@ def defer(
     wake.wake(alias, lined.ids.values())
 
 
-@dataclass(frozen=True)
-class Row:
-    """What a parked task's row is written with (``ParkedTask``'s fields)."""
-
-    task_id: str
-    key: str
-    task_name: str
-    body: bytes
-    content_type: str
-    encoding: str
-    expires_at: datetime | None
-    backend: str = ""
-
-
 def _park(
     row: Row, demand: Mapping[str, int], max_waiting: int | None
 ) -> tuple[str, wakeups.Lined]:
@@ -169,30 +153,6 @@ def _park(
     connection = connections[alias]
     insert = functools.partial(_insert, connection, row, dict(demand), max_waiting)
     return alias, run_with_retries(connection, insert)
-
-
-def encode(task: Any, signature: Any) -> tuple[bytes, str, str]:
-    """A task's message as its serializer encodes it: body, content type
-    and encoding (``kombu.serialization``)."""
-    from kombu import serialization
-
-    content_type, encoding, body = serialization.dumps(  # type: ignore[no-untyped-call]
-        dict(signature), serializer=task.serializer
-    )
-    if isinstance(body, str):
-        body = body.encode(encoding)
-    return bytes(body), content_type, encoding
-
-
-def expiry(expires: Any) -> datetime | None:
-    """A task's ``expires`` (a datetime, or ISO text as a worker's request
-    has it; naive is UTC, as Celery sends it) as an aware datetime."""
-    from celery.utils.time import maybe_iso8601
-
-    if expires is None:
-        return None
-    moment = expires if isinstance(expires, datetime) else maybe_iso8601(expires)
-    return moment if timezone.is_aware(moment) else timezone.make_aware(moment, UTC)
 
 
 def _insert(
@@ -216,21 +176,8 @@ def _insert(
                 raw_delete(Ticket.objects.using(alias).filter(external_id=before))
             parked_before.update(woken_at=None, key=row.key)
             return lined
-        with suppress(IntegrityError), transaction.atomic(using=alias):
-            # Unless another copy of this task parked it first.
-            ParkedTask.objects.using(alias).create(
-                task_id=row.task_id,
-                key=row.key,
-                task_name=row.task_name,
-                backend=row.backend,
-                body=row.body,
-                content_type=row.content_type,
-                content_encoding=row.encoding,
-                # The database's clock, as the age the console shows is read
-                # from it (parking.with_parked).
-                parked_at=backends.StatementNow(),
-                expires_at=row.expires_at,
-            )
+        with suppress(IntegrityError):  # unless another copy of this task parked it first
+            write(alias, row)
     return lined
 
 
@@ -283,12 +230,6 @@ def started(task_id: str, demand: Mapping[str, int]) -> None:
             # It took a slot there: the tasks parked behind it are woken
             # when that slot, or an earlier one, ends.
             wake.schedule_slots(alias, rate_limits)
-
-
-def raw_delete(queryset: QuerySet[Any]) -> int:
-    """Delete these rows by one statement, without Django's collector
-    (which reads them first); how many."""
-    return int(queryset._raw_delete(queryset.db))
 
 
 def finished_before(task_id: str) -> bool:

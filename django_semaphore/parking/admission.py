@@ -48,15 +48,8 @@ from django_semaphore.conf import app_settings
 from django_semaphore.engine import families, wakeups
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
-from django_semaphore.parking import (
-    Row,
-    deferred,
-    encode,
-    expiry,
-    raw_delete,
-    refuse_a_full_line,
-    wake,
-)
+from django_semaphore.parking import deferred, refuse_a_full_line, wake
+from django_semaphore.parking.rows import Row, encode, expiry, raw_delete, write
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import State
 
@@ -190,20 +183,8 @@ def _admit(
                 refuse_a_full_line(alias, row.key, lined, policy.max_waiting)
         woken = woken and not lined.short
         try:
-            with transaction.atomic(using=alias):
-                parked = ParkedTask.objects.using(alias).create(
-                    task_id=row.task_id,
-                    key=row.key,
-                    task_name=row.task_name,
-                    backend=row.backend,
-                    body=row.body,
-                    content_type=row.content_type,
-                    content_encoding=row.encoding,
-                    parked_at=backends.StatementNow(),
-                    woken_at=timezone.now() if woken else None,
-                    not_before=not_before,
-                    expires_at=row.expires_at,
-                )
+            woken_at = timezone.now() if woken else None
+            parked = write(alias, row, woken_at=woken_at, not_before=not_before)
         except IntegrityError:
             # This task id was sent before: that one is the existing task.
             raise _Discarded([row.task_id]) from None
