@@ -101,7 +101,7 @@ class Waiting:
     gives_up_at: datetime  # a fair waiter's deadline, a parked task's expiry
     woken: bool  # a parked task woken and on its way to run
     blockers: list[Blocker]
-    not_before: datetime | None = None  # a debounced send's window ends then
+    not_before: datetime | None = None  # a debounced send waits until then
 
     def explained(self) -> list[str]:
         """In words, as ``semaphore_status --why`` says it: who waits, since

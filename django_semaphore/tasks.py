@@ -44,7 +44,7 @@ def wake_parked() -> None:
 
 @shared_task(name=wake.WAKE_SLOTS, ignore_result=True)  # type: ignore[untyped-decorator]
 def wake_slots(alias: str, semaphore_ids: list[int]) -> None:
-    """A rate limit's next slot has ended, or a debounced send's window
+    """A rate limit's next slot has ended, or a debounced send's delay
     (published with a countdown by ``wake.schedule_slots``, ``wake.wake_later``):
     wake the parked tasks that fit, and publish a rate limit's next wake-up
     while tasks still wait."""

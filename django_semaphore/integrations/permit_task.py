@@ -34,7 +34,7 @@ class PermitTask(Task):  # type: ignore[misc]
     ``apply_async`` (so ``delay``, and a chain's or a group's tasks) returns
     the task's result as usual; when ``on_conflict="discard"`` dropped it,
     the result of the task it found holding or waiting (its ``id`` says
-    which); when a ``debounce`` window collapsed it, the waiting one's. It
+    which); when its ``debounce`` collapsed it, the waiting one's. It
     raises ``LineFull`` past ``max_waiting``. Its own retries, a parked task
     published again and ``task_always_eager`` are sent as Celery sends them.
     ``send_task`` by name bypasses the class.

@@ -37,7 +37,7 @@ class ParkedTask(models.Model):
     # Set when a release woke it and its message is being (or was) published;
     # its tickets keep the room it asks for until its run deletes them.
     woken_at = models.DateTimeField(_("woken at"), null=True, blank=True)
-    # A debounced send's window: never woken before it ends (parking.admission).
+    # A debounced send's delay: never woken before it ends (parking.admission).
     not_before = models.DateTimeField(_("not before"), null=True, blank=True)
     # The caller's ``expires``: past it the task is dropped, never published.
     expires_at = models.DateTimeField(_("expires at"), null=True, blank=True)

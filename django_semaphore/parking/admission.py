@@ -21,8 +21,8 @@ The policies, where the task does not fit:
 - ``max_waiting``: it waits, unless that many already wait parked on one
   of its semaphores (``LineFull``).
 
-``debounce``: the first send of a burst waits parked, room or not, until
-its window ends (``not_before``; a Celery task's wake-up is published for
+``debounce``: the first send of a burst waits parked, room or not, for
+that long (``not_before``; a Celery task's wake-up is published for
 then, a Django task's result runs then), and every send of the same task
 while it still waits collapses into it: nothing is written, and the
 caller is told its id.
@@ -135,7 +135,7 @@ def enqueue(
     if parked.woken_at is not None:
         transaction.on_commit(functools.partial(wake.publish, alias, [parked.pk]), using=alias)
     elif policy.debounce is not None and not parked.backend:
-        # A Django task's result runs when its window ends (deferred.park).
+        # A Django task's result runs when its debounce ends (deferred.park).
         wake.wake_later(alias, set(lined.ids.values()), policy.debounce)
     elif lined.rate_limits:
         wake.schedule_slots(alias, lined.rate_limits)
@@ -189,8 +189,8 @@ def _admit(
             # This task id was sent before: that one is the existing task.
             raise _Discarded([row.task_id]) from None
         if row.backend and not woken:
-            window = policy.debounce
-            deferred.park(row.task_id, None if window is None else timedelta(seconds=window))
+            debounce = policy.debounce
+            deferred.park(row.task_id, None if debounce is None else timedelta(seconds=debounce))
     return lined, parked, replaced
 
 

@@ -52,11 +52,12 @@ def hold(result_id: str, until: datetime | None = None) -> None:
         _waiting(result_id).update(run_after=until, **_READY)
 
 
-def park(result_id: str, window: timedelta | None = None) -> None:
+def park(result_id: str, debounce: timedelta | None = None) -> None:
     """A result just enqueued waits parked (in the transaction that parked
     it): no worker takes it until a wake-up resumes it -- or, debounced,
-    its ``window`` has passed (its run then claims its permit as any run)."""
-    until = PARKED_UNTIL if window is None else timezone.now() + window
+    until ``debounce`` has passed (its run then claims its permit as any
+    run does)."""
+    until = PARKED_UNTIL if debounce is None else timezone.now() + debounce
     _waiting(result_id).update(run_after=until)
 
 

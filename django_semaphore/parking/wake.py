@@ -27,7 +27,7 @@ logger = logging.getLogger("django_semaphore")
 
 
 # The task a wake-up for later is published as: when a rate limit's next slot
-# ends, or a debounced send's window.
+# ends, or a debounced send's delay.
 WAKE_SLOTS = "django_semaphore.wake_slots"
 # A wake-up this process published for a slot's end that comes no later
 # than SLOT_SLACK seconds after a newer one's makes the newer one needless.
@@ -102,7 +102,7 @@ def schedule_slots(alias: str, semaphore_ids: set[int]) -> None:
 
 def wake_later(alias: str, semaphore_ids: set[int], seconds: float) -> None:
     """Publish a wake-up of these semaphores' parked tasks (``WAKE_SLOTS``)
-    for ``seconds`` from now: a debounced send's window ends then. Lost, the
+    for ``seconds`` from now: a debounced send's delay ends then. Lost, the
     beat sweep wakes it."""
     from celery import current_app
 
