@@ -225,7 +225,7 @@ def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
         waiting = dict(
             ParkedTask.objects.using(alias)
             .filter(key__in=candidates, woken_at__isnull=True)
-            .exclude(not_before__gt=DatabaseNow())  # a debounced send's window
+            .exclude(not_before__gt=DatabaseNow())  # a debounced send's delay
             .values_list("key", "id")
         )
         places: dict[str, dict[int, tuple[_Place, bool]]] = defaultdict(dict)
