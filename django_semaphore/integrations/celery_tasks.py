@@ -68,7 +68,7 @@ def run_task(
 ) -> Any:
     """Run the task holding its permits, claimed by its task id: when they
     are refused, stand by, park, retry or fail, as ``options`` say."""
-    if options.decided_when_sent and not getattr(task, "decides_when_sent", False):
+    if options.needs_a_deciding_class and not getattr(task, "decides_when_sent", False):
         raise InvalidRequest(
             f"Task {task.name} sets on_conflict or debounce, decided when it is sent: "
             "make it a PermitTask (@shared_task(base=PermitTask))."

@@ -174,10 +174,10 @@ def send(task: Any, enqueue: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """
     options = getattr(task.func, OPTIONS_ATTRIBUTE, None)
     backend = type(task.get_backend())
-    if options is None or not options.decides_at_enqueue or issubclass(backend, inline_backends()):
+    if options is None or not options.has_send_policy or issubclass(backend, inline_backends()):
         return enqueue(task, *args, **kwargs)
     if not deferred.can_defer(backend):
-        if options.decided_when_sent:
+        if options.needs_a_deciding_class:
             raise InvalidRequest(
                 f"Task {task.module_path}: on_conflict and debounce need a backend that can "
                 f"defer a run (django-tasks-db's DatabaseBackend), not {backend.__name__}."
@@ -240,7 +240,7 @@ async def run_async(
 
 
 def _refuse_undecided(result: Any, options: Options) -> None:
-    if options.decided_when_sent and not getattr(result.task, "decides_when_sent", False):
+    if options.needs_a_deciding_class and not getattr(result.task, "decides_when_sent", False):
         raise InvalidRequest(
             f"Task {result.task.module_path} sets on_conflict or debounce, decided when it is "
             "sent: make its backend's task_class permit_task_class(...)."

@@ -40,7 +40,7 @@ class Options:
     @property
     def parks(self) -> bool:
         if self.park is None:
-            return app_settings.PARK_TASKS or self.decided_when_sent
+            return app_settings.PARK_TASKS or self.needs_a_deciding_class
         return self.park
 
     count: int
@@ -55,14 +55,17 @@ class Options:
         return Policy(self.on_conflict, self.max_waiting, self.debounce)
 
     @property
-    def decided_when_sent(self) -> bool:
-        """Whether only ``PermitTask``'s send can apply these options."""
+    def needs_a_deciding_class(self) -> bool:
+        """Whether these options mean something only where a task class
+        decides when the task is sent (``on_conflict``, ``debounce``): a run
+        of any other class fails, rather than run without them."""
         return self.on_conflict is not None or self.debounce is not None
 
     @property
-    def decides_at_enqueue(self) -> bool:
-        """Whether ``PermitTask`` decides, when the task is sent, whether it
-        is sent, waits or is discarded (``parking.admission``)."""
+    def has_send_policy(self) -> bool:
+        """Whether a deciding class (``PermitTask``, ``permit_task_class``)
+        decides, when the task is sent, whether it is sent, waits or is
+        discarded (``parking.admission``)."""
         policies = (self.on_conflict, self.max_waiting, self.debounce)
         return any(policy is not None for policy in policies)
 

@@ -94,7 +94,7 @@ def _policy(task: Task) -> Options | None:
     for run in (getattr(task, "_orig_run", None), task.run):
         options = getattr(run, OPTIONS_ATTRIBUTE, None)
         if options is not None:
-            return options if options.decides_at_enqueue else None
+            return options if options.has_send_policy else None
     return None
 
 
