@@ -25,10 +25,11 @@ from django.conf import settings
 from django.db import connections
 from django.utils import timezone
 
-from django_semaphore import acquire, holds_permit, release, sweep
+from django_semaphore import acquire, holds_permit, parking, release, sweep
 from django_semaphore.blockers import why_waiting
-from django_semaphore.exceptions import InvalidRequest, LineFull
+from django_semaphore.exceptions import InvalidRequest, LineFull, SemaphoreExhausted
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
+from django_semaphore.owners import TaskOwner
 from django_semaphore.parking import deferred, wake
 from django_semaphore.states import ReleaseReason, State
 from tests import own_tasks, tasks
@@ -85,13 +86,38 @@ def test_a_second_send_is_discarded_and_told_the_first(once, published):
 
 
 def test_a_send_while_a_task_holds_is_told_the_holder(once, published):
-    acquire(tasks.ONCE, external_id="some-task-id~2")
+    holder = TaskOwner("some-task-id", "tests.tasks.once", "worker@host", 4242)
+    acquire(tasks.ONCE, external_id="some-task-id~2", owner=str(holder))
 
     result = tasks.once.delay("a", 0)
 
     assert result.id == "some-task-id"
     assert published == []
     assert parked_ids() == []
+
+
+def test_a_send_no_task_can_be_named_for_is_refused(once, published):
+    """A view holds the permit: no task to hand the caller, so the discard
+    says so with ``SemaphoreExhausted``; nothing is written."""
+    acquire(tasks.ONCE, external_id="a-view-request")
+
+    with pytest.raises(SemaphoreExhausted, match="Discarded: no room on celery-once"):
+        tasks.once.delay("a", 0)
+
+    assert published == []
+    assert parked_ids() == []
+
+
+def test_a_full_rate_limit_discards_until_its_window_moves_on(published):
+    Semaphore.objects.create(name=tasks.ONCE, capacity=1, window=60)
+    first = tasks.once.delay("a", 0)
+    acquire(tasks.ONCE, external_id=first.id, owner="a run")  # as its run would
+    parking.started(first.id, {tasks.ONCE: 1})
+    release(first.id)  # done: its slot counts for a minute still
+    assert Ticket.objects.count() == 0
+
+    with pytest.raises(SemaphoreExhausted):
+        tasks.once.delay("b", 0)
 
 
 def test_computed_names_discard_per_key(once, published):

@@ -169,8 +169,8 @@ def send(task: Any, enqueue: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         InvalidRequest: ``on_conflict`` or ``debounce`` on a backend that
             cannot defer a run (only django-tasks-db's can).
         LineFull: ``max_waiting`` tasks already wait on one of its semaphores.
-        SemaphoreExhausted: discarded for holders that are no result of
-            this backend.
+        SemaphoreExhausted: discarded, and no result of this backend holds
+            or waits where it found no room.
     """
     options = getattr(task.func, OPTIONS_ATTRIBUTE, None)
     backend = type(task.get_backend())
@@ -199,12 +199,12 @@ def send(task: Any, enqueue: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     return sent[-1]
 
 
-def _existing(task: Any, keys: list[str], demand: dict[str, int]) -> Any:
-    """The result of the first task among these keys that is one of this backend's."""
-    for key in keys:
+def _existing(task: Any, task_ids: list[str], demand: dict[str, int]) -> Any:
+    """The result of the first of these tasks that is one of this backend's."""
+    for task_id in task_ids:
         with suppress(Exception):  # the framework's TaskResultDoesNotExist, or a bad id
-            return task.get_result(task_keys.task_id_of(key))
-    raise SemaphoreExhausted(sorted(demand), f"Task {task.module_path} discarded: held by {keys}.")
+            return task.get_result(task_id)
+    raise SemaphoreExhausted(sorted(demand), f"Discarded: {', '.join(task_ids)} hold or wait.")
 
 
 def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwargs: Any) -> Any:

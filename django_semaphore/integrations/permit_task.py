@@ -27,17 +27,19 @@ logger = logging.getLogger("django_semaphore")
 
 
 class PermitTask(Task):  # type: ignore[misc]
-    """A Celery task class: ``@shared_task(base=PermitTask)`` (or the app's
-    ``task_cls``) applies ``@holds_permit``'s ``on_conflict``,
-    ``max_waiting`` and ``debounce`` when the task is sent.
+    """A Celery task class: ``@shared_task(base=PermitTask)`` applies
+    ``@holds_permit``'s ``on_conflict``, ``max_waiting`` and ``debounce``
+    when the task is sent.
 
     ``apply_async`` (so ``delay``, and a chain's or a group's tasks) returns
     the task's result as usual; when ``on_conflict="discard"`` dropped it,
     the result of the task it found holding or waiting (its ``id`` says
-    which); when its ``debounce`` collapsed it, the waiting one's. It
-    raises ``LineFull`` past ``max_waiting``. Its own retries, a parked task
-    published again and ``task_always_eager`` are sent as Celery sends them.
-    ``send_task`` by name bypasses the class.
+    which); when its ``debounce`` collapsed it, the waiting one's. It raises
+    ``SemaphoreExhausted`` when discarded where no task holds or waits (a
+    view holds, a rate limit is full), ``LineFull`` past ``max_waiting``.
+    Its own retries, a parked task published again and
+    ``task_always_eager`` are sent as Celery sends them. ``send_task`` by
+    name bypasses the class.
     """
 
     # What the run checks: a task whose on_conflict no send decided fails.

@@ -99,14 +99,6 @@ def next_key(task_id: str) -> str:
     return next((key for key in candidates if key not in released), candidates[-1])
 
 
-def task_id_of(key: str) -> str:
-    """The task id a key of ``keys`` belongs to (any other key: itself)."""
-    task_id, tilde, generation = key.rpartition("~")
-    if tilde and generation.isdigit() and 2 <= int(generation) <= MAX_GENERATIONS:
-        return task_id
-    return key
-
-
 def keys(task_id: str) -> Iterator[str]:
     yield task_id
     for generation in range(2, MAX_GENERATIONS + 1):

@@ -46,8 +46,9 @@ from django_semaphore import backends, routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import families, wakeups
-from django_semaphore.exceptions import SemaphoreNotFound
+from django_semaphore.exceptions import SemaphoreExhausted, SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
+from django_semaphore.owners import TaskOwner
 from django_semaphore.parking import deferred, refuse_a_full_line, wake
 from django_semaphore.parking.rows import Row, encode, expiry, raw_delete, write
 from django_semaphore.retry import run_with_retries
@@ -72,10 +73,10 @@ class Policy:
 
 @dataclass(frozen=True)
 class Admission:
-    """What a send came to. ``existing``: it was discarded, and these keys
-    hold or wait where it found no room (holders first, then the line in
-    order); empty: it was sent, or ``waits`` parked. ``replaced``: the task
-    ids of the waiting tasks it replaced."""
+    """What a send came to. ``existing``: it was discarded, and these tasks
+    hold or wait where it found no room (their task ids: holders first,
+    then the line in order); empty: it was sent, or ``waits`` parked.
+    ``replaced``: the task ids of the waiting tasks it replaced."""
 
     existing: list[str] = field(default_factory=list)
     replaced: list[str] = field(default_factory=list)
@@ -83,10 +84,10 @@ class Admission:
 
 
 class _Discarded(Exception):
-    """Rolls the send's transaction back, telling whom it found."""
+    """Rolls the send's transaction back, telling which tasks it found where."""
 
-    def __init__(self, existing: list[str]) -> None:
-        self.existing = existing
+    def __init__(self, existing: list[str], names: list[str]) -> None:
+        self.existing, self.names = existing, names
 
 
 def celery_row(task: Any, signature: Any) -> Row:
@@ -115,6 +116,8 @@ def enqueue(
     not the semaphores'.
 
     Raises:
+        SemaphoreExhausted: discarded, and no task holds or waits where it
+            found no room (a rate limit's window is full, a view holds).
         LineFull: ``max_waiting`` tasks already wait on one of its semaphores.
         SemaphoreNotFound: a semaphore of the demand does not exist.
         SemaphoreError: the database failed (nothing was written or sent).
@@ -131,6 +134,10 @@ def enqueue(
             families.create_members(connection, missing.names, app_settings.LOCK_WAIT_TIMEOUT)
             lined, parked, replaced = _decide(connection, admit, also)
     except _Discarded as discarded:
+        if not discarded.existing:
+            raise SemaphoreExhausted(
+                discarded.names, f"Discarded: no room on {', '.join(discarded.names)}."
+            ) from None
         return Admission(existing=discarded.existing)
     if parked.woken_at is not None:
         transaction.on_commit(functools.partial(wake.publish, alias, [parked.pk]), using=alias)
@@ -169,7 +176,7 @@ def _admit(
         if policy.on_conflict == REPLACE or policy.debounce is not None:
             alike = _waiting_alike(alias, row.task_name, demand)
         if policy.debounce is not None and alike:
-            raise _Discarded(list(alike.values()))
+            raise _Discarded(list(alike.values()), sorted(demand))
         replaced = _drop(alias, alike) if policy.on_conflict == REPLACE else []
         not_before = None
         if policy.debounce is not None:
@@ -178,7 +185,8 @@ def _admit(
         lined = wakeups.line_up(connection, row.key, demand, row.expires_at, woken=woken)
         if lined.short:
             if policy.on_conflict == DISCARD:
-                raise _Discarded(_existing(alias, lined.short))
+                names = sorted(name for name, id in lined.ids.items() if id in lined.short)
+                raise _Discarded(_existing(alias, lined.short), names)
             if policy.max_waiting is not None:
                 refuse_a_full_line(alias, row.key, lined, policy.max_waiting)
         woken = woken and not lined.short
@@ -187,7 +195,7 @@ def _admit(
             parked = write(alias, row, woken_at=woken_at, not_before=not_before)
         except IntegrityError:
             # This task id was sent before: that one is the existing task.
-            raise _Discarded([row.task_id]) from None
+            raise _Discarded([row.task_id], sorted(demand)) from None
         if row.backend and not woken:
             debounce = policy.debounce
             deferred.park(row.task_id, None if debounce is None else timedelta(seconds=debounce))
@@ -221,20 +229,21 @@ def _drop(alias: str, waiting: dict[str, str]) -> list[str]:
 
 
 def _existing(alias: str, semaphore_ids: set[int]) -> list[str]:
-    """Who holds or waits on these semaphores: the holders' keys, oldest
-    first, then the parked tasks' ids in line order."""
+    """The tasks that hold or wait on these semaphores, by task id: the
+    holders that are task runs (their owner says so), oldest first, then the
+    parked tasks in line order."""
     held = (
         PermitRequest.objects.using(alias)
         .filter(state=State.ACQUIRED, permits__semaphore_id__in=semaphore_ids)
         .filter(permits__state=State.ACQUIRED)
         .order_by("id")
-        .values_list("external_id", flat=True)
+        .values_list("owner", flat=True)
     )
+    runs = [owner.task_id for owner in map(TaskOwner.parse, held[:EXISTING_TOLD]) if owner]
     waiting = (
         Ticket.objects.using(alias)
         .filter(semaphore_id__in=semaphore_ids, parked__id__isnull=False)
         .order_by("id")
         .values_list("parked__task_id", flat=True)
     )
-    told = [*held[:EXISTING_TOLD], *waiting[:EXISTING_TOLD]]
-    return list(dict.fromkeys(told))[:EXISTING_TOLD]
+    return list(dict.fromkeys([*runs, *waiting[:EXISTING_TOLD]]))[:EXISTING_TOLD]
