@@ -111,9 +111,10 @@ def holds_permit(
             ``permit_task_class``): what sending the task does when its
             demand has no room (held, or kept for tasks already sent):
             ``"discard"`` sends nothing and returns the existing task's
-            result (one holding or waiting there); ``"replace"`` drops the tasks of the same name
-            still waiting on the same semaphores, and waits in their stead.
-            ``None``: it waits (``docs/policies.md``).
+            result (one holding or waiting there); ``"replace"`` drops the
+            tasks of the same name still waiting on the same semaphores,
+            and waits in their stead. ``None``: it waits
+            (``docs/policies.md``).
         debounce: as ``on_conflict``, sent by such a class only: seconds
             (or a ``timedelta``) the first send of a burst waits, parked,
             before it may run; the sends of the same task while it still
@@ -174,9 +175,10 @@ def holds_permit(
         )  # fmt: skip
         request_at = _request_position(func, view)
         if inspect.iscoroutinefunction(func):
-            return cast(F, _async_wrapper(func, options, request_at))
+            wrapper = _async_wrapper(func, options, request_at)
+            setattr(wrapper, OPTIONS_ATTRIBUTE, options)  # read when a task is sent
+            return cast(F, wrapper)
         wrapper = _sync_wrapper(func, options, request_at)
-        # What PermitTask reads when the task is sent.
         setattr(wrapper, OPTIONS_ATTRIBUTE, options)
         if view is not False:
             # Django's handler must not open ATOMIC_REQUESTS' transaction

@@ -2,7 +2,7 @@
 
 ``@holds_permit`` runs in the worker; what happens when a task is *sent*
 needs the task class. With ``base=PermitTask``, a task whose decorator sets
-``on_conflict`` or ``max_waiting`` is parked as it is sent, in one
+``on_conflict``, ``max_waiting`` or ``debounce`` is parked as it is sent, in one
 transaction under its semaphores' row locks (``parking.admission``):
 published once that committed where it fits, waiting in line where it does
 not -- or discarded, replacing, refused, as its policy says.
@@ -79,7 +79,7 @@ class PermitTask(Task):  # type: ignore[misc]
         row_of = functools.partial(admission.celery_row, self, signature)
         admitted = admission.enqueue(row_of, call.demand, call.policy)
         if admitted.existing:
-            existing = admitted.existing[0].partition("~")[0]
+            existing = admitted.existing[0]
             logger.info("Task %s[%s] discarded: %s holds or waits", self.name, task_id, existing)
             return self.AsyncResult(existing)
         for replaced in admitted.replaced:

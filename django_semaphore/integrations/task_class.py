@@ -35,13 +35,13 @@ def permit_task_class(base: Any) -> Any:
         class LimitedDatabaseBackend(DatabaseBackend):
             task_class = permit_task_class(DatabaseBackend.task_class)
 
-    Args:
-        base: the task class to extend (``django.tasks.Task``, the
-            backport's, or a backend's own subclass).
-
     Its ``enqueue`` applies ``@holds_permit``'s ``on_conflict``,
     ``max_waiting`` and ``debounce`` when the task is sent, on a backend
     that can defer runs (django-tasks-db's): ``docs/policies.md``.
+
+    Args:
+        base: the task class to extend (``django.tasks.Task``, the
+            backport's, or a backend's own subclass).
 
     Returns:
         A subclass of ``base`` whose ``semaphores`` takes what
