@@ -23,6 +23,7 @@ import pytest
 from celery.result import AsyncResult
 from django.conf import settings
 from django.db import connections
+from django.urls import reverse
 from django.utils import timezone
 
 from django_semaphore import acquire, holds_permit, parking, release, sweep
@@ -35,6 +36,7 @@ from django_semaphore.states import ReleaseReason, State
 from tests import own_tasks, tasks
 from tests.celery_app import app
 from tests.conftest import unique
+from tests.test_admin import staff
 from tests.test_django_tasks import db_workers, finished, run_here
 from tests.test_parked import eventually, parked_ids, settled
 from tests.testapp.models import RunLog
@@ -268,6 +270,18 @@ def test_why_says_a_debounced_task_waits_for_its_window(debounced, published, wo
     assert f"  Debounced: not woken before {waiting.not_before:%Y-%m-%dT%H:%M:%S}" in "\n".join(
         waiting.explained()
     )
+
+
+def test_a_debounced_tasks_admin_page_says_until_when(debounced, published, woken_later, client):
+    first = tasks.debounced.delay("a", 0)
+    client.force_login(staff("view_parkedtask"))
+    parked = ParkedTask.objects.get(task_id=first.id)
+
+    page = client.get(reverse("admin:django_semaphore_parkedtask_change", args=[parked.pk]))
+
+    assert page.status_code == 200
+    moment = parked.not_before.isoformat(timespec="seconds")
+    assert f"Debounced: not woken before {moment}." in page.content.decode()
 
 
 def test_a_send_after_the_burst_went_out_starts_another(debounced, published, woken_later):

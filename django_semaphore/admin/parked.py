@@ -25,12 +25,17 @@ from django_semaphore.models import ParkedTask, Ticket
 class ParkedTaskAdmin(OperatorAdmin):
     """Parked tasks, oldest first: the order they are woken in."""
 
-    list_display = ["task_name", "task_id", "semaphores", "parked_at", "woken_at", "expires_at"]
+    list_display = [
+        "task_name", "task_id", "semaphores", "parked_at", "not_before", "woken_at", "expires_at",
+    ]  # fmt: skip
     list_filter = ["tickets__semaphore", "task_name"]
     search_fields = ["task_id", "task_name"]
     ordering = ["id"]
     actions = ["drop"]
-    fields = ("task_name", "task_id", "semaphores", "parked_at", "woken_at", "expires_at", "why")
+    fields = (
+        "task_name", "task_id", "semaphores", "parked_at", "not_before", "woken_at", "expires_at",
+        "why",
+    )  # fmt: skip
     readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ParkedTask]:
@@ -76,6 +81,11 @@ class ParkedTaskAdmin(OperatorAdmin):
         if waiting.woken:
             woken = gettext("Woken: room is kept for it until its run takes it.")
             return format_html("<p>{}</p>{}", woken, _explained(waiting))
+        if waiting.not_before is not None:
+            debounced = gettext("Debounced: not woken before %(moment)s.") % {
+                "moment": waiting.not_before.isoformat(timespec="seconds")
+            }
+            return format_html("<p>{}</p>{}", debounced, _explained(waiting))
         return _explained(waiting)
 
     @admin.action(permissions=["delete"], description=_("Drop selected parked tasks"))
