@@ -193,9 +193,20 @@ def test_max_waiting_refuses_the_send(latest, published):
     assert len(parked_ids()) == 2
 
 
+def test_a_delayed_task_already_sent_counts(once, published):
+    """Solid Queue #597: discard did not see a delayed job already enqueued,
+    so duplicates ran. Here the room is kept from the send, countdown or not."""
+    delayed = tasks.once.apply_async(("later", 0), countdown=3600)
+
+    again = tasks.once.delay("now", 0)
+
+    assert again.id == delayed.id
+    assert published == [delayed.id]
+
+
 def test_sends_at_once_never_both_pass(once, published):
-    """Solid Queue #597: duplicates that still ran. Twelve threads, each on
-    its own connection, send at once: one is sent, the others are told its id."""
+    """Twelve threads, each on its own connection, send at once: one is
+    sent, the others are told its id."""
     barrier = threading.Barrier(12)
     ids: list[str] = []
 
