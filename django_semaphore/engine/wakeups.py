@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
+from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Exists, F, OuterRef, Q, Subquery
@@ -74,44 +74,65 @@ def line_up(
     """
     lock_wait = app_settings.LOCK_WAIT_TIMEOUT
     rows = _locked(connection, demand)
-    now = rows[0][-1]
-    ids = {name: id for name, id, *_ in rows}
+    now = rows[0].now
+    ids = {row.name: row.id for row in rows}
     statements = ticket_statements(connection)
     with connection.cursor() as cursor:
         ahead = statements.older(cursor, list(ids.values()), key, now, lock_wait)
         short = _short(rows, demand, ahead)
-        held_short = [id for name, id, *_, window, _ in rows if id in short and window is None]
+        held_short = [row.id for row in rows if row.id in short and row.window is None]
         if held_short and reclaim_expired(connection, held_short, now, lock_wait):
             short = _short(_locked(connection, demand), demand, ahead)
         until = expires_at or now + MAX_TICKET_LIFE
+        lacking = short
+        if woken and not short:
+            lacking = set(ids.values())
+            # A queue deadline later than any, so that it writes every row:
+            # on Galera a row lock is local to its node, and this write is
+            # what makes two sends that fit on two nodes conflict at
+            # certification (one is retried, and finds the other's ticket).
+            queued = [row.queued_until for row in rows if row.queued_until is not None]
+            until = max([until, *queued]) + timedelta(microseconds=1)
         counts = {ids[name]: count for name, count in demand.items()}
-        lacking = set(ids.values()) if woken and not short else short
         statements.take(cursor, key, "", counts, now, until, lacking, lock_wait)
-    return Lined(ids, {id for _, id, _, _, window, _ in rows if window is not None}, short)
+    return Lined(ids, {row.id for row in rows if row.window is not None}, short)
 
 
-def _locked(connection: BaseDatabaseWrapper, demand: Mapping[str, int]) -> list[tuple[Any, ...]]:
+class _Locked(NamedTuple):
+    """A semaphore row as ``line_up`` locked it."""
+
+    name: str
+    id: int
+    capacity: int
+    in_use: int
+    window: int | None
+    queued_until: datetime | None
+    now: datetime  # the database's clock
+
+
+def _locked(connection: BaseDatabaseWrapper, demand: Mapping[str, int]) -> list[_Locked]:
     """These semaphores' rows, locked (again), with the database's clock."""
-    rows = list(
-        Semaphore.objects.using(connection.alias)
+    rows = [
+        _Locked(*row)
+        for row in Semaphore.objects.using(connection.alias)
         .filter(name__in=demand)
         .locked()
         .annotate(db_now=DatabaseNow())
-        .values_list("name", "id", "capacity", F("in_use"), "window", "db_now")
-    )
+        .values_list("name", "id", "capacity", F("in_use"), "window", "queued_until", "db_now")
+    ]
     if len(rows) != len(demand):
-        raise SemaphoreNotFound(set(demand) - {name for name, *_ in rows})
+        raise SemaphoreNotFound(set(demand) - {row.name for row in rows})
     return rows
 
 
 def _short(
-    rows: list[tuple[Any, ...]], demand: Mapping[str, int], ahead: Mapping[int, tuple[int, int]]
+    rows: list[_Locked], demand: Mapping[str, int], ahead: Mapping[int, tuple[int, int]]
 ) -> set[int]:
     """The semaphores where the demand does not fit beside ``ahead``."""
     return {
-        id
-        for name, id, capacity, in_use, *_ in rows
-        if in_use + demand[name] + ahead.get(id, (0, 0))[1] > capacity
+        row.id
+        for row in rows
+        if row.in_use + demand[row.name] + ahead.get(row.id, (0, 0))[1] > row.capacity
     }
 
 
