@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -153,3 +154,81 @@ def _remove_semaphore_row_write(statements: Any) -> None:
 
     statements.count_grant = lambda self, cursor, *counts: None
     statements.insert_permits = insert_uncoordinated
+
+
+class _Sent:
+    """What the oracle records of a send: it has no fencing token."""
+
+    def token(self, name: str) -> int:
+        return 0
+
+
+def send_on_node(
+    oracle: Oracle, name: str, duration: float, stop: Any, tally: Tally, guard_write: bool
+) -> None:
+    """A spawned client on one node: send a task of ``on_conflict="discard"``
+    on the capacity-1 ``name`` (its publish replaced: no broker); when it is
+    sent, run it here as a worker would (its permit claimed under its task
+    id, its parked row ended, held a little, released), until ``duration``
+    is over or another client saw two sent at once (``stop``).
+
+    ``guard_write=False`` removes the send's write to the semaphore row, for
+    the regression check that proves that write is what keeps Galera's sends
+    one at a time.
+    """
+    from django.conf import settings
+    from django.db import connections
+    from django.test import override_settings
+
+    from django_semaphore import acquire, parking, release
+    from django_semaphore.engine.statements.tickets import TicketStatements
+    from django_semaphore.exceptions import LockContention, SemaphoreExhausted
+    from django_semaphore.models import Semaphore
+    from django_semaphore.owners import TaskOwner
+    from django_semaphore.parking import wake
+    from tests import tasks
+
+    wake.publish = lambda alias, ids: len(ids)  # type: ignore[assignment]
+    if not guard_write:
+        TicketStatements.queue_until = lambda self, *args: None  # type: ignore[method-assign]
+    counts = {"attempts": 0, "grants": 0, "conflicts": 0, "gave_up": 0}
+    more_retries = override_settings(
+        DJANGO_SEMAPHORE={**settings.DJANGO_SEMAPHORE, "RETRY_ATTEMPTS": 10}
+    )
+    more_retries.enable()
+    try:
+        _wait_until_replicated(Semaphore, [name])
+        deadline = time.monotonic() + duration
+        while time.monotonic() < deadline and not stop.is_set():
+            task_id = uuid.uuid4().hex
+            counts["attempts"] += 1
+            try:
+                result = tasks.once.apply_async(("galera", 0), task_id=task_id)
+            except LockContention:
+                counts["gave_up"] += 1
+                continue
+            if result.id != task_id:  # discarded: told the one sent
+                time.sleep(random.uniform(0, 0.003))
+                continue
+            counts["grants"] += 1
+            oracle.enter(_Sent(), [name])  # type: ignore[arg-type]
+            if oracle.peak[name].value > 1:
+                stop.set()
+            me = TaskOwner(task_id, tasks.once.name, socket.gethostname(), os.getpid())
+            try:
+                acquire({name: 1}, external_id=task_id, owner=str(me))
+            except SemaphoreExhausted:
+                held = False  # two were sent at once: this run would wait
+            else:
+                held = True
+            parking.started(task_id, {name: 1})
+            time.sleep(random.uniform(0.002, 0.01))
+            oracle.leave([name])
+            if held:
+                release(task_id)
+    except Exception as exc:
+        oracle.errors.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        more_retries.disable()
+        tally.add(**counts)
+        connections.close_all()

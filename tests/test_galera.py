@@ -24,9 +24,10 @@ from django.db import connection
 
 from django_semaphore import backends, checks
 from django_semaphore.models import Permit, ReleaseCounter, Semaphore
+from tests import tasks
 from tests.children import SPAWN, join, spawn
 from tests.clients import Oracle
-from tests.galera_clients import Tally, hammer_node, node_addresses
+from tests.galera_clients import Tally, hammer_node, node_addresses, send_on_node
 
 pytestmark = [pytest.mark.galera, pytest.mark.django_db(transaction=True)]
 
@@ -166,6 +167,50 @@ def test_without_the_semaphore_row_write_the_cluster_over_grants(nodes, make_sem
     assert any(peaks[name] > capacities[name] for name in capacities), (
         f"no over-grant without the semaphore-row write: peaks {peaks}"
     )
+
+
+def run_sends(addresses: list[tuple[str, int]], *, guard_write: bool, duration: float) -> Run:
+    """``CLIENTS_PER_NODE`` spawned clients on each node, sending a task of
+    ``on_conflict="discard"`` on the capacity-1 ``tasks.ONCE``."""
+    Semaphore.objects.create(name=tasks.ONCE, capacity=1)
+    oracle, tally, stop = Oracle.create([tasks.ONCE]), Tally.create(), SPAWN.Event()
+    name = connection.settings_dict["NAME"]
+    workers = [
+        spawn(
+            send_on_node,
+            oracle,
+            tasks.ONCE,
+            duration,
+            stop,
+            tally,
+            guard_write,
+            bound=duration + 120,
+            database={"NAME": name, "HOST": host, "PORT": port},
+        )
+        for host, port in addresses
+        for _ in range(CLIENTS_PER_NODE)
+    ]
+    join(workers, within=duration + 130)
+    return Run(oracle, tally, oracle.entries.items(), oracle.errors.items())
+
+
+def test_sends_on_three_nodes_are_sent_one_at_a_time(nodes):
+    """``on_conflict="discard"`` from clients on every node: never two sent
+    (woken, their room kept) at once on a capacity of 1."""
+    run = run_sends(nodes, guard_write=True, duration=DURATION)
+
+    assert run.errors == [], "a raw driver error (or a bug) surfaced"
+    assert run.tally.grants.value > 50, "too few sends went out to mean anything"
+    assert run.oracle.peak[tasks.ONCE].value == 1
+
+
+def test_without_the_sends_row_write_two_are_sent_at_once(nodes):
+    """The regression check: without the send's write to the semaphore row,
+    sends on two nodes both find room."""
+    run = run_sends(nodes, guard_write=False, duration=NEGATIVE_DURATION)
+
+    assert run.errors == []
+    assert run.oracle.peak[tasks.ONCE].value > 1, "no double send without the row write"
 
 
 def test_the_database_check_warns_that_reads_may_lag_the_other_nodes(nodes):

@@ -60,6 +60,8 @@ ON_CONFLICT = (DISCARD, REPLACE)
 
 # The tasks a discarded one is told of, at most.
 EXISTING_TOLD = 10
+# Decisions a send makes at most when it finds no room and nobody to name there.
+DECISIONS = 10
 
 
 @dataclass(frozen=True)
@@ -125,20 +127,20 @@ def enqueue(
     alias = routing.alias_for_names(list(demand))
     connection = connections[alias]
     admit = functools.partial(_admit, connection, row_of, dict(demand), policy)
-    try:
+    for _ in range(DECISIONS):
         try:
             lined, parked, replaced = _decide(connection, admit, also)
-        except SemaphoreNotFound as missing:
-            # A family's member is created on first use, as a grant creates
-            # it: in a transaction of its own, then the send decides again.
-            families.create_members(connection, missing.names, app_settings.LOCK_WAIT_TIMEOUT)
-            lined, parked, replaced = _decide(connection, admit, also)
-    except _Discarded as discarded:
-        if not discarded.existing:
-            raise SemaphoreExhausted(
-                discarded.names, f"Discarded: no room on {', '.join(discarded.names)}."
-            ) from None
-        return Admission(existing=discarded.existing)
+        except _Discarded as discarded:
+            if discarded.existing:
+                return Admission(existing=discarded.existing)
+            # Nobody to name: a rate limit, a view -- or a holder that
+            # released between the decision's reads (a release does not
+            # wait for the row lock): decide again.
+            names = discarded.names
+            continue
+        break
+    else:
+        raise SemaphoreExhausted(names, f"Discarded: no room on {', '.join(names)}.")
     if parked.woken_at is not None:
         transaction.on_commit(functools.partial(wake.publish, alias, [parked.pk]), using=alias)
     elif policy.debounce is not None and not parked.backend:
@@ -155,8 +157,15 @@ def _decide(
     also: str | None,
 ) -> tuple[wakeups.Lined, ParkedTask, list[str]]:
     """``admit``, retried as its database says; with ``also``'s writes in
-    one transaction of that alias around it."""
+    one transaction of that alias around it. A family's member is created
+    on first use, as a grant creates it: in a transaction of its own, then
+    the send decides again."""
     both = transaction.atomic(using=also) if also not in (None, connection.alias) else nullcontext()
+    try:
+        with both:
+            return run_with_retries(connection, admit)
+    except SemaphoreNotFound as missing:
+        families.create_members(connection, missing.names, app_settings.LOCK_WAIT_TIMEOUT)
     with both:
         return run_with_retries(connection, admit)
 
