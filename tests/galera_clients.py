@@ -11,6 +11,8 @@ import random
 import socket
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -67,10 +69,6 @@ def hammer_node(
     ``fence_write=False`` removes the grant's write to the semaphore row, for
     the regression check that proves that write is what keeps Galera safe.
     """
-    from django.conf import settings
-    from django.db import connections
-    from django.test import override_settings
-
     from django_semaphore import acquire, backends, release
     from django_semaphore.engine import statements
     from django_semaphore.exceptions import LockContention, SemaphoreExhausted
@@ -89,15 +87,7 @@ def hammer_node(
 
     backends.classify = counting_classify  # type: ignore[assignment]
     names = sorted(capacities)
-    # As docs/clusters.md advises for clients of one semaphore on several
-    # nodes: conflicts are retried from this budget, and so are those the
-    # client reads as a garbled answer (error 2000, a DatabaseUnavailable once
-    # three attempts in a row met one: seen once in a CI run).
-    more_retries = override_settings(
-        DJANGO_SEMAPHORE={**settings.DJANGO_SEMAPHORE, "RETRY_ATTEMPTS": 10}
-    )
-    more_retries.enable()
-    try:
+    with _client(oracle, tally, counts):
         _wait_until_replicated(Semaphore, names)
         deadline = time.monotonic() + duration
         while time.monotonic() < deadline and not stop.is_set():
@@ -119,6 +109,26 @@ def hammer_node(
             time.sleep(random.uniform(0.002, 0.01))  # long enough to overlap
             oracle.leave(list(demand))
             release(key)
+
+
+@contextmanager
+def _client(oracle: Oracle, tally: Tally, counts: dict[str, int]) -> Iterator[None]:
+    """A client's run: its errors to the oracle, its counts to the tally, its
+    connections closed. As docs/clusters.md advises for clients of one
+    semaphore on several nodes, conflicts are retried from a larger budget,
+    and so are those the client reads as a garbled answer (error 2000, a
+    DatabaseUnavailable once three attempts in a row met one: seen once in a
+    CI run)."""
+    from django.conf import settings
+    from django.db import connections
+    from django.test import override_settings
+
+    more_retries = override_settings(
+        DJANGO_SEMAPHORE={**settings.DJANGO_SEMAPHORE, "RETRY_ATTEMPTS": 10}
+    )
+    more_retries.enable()
+    try:
+        yield
     except Exception as exc:
         oracle.errors.put(f"{type(exc).__name__}: {exc}")
     finally:
@@ -176,10 +186,6 @@ def send_on_node(
     the regression check that proves that write is what keeps Galera's sends
     one at a time.
     """
-    from django.conf import settings
-    from django.db import connections
-    from django.test import override_settings
-
     from django_semaphore import acquire, parking, release
     from django_semaphore.engine.statements.tickets import TicketStatements
     from django_semaphore.exceptions import LockContention, SemaphoreExhausted
@@ -192,11 +198,7 @@ def send_on_node(
     if not guard_write:
         TicketStatements.queue_until = lambda self, *args: None  # type: ignore[method-assign]
     counts = {"attempts": 0, "grants": 0, "conflicts": 0, "gave_up": 0}
-    more_retries = override_settings(
-        DJANGO_SEMAPHORE={**settings.DJANGO_SEMAPHORE, "RETRY_ATTEMPTS": 10}
-    )
-    more_retries.enable()
-    try:
+    with _client(oracle, tally, counts):
         _wait_until_replicated(Semaphore, [name])
         deadline = time.monotonic() + duration
         while time.monotonic() < deadline and not stop.is_set():
@@ -226,9 +228,3 @@ def send_on_node(
             oracle.leave([name])
             if held:
                 release(task_id)
-    except Exception as exc:
-        oracle.errors.put(f"{type(exc).__name__}: {exc}")
-    finally:
-        more_retries.disable()
-        tally.add(**counts)
-        connections.close_all()

@@ -59,25 +59,29 @@ class Run:
     errors: list[str]
 
 
-def run_spread(
+def run_on_nodes(
     addresses: list[tuple[str, int]],
-    capacities: dict[str, int],
+    client: Any,
+    target: Any,
+    names: list[str],
     *,
-    fence_write: bool,
+    guard: bool,
     duration: float,
 ) -> Run:
-    """``CLIENTS_PER_NODE`` spawned clients on each node, hammering ``capacities``."""
-    oracle, tally, stop = Oracle.create(sorted(capacities)), Tally.create(), SPAWN.Event()
+    """``CLIENTS_PER_NODE`` spawned ``client``s on each node (``hammer_node``,
+    ``send_on_node``), on ``target``, with their guard or without it; an
+    oracle outside the database counts the holders of ``names``."""
+    oracle, tally, stop = Oracle.create(names), Tally.create(), SPAWN.Event()
     name = connection.settings_dict["NAME"]
     workers = [
         spawn(
-            hammer_node,
+            client,
             oracle,
-            capacities,
+            target,
             duration,
             stop,
             tally,
-            fence_write,
+            guard,
             bound=duration + 120,
             database={"NAME": name, "HOST": host, "PORT": port},
         )
@@ -133,7 +137,9 @@ def test_clients_on_three_nodes_never_over_grant(nodes, make_semaphore):
     one, three = make_semaphore(capacity=1).name, make_semaphore(capacity=3).name
     capacities = {one: 1, three: 3}
 
-    run = run_spread(nodes, capacities, fence_write=True, duration=DURATION)
+    run = run_on_nodes(
+        nodes, hammer_node, capacities, sorted(capacities), guard=True, duration=DURATION
+    )
 
     assert run.errors == [], "a raw driver error (or a bug) surfaced"
     assert run.tally.grants.value > 100, "too few grants to mean anything"
@@ -160,7 +166,9 @@ def test_without_the_semaphore_row_write_the_cluster_over_grants(nodes, make_sem
     one, three = make_semaphore(capacity=1).name, make_semaphore(capacity=3).name
     capacities = {one: 1, three: 3}
 
-    run = run_spread(nodes, capacities, fence_write=False, duration=NEGATIVE_DURATION)
+    run = run_on_nodes(
+        nodes, hammer_node, capacities, sorted(capacities), guard=False, duration=NEGATIVE_DURATION
+    )
 
     assert run.errors == []
     peaks = {name: run.oracle.peak[name].value for name in capacities}
@@ -170,28 +178,12 @@ def test_without_the_semaphore_row_write_the_cluster_over_grants(nodes, make_sem
 
 
 def run_sends(addresses: list[tuple[str, int]], *, guard_write: bool, duration: float) -> Run:
-    """``CLIENTS_PER_NODE`` spawned clients on each node, sending a task of
-    ``on_conflict="discard"`` on the capacity-1 ``tasks.ONCE``."""
+    """Clients on each node sending a task of ``on_conflict="discard"`` on
+    the capacity-1 ``tasks.ONCE``."""
     Semaphore.objects.create(name=tasks.ONCE, capacity=1)
-    oracle, tally, stop = Oracle.create([tasks.ONCE]), Tally.create(), SPAWN.Event()
-    name = connection.settings_dict["NAME"]
-    workers = [
-        spawn(
-            send_on_node,
-            oracle,
-            tasks.ONCE,
-            duration,
-            stop,
-            tally,
-            guard_write,
-            bound=duration + 120,
-            database={"NAME": name, "HOST": host, "PORT": port},
-        )
-        for host, port in addresses
-        for _ in range(CLIENTS_PER_NODE)
-    ]
-    join(workers, within=duration + 130)
-    return Run(oracle, tally, oracle.entries.items(), oracle.errors.items())
+    return run_on_nodes(
+        addresses, send_on_node, tasks.ONCE, [tasks.ONCE], guard=guard_write, duration=duration
+    )
 
 
 def test_sends_on_three_nodes_are_sent_one_at_a_time(nodes):
