@@ -189,7 +189,7 @@ def send(task: Any, enqueue: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     def row_of() -> Row:
         sent.append(enqueue(task, *args, **kwargs))  # again on a retried transaction
         result = sent[-1]
-        return Row(result.id, result.id, task.module_path, b"", "", "", None, result.backend)
+        return Row.of_django(result.id, result.id, task.module_path, result.backend)
 
     admitted = admission.enqueue(row_of, call.demand, call.policy, also=deferred.alias())
     if admitted.existing:

@@ -22,6 +22,7 @@ from django.utils import timezone
 from django_semaphore import parking
 from django_semaphore.integrations.options import OPTIONS_ATTRIBUTE, Options
 from django_semaphore.parking import admission, wake
+from django_semaphore.parking.rows import Row
 
 logger = logging.getLogger("django_semaphore")
 
@@ -76,7 +77,7 @@ class PermitTask(Task):  # type: ignore[misc]
             args, kwargs, task_id=task_id, link=link, link_error=link_error, shadow=shadow,
             **options,
         )  # fmt: skip
-        row_of = functools.partial(admission.celery_row, self, signature)
+        row_of = functools.partial(Row.of_celery, self, signature)
         admitted = admission.enqueue(row_of, call.demand, call.policy)
         if admitted.existing:
             existing = admitted.existing[0]

@@ -86,7 +86,7 @@ from django_semaphore.engine import wakeups
 from django_semaphore.exceptions import LineFull
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.parking import wake
-from django_semaphore.parking.rows import Row, encode, expiry, raw_delete, write
+from django_semaphore.parking.rows import Row, raw_delete, write
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import ReleaseReason
 from django_semaphore.validation import validate_keys
@@ -113,7 +113,7 @@ def park(task: Any, demand: Mapping[str, int], key: str, max_waiting: int | None
     """
     request = task.request
     signature = task.signature_from_request(request, request.args, request.kwargs)
-    row = Row(request.id, key, task.name, *encode(task, signature), expiry(request.expires))
+    row = Row.of_celery(task, signature, key)
     alias, lined = _park(row, demand, max_waiting)
     set_state(task, demand)
     wake.wake(alias, lined.ids.values())
@@ -139,7 +139,7 @@ def defer(
         LineFull: as for ``park``.
         SemaphoreError: the row could not be written.
     """
-    row = Row(result_id, key, task_name, b"", "", "", None, backend)
+    row = Row.of_django(result_id, key, task_name, backend)
     alias, lined = _park(row, demand, max_waiting)
     wake.wake(alias, lined.ids.values())
 

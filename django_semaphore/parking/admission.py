@@ -35,7 +35,6 @@ from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 from django.db import IntegrityError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -50,7 +49,7 @@ from django_semaphore.exceptions import SemaphoreExhausted, SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.owners import TaskOwner
 from django_semaphore.parking import deferred, refuse_a_full_line, wake
-from django_semaphore.parking.rows import Row, encode, expiry, raw_delete, write
+from django_semaphore.parking.rows import Row, raw_delete, write
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import State
 
@@ -90,15 +89,6 @@ class _Discarded(Exception):
 
     def __init__(self, existing: list[str], names: list[str]) -> None:
         self.existing, self.names = existing, names
-
-
-def celery_row(task: Any, signature: Any) -> Row:
-    """The parked row of the Celery task ``signature`` (with its ``task_id``)."""
-    options = signature.options
-    task_id = options["task_id"]
-    return Row(
-        task_id, task_id, task.name, *encode(task, signature), expiry(options.get("expires"))
-    )
 
 
 def enqueue(

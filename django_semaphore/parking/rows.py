@@ -28,8 +28,21 @@ class Row:
     expires_at: datetime | None
     backend: str = ""
 
+    @classmethod
+    def of_celery(cls, task: Any, signature: Any, key: str | None = None) -> Row:
+        """A Celery task's row: its ``signature`` (with its ``task_id`` and
+        ``expires``) as its serializer encodes it; ``key``: the task id's."""
+        task_id = signature.options["task_id"]
+        expires = _expiry(signature.options.get("expires"))
+        return cls(task_id, key or task_id, task.name, *_encode(task, signature), expires)
 
-def encode(task: Any, signature: Any) -> tuple[bytes, str, str]:
+    @classmethod
+    def of_django(cls, result_id: str, key: str, task_name: str, backend: str) -> Row:
+        """A Django task's row: its result waits in its ``backend``."""
+        return cls(result_id, key, task_name, b"", "", "", None, backend)
+
+
+def _encode(task: Any, signature: Any) -> tuple[bytes, str, str]:
     """A task's message as its serializer encodes it: body, content type
     and encoding (``kombu.serialization``)."""
     from kombu import serialization
@@ -42,7 +55,7 @@ def encode(task: Any, signature: Any) -> tuple[bytes, str, str]:
     return bytes(body), content_type, encoding
 
 
-def expiry(expires: Any) -> datetime | None:
+def _expiry(expires: Any) -> datetime | None:
     """A task's ``expires`` (a datetime, or ISO text as a worker's request
     has it; naive is UTC, as Celery sends it) as an aware datetime."""
     from celery.utils.time import maybe_iso8601
