@@ -14,14 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db.models import Count, Min, Sum
+from django.db.models import Count, Sum
 from django.db.models.functions import Coalesce
 
 from django_semaphore import routing
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.limits import Limit
 from django_semaphore.models import ParkedTask, Permit, Semaphore, Ticket
 from django_semaphore.states import State
-from django_semaphore.validation import format_limit
 
 # Holders and older waiters named on each semaphore; the rest are counted.
 NAMED = 5
@@ -44,9 +44,8 @@ class Blocker:
 
     semaphore: str
     wants: int
-    capacity: int
+    limit: Limit
     in_use: int
-    window: int | None  # seconds: a rate limit
     kept: int  # permits older waiters that lacked room keep from it
     older: int  # how many such waiters there are
     older_named: list[str]  # the first of them (their waiter)
@@ -57,7 +56,7 @@ class Blocker:
     @property
     def room(self) -> int:
         """What is free for this waiter: not in use, not kept for older waiters."""
-        return max(0, self.capacity - self.in_use - self.kept)
+        return max(0, self.limit.capacity - self.in_use - self.kept)
 
     @property
     def lacks_room(self) -> bool:
@@ -68,10 +67,9 @@ class Blocker:
         """In words, as the status command and the admin show it: a summary,
         then the older waiters, the holders and a rate limit's next slot."""
         verdict = "lacks room" if self.lacks_room else "has room"
-        limit = format_limit(self.capacity, self.window)
         lines = [
-            f"{self.semaphore}: {verdict}: wants {self.wants}, {self.in_use} of {limit} in use, "
-            f"{self.kept} kept for {self.older} older waiter(s), {self.room} free for it"
+            f"{self.semaphore}: {verdict}: wants {self.wants}, {self.in_use} of {self.limit} "
+            f"in use, {self.kept} kept for {self.older} older waiter(s), {self.room} free for it"
         ]
         if self.older_named:
             more = self.older - len(self.older_named)
@@ -187,17 +185,19 @@ def _blocker(alias: str, ticket: Ticket, semaphore: Semaphore) -> Blocker:
         for permit in held.select_related("request").order_by("request__created_at", "pk")[:NAMED]
     ]
     next_slot = None
-    if semaphore.window is not None:
-        counted = Permit.objects.using(alias).filter(
-            semaphore=semaphore, slot_ends__gt=DatabaseNow()
+    if semaphore.limit.is_rate:
+        next_slot = (
+            Permit.objects.using(alias)
+            .counting()
+            .filter(semaphore=semaphore)
+            .values_list("slot_ends", flat=True)
+            .first()
         )
-        next_slot = counted.aggregate(first=Min("slot_ends"))["first"]
     return Blocker(
         semaphore=semaphore.name,
         wants=ticket.count,
-        capacity=semaphore.capacity,
+        limit=semaphore.limit,
         in_use=semaphore.in_use,
-        window=semaphore.window,
         kept=kept["kept"],
         older=kept["n"],
         older_named=[t.waiter for t in older.select_related("parked").order_by("id")[:NAMED]],

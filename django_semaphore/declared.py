@@ -26,8 +26,9 @@ from django.db import router
 
 from django_semaphore import routing
 from django_semaphore.conf import app_settings
+from django_semaphore.limits import Limit
 from django_semaphore.models import Semaphore
-from django_semaphore.validation import Declared, format_limit, is_pattern, validate_declared
+from django_semaphore.validation import Declared, is_pattern, validate_declared
 
 APPLY_COMMAND = "manage.py semaphore_sync --apply"
 
@@ -40,24 +41,23 @@ class Drift:
     name: str
     alias: str
     declared: Declared
-    # (capacity, window) of the row; None: no row.
-    stored: tuple[int, int | None] | None
+    stored: Limit | None  # the row's; None: no row
 
     @property
     def settings_say(self) -> str:
-        return format_limit(self.declared.capacity, self.declared.window)
+        return str(self.declared.limit)
 
     @property
     def database_has(self) -> str:
-        return "nothing" if self.stored is None else format_limit(*self.stored)
+        return "nothing" if self.stored is None else str(self.stored)
 
     @property
     def changes_capacity(self) -> bool:
-        return self.stored is not None and self.stored[0] != self.declared.capacity
+        return self.stored is not None and self.stored.capacity != self.declared.capacity
 
     @property
     def changes_window(self) -> bool:
-        return self.stored is not None and self.stored[1] != self.declared.window
+        return self.stored is not None and self.stored.window != self.declared.window
 
     def describe(self) -> str:
         what = "family default " if is_pattern(self.name) else ""
@@ -92,7 +92,7 @@ def drift(using: str, *, missing: bool = True) -> list[Drift]:
     if not declared:
         return []
     stored = {
-        name: (capacity, window)
+        name: Limit(capacity, window)
         for name, capacity, window in Semaphore.objects.using(using)
         .filter(name__in=declared)
         .values_list("name", "capacity", "window")
@@ -102,7 +102,7 @@ def drift(using: str, *, missing: bool = True) -> list[Drift]:
         row = stored.get(name)
         if row is None and not missing:
             continue
-        if row != (limits.capacity, limits.window):
+        if row != limits.limit:
             found.append(Drift(name, using, limits, row))
     return found
 

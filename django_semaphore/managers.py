@@ -55,6 +55,10 @@ class SemaphoreQuerySet(GuardedQuerySet[M]):
         """
         return self.select_for_update().order_by("name")
 
+    def rate_limits(self) -> Self:
+        """Those with a window (``limits.Limit.is_rate``)."""
+        return self.filter(window__isnull=False)
+
     def bulk_create(self, objs: Any, *args: Any, **kwargs: Any) -> list[M]:
         """Create the semaphores and their release counters (``ReleaseCounter``).
 
@@ -279,6 +283,11 @@ PermitRequestManager = models.Manager.from_queryset(PermitRequestQuerySet)
 
 class PermitQuerySet(GuardedQuerySet[M]):
     """Permits: every column is the engine's (see ``Permit.ORM_REFUSED``)."""
+
+    def counting(self) -> Self:
+        """Rate limits' slots that still count, by the database's clock,
+        earliest end first: the first is when the next slot frees."""
+        return self.filter(slot_ends__gt=DatabaseNow()).order_by("slot_ends")
 
 
 PermitManager = models.Manager.from_queryset(PermitQuerySet)

@@ -13,6 +13,7 @@ from typing import Any, TypeGuard
 from django.db.backends.base.operations import BaseDatabaseOperations
 
 from django_semaphore.exceptions import InvalidRequest
+from django_semaphore.limits import Limit
 
 MAX_LENGTH = 255
 # Stored in an unsigned 32-bit column on MySQL; ~68 years is plenty. Also
@@ -27,7 +28,7 @@ MAX_TOKEN = BaseDatabaseOperations.integer_field_ranges["PositiveBigIntegerField
 # kept on their permits until the grant closes them, whatever the
 # retention of released requests (sweep.clean_released keeps them).
 MAX_WINDOW = 86_400
-# "100/s": a rate's units, in seconds ("min" is how format_rate writes a minute).
+# "100/s": a rate's units, in seconds ("min" is how a Limit writes a minute).
 RATE_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600}
 RATE = re.compile(r"(?P<count>[0-9]+)/(?P<multiple>[0-9]*)(?P<unit>s|m|min|h)", re.ASCII)
 # A family's pattern is a declared name with fnmatch wildcards (families.py).
@@ -236,19 +237,6 @@ def parse_rate(rate: Any) -> tuple[int, int]:
     return validate_capacity(int(found["count"])), _window_seconds(window)
 
 
-def format_rate(capacity: int, window: int) -> str:
-    """A rate as people write it (and ``parse_rate`` reads it), in the
-    window's largest whole unit: "100/s", "5/min", "3/10s", "1000/2h"."""
-    unit, seconds = next((u, s) for u, s in (("h", 3600), ("min", 60), ("s", 1)) if window % s == 0)
-    multiple = window // seconds
-    return f"{capacity}/{multiple if multiple > 1 else ''}{unit}"
-
-
-def format_limit(capacity: int, window: int | None) -> str:
-    """A semaphore's limit: its capacity, or its rate when it has a window."""
-    return str(capacity) if window is None else format_rate(capacity, window)
-
-
 @dataclass(frozen=True)
 class Declared:
     """A ``SEMAPHORES`` value: ``3``, ``{"capacity": 3}``, ``{"rate": "100/s"}``,
@@ -258,6 +246,10 @@ class Declared:
     capacity: int
     window: int | None = None
     max_members: int | None = None
+
+    @property
+    def limit(self) -> Limit:
+        return Limit(self.capacity, self.window)
 
 
 def validate_declared(name: Any, value: Any) -> Declared:
@@ -297,14 +289,14 @@ def validate_declared(name: Any, value: Any) -> Declared:
     return Declared(capacity, window, bound)
 
 
-def parse_limit(text: str) -> tuple[int, int | None]:
+def parse_limit(text: str) -> Limit:
     """A capacity or a rate as written on a command line: ``"3"`` (no
-    window) or ``"100/s"``: (capacity, window)."""
+    window) or ``"100/s"``."""
     if "/" in text:
-        return parse_rate(text)
+        return Limit(*parse_rate(text))
     if not (text.isascii() and text.isdigit()):
         raise InvalidRequest(f"Give a capacity (3) or a rate (100/s), not {text!r}.")
-    return validate_capacity(int(text)), None
+    return Limit(validate_capacity(int(text)))
 
 
 def _seconds(value: Any, what: str) -> float:

@@ -14,9 +14,10 @@ from django.urls import reverse
 
 from django_semaphore import acquire, release, set_capacity, set_window
 from django_semaphore.admin.chart import describe
+from django_semaphore.limits import Limit
 from django_semaphore.models import CapacityChange, Semaphore
 from django_semaphore.utilization import CapacityMark, Span, build_utilization
-from django_semaphore.validation import format_rate, parse_rate
+from django_semaphore.validation import parse_rate
 from tests.conftest import unique
 from tests.test_admin import HISTORY, SEMAPHORES, VIEW_ALL, semaphore_url, staff
 
@@ -54,7 +55,7 @@ def limits_form(capacity: int, window: int | None, reason: str = "") -> dict[str
     ],
 )
 def test_a_rate_reads_in_its_largest_whole_unit(capacity, window, text):
-    assert format_rate(capacity, window) == text
+    assert str(Limit(capacity, window)) == text
     assert parse_rate(text) == (capacity, window)
 
 

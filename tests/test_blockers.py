@@ -56,7 +56,7 @@ def test_a_fair_waiter_is_told_what_lacks_room_who_holds_it_and_who_is_ahead(ful
     lacking, other = waiting.blockers
     assert (lacking.semaphore, other.semaphore) == (full.name, free.name)
     assert waiting.lacking == [lacking]
-    assert (lacking.wants, lacking.capacity, lacking.in_use) == (1, 2, 2)
+    assert (lacking.wants, lacking.limit.capacity, lacking.in_use) == (1, 2, 2)
     assert (lacking.kept, lacking.older, lacking.older_named) == (1, 1, ["waiter older"])
     assert [holder.key for holder in lacking.holders] == ["holder-1", "holder-2"]
     assert [holder.owner for holder in lacking.holders] == ["web-1", "web-2"]
@@ -98,7 +98,7 @@ def test_a_rate_limit_says_when_its_next_slot_opens():
 
     [blocker] = why_waiting("mine").blockers
 
-    assert (blocker.in_use, blocker.window, blocker.lacks_room) == (1, 60, True)
+    assert (blocker.in_use, blocker.limit.window, blocker.lacks_room) == (1, 60, True)
     assert blocker.next_slot is not None
     assert timedelta(seconds=55) < blocker.next_slot - timezone.now() <= timedelta(seconds=60)
 

@@ -130,11 +130,11 @@ def test_status_shows_a_rate_limits_rate_and_its_grants_in_the_window():
 def test_a_rate_makes_a_rate_limit_and_no_window_a_concurrency_limit_again():
     name, rated = unique(), unique()
     run("semaphore_create", name, "3")
-    assert "capacity 5 per 60s" in run("semaphore_create", rated, "5/m")
+    assert "capacity 5/min" in run("semaphore_create", rated, "5/m")
     assert Semaphore.objects.filter(name=rated, capacity=5, window=60).exists()
 
-    assert "capacity 3 -> 100 per 1s" in run("semaphore_capacity", name, "100/s")
-    assert "capacity 100 per 1s -> 4" in run("semaphore_capacity", name, "4", "--no-window")
+    assert "capacity 3 -> 100/s" in run("semaphore_capacity", name, "100/s")
+    assert "capacity 100/s -> 4" in run("semaphore_capacity", name, "4", "--no-window")
 
     changes = CapacityChange.objects.filter(semaphore__name=name).order_by("id")
     assert [(c.old_capacity, c.new_capacity, c.old_window, c.new_window) for c in changes] == [

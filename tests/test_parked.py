@@ -553,9 +553,9 @@ def test_a_refused_task_stands_by_and_takes_the_next_release(holds):
     s = semaphore(1)
     acquire(s.name, external_id="holder")
     holds[s.name] = 0.05  # a short hold seen: it probes every 5 ms
+    started = time.monotonic()  # before the releaser's sleep starts
     releaser = release_later("holder", 0.3)
 
-    started = time.monotonic()
     key = standby.stand_by("new", {s.name: 1}, claimer(s.name, "new"))
     waited = time.monotonic() - started
     releaser.join()

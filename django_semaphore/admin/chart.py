@@ -15,8 +15,8 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
+from django_semaphore.limits import Limit
 from django_semaphore.utilization import CapacityMark, Utilization
-from django_semaphore.validation import format_limit
 
 WIDTH = 760
 HEIGHT = 240
@@ -212,8 +212,8 @@ def _counted(utilization: Utilization) -> str:
 def _describe_change(change: CapacityMark) -> str:
     text = _("%(time)s: capacity %(old)s → %(new)s") % {
         "time": timezone.localtime(change.at).strftime("%H:%M"),
-        "old": format_limit(change.old, change.old_window),
-        "new": format_limit(change.new, change.new_window),
+        "old": Limit(change.old, change.old_window),
+        "new": Limit(change.new, change.new_window),
     }
     if change.changed_by:
         text += " " + _("by %(user)s") % {"user": change.changed_by}

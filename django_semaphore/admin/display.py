@@ -10,8 +10,6 @@ from django.utils.safestring import SafeString
 from django.utils.timesince import timesince
 from django.utils.translation import gettext, ngettext
 
-from django_semaphore.validation import format_limit
-
 if TYPE_CHECKING:
     from django_semaphore.models import CapacityChange
 
@@ -63,8 +61,7 @@ def usage_bar(in_use: int, capacity: int) -> SafeString:
 def limit_change(change: CapacityChange) -> str:
     """A capacity history row as old → new limit: "4 → 6", "5/min → 10/min",
     "5 → 5/min" (a window set), "5/min → 5" (removed)."""
-    old = format_limit(change.old_capacity, change.old_window)
-    return f"{old} → {format_limit(change.new_capacity, change.new_window)}"
+    return f"{change.old_limit} → {change.new_limit}"
 
 
 def expiry(expires_at: datetime | None, now: datetime) -> str:

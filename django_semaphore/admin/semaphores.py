@@ -43,7 +43,7 @@ from django_semaphore.models import (
     Semaphore,
 )
 from django_semaphore.states import State
-from django_semaphore.validation import MAX_COUNT, MAX_LENGTH, format_rate
+from django_semaphore.validation import MAX_COUNT, MAX_LENGTH
 
 
 class FamilyFilter(admin.SimpleListFilter):
@@ -149,7 +149,7 @@ class SemaphoreAdmin(OperatorAdmin):
                 {
                     "fields": [
                         "in_use",
-                        *(["next_slot"] if obj.window is not None else []),
+                        *(["next_slot"] if obj.limit.is_rate else []),
                         "available",
                         "utilization",
                         "holders",
@@ -201,15 +201,13 @@ class SemaphoreAdmin(OperatorAdmin):
     @admin.display(description=_("rate"), ordering="window")
     def rate(self, obj: Semaphore) -> str:
         """A rate limit's capacity per window ("5/min"); nothing for a concurrency limit."""
-        if obj.window is None:
-            return self.get_empty_value_display()
-        return format_rate(obj.capacity, obj.window)
+        return str(obj.limit) if obj.limit.is_rate else self.get_empty_value_display()
 
     @admin.display(description=_("in use"), ordering="in_use")
     def in_use(self, obj: Semaphore) -> SafeString | int:
         """The permits held, or on a rate limit the grants in its current window."""
         count = annotated(obj, "in_use")
-        if obj.window is None:
+        if not obj.limit.is_rate:
             return count
         return format_html(
             '<span class="in-window" title="{}" style="white-space: nowrap">{}</span>',
@@ -230,9 +228,9 @@ class SemaphoreAdmin(OperatorAdmin):
             return gettext("never (capacity 0)")
         slots = (
             Permit.objects.using(routing.current_alias())
-            .filter(semaphore=obj, slot_ends__gt=DatabaseNow())
+            .counting()
+            .filter(semaphore=obj)
             .annotate(now=DatabaseNow())
-            .order_by("slot_ends")
             .values_list("slot_ends", "count", "now")
         )
         for ends, count, now in slots[:needed]:

@@ -4,6 +4,7 @@ home of a change (which ``Semaphore.save()`` uses too)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, TypedDict
 
 from django.db import transaction
@@ -36,10 +37,6 @@ def change_limits(
         if semaphore is None:
             raise SemaphoreNotFound([name])
         semaphore.record_change(
-            capacity=limits.get("capacity", semaphore.capacity),
-            window=limits.get("window", semaphore.window),
-            changed_by=changed_by,
-            reason=reason,
-            using=alias,
+            replace(semaphore.limit, **limits), changed_by=changed_by, reason=reason, using=alias
         )
     return semaphore

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from django.db import IntegrityError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -202,7 +202,7 @@ def grant(
                 return refused
         request_id, now, expires_at = sql.insert_request(cursor, key, owner, ttl, lock_wait)
         for s in locked:
-            if _closing_due(s, now):
+            if s.limit.closing_due(now, s.slots_closed_until):
                 sql.close_slots(cursor, s, now)
         sql.count_grant(cursor, locked, {s.id: demand.counts[s.name] for s in locked}, now)
         tokens = {s.name: s.fencing_counter + 1 for s in locked}
@@ -211,7 +211,13 @@ def grant(
         sql.insert_permits(
             cursor,
             [
-                (s.id, request_id, demand.counts[s.name], tokens[s.name], _slot_ends(s, now))
+                (
+                    s.id,
+                    request_id,
+                    demand.counts[s.name],
+                    tokens[s.name],
+                    s.limit.slot_ends(now, s.slots_closed_until),
+                )
                 for s in sorted(locked, key=lambda s: s.id)
             ],
         )
@@ -303,12 +309,12 @@ def refusal(
         # A repeated call is answered with its request even when full.
         return KeyTaken()
     for s in locked:
-        if s.window is not None:
+        if s.limit.is_rate:
             # Exact before anything is decided: the fair queue reads it too.
             sql.close_slots(cursor, s, usage.now)
     # Expired holders free room on concurrency limits only: a rate limit's
     # slots end with their window, released or not.
-    lacking = [s.id for s in _lacking_room(locked, demand) if s.window is None]
+    lacking = [s.id for s in _lacking_room(locked, demand) if not s.limit.is_rate]
     if lacking and usage.expired and reclaim_expired(connection, lacking, usage.now, lock_wait):
         sql.read_released(cursor, locked)
     waiting_on, standing = fairness.admit(
@@ -333,34 +339,12 @@ def _next_slot_in(
     demand; ``None`` when a concurrency limit lacks room too (its holders'
     releases cannot be foretold)."""
     lacking = _lacking_room(locked, demand)
-    if not lacking or any(s.window is None for s in lacking):
+    if not lacking or not all(s.limit.is_rate for s in lacking):
         return None
     frees = [sql.next_slot(cursor, s, demand.counts[s.name], now) for s in lacking]
     if None in frees:
         return None
     return max((at - now).total_seconds() for at in frees if at is not None)
-
-
-def _closing_due(s: LockedSemaphore, now: datetime) -> bool:
-    """Whether the grant closes the ended slots of ``s`` though it has room:
-    once a window at least, so that reading ``in_use`` (which subtracts the
-    slots ended and not closed yet) never reads more than about a window's
-    grants."""
-    if s.window is None:
-        return False
-    closed = s.slots_closed_until
-    return closed is None or closed + timedelta(seconds=s.window) <= now
-
-
-def _slot_ends(s: LockedSemaphore, now: datetime) -> datetime | None:
-    """The end of the slot a grant at ``now`` takes on the rate limit ``s``:
-    a window later, and after the last close of its slots whatever the
-    clock did (a slot ending before it would never be closed)."""
-    if s.window is None:
-        return None
-    ends = now + timedelta(seconds=s.window)
-    closed = s.slots_closed_until
-    return ends if closed is None else max(ends, closed + timedelta(microseconds=1))
 
 
 def _lacking_room(locked: list[LockedSemaphore], demand: Demand) -> list[LockedSemaphore]:

@@ -12,7 +12,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_semaphore import backends
 from django_semaphore.engine.statements import built, placeholders
 from django_semaphore.engine.statements.probes import ProbeStatements
-from django_semaphore.engine.statements.rows import held, in_use
+from django_semaphore.engine.statements.rows import held
+from django_semaphore.limits import Limit
 
 
 @dataclass
@@ -50,7 +51,7 @@ def probe(
     for id, capacity, grants, counted, folded, released, ahead, *slots in rows:
         window, open_, ended, next_ends, now = slots
         permits = held(int(counted), int(folded), int(released))
-        used = max(in_use(window, permits, int(open_), int(ended or 0)), 0)
+        used = max(Limit(int(capacity), window).in_use(permits, int(open_), int(ended or 0)), 0)
         next_slot_in = None
         if next_ends is not None:
             at, now = (backends.datetime_from_db(connection, t) for t in (next_ends, now))

@@ -127,7 +127,8 @@ def _verify_slots(alias: str, semaphore_ids: Sequence[int], correct: bool) -> li
     now = Semaphore.objects.using(alias).values_list(DatabaseNow(), flat=True)[:1].get()
     rows = (
         Semaphore.objects.using(alias)
-        .filter(id__in=semaphore_ids, window__isnull=False)
+        .rate_limits()
+        .filter(id__in=semaphore_ids)
         .annotate(
             counted=Coalesce(not_closed(Permit), 0),
             ended=Coalesce(not_closed(Permit, slot_ends__lte=now), 0),

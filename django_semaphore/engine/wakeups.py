@@ -37,6 +37,7 @@ from django_semaphore.conf import app_settings
 from django_semaphore.engine.releasing import reclaim_expired
 from django_semaphore.engine.statements.tickets import MAX_TICKET_LIFE, ticket_statements
 from django_semaphore.exceptions import SemaphoreNotFound
+from django_semaphore.limits import Limit
 from django_semaphore.models import ParkedTask, Permit, Semaphore, Ticket
 
 # Parked tasks read per semaphore and kind by one wake: more than any
@@ -80,7 +81,7 @@ def line_up(
     with connection.cursor() as cursor:
         ahead = statements.older(cursor, list(ids.values()), key, now, lock_wait)
         short = _short(rows, demand, ahead)
-        held_short = [row.id for row in rows if row.id in short and row.window is None]
+        held_short = [row.id for row in rows if row.id in short and not row.limit.is_rate]
         if held_short and reclaim_expired(connection, held_short, now, lock_wait):
             short = _short(_locked(connection, demand), demand, ahead)
         until = expires_at or now + MAX_TICKET_LIFE
@@ -95,7 +96,7 @@ def line_up(
             until = max([until, *queued]) + timedelta(microseconds=1)
         counts = {ids[name]: count for name, count in demand.items()}
         statements.take(cursor, key, "", counts, now, until, lacking, lock_wait)
-    return Lined(ids, {row.id for row in rows if row.window is not None}, short)
+    return Lined(ids, {row.id for row in rows if row.limit.is_rate}, short)
 
 
 class _Locked(NamedTuple):
@@ -108,6 +109,10 @@ class _Locked(NamedTuple):
     window: int | None
     queued_until: datetime | None
     now: datetime  # the database's clock
+
+    @property
+    def limit(self) -> Limit:
+        return Limit(self.capacity, self.window)
 
 
 def _locked(connection: BaseDatabaseWrapper, demand: Mapping[str, int]) -> list[_Locked]:
@@ -163,15 +168,14 @@ def next_slots(alias: str, semaphore_ids: set[int]) -> dict[int, float]:
     """Semaphore id -> seconds until the next slot ends, for the rate limits
     (windowed semaphores) among these that parked tasks wait on: they gain
     room then, and no release will say so. By plain reads, no lock."""
-    slots = Permit.objects.using(alias).filter(
-        semaphore=OuterRef("pk"), slot_ends__gt=DatabaseNow()
-    )
+    slots = Permit.objects.using(alias).counting().filter(semaphore=OuterRef("pk"))
     rows = (
         Semaphore.objects.using(alias)
-        .filter(id__in=semaphore_ids, window__isnull=False)
+        .rate_limits()
+        .filter(id__in=semaphore_ids)
         .filter(Exists(Ticket.objects.of_parked().filter(semaphore=OuterRef("pk"))))
         .annotate(
-            next_ends=Subquery(slots.order_by("slot_ends").values("slot_ends")[:1]),
+            next_ends=Subquery(slots.values("slot_ends")[:1]),
             db_now=DatabaseNow(),
         )
         .values_list("id", "next_ends", "db_now")

@@ -7,6 +7,7 @@ from django.conf import settings
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
+from django_semaphore.limits import Limit
 from django_semaphore.managers import TicketManager
 from django_semaphore.validation import MAX_LENGTH
 
@@ -105,7 +106,15 @@ class CapacityChange(models.Model):
         ordering = ["-changed_at", "-id"]
 
     def __str__(self) -> str:
-        return f"{self.semaphore_id}: {self.old_capacity} -> {self.new_capacity}"
+        return f"{self.semaphore_id}: {self.old_limit} → {self.new_limit}"
+
+    @property
+    def old_limit(self) -> Limit:
+        return Limit(self.old_capacity, self.old_window)
+
+    @property
+    def new_limit(self) -> Limit:
+        return Limit(self.new_capacity, self.new_window)
 
 
 class FencingMark(models.Model):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.core.validators import MaxValueValidator, MinValueValidator
@@ -13,6 +14,7 @@ from django.utils.translation import gettext_lazy as _
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import PermitHeld, SemaphoreNotFound
 from django_semaphore.guards import GuardedModel, engine_is_writing, engine_writes
+from django_semaphore.limits import Limit
 from django_semaphore.managers import ReleaseCounterManager, SemaphoreManager
 from django_semaphore.models.records import CapacityChange
 from django_semaphore.states import State
@@ -170,6 +172,10 @@ class Semaphore(GuardedModel):
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def limit(self) -> Limit:
+        return Limit(self.capacity, self.window)
+
     def save(
         self,
         *,
@@ -235,11 +241,7 @@ class Semaphore(GuardedModel):
             else:
                 if limits:
                     locked.record_change(
-                        capacity=limits.get("capacity", locked.capacity),
-                        window=limits.get("window", locked.window),
-                        changed_by=None,
-                        reason="",
-                        using=using,
+                        replace(locked.limit, **limits), changed_by=None, reason="", using=using
                     )
                 if names:
                     super().save(using=using, update_fields=names)
@@ -278,14 +280,13 @@ class Semaphore(GuardedModel):
 
     def record_change(
         self,
+        limit: Limit,
         *,
-        capacity: int,
-        window: int | None,
         changed_by: AbstractBaseUser | None,
         reason: str,
         using: str,
     ) -> None:
-        """Change the capacity and window of this row, which the caller's
+        """Change this row's limit (capacity and window), which the caller's
         transaction holds locked, and record it in ``CapacityChange``: the
         one home of such a change, for ``set_capacity``, ``set_window`` and
         ``save()`` alike.
@@ -295,20 +296,20 @@ class Semaphore(GuardedModel):
         changed counts the grants made from then on, each slot keeping the
         end it was granted with.
         """
-        if (self.capacity, self.window) == (capacity, window):
+        if self.limit == limit:
             return
         CapacityChange.objects.using(using).create(
             semaphore=self,
             old_capacity=self.capacity,
-            new_capacity=capacity,
+            new_capacity=limit.capacity,
             old_window=self.window,
-            new_window=window,
+            new_window=limit.window,
             changed_by_id=None if changed_by is None else changed_by.pk,
             reason=reason,
         )
-        if self.window is not None and window is None:
+        if self.limit.is_rate and not limit.is_rate:
             close_every_slot(using, [self.pk])
-        self.capacity, self.window = capacity, window
+        self.capacity, self.window = limit.capacity, limit.window
         # A family member changed on its own no longer follows its family
         # default (engine/families.py), and the clean-up keeps it.
         self.own_capacity = bool(self.family)

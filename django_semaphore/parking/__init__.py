@@ -223,7 +223,8 @@ def started(task_id: str, demand: Mapping[str, int]) -> None:
         raw_delete(Ticket.objects.using(alias).filter(external_id__in=keys))
         rate_limits = set(
             Semaphore.objects.using(alias)
-            .filter(name__in=list(demand), window__isnull=False)
+            .rate_limits()
+            .filter(name__in=list(demand))
             .values_list("id", flat=True)
         )
         if rate_limits:

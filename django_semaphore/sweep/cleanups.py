@@ -72,7 +72,8 @@ def clean_released(
     # row, where a look at its permits would cost every batch a scan.
     oldest_close = (
         Semaphore.objects.using(alias)
-        .filter(window__isnull=False, slots_open__gt=0)
+        .rate_limits()
+        .filter(slots_open__gt=0)
         .aggregate(at=Min(Coalesce("slots_closed_until", DatabaseNow())))["at"]
     )
     if oldest_close is not None:

@@ -316,7 +316,7 @@ class Statements(SQL):
         folded = {s.id: s.folded for s in locked}
         # A rate limit's slots: what it grants counts until its window ends,
         # released or not (the release counter counts its holders).
-        slots = {s.id: added[s.id] if s.window is not None else 0 for s in locked}
+        slots = {s.id: added[s.id] if s.limit.is_rate else 0 for s in locked}
         # No lock wait to bound: the rows are this transaction's already.
         cursor.execute(
             self.grant_sql.format(

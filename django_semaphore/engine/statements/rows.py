@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from django_semaphore.limits import Limit
+
 
 @dataclass
 class LockedSemaphore:
@@ -20,7 +22,7 @@ class LockedSemaphore:
     fair: bool
     queued_until: Any  # as the driver returns it; fairness converts it if it is set
     queue_live: Any  # queued_until is ahead of the database's clock (true, false or NULL)
-    window: int | None  # seconds: a rate limit (see ``in_use``)
+    window: int | None  # seconds: a rate limit (see ``limit``)
     slots_open: int
     slots_closed_until: datetime | None  # when the slots that ended were last closed
     # Its ReleaseCounter's total, as read with the lock (MariaDB reads it
@@ -34,10 +36,14 @@ class LockedSemaphore:
         return held(self.in_use_counter, self.released_folded, self.released)
 
     @property
+    def limit(self) -> Limit:
+        return Limit(self.capacity, self.window)
+
+    @property
     def in_use(self) -> int:
         """What counts against the capacity, or more: the grant closes a rate
         limit's ended slots when it finds no room, and once a window."""
-        return in_use(self.window, self.held, self.slots_open)
+        return self.limit.in_use(self.held, self.slots_open)
 
     @property
     def folded(self) -> int:
@@ -75,11 +81,3 @@ def held(counted: int, folded: int, released: int) -> int:
     releases its ``ReleaseCounter`` counted since the last fold (a release
     total read before that fold counts nothing)."""
     return counted - max(released - folded, 0)
-
-
-def in_use(window: int | None, held: int, slots_open: int, slots_ended: int = 0) -> int:
-    """What counts against a semaphore's capacity: the permits held, or on a
-    rate limit the slots open less those that ended and are not closed yet.
-    The grant and the probes count so; ``managers.in_use`` is the same for
-    the ORM."""
-    return held if window is None else slots_open - slots_ended

@@ -14,6 +14,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_semaphore import routing
 from django_semaphore.api import set_capacity, set_window
 from django_semaphore.exceptions import InvalidRequest, SemaphoreError
+from django_semaphore.limits import Limit
 from django_semaphore.models import Semaphore
 from django_semaphore.validation import parse_limit, validate_name
 
@@ -55,18 +56,13 @@ class Command(BaseCommand):
                 semaphore = set_window(name, window, reason=reason)
         except SemaphoreError as exc:
             raise CommandError(str(exc)) from exc
-        before = "?" if previous is None else _limit(*previous)
-        after = _limit(semaphore.capacity, semaphore.window)
-        self.stdout.write(f"Semaphore {semaphore.name!r}: capacity {before} -> {after}.")
+        before = "?" if previous is None else Limit(*previous)
+        self.stdout.write(f"Semaphore {semaphore.name!r}: capacity {before} -> {semaphore.limit}.")
 
 
 def _limits(given: str, no_window: bool) -> tuple[int, list[int | None]]:
     """The capacity, and the window to set (none: leave it as it is)."""
-    capacity, window = parse_limit(given)
-    if window is not None and no_window:
+    limit = parse_limit(given)
+    if limit.is_rate and no_window:
         raise InvalidRequest("A rate has a window: give a capacity with --no-window.")
-    return capacity, [window] if window is not None or no_window else []
-
-
-def _limit(capacity: int, window: int | None) -> str:
-    return str(capacity) if window is None else f"{capacity} per {window}s"
+    return limit.capacity, [limit.window] if limit.is_rate or no_window else []

@@ -22,16 +22,15 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             (name,) = validate_demand(options["name"]).names
-            capacity, window = parse_limit(options["capacity"])
+            limit = parse_limit(options["capacity"])
         except InvalidRequest as exc:
             raise CommandError(str(exc)) from exc
         semaphore, created = Semaphore.objects.using(routing.alias_for_name(name)).get_or_create(
-            name=name, defaults={"capacity": capacity, "window": window}
+            name=name, defaults={"capacity": limit.capacity, "window": limit.window}
         )
         if not created:
             raise CommandError(
-                f"Semaphore {name!r} exists (capacity {semaphore.capacity}); "
+                f"Semaphore {name!r} exists (capacity {semaphore.limit}); "
                 "change it with semaphore_capacity."
             )
-        per = "" if window is None else f" per {window}s"
-        self.stdout.write(f"Created semaphore {name!r} with capacity {capacity}{per}.")
+        self.stdout.write(f"Created semaphore {name!r} with capacity {limit}.")

@@ -18,7 +18,7 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.blockers import why_waiting
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.models import Semaphore, Ticket
-from django_semaphore.validation import format_limit, validate_keys
+from django_semaphore.validation import validate_keys
 
 QUEUE_SHOWN = 20
 
@@ -83,7 +83,7 @@ class Command(BaseCommand):
             rows.append(
                 (
                     name,
-                    format_limit(s.capacity, s.window),
+                    str(s.limit),
                     str(in_use),
                     available,
                     str(s.holders),  # type: ignore[attr-defined]
