@@ -20,6 +20,12 @@ that concurrency, the practical ideal), and reports for each:
   gap between the two, p50 and p99 (an end is stamped just before the
   release, so this includes the release itself).
 
+Celery's Django fix-up closes the worker's database connection before and
+after every task, so each task opens a new one: on PostgreSQL a new server
+process, which also compiles the app's routines again (docs/operations.md,
+"Celery workers and their connections"). ``--reuse-connections`` runs the
+worker as that section advises, keeping its connection from task to task.
+
 The driver also plays beat, only when nothing has run for ``STALLED``
 seconds: it then runs ``sweep.sweep_parked()`` and reports what it woke (a
 wake-up the releases missed; it should stay 0). ``--smoke`` is small enough for the test suite.
@@ -86,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-waiting", type=int, default=10, help="of the capped mode")
     parser.add_argument("--senders", type=int, default=16, help="of the discard mode")
     parser.add_argument("--discard-hold", type=float, default=20.0, help="of the discard mode")
+    parser.add_argument(
+        "--reuse-connections",
+        action="store_true",
+        help="the worker keeps its database connection from task to task "
+        "(CELERY_DB_REUSE_MAX): Celery closes it around every task by default",
+    )
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--smoke", action="store_true", help="40 tasks of 10 ms")
     parser.add_argument("--json", type=Path)
@@ -106,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         BENCH_QUEUE=f"bench-parked-{uuid.uuid4().hex[:8]}",
         BENCH_FAMILY=FAMILY,
         BENCH_MAX_WAITING=str(args.max_waiting),
+        BENCH_DB_REUSE_MAX="1000" if args.reuse_connections else "",
     )
     from django.core.management import call_command
 

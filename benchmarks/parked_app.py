@@ -46,6 +46,10 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     task_default_queue=os.environ.get("BENCH_QUEUE", "bench-parked"),
 )
+if os.environ.get("BENCH_DB_REUSE_MAX"):
+    # The worker's Django fix-up closes the connection every 2 x so many
+    # task starts and ends, instead of around every task.
+    app.conf["CELERY_DB_REUSE_MAX"] = int(os.environ["BENCH_DB_REUSE_MAX"])
 counts = redis.Redis.from_url(os.environ["BENCH_REDIS_URL"])
 
 

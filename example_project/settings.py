@@ -115,3 +115,6 @@ if CELERY_BROKER_URL == _FILESYSTEM_BROKER:
 CELERY_BEAT_SCHEDULE = beat_schedule(release_orphans=30, wake_parked=30)
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Keep a worker's database connection for 100 tasks instead of opening one
+# per task (docs/operations.md, "Celery workers and their connections").
+CELERY_DB_REUSE_MAX = 100
