@@ -25,6 +25,7 @@ from datetime import datetime, timedelta
 
 from django_semaphore import routing
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.limits import Limit
 from django_semaphore.models import CapacityChange, Permit, Semaphore
 from django_semaphore.states import State
 
@@ -47,12 +48,10 @@ class CapacityMark:
     """A change of capacity or window, as drawn on the chart."""
 
     at: datetime
-    old: int
-    new: int
+    old: Limit
+    new: Limit
     changed_by: str
     reason: str
-    old_window: int | None = None
-    new_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -143,10 +142,10 @@ def build_utilization(
 
     # The capacity before the first change is that change's old value;
     # without changes it never moved.
-    capacity = inside[0].old if inside else capacity_now
+    capacity = inside[0].old.capacity if inside else capacity_now
     capacity_at: dict[datetime, int] = {}
     for change in inside:
-        capacity_at[change.at] = change.new
+        capacity_at[change.at] = change.new.capacity
 
     segments: list[Segment] = []
     cursor = start
@@ -164,11 +163,11 @@ def _plain_periods(
 ) -> list[tuple[datetime, datetime]]:
     """When, inside ``[start, end]``, the semaphore had no window."""
     periods = []
-    since = start if (changes[0].old_window is None if changes else not windowed) else None
+    since = start if (not changes[0].old.is_rate if changes else not windowed) else None
     for change in changes:
-        if change.new_window is None and since is None:
+        if not change.new.is_rate and since is None:
             since = change.at
-        elif change.new_window is not None and since is not None:
+        elif change.new.is_rate and since is not None:
             periods.append((since, change.at))
             since = None
     if since is not None:
@@ -239,12 +238,10 @@ def load_utilization(semaphore: Semaphore, *, period: timedelta = PERIOD) -> Uti
     changes = [
         CapacityMark(
             at=change.changed_at,
-            old=change.old_capacity,
-            new=change.new_capacity,
+            old=change.old_limit,
+            new=change.new_limit,
             changed_by="" if change.changed_by is None else str(change.changed_by),
             reason=change.reason,
-            old_window=change.old_window,
-            new_window=change.new_window,
         )
         for change in CapacityChange.objects.using(using)
         .filter(semaphore_id=semaphore.pk, changed_at__gt=start)

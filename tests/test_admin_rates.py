@@ -255,7 +255,7 @@ def test_the_chart_counts_holders_while_plain_and_slots_while_a_rate_limit():
     held = Span(2, start + hour, None)  # held since 01:00, still held
     slot = Span(1, start + 3 * hour, start + 3 * hour + timedelta(minutes=1), slot=True)
     windowed = CapacityMark(
-        at=start + 2 * hour, old=5, new=5, changed_by="", reason="", new_window=60
+        at=start + 2 * hour, old=Limit(5), new=Limit(5, 60), changed_by="", reason=""
     )
 
     utilization = build_utilization(

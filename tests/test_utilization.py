@@ -11,6 +11,7 @@ from django.contrib.auth import get_user_model
 
 from django_semaphore import acquire, release, set_capacity
 from django_semaphore.admin.chart import axis_ticks, describe, render_svg
+from django_semaphore.limits import Limit
 from django_semaphore.models import PermitRequest
 from django_semaphore.utilization import (
     CapacityMark,
@@ -38,7 +39,7 @@ def steps(utilization: Utilization) -> list[tuple[float, float, int, int]]:
 
 
 def mark(hours: float, old: int, new: int, by: str = "", reason: str = "") -> CapacityMark:
-    return CapacityMark(at=at(hours), old=old, new=new, changed_by=by, reason=reason)
+    return CapacityMark(at=at(hours), old=Limit(old), new=Limit(new), changed_by=by, reason=reason)
 
 
 def test_nothing_happened():
@@ -214,5 +215,5 @@ def test_load_replays_requests_and_capacity_changes(make_semaphore):
     assert utilization.current.capacity == 5
     assert utilization.peak.in_use == 2
     assert [(c.old, c.new, c.changed_by, c.reason) for c in utilization.changes] == [
-        (3, 5, str(user), "more")
+        (Limit(3), Limit(5), str(user), "more")
     ]

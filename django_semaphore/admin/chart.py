@@ -15,7 +15,6 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
-from django_semaphore.limits import Limit
 from django_semaphore.utilization import CapacityMark, Utilization
 
 WIDTH = 760
@@ -212,8 +211,8 @@ def _counted(utilization: Utilization) -> str:
 def _describe_change(change: CapacityMark) -> str:
     text = _("%(time)s: capacity %(old)s → %(new)s") % {
         "time": timezone.localtime(change.at).strftime("%H:%M"),
-        "old": Limit(change.old, change.old_window),
-        "new": Limit(change.new, change.new_window),
+        "old": change.old,
+        "new": change.new,
     }
     if change.changed_by:
         text += " " + _("by %(user)s") % {"user": change.changed_by}
