@@ -18,6 +18,9 @@ UNITS = (("h", 3600), ("min", 60), ("s", 1))
 
 @dataclass(frozen=True)
 class Limit:
+    """A value: two semaphores with equal limits compare equal (``save()``
+    and ``semaphore_sync`` compare what is stored with what is asked)."""
+
     capacity: int
     window: int | None = None  # seconds: a rate limit
 
