@@ -205,7 +205,7 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
     # The pace is kept from one pause to the next: a semaphore that stays
     # full (nothing released, its counters unchanged) is probed less and less.
     every = max(waiter.every or base, base)
-    window = 2 * hold if hold else NEXT_IN_LINE_ATTEMPT
+    slower_after = 2 * hold if hold else NEXT_IN_LINE_ATTEMPT  # with no grant seen
     until = min(deadline, now + max(NEXT_IN_LINE_ATTEMPT, every) * random.uniform(0.5, 1.0))
     waiter.expected_room = False
     # Each capacity's worth of permits queued ahead of it (as its attempt or
@@ -236,7 +236,7 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
             if grants != waiter.grants:  # others are granted: keep alert
                 waiter.passed |= waiter.grants is not None
                 waiter.grants, waiter.changed, every = grants, now, base
-            elif now > waiter.changed + window:
+            elif now > waiter.changed + slower_after:
                 every = min(2 * every, POLL_CAP)
             waiter.standing = replace(waiter.standing, rounds=_rounds(waiter, found))
             interval = max(every, min((hold or PROBE_EVERY) * _holds_away(waiter, found), POLL_CAP))
