@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from datetime import timedelta
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -145,45 +144,6 @@ def test_a_deferred_run_left_failed_is_resumed_by_its_wake_up():
     assert not deferred.resume(failed.id)
     left.refresh()
     assert (left.status, left.errors) == ("READY", [])
-
-
-def test_a_run_left_deferred_with_nothing_parked_is_made_ready_by_the_sweep(limited):
-    """A rate limit's deferral parks nothing, so no wake-up would resume a
-    run whose rewrite to READY never came: the parked sweep makes it ready
-    once ``PARKED_REPUBLISH_AFTER`` has passed. One that just ended, one
-    parked (its wake-up resumes it) and a real failure are left alone."""
-    from django_tasks_db.models import DBTaskResult
-
-    task = own_tasks.holding.using(backend="database")
-    left, recent, parked, failed = (
-        task.enqueue(label) for label in ("left", "recent", "parked", "failed")
-    )
-    parking.defer(
-        parked.id, parked.id, "tests.own_tasks.holding", "database", {own_tasks.LIMITED: 1}
-    )
-    long_ago = timezone.now() - timedelta(hours=1)
-    for result, path, ended in (
-        (left, DEFERRED, long_ago),
-        (recent, DEFERRED, timezone.now()),
-        (parked, DEFERRED, long_ago),
-        (failed, "builtins.ValueError", long_ago),
-    ):
-        DBTaskResult.objects.filter(id=result.id).update(
-            status="FAILED", exception_class_path=path, finished_at=ended
-        )
-
-    report = sweep.sweep_parked()
-
-    assert report.resumed == 1
-    for result in (left, recent, parked, failed):
-        result.refresh()
-    assert [r.status for r in (left, recent, parked, failed)] == [
-        "READY",
-        "FAILED",
-        "FAILED",
-        "FAILED",
-    ]
-    assert sweep.sweep_parked().resumed == 0
 
 
 def test_the_sweep_command_resumes_a_parked_task_no_release_woke(limited, wakes_nobody):

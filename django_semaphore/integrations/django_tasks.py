@@ -124,7 +124,7 @@ def on_task_finished(sender: Any, task_result: Any, **kwargs: Any) -> None:
         _deferring.set(None)
         try:
             deferred.hold(task_result.id, pending[1])
-        except DatabaseError:  # never into the worker's loop: resume() or the sweep finds it
+        except DatabaseError:  # never into the worker's loop: resume() finds it
             logger.exception("Could not defer the run of task %s", task_result.id)
 
 

@@ -16,7 +16,6 @@ from django.db.models import Q
 from django.utils import timezone
 
 from django_semaphore import routing
-from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import TaskDeferred
 from django_semaphore.models import ParkedTask
 
@@ -41,8 +40,7 @@ def hold(result_id: str, until: datetime | None = None) -> None:
     """The run of ``result_id`` ended deferred (its worker recorded it as
     failed): ``READY`` again, to run at ``until`` -- or, parked, once a
     wake-up says so (at once if one already did). If this fails, the
-    wake-up's ``resume`` finds the row as its worker left it, or where
-    nothing is parked, the sweep's ``resume_stranded``."""
+    wake-up's ``resume`` finds the row as its worker left it."""
     alias = routing.current_alias()
     with transaction.atomic(using=alias):
         if until is None:
@@ -69,30 +67,6 @@ def drop(result_ids: list[str], reason: type[Exception]) -> None:
     _waiting(result_ids).update(
         status="FAILED", finished_at=timezone.now(), exception_class_path=path, traceback=""
     )
-
-
-def resume_stranded(ended_before: datetime) -> int:
-    """Runs that ended deferred before ``ended_before`` and were never made
-    ``READY`` again (``hold`` failed: the database was unreachable then),
-    where no parked row waits for a wake-up's ``resume`` (a rate limit's
-    deferral parks nothing): ready now, at most a batch. How many."""
-    if find_spec("django_tasks_db") is None:
-        return 0
-    from django_tasks_db.models import DBTaskResult
-
-    ended = DBTaskResult.objects.filter(
-        status="FAILED", exception_class_path=DEFERRED, finished_at__lt=ended_before
-    )
-    ids = [str(id) for id in ended.values_list("id", flat=True)[: app_settings.CLEANUP_BATCH_SIZE]]
-    parked = {
-        task_id
-        for using in routing.aliases()
-        for task_id in ParkedTask.objects.using(using)
-        .filter(task_id__in=ids)
-        .values_list("task_id", flat=True)
-    }
-    stranded = [id for id in ids if id not in parked]
-    return _waiting(stranded).update(run_after=timezone.now(), **_READY) if stranded else 0
 
 
 def alias() -> str:

@@ -10,7 +10,7 @@ from django.utils import timezone
 from django_semaphore import routing
 from django_semaphore.conf import app_settings
 from django_semaphore.models import ParkedTask, Ticket
-from django_semaphore.parking import deferred, wake
+from django_semaphore.parking import wake
 
 logger = logging.getLogger("django_semaphore")
 
@@ -22,12 +22,11 @@ class ParkedReport:
     republished: int = 0  # woken rows whose run never started
     woken: int = 0
     dropped: int = 0  # past their expiry
-    resumed: int = 0  # Django tasks' runs left as they ended deferred
 
     def __str__(self) -> str:
         return (
             f"Parked tasks: woken {self.woken}, republished {self.republished}, "
-            f"dropped {self.dropped} expired, resumed {self.resumed} left deferred."
+            f"dropped {self.dropped} expired."
         )
 
 
@@ -36,11 +35,8 @@ def sweep_parked() -> ParkedReport:
     rows whose run has not started within ``PARKED_REPUBLISH_AFTER``, and
     wake what fits on every semaphore with parked tasks (releases made by a
     process that does not park tasks send no wake-up), and on rate limits
-    publish the wake-up of their next slot. A Django task's run that ended
-    deferred more than ``PARKED_REPUBLISH_AFTER`` ago and was never made
-    ready again, with no parked row to resume it, is made ready."""
+    publish the wake-up of their next slot."""
     report = ParkedReport()
-    report.resumed = deferred.resume_stranded(timezone.now() - app_settings.PARKED_REPUBLISH_AFTER)
     for alias in routing.aliases():
         tasks = ParkedTask.objects.using(alias)
         dropped = tasks.filter(expires_at__lte=timezone.now())
@@ -62,6 +58,6 @@ def sweep_parked() -> ParkedReport:
         report.woken += wake.wake(alias, semaphore_ids)
         # A rate limit's wake-up at its next slot, published again if lost.
         wake.schedule_slots(alias, semaphore_ids)
-    if report.republished or report.woken or report.dropped or report.resumed:
+    if report.republished or report.woken or report.dropped:
         logger.info("%s", report)
     return report
