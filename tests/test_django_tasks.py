@@ -23,7 +23,7 @@ import django_rq
 import pytest
 from django.conf import settings
 from django.core.management import call_command
-from django.db import connection
+from django.db import InterfaceError, OperationalError, connection
 from django.utils import timezone
 
 from django_semaphore import acquire, parking, release, sweep
@@ -144,6 +144,41 @@ def test_a_deferred_run_left_failed_is_resumed_by_its_wake_up():
     assert not deferred.resume(failed.id)
     left.refresh()
     assert (left.status, left.errors) == ("READY", [])
+
+
+def transient_error() -> Exception:
+    """What this database's driver raises for a lost connection or a lock
+    conflict, as Django wraps it: worth a retry (``backends.classify``)."""
+    if connection.vendor == "sqlite":
+        return OperationalError("database is locked")
+    return InterfaceError("connection already closed")
+
+
+def test_a_deferral_whose_rewrite_fails_once_is_retried(monkeypatch, caplog):
+    """A rate limit's deferral parks nothing, so no wake-up would find a run
+    whose rewrite to READY was lost: a lost connection or a lock conflict
+    there is retried, and the run waits for its next slot."""
+    from django_semaphore.parking import deferred
+
+    Semaphore.objects.create(name=own_tasks.RATED, capacity=1, window=60)
+    acquire(own_tasks.RATED, external_id="the-window's-one")
+    result = own_tasks.rated.using(backend="database").enqueue("refused")
+    hold, calls = deferred.hold, []
+
+    def lost_once(*args: Any) -> None:
+        calls.append(args)
+        if len(calls) == 1:
+            raise transient_error()
+        hold(*args)
+
+    monkeypatch.setattr(deferred, "hold", lost_once)
+    with caplog.at_level(logging.ERROR, logger="django_semaphore"):
+        run_here(result)
+
+    assert len(calls) == 2
+    assert result.status == "READY"
+    assert not caplog.records
+    assert not ParkedTask.objects.exists()
 
 
 def test_the_sweep_command_resumes_a_parked_task_no_release_woke(limited, wakes_nobody):

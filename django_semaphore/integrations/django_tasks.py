@@ -44,10 +44,10 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from asgiref.sync import sync_to_async
-from django.db import DatabaseError
+from django.db import connections
 from django.utils import timezone
 
-from django_semaphore import api, parking, routing
+from django_semaphore import api, parking, retry, routing
 from django_semaphore.exceptions import (
     InvalidRequest,
     LiveDuplicate,
@@ -122,9 +122,12 @@ def on_task_finished(sender: Any, task_result: Any, **kwargs: Any) -> None:
     if pending is not None and pending[0] == task_result.id:
         # Its worker recorded the deferred run's end: now it waits again.
         _deferring.set(None)
+        hold = functools.partial(deferred.hold, task_result.id, pending[1])
         try:
-            deferred.hold(task_result.id, pending[1])
-        except DatabaseError:  # never into the worker's loop: resume() finds it
+            # Retried: a rate limit's deferral parks nothing, so no wake-up's
+            # resume() would find the row if this rewrite were lost.
+            retry.run_with_retries(connections[routing.current_alias()], hold)
+        except SemaphoreError:  # never into the worker's loop
             logger.exception("Could not defer the run of task %s", task_result.id)
 
 
