@@ -101,6 +101,8 @@ DJANGO_SEMAPHORE = {
 _FILESYSTEM_BROKER = "filesystem://localhost//"
 CELERY_BROKER_URL = env("CELERY_BROKER_URL", default=_FILESYSTEM_BROKER)
 if CELERY_BROKER_URL == _FILESYSTEM_BROKER:
+    # Kombu's filesystem transport, its messages written whole (broker.py).
+    CELERY_BROKER_TRANSPORT = "example_project.broker:Transport"
     _queue = RUNTIME_DIR / "broker"
     for _folder in ("processed", "control"):
         (_queue / _folder).mkdir(parents=True, exist_ok=True)

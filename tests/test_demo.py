@@ -183,3 +183,35 @@ def _pgid_and_state(proc: Path) -> tuple[int, bool] | None:
     except OSError:
         return None
     return int(fields[2]), fields[0] != "Z"
+
+
+def test_the_demo_broker_shows_a_message_only_once_it_is_written(tmp_path, monkeypatch):
+    """kombu's filesystem transport writes a message file in place, so a
+    worker listing the folder mid-write read it empty and died; the demo's
+    transport renames it into place once written."""
+    from kombu import Connection
+
+    from example_project import broker
+
+    options = {
+        "data_folder_in": str(tmp_path),
+        "data_folder_out": str(tmp_path),
+        "control_folder": str(tmp_path / "control"),
+    }
+    listed_before_the_rename = []
+    rename = os.replace
+
+    def replace(staged, path):
+        listed_before_the_rename.extend(os.listdir(tmp_path))
+        rename(staged, path)
+
+    monkeypatch.setattr(broker.os, "replace", replace)
+    connection = Connection(
+        "filesystem://localhost//", transport=broker.Transport, transport_options=options
+    )
+    with connection, connection.SimpleQueue("demo") as queue:
+        queue.put({"n": 1})
+        assert queue.get(timeout=1).payload == {"n": 1}
+
+    assert listed_before_the_rename
+    assert not [name for name in listed_before_the_rename if name.endswith(".demo.msg")]
