@@ -12,7 +12,7 @@ from django.db import connections, transaction
 from django_semaphore import acquire, release
 from django_semaphore.engine import fairness
 from django_semaphore.engine.statements import Statements
-from django_semaphore.engine.statements.one_trip import Granted, OneTripStatements
+from django_semaphore.engine.statements.one_trip import Granted, OneTripStatements, Refused
 from django_semaphore.exceptions import SemaphoreExhausted
 from tests.children import Outbox
 
@@ -40,7 +40,8 @@ def stream(name: str, stop: Any, errors: Outbox) -> None:
 def record_tickets(history: Outbox) -> None:
     """Make this process record each ticket it takes, once committed: (key,
     semaphore id, ticket id, the semaphore's fencing counter when it came to
-    hold back there (None while it does not), the permits it asks there);
+    hold back there (None while it does not), the permits it asks there),
+    as the general grant's fair queue or PostgreSQL's one-trip refusal took it;
     and each grant's usage, the general grant's and the one-trip grant's:
     (None, semaphore id, fencing token, permits in use once granted, None)."""
     admit = fairness.admit
@@ -86,9 +87,17 @@ def record_tickets(history: Outbox) -> None:
             lambda: [history.put(row) for row in rows], using=self.connection.alias
         )
 
-    def granting(self, counts, *args) -> Granted | None:
-        granted = grant_in_one_trip(self, counts, *args)
-        if granted is not None:
+    def granting(self, counts, key, *args) -> Granted | Refused | None:
+        granted = grant_in_one_trip(self, counts, key, *args)
+        if isinstance(granted, Refused):
+            # PostgreSQL's refusal of one name, its ticket taken under the lock.
+            if granted.ticket_taken:
+                id, name, _ = granted.semaphore
+                ticket = Ticket.objects.using(self.connection.alias).get(
+                    external_id=key, semaphore_id=id
+                )
+                history.put(("ticket", key, id, ticket.id, granted.grants, counts[name]))
+        elif granted is not None:
             ids = dict(
                 Semaphore.objects.using(self.connection.alias)
                 .filter(name__in=counts)

@@ -4,6 +4,7 @@ otherwise, and what it writes is what the general grant writes."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -12,6 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_semaphore import acquire, release, set_window
+from django_semaphore.engine import fairness, grant
 from django_semaphore.engine.statements import one_trip, queue, routines
 from django_semaphore.engine.statements import release as release_statements
 from django_semaphore.exceptions import (
@@ -22,9 +24,10 @@ from django_semaphore.exceptions import (
     SemaphoreExhausted,
     SemaphoreNotFound,
 )
-from django_semaphore.models import Permit, PermitRequest, Semaphore
+from django_semaphore.models import Permit, PermitRequest, Semaphore, Ticket
 from django_semaphore.states import ReleaseOutcome
 from tests.conftest import behind_the_engine, unique
+from django_semaphore.validation import validate_demand
 from tests.test_backends import row_locked_elsewhere
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -143,14 +146,16 @@ def test_declines_without_writing_and_the_general_grant_refuses(make_semaphore, 
     assert sem.in_use == (1 if case == "no room" else 0)
 
 
-@pytest.mark.parametrize("case", ["rate limit", "queue live", "one of two a rate limit"])
+@pytest.mark.parametrize(
+    "case", ["rate limit", "one of two a rate limit", "queue live on one of two"]
+)
 def test_declines_without_writing_and_the_general_grant_grants(make_semaphore, case):
     sem = make_semaphore(capacity=1)
-    names: object = sem.name
+    names: object = [sem.name, make_semaphore(capacity=1).name]
     if case == "one of two a rate limit":
-        names = [sem.name, make_semaphore(capacity=1).name]
         set_window(names[1], 60)
     elif case == "rate limit":
+        names = sem.name
         set_window(sem.name, 60)
     else:
         with behind_the_engine():
@@ -163,6 +168,53 @@ def test_declines_without_writing_and_the_general_grant_grants(make_semaphore, c
     assert len(sent) > 1  # the general grant's statements
     assert request.fencing_tokens == dict.fromkeys(request.fencing_tokens, 1)
     assert PermitRequest.objects.filter(external_id="k").count() == 1
+
+
+def test_a_fair_line_of_one_name_is_served_in_one_statement_on_postgresql(make_semaphore):
+    """PostgreSQL's function for one name serves a fair line as the general
+    grant does: a waiter's refusal takes its ticket, a newcomer is refused
+    the room the ticket lacks, and the waiter's grant deletes its ticket.
+    MariaDB's procedure leaves a fair line to the general grant."""
+    sem = make_semaphore(capacity=1, fair=True)
+    one_statement = connection.vendor == "postgresql"
+    acquire(sem.name, external_id="holder")
+    ask = fairness.Ask("waiter", "me", validate_demand(sem.name), False, time.monotonic() + 60)
+
+    refusal, sent = statements_of(grant.acquire_once, connections["default"], ask, fairness.Standing(), None, 5)
+
+    assert (len(sent) == 1) is one_statement
+    assert isinstance(refusal, fairness.Refusal)
+    assert refusal.error.names == [sem.name]
+    assert refusal.standing.ticketed
+    assert refusal.standing.lacked == {sem.pk}
+    assert refusal.standing.semaphores == ((sem.pk, sem.name, 1),)
+    assert refusal.standing.rounds == 0
+    ticket = Ticket.objects.get(external_id="waiter")
+    assert (ticket.semaphore_id, ticket.count, ticket.lacked) == (sem.pk, 1, True)
+    assert ticket.expires_at - ticket.created_at > timedelta(seconds=55)
+    sem.refresh_from_db()
+    assert sem.queued_until == ticket.expires_at
+
+    release("holder")
+    with pytest.raises(SemaphoreExhausted):  # room, but the older ticket's
+        acquire(sem.name, external_id="newcomer")
+    later = fairness.Ask("later", "me", validate_demand(sem.name), True, time.monotonic() + 60)
+    behind = grant.acquire_once(connections["default"], later, fairness.Standing(), None, 5)
+    assert isinstance(behind, fairness.Refusal)
+    assert behind.standing.ticketed
+    assert behind.standing.seq > refusal.standing.seq
+
+    granted, sent = statements_of(grant.acquire_once, connections["default"], ask, refusal.standing, None, 5)
+
+    assert (len(sent) == 1) is one_statement
+    assert isinstance(granted, PermitRequest)
+    assert granted.fencing_tokens == {sem.name: 2}
+    assert list(Ticket.objects.values_list("external_id", flat=True)) == ["later"]
+    release("waiter")
+    assert isinstance(
+        grant.acquire_once(connections["default"], later, behind.standing, None, 5), PermitRequest
+    )
+    assert not Ticket.objects.exists()
 
 
 def test_a_taken_key_answers_as_a_repeated_call(make_semaphore):

@@ -58,6 +58,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
 from django_semaphore import backends
+from django_semaphore.engine.statements.one_trip import Line, Refused
 from django_semaphore.engine.statements.rows import LockedSemaphore
 from django_semaphore.engine.statements.tickets import MAX_TICKET_LIFE, ticket_statements
 from django_semaphore.exceptions import SemaphoreExhausted
@@ -153,19 +154,48 @@ def admit(
         if over and not standing.ticketed:
             ticket_statements(connection).end_queues(cursor, over, now)
         return [], standing
-    if ask.deadline is not None and queues and not (standing.ticketed and short <= standing.lacked):
-        life = timedelta(seconds=max(ask.deadline - time.monotonic(), 0))
-        expires_at = now + min(life, MAX_TICKET_LIFE)
+    life = ticket_life(ask)
+    ticketing = life is not None and queues and not (standing.ticketed and short <= standing.lacked)
+    if ticketing:
+        expires_at = now + timedelta(seconds=life or 0)
         _insert_tickets(connection, locked, ask, now, expires_at, lock_wait, short)
-        standing = replace(
+    return sorted(s.name for s in locked if s.id in short), _placed(standing, short, ticketing)
+
+
+def ticket_life(ask: Ask) -> float | None:
+    """Seconds a ticket this call takes lives: until its deadline, at most
+    ``MAX_TICKET_LIFE``; ``None``: it fails fast and takes none."""
+    if ask.deadline is None:
+        return None
+    return min(max(ask.deadline - time.monotonic(), 0), MAX_TICKET_LIFE.total_seconds())
+
+
+def line(ask: Ask, standing: Standing) -> Line:
+    """Where the call stands, as the one-trip grant that may refuse it takes it."""
+    return Line(standing.ticketed, bool(standing.lacked), ask.fair, ticket_life(ask))
+
+
+def refused_in_one_trip(ask: Ask, standing: Standing, refused: Refused) -> Refusal:
+    """The one-trip grant's refusal (PostgreSQL, one name), with the call's
+    standing as ``admit`` would have left it."""
+    id, name, _ = refused.semaphore
+    standing = replace(standing, rounds=refused.rounds, semaphores=(refused.semaphore,))
+    return Refusal(SemaphoreExhausted([name]), _placed(standing, {id}, refused.ticket_taken))
+
+
+def _placed(standing: Standing, short: set[int], ticketed: bool) -> Standing:
+    """The standing of a refused call, which took (or marked) its tickets
+    where it lacks room (``short``) if ``ticketed``."""
+    if ticketed:
+        return replace(
             standing,
             ticketed=True,
             lacked=standing.lacked | short,
             seq=standing.seq if standing.ticketed else next(_sequence),
         )
-    elif standing.seq == 0:
-        standing = replace(standing, seq=next(_sequence))
-    return sorted(s.name for s in locked if s.id in short), standing
+    if standing.seq == 0:
+        return replace(standing, seq=next(_sequence))
+    return standing
 
 
 def leave(alias: str, ask: Ask, standing: Standing) -> None:

@@ -47,7 +47,7 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.engine import fairness, families, prelock
 from django_semaphore.engine.releasing import reclaim_expired, release_requests
 from django_semaphore.engine.statements import Statements, queue, statements
-from django_semaphore.engine.statements.one_trip import one_trip_statements
+from django_semaphore.engine.statements.one_trip import Refused, one_trip_statements
 from django_semaphore.engine.statements.rows import LockedSemaphore
 from django_semaphore.exceptions import (
     CapacityExceeded,
@@ -233,21 +233,24 @@ def grant_in_one_trip(
     standing: fairness.Standing,
     ttl: int | None,
     lock_wait: float,
-) -> PermitRequest | None:
+) -> PermitRequest | fairness.Refusal | None:
     """The common grant -- room on every semaphore, nobody queued -- in one
     round trip and its own transaction, where the database can
-    (``statements/one_trip.py``); ``None``, nothing written, when the call
-    needs the general grant: tickets of its own to delete, no room, a rate
-    limit, a fair queue, a missing name."""
-    if standing.ticketed or connection.in_atomic_block:
+    (``statements/one_trip.py``); on PostgreSQL, for one name, a fair
+    line's grants and refusals too. ``None``, nothing written, when the call
+    needs the general grant: no room (outside a fair line), a rate limit, a
+    fair queue on several names, a missing name, expired permits to reclaim."""
+    if connection.in_atomic_block:
         return None
     sql = one_trip_statements(connection)
     if not sql.applies():
         return None
     key, owner = ask.key, ask.owner
-    granted = sql.grant(ask.demand.counts, key, owner, ttl, lock_wait)
+    granted = sql.grant(ask.demand.counts, key, owner, ttl, lock_wait, fairness.line(ask, standing))
     if granted is None:
         return None
+    if isinstance(granted, Refused):
+        return fairness.refused_in_one_trip(ask, standing, granted)
     request = _granted(
         connection.alias,
         granted.request_id,

@@ -114,14 +114,18 @@ class Statements(SQL):
         # Read once the semaphore rows are locked, and only when one lacks
         # room. The clock is read here, not in the locking read, which may
         # compute it before its wait for the lock (PostgreSQL does).
+        # Whether an expired request still holds one of the semaphores ``{ids}``
+        # at ``{now}``: only then is a reclaim worth its statements.
+        self.expired_sql = (
+            f"EXISTS(SELECT 1 FROM {request} r JOIN {permit} p"
+            f" ON p.{q('request_id')} = r.{q('id')}"
+            f" WHERE r.{q('state')} = '{self.acquired}' AND r.{q('expires_at')} <= {{now}}"
+            f" AND p.{q('semaphore_id')} IN ({{ids}}) AND p.{q('state')} = '{self.acquired}')"
+        )
+        expired_sql = self.expired_sql.format(ids="{ids}", now=now)
         self.usage_sql = (
             f"SELECT {now}, (SELECT {q('id')} FROM {request} WHERE {q('external_id')} = %s),"
-            # Whether an expired request still holds one of the semaphores:
-            # only then is a reclaim worth its statements.
-            f" EXISTS(SELECT 1 FROM {request} r JOIN {permit} p"
-            f" ON p.{q('request_id')} = r.{q('id')}"
-            f" WHERE r.{q('state')} = %s AND r.{q('expires_at')} <= {now}"
-            f" AND p.{q('semaphore_id')} IN ({{ids}}) AND p.{q('state')} = %s)"
+            f" {expired_sql}"
         )
         self.released_sql = (
             f"SELECT {q('semaphore_id')}, {q('released')} FROM {self.counter}"
@@ -256,8 +260,7 @@ class Statements(SQL):
         """The clock, whether ``key`` is taken, and whether expired permits
         hold any of the semaphores: one round trip."""
         cursor.execute(
-            self.usage_sql.format(ids=placeholders(len(semaphore_ids))),
-            [key, self.acquired, *semaphore_ids, self.acquired],
+            self.usage_sql.format(ids=placeholders(len(semaphore_ids))), [key, *semaphore_ids]
         )
         now, key_id, expired = cursor.fetchone()
         return Usage(

@@ -33,6 +33,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_semaphore import backends
 from django_semaphore.engine.statements import SQL, built, queue, statements, with_arguments
 from django_semaphore.engine.statements.rows import LOCKED_COLUMNS
+from django_semaphore.engine.statements.tickets import ticket_statements
 
 # A function on PostgreSQL, a procedure on MariaDB (routines.py installs it).
 ROUTINE = "django_semaphore_grant"
@@ -54,6 +55,28 @@ class Granted:
     in_use: dict[str, int]  # each semaphore's permits in use once granted
 
 
+@dataclass
+class Refused:
+    """The one-trip grant's refusal of a waiter in a fair line (PostgreSQL,
+    one name): what ``fairness.admit`` says of it in the general grant."""
+
+    semaphore: tuple[int, str, int]  # id, name, capacity
+    rounds: int  # capacities' worth of grants that come before its own
+    ticket_taken: bool  # it took its ticket (or marked it lacking room)
+    grants: int  # the semaphore's fencing counter: the grants made before the refusal
+
+
+@dataclass(frozen=True)
+class Line:
+    """Where the call stands in the semaphore's line, for the function that
+    can refuse (PostgreSQL, one name)."""
+
+    ticketed: bool  # it holds tickets (only the general grant deletes them elsewhere)
+    lacked: bool  # its ticket lacked room
+    fair: bool  # it asked for fair mode
+    ticket_life: float | None  # seconds a ticket it takes lives; None: it takes none
+
+
 class OneTripStatements(SQL):
     """The one-trip grant, for one connection."""
 
@@ -69,19 +92,31 @@ class OneTripStatements(SQL):
         return self.vendor == "postgresql" or self.blocks
 
     def grant(
-        self, counts: dict[str, int], key: str, owner: str, ttl: int | None, lock_wait: float
-    ) -> Granted | None:
-        """Grant ``counts`` (name -> permits) to ``key``, committed; ``None``:
-        not in one trip (nothing written). Outside any transaction."""
+        self,
+        counts: dict[str, int],
+        key: str,
+        owner: str,
+        ttl: int | None,
+        lock_wait: float,
+        line: Line,
+    ) -> Granted | Refused | None:
+        """Grant ``counts`` (name -> permits) to ``key``, committed, or refuse
+        a waiter in a fair line; ``None``: not in one trip (nothing written).
+        Outside any transaction."""
         names = sorted(counts)
+        one_name = self.vendor == "postgresql" and len(names) == 1
+        if line.ticketed and not one_name:
+            return None
         params: list[Any]
         wait = max(1, math.ceil(lock_wait))
-        if self.vendor == "postgresql":
-            routine_sql, params = ROUTINE, [names, [counts[n] for n in names]]
-            if len(names) == 1:
-                routine_sql, params = ONE_NAME_ROUTINE, [names[0], counts[names[0]]]
-            sql = f"SELECT * FROM {routine_sql}(%s, %s, %s, %s, %s, %s)"
-            params += [key, owner, ttl, queue.lock_timeout(lock_wait)]
+        if one_name:
+            sql = f"SELECT * FROM {ONE_NAME_ROUTINE}(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+            params = [names[0], counts[names[0]], key, owner, ttl, queue.lock_timeout(lock_wait)]
+            params += [line.ticketed, line.lacked, line.fair, line.ticket_life]
+        elif self.vendor == "postgresql":
+            sql = f"SELECT * FROM {ROUTINE}(%s, %s, %s, %s, %s, %s)"
+            params = [names, [counts[n] for n in names], key, owner, ttl]
+            params.append(queue.lock_timeout(lock_wait))
         elif len(names) == 1:
             sql = f"CALL {ROUTINE}(%s, %s, %s, %s, %s, %s)"
             params = [names[0], counts[names[0]], ttl, key, owner, wait]
@@ -95,16 +130,23 @@ class OneTripStatements(SQL):
             if self.vendor != "postgresql":
                 while cursor.nextset():  # the block's or the call's closing status
                     pass
-        if not rows or rows[0][0] is None:
+        if not rows:
             return None
         request_id, granted_at, expires_at = rows[0][:3]
+        if request_id is None:
+            if not one_name:
+                return None
+            _, _, _, name, grants, _, id, capacity, rounds, ticket_taken = rows[0]
+            return Refused(
+                (int(id), name, int(capacity)), int(rounds), bool(ticket_taken), int(grants)
+            )
         stamp = backends.datetime_from_db
         return Granted(
             int(request_id),
             stamp(self.connection, granted_at),
             None if expires_at is None else stamp(self.connection, expires_at),
-            {name: int(token) for *_, name, token, _ in rows},
-            {name: int(in_use) for *_, name, _, in_use in rows},
+            {row[3]: int(row[4]) for row in rows},
+            {row[3]: int(row[5]) for row in rows},
         )
 
     def lock_into(self, count: int, targets: str = "") -> str:
@@ -307,24 +349,72 @@ class OneTripStatements(SQL):
 
     def one_name_function_body(self) -> str:
         """PostgreSQL's function for one name (``routines.py`` installs it):
-        the general function's steps on one row read into a record."""
+        the general function's steps on one row read into a record, and fair
+        mode's too (``engine/fairness.py``): behind a live queue it grants
+        only beside what the older tickets that lacked room ask for, and a
+        waiter in line is refused here, taking its ticket where it waits
+        fairly. A refusal that needs more -- a reclaim of expired permits, a
+        taken key's request -- is left to the general grant."""
         q = self.q
+        sql, tickets = statements(self.connection), ticket_statements(self.connection)
         locking = self._locking_read_of("= p_name", "s")
         waits_sql = queue.waits_for_one_sql("p_name", "p_lock_wait")
+        older_sql = with_arguments(
+            tickets.older_sql.format(ids="%s"), "s.id", "true", "v_now", "p_key", "p_key"
+        )
+        delete_sql = with_arguments(tickets.delete_sql.format(ids="%s"), "p_key", "s.id")
+        over_sql = with_arguments(tickets.queue_over_sql.format(ids="%s"), "s.id", "true", "v_now")
+        take_sql = with_arguments(
+            tickets.insert_sql.format(rows="(%s, %s, %s, %s, %s, %s, %s)"),
+            *("s.id", "p_key", "p_owner", "p_count", "v_now", "v_expires", "true"),
+        )
+        queue_until_sql = with_arguments(
+            tickets.queued_until_sql.format(ids="%s"), "v_expires", "s.id", "v_expires"
+        )
+        key_sql = with_arguments(self.key_sql, "p_key")
+        expired_sql = sql.expired_sql.format(ids="s.id", now="v_now")
         return (
-            "\nDECLARE s record; v_released bigint; v_held bigint;\n"
+            "\nDECLARE s record; v_released bigint; v_held bigint; v_now timestamptz;"
+            " v_expires timestamptz; v_live boolean; v_ahead bigint; v_reserved bigint;\n"
             "BEGIN\n"
             f"{waits_sql}"
             f" {locking};\n"
             # Names are exact, as Python compares them (not as a collation may).
             f" IF NOT FOUND OR s.name::text <> p_name OR s.{q('window')} IS NOT NULL"
-            " OR COALESCE(s.queue_live, false) OR p_count > s.capacity THEN RETURN; END IF;\n"
+            " OR p_count > s.capacity THEN RETURN; END IF;\n"
             f" SELECT c.{q('released')} INTO v_released FROM {self.counter} c"
             f" WHERE c.{q('semaphore_id')} = s.id;\n"
             " v_held := GREATEST(s.in_use_counter"
             " - GREATEST(COALESCE(v_released, 0) - s.released_folded, 0), 0);\n"
-            " IF v_held + p_count > s.capacity THEN RETURN; END IF;\n"
-            " granted_at := clock_timestamp();\n"
+            " v_now := clock_timestamp();\n"
+            " v_live := COALESCE(s.queued_until > v_now, false);\n"
+            # What the older tickets that lacked room ask for stays theirs.
+            f" IF v_live THEN SELECT o.n, o.permits INTO v_ahead, v_reserved"
+            f" FROM ({older_sql}) AS o(id, n, permits); END IF;\n"
+            " v_reserved := COALESCE(v_reserved, 0);\n"
+            " IF v_held + p_count + v_reserved > s.capacity THEN\n"
+            # No room for it: a fair waiter (or one behind a live queue) is
+            # refused here, the others the general way.
+            "  IF NOT (v_live OR p_ticketed OR (p_life IS NOT NULL AND (p_fair OR s.fair)))"
+            f" OR EXISTS ({key_sql}) OR (v_held + p_count > s.capacity AND {expired_sql})"
+            " THEN RETURN; END IF;\n"
+            "  refused_ticket := p_life IS NOT NULL AND (p_fair OR s.fair)"
+            " AND NOT (p_ticketed AND p_lacked);\n"
+            "  IF refused_ticket THEN\n"
+            "   v_expires := v_now + make_interval(secs => p_life);\n"
+            f"   {take_sql};\n"
+            f"   {queue_until_sql};\n"
+            "  END IF;\n"
+            "  granted_name := s.name; granted_token := s.fencing_counter;"
+            " granted_in_use := v_held; refused_id := s.id; refused_capacity := s.capacity;\n"
+            "  refused_rounds := (v_reserved + p_count - 1) / GREATEST(s.capacity, 1);\n"
+            "  RETURN NEXT; RETURN;\n"
+            " END IF;\n"
+            # Granted: its tickets stop holding back others; a queue that
+            # held nobody back any more is over.
+            f" IF p_ticketed OR v_live THEN {delete_sql}; END IF;\n"
+            f" IF v_live AND v_ahead IS NULL AND NOT p_ticketed THEN {over_sql}; END IF;\n"
+            " granted_at := v_now;\n"
             " granted_expires_at := granted_at + make_interval(secs => p_ttl);\n"
             f" INSERT INTO {self.request} ({q('external_id')}, {q('owner')}, {q('state')},"
             f" {q('ttl')}, {q('expires_at')}, {q('created_at')}, {q('updated_at')},"

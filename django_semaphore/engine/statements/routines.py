@@ -17,7 +17,7 @@ from django_semaphore.engine.statements import one_trip, queue, release
 
 # What PostgreSQL's grant functions take, for dropping them.
 GRANT_ARGUMENTS = "text[], integer[], text, text, integer, text"
-ONE_NAME_ARGUMENTS = "text, integer, text, text, integer, text"
+ONE_NAME_ARGUMENTS = "text, integer, text, text, integer, text, boolean, boolean, boolean, float8"
 
 
 def install(connection: BaseDatabaseWrapper) -> None:
@@ -60,8 +60,10 @@ def _creates(connection: BaseDatabaseWrapper) -> list[str]:
             f" RETURNS TABLE ({granted}) LANGUAGE plpgsql VOLATILE"
             f" AS $grant${grant.function_body()}$grant$",
             f"CREATE OR REPLACE FUNCTION {one_trip.ONE_NAME_ROUTINE}(p_name text, p_count integer,"
-            " p_key text, p_owner text, p_ttl integer, p_lock_wait text)"
-            f" RETURNS TABLE ({granted}) LANGUAGE plpgsql VOLATILE"
+            " p_key text, p_owner text, p_ttl integer, p_lock_wait text, p_ticketed boolean,"
+            " p_lacked boolean, p_fair boolean, p_life double precision)"
+            f" RETURNS TABLE ({granted}, refused_id bigint, refused_capacity bigint,"
+            " refused_rounds bigint, refused_ticket boolean) LANGUAGE plpgsql VOLATILE"
             f" AS $grant${grant.one_name_function_body()}$grant$",
             f"CREATE OR REPLACE PROCEDURE {release.ROUTINE}(p_key text, p_reason text,"
             f" p_lock_wait text, p_read text, OUT out_ended bigint, {read})"
