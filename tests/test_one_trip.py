@@ -26,8 +26,9 @@ from django_semaphore.exceptions import (
 )
 from django_semaphore.models import Permit, PermitRequest, Semaphore, Ticket
 from django_semaphore.states import ReleaseOutcome
-from tests.conftest import behind_the_engine, unique
 from django_semaphore.validation import validate_demand
+from tests.children import join, start_threads
+from tests.conftest import behind_the_engine, unique
 from tests.test_backends import row_locked_elsewhere
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -170,6 +171,19 @@ def test_declines_without_writing_and_the_general_grant_grants(make_semaphore, c
     assert PermitRequest.objects.filter(external_id="k").count() == 1
 
 
+def ask_for(name: str, key: str, timeout: float = 60, fair: bool = False) -> fairness.Ask:
+    """An acquire of ``name`` with a timeout, as the engine is asked it."""
+    return fairness.Ask(key, "me", validate_demand(name), fair, time.monotonic() + timeout)
+
+
+def attempt(
+    ask: fairness.Ask, standing: fairness.Standing | None = None
+) -> PermitRequest | fairness.Refusal:
+    """One attempt of ``ask`` standing where it stands (first: nowhere), as
+    the doors make it."""
+    return grant.acquire_once(connections["default"], ask, standing or fairness.Standing(), None, 5)
+
+
 def test_a_fair_line_of_one_name_is_served_in_one_statement_on_postgresql(make_semaphore):
     """PostgreSQL's function for one name serves a fair line as the general
     grant does: a waiter's refusal takes its ticket, a newcomer is refused
@@ -178,9 +192,9 @@ def test_a_fair_line_of_one_name_is_served_in_one_statement_on_postgresql(make_s
     sem = make_semaphore(capacity=1, fair=True)
     one_statement = connection.vendor == "postgresql"
     acquire(sem.name, external_id="holder")
-    ask = fairness.Ask("waiter", "me", validate_demand(sem.name), False, time.monotonic() + 60)
+    ask = ask_for(sem.name, "waiter")
 
-    refusal, sent = statements_of(grant.acquire_once, connections["default"], ask, fairness.Standing(), None, 5)
+    refusal, sent = statements_of(attempt, ask)
 
     assert (len(sent) == 1) is one_statement
     assert isinstance(refusal, fairness.Refusal)
@@ -198,23 +212,87 @@ def test_a_fair_line_of_one_name_is_served_in_one_statement_on_postgresql(make_s
     release("holder")
     with pytest.raises(SemaphoreExhausted):  # room, but the older ticket's
         acquire(sem.name, external_id="newcomer")
-    later = fairness.Ask("later", "me", validate_demand(sem.name), True, time.monotonic() + 60)
-    behind = grant.acquire_once(connections["default"], later, fairness.Standing(), None, 5)
+    later = ask_for(sem.name, "later", fair=True)
+    behind = attempt(later)
     assert isinstance(behind, fairness.Refusal)
     assert behind.standing.ticketed
     assert behind.standing.seq > refusal.standing.seq
 
-    granted, sent = statements_of(grant.acquire_once, connections["default"], ask, refusal.standing, None, 5)
+    granted, sent = statements_of(attempt, ask, refusal.standing)
 
     assert (len(sent) == 1) is one_statement
     assert isinstance(granted, PermitRequest)
     assert granted.fencing_tokens == {sem.name: 2}
     assert list(Ticket.objects.values_list("external_id", flat=True)) == ["later"]
     release("waiter")
-    assert isinstance(
-        grant.acquire_once(connections["default"], later, behind.standing, None, 5), PermitRequest
-    )
+    assert isinstance(attempt(later, behind.standing), PermitRequest)
     assert not Ticket.objects.exists()
+
+
+@pytest.fixture
+def head_wait(monkeypatch):
+    """PostgreSQL's function for one name installed with another head wait
+    (seconds), the usual one again after the test."""
+
+    def install(seconds: float) -> None:
+        monkeypatch.setattr(one_trip, "HEAD_WAIT", seconds)
+        routines.install(connections["default"])
+
+    if connection.vendor != "postgresql":
+        pytest.skip("MariaDB's procedure refuses a fair waiter at once: no head wait")
+    yield install
+    monkeypatch.undo()
+    routines.install(connections["default"])
+
+
+def release_once_waiting_at_the_head(key: str) -> None:
+    """Release ``key`` once a grant sleeps in the function, waiting for room."""
+    try:
+        with connection.cursor() as cursor:
+            for _ in range(1000):
+                cursor.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep'"
+                    f" AND query LIKE '%%{one_trip.ONE_NAME_ROUTINE}%%'"
+                )
+                if cursor.fetchone():
+                    break
+                time.sleep(0.01)
+        release(key)
+    finally:
+        connections.close_all()
+
+
+def test_the_first_in_a_fair_line_waits_for_a_release_at_the_head(make_semaphore, head_wait):
+    """The first waiter of a fair line waits in its grant call (the next in
+    line behind it, in the names' queue): a release meanwhile grants it in
+    that call, with no ticket; none, and it is refused once the head wait or
+    its own deadline ran out, whichever comes first."""
+    head_wait(30)
+    sem = make_semaphore(capacity=1, fair=True)
+    acquire(sem.name, external_id="holder")
+    ask = ask_for(sem.name, "waiter")
+    releaser = start_threads(release_once_waiting_at_the_head, ("holder",), 1)
+
+    granted, sent = statements_of(attempt, ask)
+
+    join(releaser, within=30)
+    assert isinstance(granted, PermitRequest)
+    assert len(sent) == 1
+    assert not Ticket.objects.exists()
+
+    for wait, timeout in [(0.3, 60), (30, 0.3)]:
+        head_wait(wait)
+        ask = ask_for(sem.name, unique(), timeout, fair=True)
+        started = time.monotonic()
+        refused = attempt(ask)
+        assert isinstance(refused, fairness.Refusal)
+        assert 0.3 <= time.monotonic() - started < 10
+        assert refused.standing.ticketed
+        # Taken once it waited (0.3 s at least), it expires at the deadline
+        # the call came with.
+        ticket = Ticket.objects.get(external_id=ask.key)
+        assert ticket.expires_at - ticket.created_at < timedelta(seconds=timeout - 0.2)
+        ticket.delete()
 
 
 def test_a_taken_key_answers_as_a_repeated_call(make_semaphore):

@@ -14,11 +14,16 @@ insert (its unique key settles repeated calls: a taken key fails as the
 general path's insert does), the counters' updates and the permits'
 insert, in semaphore id order.
 
+PostgreSQL's function for one name serves a fair line too: a waiter's
+refusal (its ticket taken) and a grant behind a live queue are one call, and
+the first waiter in line waits in it, briefly, for a release
+(``one_name_function_body``).
+
 Anything else answers "not here" without writing anything, and the grant
 goes the general way (``grant.grant``): no room (which reclaims expired
 permits, reads a taken key and says when room comes), a missing name (a
-family's member is created there), a fair queue, a rate limit, a count
-above the capacity.
+family's member is created there), a fair queue on several names or on
+MariaDB, a rate limit, a count above the capacity.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ ROUTINE = "django_semaphore_grant"
 # PostgreSQL's function for one name: scalars where the general one keeps
 # arrays, a third less of the server's time per call.
 ONE_NAME_ROUTINE = "django_semaphore_grant_one"
+# Seconds. The first waiter in a fair line waits for a release at the head of
+# the names' queue (PostgreSQL, one name) for at most HEAD_WAIT, reading the
+# release total every HEAD_POLL, before it is refused.
+HEAD_WAIT, HEAD_POLL = 0.05, 0.0005
 # The block's parameters as the MariaDB procedure names them, in order.
 PROCEDURE_ARGUMENTS = ("p_name", "p_name", "p_count", "p_ttl", "p_ttl", "p_key", "p_owner", "p_ttl")
 
@@ -350,11 +359,14 @@ class OneTripStatements(SQL):
     def one_name_function_body(self) -> str:
         """PostgreSQL's function for one name (``routines.py`` installs it):
         the general function's steps on one row read into a record, and fair
-        mode's too (``engine/fairness.py``): behind a live queue it grants
-        only beside what the older tickets that lacked room ask for, and a
-        waiter in line is refused here, taking its ticket where it waits
-        fairly. A refusal that needs more -- a reclaim of expired permits, a
-        taken key's request -- is left to the general grant."""
+        mode's too (``engine/fairness.py``). Behind a live queue it grants
+        only beside what the older tickets that lacked room ask for. A fair
+        waiter that finds no room waits here for a release, at most
+        ``HEAD_WAIT``, if it is first in line (the next ones wait behind it
+        in the names' queue, each handed the turn by the database), and is
+        refused here otherwise, taking its ticket. A refusal that needs
+        more -- a reclaim of expired permits, a taken key's request -- and
+        one outside a fair line are left to the general grant."""
         q = self.q
         sql, tickets = statements(self.connection), ticket_statements(self.connection)
         locking = self._locking_read_of("= p_name", "s")
@@ -373,42 +385,64 @@ class OneTripStatements(SQL):
         )
         key_sql = with_arguments(self.key_sql, "p_key")
         expired_sql = sql.expired_sql.format(ids="s.id", now="v_now")
+        released_sql = (
+            f"SELECT c.{q('released')} INTO v_released FROM {self.counter} c"
+            f" WHERE c.{q('semaphore_id')} = s.id"
+        )
+        held_sql = (
+            "v_held := GREATEST(s.in_use_counter"
+            " - GREATEST(COALESCE(v_released, 0) - s.released_folded, 0), 0)"
+        )
         return (
             "\nDECLARE s record; v_released bigint; v_held bigint; v_now timestamptz;"
-            " v_expires timestamptz; v_live boolean; v_ahead bigint; v_reserved bigint;\n"
+            " v_until timestamptz; v_expires timestamptz; v_live boolean; v_ahead bigint;"
+            " v_reserved bigint;\n"
             "BEGIN\n"
             f"{waits_sql}"
             f" {locking};\n"
             # Names are exact, as Python compares them (not as a collation may).
             f" IF NOT FOUND OR s.name::text <> p_name OR s.{q('window')} IS NOT NULL"
             " OR p_count > s.capacity THEN RETURN; END IF;\n"
-            f" SELECT c.{q('released')} INTO v_released FROM {self.counter} c"
-            f" WHERE c.{q('semaphore_id')} = s.id;\n"
-            " v_held := GREATEST(s.in_use_counter"
-            " - GREATEST(COALESCE(v_released, 0) - s.released_folded, 0), 0);\n"
+            f" {released_sql};\n"
+            f" {held_sql};\n"
             " v_now := clock_timestamp();\n"
+            # Its deadline: where its ticket, if it takes one, expires.
+            " v_expires := v_now + make_interval(secs => p_life);\n"
             " v_live := COALESCE(s.queued_until > v_now, false);\n"
             # What the older tickets that lacked room ask for stays theirs.
             f" IF v_live THEN SELECT o.n, o.permits INTO v_ahead, v_reserved"
             f" FROM ({older_sql}) AS o(id, n, permits); END IF;\n"
             " v_reserved := COALESCE(v_reserved, 0);\n"
             " IF v_held + p_count + v_reserved > s.capacity THEN\n"
-            # No room for it: a fair waiter (or one behind a live queue) is
-            # refused here, the others the general way.
+            # No room for it. Fair or behind a live queue, it is answered
+            # here, the others the general way, as is a taken key's request
+            # and a reclaim of expired permits.
             "  IF NOT (v_live OR p_ticketed OR (p_life IS NOT NULL AND (p_fair OR s.fair)))"
             f" OR EXISTS ({key_sql}) OR (v_held + p_count > s.capacity AND {expired_sql})"
             " THEN RETURN; END IF;\n"
-            "  refused_ticket := p_life IS NOT NULL AND (p_fair OR s.fair)"
-            " AND NOT (p_ticketed AND p_lacked);\n"
-            "  IF refused_ticket THEN\n"
-            "   v_expires := v_now + make_interval(secs => p_life);\n"
-            f"   {take_sql};\n"
-            f"   {queue_until_sql};\n"
+            # First in a fair line: it waits for a release here, at the head
+            # of the names' queue, where the next in line waits behind it.
+            "  IF v_reserved = 0 AND p_life IS NOT NULL AND (p_fair OR s.fair) THEN\n"
+            f"   v_until := LEAST(v_expires, v_now + make_interval(secs => {HEAD_WAIT}));\n"
+            "   WHILE v_held + p_count > s.capacity AND v_now < v_until LOOP\n"
+            f"    PERFORM pg_sleep({HEAD_POLL});\n"
+            f"    {released_sql};\n"
+            f"    {held_sql};\n"
+            "    v_now := clock_timestamp();\n"
+            "   END LOOP;\n"
             "  END IF;\n"
-            "  granted_name := s.name; granted_token := s.fencing_counter;"
+            "  IF v_held + p_count + v_reserved > s.capacity THEN\n"
+            "   refused_ticket := p_life IS NOT NULL AND (p_fair OR s.fair)"
+            " AND NOT (p_ticketed AND p_lacked);\n"
+            "   IF refused_ticket THEN\n"
+            f"    {take_sql};\n"
+            f"    {queue_until_sql};\n"
+            "   END IF;\n"
+            "   granted_name := s.name; granted_token := s.fencing_counter;"
             " granted_in_use := v_held; refused_id := s.id; refused_capacity := s.capacity;\n"
-            "  refused_rounds := (v_reserved + p_count - 1) / GREATEST(s.capacity, 1);\n"
-            "  RETURN NEXT; RETURN;\n"
+            "   refused_rounds := (v_reserved + p_count - 1) / GREATEST(s.capacity, 1);\n"
+            "   RETURN NEXT; RETURN;\n"
+            "  END IF;\n"
             " END IF;\n"
             # Granted: its tickets stop holding back others; a queue that
             # held nobody back any more is over.
