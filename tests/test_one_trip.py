@@ -235,7 +235,7 @@ def head_wait(monkeypatch):
     (seconds), the usual one again after the test."""
 
     def install(seconds: float) -> None:
-        monkeypatch.setattr(one_trip, "HEAD_WAIT", seconds)
+        monkeypatch.setattr(one_trip, "HEAD_WAIT_MS", int(seconds * 1000))
         routines.install(connections["default"])
 
     if connection.vendor != "postgresql":

@@ -45,10 +45,11 @@ ROUTINE = "django_semaphore_grant"
 # PostgreSQL's function for one name: scalars where the general one keeps
 # arrays, a third less of the server's time per call.
 ONE_NAME_ROUTINE = "django_semaphore_grant_one"
-# Seconds. The first waiter in a fair line waits for a release at the head of
-# the names' queue (PostgreSQL, one name) for at most HEAD_WAIT, reading the
-# release total every HEAD_POLL, before it is refused.
-HEAD_WAIT, HEAD_POLL = 0.05, 0.0005
+# The first waiter in a fair line waits for a release at the head of the
+# names' queue (PostgreSQL, one name) for at most HEAD_WAIT_MS milliseconds,
+# reading the release total every HEAD_POLL_US microseconds, before it is
+# refused.
+HEAD_WAIT_MS, HEAD_POLL_US = 50, 500
 # The block's parameters as the MariaDB procedure names them, in order.
 PROCEDURE_ARGUMENTS = ("p_name", "p_name", "p_count", "p_ttl", "p_ttl", "p_key", "p_owner", "p_ttl")
 
@@ -362,7 +363,7 @@ class OneTripStatements(SQL):
         mode's too (``engine/fairness.py``). Behind a live queue it grants
         only beside what the older tickets that lacked room ask for. A fair
         waiter that finds no room waits here for a release, at most
-        ``HEAD_WAIT``, if it is first in line (the next ones wait behind it
+        ``HEAD_WAIT_MS``, if it is first in line (the next ones wait behind it
         in the names' queue, each handed the turn by the database), and is
         refused here otherwise, taking its ticket. A refusal that needs
         more -- a reclaim of expired permits, a taken key's request -- and
@@ -423,9 +424,10 @@ class OneTripStatements(SQL):
             # First in a fair line: it waits for a release here, at the head
             # of the names' queue, where the next in line waits behind it.
             "  IF v_reserved = 0 AND p_life IS NOT NULL AND (p_fair OR s.fair) THEN\n"
-            f"   v_until := LEAST(v_expires, v_now + make_interval(secs => {HEAD_WAIT}));\n"
+            "   v_until := LEAST(v_expires,"
+            f" v_now + {int(HEAD_WAIT_MS)} * interval '1 millisecond');\n"
             "   WHILE v_held + p_count > s.capacity AND v_now < v_until LOOP\n"
-            f"    PERFORM pg_sleep({HEAD_POLL});\n"
+            f"    PERFORM pg_sleep({int(HEAD_POLL_US)} / 1000000.0);\n"
             f"    {released_sql};\n"
             f"    {held_sql};\n"
             "    v_now := clock_timestamp();\n"
