@@ -40,7 +40,10 @@ did.
 
 **Waiting.** This module only says, under the row locks, whether a call is
 granted and where it stands; the waits between its attempts (one poller
-per line in each process, its polling interval) are in ``waiting``.
+per line in each process, its polling interval) are in ``waiting``. On
+PostgreSQL a line of one name is served by the grant function
+(``statements/one_trip.py``), which applies the same rule, and whose first
+waiter waits there for a release, briefly, before it is refused.
 """
 
 from __future__ import annotations

@@ -1,14 +1,19 @@
 """Every wait for room, with no transaction open.
 
-The engine never sleeps: each of its attempts is one transaction that grants
-or refuses at once. Whatever waits for room between two attempts is here:
+Each attempt of the engine is one transaction that grants or refuses (at
+once, but for the one wait below). Whatever waits for room between two
+attempts is here:
 
 - **An acquire with a timeout** (``wait_for_room``) attempts again until it
   is granted or its deadline passes (below).
 - **A refused parking task** stands by in its worker (``standby``): the
   same wait, for at most ``STANDBY_WAIT``, then it parks.
 
-Every sleep is taken with no transaction open and no row locked.
+Every sleep here is taken with no transaction open and no row locked. The
+one wait inside an attempt is the database's: on PostgreSQL the first
+waiter of a fair line on one name waits there for a release, at most 50 ms,
+the next in line behind it in the names' queue
+(``engine/statements/one_trip.py``).
 
 **One poller per process and semaphore.** This process's waiters on a
 semaphore form its queue (``waiters``), first come first served; the one
