@@ -87,6 +87,20 @@ class Line:
     ticket_life: float | None  # seconds a ticket it takes lives; None: it takes none
 
 
+@dataclass(frozen=True)
+class LineSQL:
+    """A fair line's statements (``tickets.py``, the grant's reads) as a
+    routine runs them on one semaphore, its values named."""
+
+    ahead_sql: str  # the older tickets that lacked room into (v_ahead, v_reserved)
+    key_taken_sql: str  # EXISTS: a request has the key
+    expired_sql: str  # EXISTS: an expired request holds the semaphore
+    take_sql: str  # the key's ticket, lacking room until the deadline
+    queue_until_sql: str  # the queue live until the deadline at least
+    delete_sql: str  # the key's ticket
+    over_sql: str  # the queue over, where no live ticket lacks room
+
+
 class OneTripStatements(SQL):
     """The one-trip grant, for one connection."""
 
@@ -114,22 +128,23 @@ class OneTripStatements(SQL):
         a waiter in a fair line; ``None``: not in one trip (nothing written).
         Outside any transaction."""
         names = sorted(counts)
-        one_name = self.vendor == "postgresql" and len(names) == 1
+        one_name = len(names) == 1
         if line.ticketed and not one_name:
             return None
         params: list[Any]
         wait = max(1, math.ceil(lock_wait))
-        if one_name:
+        standing = [line.ticketed, line.lacked, line.fair, line.ticket_life]
+        if one_name and self.vendor == "postgresql":
             sql = f"SELECT * FROM {ONE_NAME_ROUTINE}(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
             params = [names[0], counts[names[0]], key, owner, ttl, queue.lock_timeout(lock_wait)]
-            params += [line.ticketed, line.lacked, line.fair, line.ticket_life]
+            params += standing
         elif self.vendor == "postgresql":
             sql = f"SELECT * FROM {ROUTINE}(%s, %s, %s, %s, %s, %s)"
             params = [names, [counts[n] for n in names], key, owner, ttl]
             params.append(queue.lock_timeout(lock_wait))
-        elif len(names) == 1:
-            sql = f"CALL {ROUTINE}(%s, %s, %s, %s, %s, %s)"
-            params = [names[0], counts[names[0]], ttl, key, owner, wait]
+        elif one_name:
+            sql = f"CALL {ROUTINE}(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+            params = [names[0], counts[names[0]], ttl, key, owner, wait, *standing]
         else:
             sql = self._block(len(names), wait)
             pairs = [value for name in names for value in (name, counts[name])]
@@ -140,12 +155,12 @@ class OneTripStatements(SQL):
             if self.vendor != "postgresql":
                 while cursor.nextset():  # the block's or the call's closing status
                     pass
-        if not rows:
+        # Declined: no row (PostgreSQL) or a row of NULLs; refused: a row
+        # with no request but the refusal's four columns (one name).
+        if not rows or rows[0][3] is None:
             return None
         request_id, granted_at, expires_at = rows[0][:3]
         if request_id is None:
-            if not one_name:
-                return None
             _, _, _, name, grants, _, id, capacity, rounds, ticket_taken = rows[0]
             return Refused(
                 (int(id), name, int(capacity)), int(rounds), bool(ticket_taken), int(grants)
@@ -180,16 +195,20 @@ class OneTripStatements(SQL):
         return block
 
     def procedure_body(self) -> str:
-        """The MariaDB procedure's body: the block's program for one name,
-        its parameters named (``routines.py`` installs it)."""
-        program = self._mariadb_program(1, "p_wait")
+        """The MariaDB procedure's body: the block's program for one name
+        and a fair line's steps, its parameters named (``routines.py``
+        installs it)."""
+        program = self._mariadb_program(1, "p_wait", line=True)
         return f"BEGIN {with_arguments(program, *PROCEDURE_ARGUMENTS)} END"
 
-    def _mariadb_program(self, count: int, wait: str) -> str:
+    def _mariadb_program(self, count: int, wait: str, line: bool = False) -> str:
         """The grant of ``count`` names, the body of a MariaDB block or
         procedure, its lock-wait bound ``wait`` (seconds, SQL). Its
         parameters, in order: the names; for each locked row, every (name,
-        count) pair; ttl (twice), key, owner, ttl.
+        count) pair; ttl (twice), key, owner, ttl. With ``line`` (one
+        name: the procedure), a fair line's steps too, as PostgreSQL's
+        function for one name takes them (``one_name_function_body``),
+        named ``p_ticketed``, ``p_lacked``, ``p_fair`` and ``p_life``.
 
         One name is read into its variables by the locking read itself;
         more, by a cursor over it (opened under the lock-wait bound, which
@@ -257,11 +276,20 @@ class OneTripStatements(SQL):
             f"SELECT v_id_{i} AS id, v_count_{i} AS n, v_fencing_counter_{i} + 1 AS token"
             for i in rows
         )
+        # The procedure answers a refusal in four more columns.
+        refusal_sql = ", NULL, NULL, NULL, NULL" if line else ""
         granted_sql = " UNION ALL ".join(
             f"SELECT v_request, v_now, v_expires, v_name_{i}, v_fencing_counter_{i} + 1,"
-            f" v_held_{i} + v_count_{i}"
+            f" v_held_{i} + v_count_{i}{refusal_sql}"
             for i in rows
         )
+        decide_sql = (
+            f" IF {'v_done OR ' if count > 1 else ''}{declined_sql} THEN"
+            f" ROLLBACK; SELECT NULL, NULL, NULL, NULL, NULL, NULL{refusal_sql};"
+            f" ELSE SET v_now = {now};"
+        )
+        if line:
+            decide_sql = self._mariadb_line(wait)
         return (
             f"{declarations}"
             " DECLARE v_request BIGINT; DECLARE v_now, v_expires DATETIME(6);"
@@ -269,11 +297,7 @@ class OneTripStatements(SQL):
             " DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN ROLLBACK;"
             " IF v_waited IS NOT NULL THEN"
             " SET SESSION innodb_lock_wait_timeout = v_waited; END IF; RESIGNAL; END;"
-            f"{locking}{checks_sql}"
-            f" IF {'v_done OR ' if count > 1 else ''}{declined_sql} THEN"
-            " ROLLBACK; SELECT NULL, NULL, NULL, NULL, NULL, NULL;"
-            " ELSE"
-            f" SET v_now = {now};"
+            f"{locking}{checks_sql}{decide_sql}"
             " SET v_expires = IF(%s IS NULL, NULL, TIMESTAMPADD(SECOND, %s, v_now));"
             f" {bound}INSERT INTO {request} ({q('external_id')}, {q('owner')}, {q('state')},"
             f" {q('ttl')}, {q('expires_at')}, {q('created_at')}, {q('updated_at')},"
@@ -286,8 +310,96 @@ class OneTripStatements(SQL):
             f" {q('fencing_token')}, {q('slot_ends')}, {q('state')})"
             f" SELECT g.id, v_request, g.n, g.token, NULL, '{self.acquired}'"
             f" FROM ({permits_sql}) AS g ORDER BY g.id;"
-            f" COMMIT; {granted_sql};"
+            f" COMMIT; {granted_sql};" + (" END decide;" if line else " END IF;")
+        )
+
+    def _mariadb_line(self, wait: str) -> str:
+        """The procedure's decision on its one name, which opens the block
+        ``decide`` that the grant closes: a fair line's steps, as
+        PostgreSQL's function for one name takes them; declined (the
+        general grant's turn), it rolls back and leaves the block."""
+        bound = f"SET STATEMENT innodb_lock_wait_timeout = {wait} FOR "
+        line = self._line("v_id_1", "v_count_1", bound)
+        declined_sql = "ROLLBACK; SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL"
+        return (
+            " decide: BEGIN"
+            " DECLARE v_deadline, v_until DATETIME(6); DECLARE v_live, v_ticket BOOL;"
+            " DECLARE v_ahead, v_reserved BIGINT DEFAULT 0;"
+            # Names are exact, as Python compares them (not as the collation does).
+            " IF v_count_1 IS NULL OR v_window_1 IS NOT NULL OR v_count_1 > v_capacity_1 THEN"
+            f" {declined_sql}; LEAVE decide; END IF;"
+            f" SET v_now = {self.now};"
+            " IF v_queued_until_1 > v_now OR p_ticketed OR v_held_1 + v_count_1 > v_capacity_1"
+            " THEN"
+            " SET v_live = IFNULL(v_queued_until_1 > v_now, FALSE);"
+            # What the older tickets that lacked room ask for stays theirs.
+            f" IF v_live THEN {line.ahead_sql}; END IF;"
+            " IF v_held_1 + v_count_1 + v_reserved > v_capacity_1 THEN"
+            " IF NOT (v_live OR p_ticketed OR (p_life IS NOT NULL AND (p_fair OR v_fair_1)))"
+            f" OR {line.key_taken_sql}"
+            f" OR (v_held_1 + v_count_1 > v_capacity_1 AND {line.expired_sql}) THEN"
+            f" {declined_sql}; LEAVE decide; END IF;"
+            " SET v_deadline = TIMESTAMPADD(MICROSECOND, ROUND(p_life * 1000000), v_now);"
+            # First in a fair line: it waits for a release here, the next in
+            # line behind it on the row's lock.
+            " IF v_reserved = 0 AND p_life IS NOT NULL AND (p_fair OR v_fair_1) THEN"
+            " SET v_until = LEAST(v_deadline,"
+            f" v_now + INTERVAL {int(HEAD_WAIT_MS) * 1000} MICROSECOND);"
+            " WHILE v_held_1 + v_count_1 > v_capacity_1 AND v_now < v_until DO"
+            f" DO SLEEP({int(HEAD_POLL_US)} / 1000000);"
+            f" SELECT {self.q('released')} INTO v_released_1 FROM {self.counter}"
+            f" WHERE {self.q('semaphore_id')} = v_id_1;"
+            " SET v_held_1 = GREATEST(v_in_use_counter_1"
+            " - GREATEST(IFNULL(v_released_1, 0) - v_released_folded_1, 0), 0);"
+            f" SET v_now = {self.now};"
+            " END WHILE;"
             " END IF;"
+            " IF v_held_1 + v_count_1 + v_reserved > v_capacity_1 THEN"
+            " SET v_ticket = p_life IS NOT NULL AND (p_fair OR v_fair_1)"
+            " AND NOT (p_ticketed AND p_lacked);"
+            f" IF v_ticket THEN {line.take_sql}; {line.queue_until_sql}; END IF;"
+            " COMMIT; SELECT NULL, NULL, NULL, v_name_1, v_fencing_counter_1, v_held_1,"
+            " v_id_1, v_capacity_1, (v_reserved + v_count_1 - 1) DIV GREATEST(v_capacity_1, 1),"
+            " v_ticket;"
+            " LEAVE decide;"
+            " END IF;"
+            " END IF;"
+            # Granted: its tickets stop holding back others; a queue that
+            # held nobody back any more is over.
+            f" IF p_ticketed OR v_live THEN {line.delete_sql};"
+            f" IF v_live AND v_ahead = 0 AND NOT p_ticketed THEN {line.over_sql}; END IF;"
+            " END IF;"
+            " END IF;"
+        )
+
+    def _line(self, id_sql: str, count_sql: str, bound: str = "") -> LineSQL:
+        """The fair line's statements on the semaphore ``id_sql`` for
+        ``count_sql`` permits, in a routine whose key, owner, clock and
+        deadline are ``p_key``, ``p_owner``, ``v_now`` and ``v_deadline``;
+        the writes that may wait for a lock prefixed with ``bound``."""
+        sql, tickets = statements(self.connection), ticket_statements(self.connection)
+        older_sql = with_arguments(
+            tickets.older_sql.format(ids="%s"), id_sql, "TRUE", "v_now", "p_key", "p_key"
+        )
+        key_sql = with_arguments(self.key_sql, "p_key")
+        take_sql = with_arguments(
+            tickets.insert_sql.format(rows="(%s, %s, %s, %s, %s, %s, %s)"),
+            *(id_sql, "p_key", "p_owner", count_sql, "v_now", "v_deadline", "TRUE"),
+        )
+        delete_sql = with_arguments(tickets.delete_sql.format(ids="%s"), "p_key", id_sql)
+        return LineSQL(
+            ahead_sql="SELECT COUNT(*), COALESCE(SUM(o.permits), 0) INTO v_ahead, v_reserved"
+            f" FROM ({older_sql}) o",
+            key_taken_sql=f"EXISTS ({key_sql})",
+            expired_sql=sql.expired_sql.format(ids=id_sql, now="v_now"),
+            take_sql=bound + take_sql,
+            queue_until_sql=with_arguments(
+                tickets.queued_until_sql.format(ids="%s"), "v_deadline", id_sql, "v_deadline"
+            ),
+            delete_sql=bound + delete_sql,
+            over_sql=with_arguments(
+                tickets.queue_over_sql.format(ids="%s"), id_sql, "TRUE", "v_now"
+            ),
         )
 
     def _locking_read_of(self, names_sql: str, targets: str = "") -> str:
@@ -369,23 +481,9 @@ class OneTripStatements(SQL):
         more -- a reclaim of expired permits, a taken key's request -- and
         one outside a fair line are left to the general grant."""
         q = self.q
-        sql, tickets = statements(self.connection), ticket_statements(self.connection)
         locking = self._locking_read_of("= p_name", "s")
         waits_sql = queue.waits_for_one_sql("p_name", "p_lock_wait")
-        older_sql = with_arguments(
-            tickets.older_sql.format(ids="%s"), "s.id", "true", "v_now", "p_key", "p_key"
-        )
-        delete_sql = with_arguments(tickets.delete_sql.format(ids="%s"), "p_key", "s.id")
-        over_sql = with_arguments(tickets.queue_over_sql.format(ids="%s"), "s.id", "true", "v_now")
-        take_sql = with_arguments(
-            tickets.insert_sql.format(rows="(%s, %s, %s, %s, %s, %s, %s)"),
-            *("s.id", "p_key", "p_owner", "p_count", "v_now", "v_expires", "true"),
-        )
-        queue_until_sql = with_arguments(
-            tickets.queued_until_sql.format(ids="%s"), "v_expires", "s.id", "v_expires"
-        )
-        key_sql = with_arguments(self.key_sql, "p_key")
-        expired_sql = sql.expired_sql.format(ids="s.id", now="v_now")
+        line = self._line("s.id", "p_count")
         released_sql = (
             f"SELECT c.{q('released')} INTO v_released FROM {self.counter} c"
             f" WHERE c.{q('semaphore_id')} = s.id"
@@ -396,8 +494,8 @@ class OneTripStatements(SQL):
         )
         return (
             "\nDECLARE s record; v_released bigint; v_held bigint; v_now timestamptz;"
-            " v_until timestamptz; v_expires timestamptz; v_live boolean; v_ahead bigint;"
-            " v_reserved bigint;\n"
+            " v_until timestamptz; v_deadline timestamptz; v_live boolean := false;"
+            " v_ahead bigint := 0; v_reserved bigint := 0;\n"
             "BEGIN\n"
             f"{waits_sql}"
             f" {locking};\n"
@@ -407,49 +505,47 @@ class OneTripStatements(SQL):
             f" {released_sql};\n"
             f" {held_sql};\n"
             " v_now := clock_timestamp();\n"
-            # Its deadline: where its ticket, if it takes one, expires.
-            " v_expires := v_now + make_interval(secs => p_life);\n"
-            " v_live := COALESCE(s.queued_until > v_now, false);\n"
+            " IF s.queued_until > v_now OR p_ticketed OR v_held + p_count > s.capacity THEN\n"
+            "  v_live := COALESCE(s.queued_until > v_now, false);\n"
             # What the older tickets that lacked room ask for stays theirs.
-            f" IF v_live THEN SELECT o.n, o.permits INTO v_ahead, v_reserved"
-            f" FROM ({older_sql}) AS o(id, n, permits); END IF;\n"
-            " v_reserved := COALESCE(v_reserved, 0);\n"
-            " IF v_held + p_count + v_reserved > s.capacity THEN\n"
+            f"  IF v_live THEN {line.ahead_sql}; END IF;\n"
+            "  IF v_held + p_count + v_reserved > s.capacity THEN\n"
             # No room for it. Fair or behind a live queue, it is answered
             # here, the others the general way, as is a taken key's request
             # and a reclaim of expired permits.
-            "  IF NOT (v_live OR p_ticketed OR (p_life IS NOT NULL AND (p_fair OR s.fair)))"
-            f" OR EXISTS ({key_sql}) OR (v_held + p_count > s.capacity AND {expired_sql})"
+            "   IF NOT (v_live OR p_ticketed OR (p_life IS NOT NULL AND (p_fair OR s.fair)))"
+            f" OR {line.key_taken_sql} OR (v_held + p_count > s.capacity AND {line.expired_sql})"
             " THEN RETURN; END IF;\n"
+            # Its deadline: where its ticket, if it takes one, expires.
+            "   v_deadline := v_now + make_interval(secs => p_life);\n"
             # First in a fair line: it waits for a release here, at the head
             # of the names' queue, where the next in line waits behind it.
-            "  IF v_reserved = 0 AND p_life IS NOT NULL AND (p_fair OR s.fair) THEN\n"
-            "   v_until := LEAST(v_expires,"
+            "   IF v_reserved = 0 AND p_life IS NOT NULL AND (p_fair OR s.fair) THEN\n"
+            "    v_until := LEAST(v_deadline,"
             f" v_now + {int(HEAD_WAIT_MS)} * interval '1 millisecond');\n"
-            "   WHILE v_held + p_count > s.capacity AND v_now < v_until LOOP\n"
-            f"    PERFORM pg_sleep({int(HEAD_POLL_US)} / 1000000.0);\n"
-            f"    {released_sql};\n"
-            f"    {held_sql};\n"
-            "    v_now := clock_timestamp();\n"
-            "   END LOOP;\n"
-            "  END IF;\n"
-            "  IF v_held + p_count + v_reserved > s.capacity THEN\n"
-            "   refused_ticket := p_life IS NOT NULL AND (p_fair OR s.fair)"
-            " AND NOT (p_ticketed AND p_lacked);\n"
-            "   IF refused_ticket THEN\n"
-            f"    {take_sql};\n"
-            f"    {queue_until_sql};\n"
+            "    WHILE v_held + p_count > s.capacity AND v_now < v_until LOOP\n"
+            f"     PERFORM pg_sleep({int(HEAD_POLL_US)} / 1000000.0);\n"
+            f"     {released_sql};\n"
+            f"     {held_sql};\n"
+            "     v_now := clock_timestamp();\n"
+            "    END LOOP;\n"
             "   END IF;\n"
-            "   granted_name := s.name; granted_token := s.fencing_counter;"
+            "   IF v_held + p_count + v_reserved > s.capacity THEN\n"
+            "    refused_ticket := p_life IS NOT NULL AND (p_fair OR s.fair)"
+            " AND NOT (p_ticketed AND p_lacked);\n"
+            f"    IF refused_ticket THEN {line.take_sql}; {line.queue_until_sql}; END IF;\n"
+            "    granted_name := s.name; granted_token := s.fencing_counter;"
             " granted_in_use := v_held; refused_id := s.id; refused_capacity := s.capacity;\n"
-            "   refused_rounds := (v_reserved + p_count - 1) / GREATEST(s.capacity, 1);\n"
-            "   RETURN NEXT; RETURN;\n"
+            "    refused_rounds := (v_reserved + p_count - 1) / GREATEST(s.capacity, 1);\n"
+            "    RETURN NEXT; RETURN;\n"
+            "   END IF;\n"
             "  END IF;\n"
-            " END IF;\n"
             # Granted: its tickets stop holding back others; a queue that
             # held nobody back any more is over.
-            f" IF p_ticketed OR v_live THEN {delete_sql}; END IF;\n"
-            f" IF v_live AND v_ahead IS NULL AND NOT p_ticketed THEN {over_sql}; END IF;\n"
+            f"  IF p_ticketed OR v_live THEN {line.delete_sql};\n"
+            f"   IF v_live AND v_ahead = 0 AND NOT p_ticketed THEN {line.over_sql}; END IF;\n"
+            "  END IF;\n"
+            " END IF;\n"
             " granted_at := v_now;\n"
             " granted_expires_at := granted_at + make_interval(secs => p_ttl);\n"
             f" INSERT INTO {self.request} ({q('external_id')}, {q('owner')}, {q('state')},"

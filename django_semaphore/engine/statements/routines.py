@@ -81,7 +81,8 @@ def _creates(connection: BaseDatabaseWrapper) -> list[str]:
     reason = f"TYPE OF {grant.request}.{q('release_reason')}"
     return [
         f"CREATE OR REPLACE PROCEDURE {one_trip.ROUTINE}(p_name {name}, p_count INT,"
-        f" p_ttl INT, p_key {key}, p_owner {owner}, p_wait INT)"
+        f" p_ttl INT, p_key {key}, p_owner {owner}, p_wait INT, p_ticketed BOOL,"
+        " p_lacked BOOL, p_fair BOOL, p_life DOUBLE)"
         f" SQL SECURITY INVOKER {grant.procedure_body()}",
         f"CREATE OR REPLACE PROCEDURE {release.ROUTINE}(p_key {key}, p_reason {reason},"
         " p_wait INT, p_read VARCHAR(6))"

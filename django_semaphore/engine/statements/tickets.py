@@ -49,7 +49,8 @@ class TicketStatements(SQL):
         # (only those hold back), older than this key's own ticket there (all
         # of them when it has none), and what they ask.
         self.older_sql = (
-            f"SELECT t.{q('semaphore_id')}, COUNT(*), SUM(t.{q('count')}) FROM {table} t"
+            f"SELECT t.{q('semaphore_id')}, COUNT(*) AS n, SUM(t.{q('count')}) AS permits"
+            f" FROM {table} t"
             f" WHERE t.{q('semaphore_id')} IN ({{ids}}) AND t.{q('lacked')} = %s"
             f" AND t.{q('expires_at')} > %s AND t.{q('external_id')} <> %s"
             f" AND NOT EXISTS (SELECT 1 FROM {table} m"
