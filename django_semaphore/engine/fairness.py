@@ -41,7 +41,7 @@ did.
 **Waiting.** This module only says, under the row locks, whether a call is
 granted and where it stands; the waits between its attempts (one poller
 per line in each process, its polling interval) are in ``waiting``. On
-PostgreSQL a line of one name is served by the grant function
+MariaDB and PostgreSQL a line of one name is served by the grant routine
 (``statements/one_trip.py``), which applies the same rule, and whose first
 waiter waits there for a release, briefly, before it is refused.
 """
@@ -157,12 +157,13 @@ def admit(
         if over and not standing.ticketed:
             ticket_statements(connection).end_queues(cursor, over, now)
         return [], standing
-    life = ticket_life(ask)
-    ticketing = life is not None and queues and not (standing.ticketed and short <= standing.lacked)
-    if ticketing:
-        expires_at = now + timedelta(seconds=life or 0)
+    takes = queues and not (standing.ticketed and short <= standing.lacked)
+    life = ticket_life(ask) if takes else None
+    if life is not None:
+        expires_at = now + timedelta(seconds=life)
         _insert_tickets(connection, locked, ask, now, expires_at, lock_wait, short)
-    return sorted(s.name for s in locked if s.id in short), _placed(standing, short, ticketing)
+    standing = _placed(standing, short, ticketed=life is not None)
+    return sorted(s.name for s in locked if s.id in short), standing
 
 
 def ticket_life(ask: Ask) -> float | None:
@@ -179,7 +180,7 @@ def line(ask: Ask, standing: Standing) -> Line:
 
 
 def refused_in_one_trip(ask: Ask, standing: Standing, refused: Refused) -> Refusal:
-    """The one-trip grant's refusal (PostgreSQL, one name), with the call's
+    """The one-trip grant's refusal (one name), with the call's
     standing as ``admit`` would have left it."""
     id, name, _ = refused.semaphore
     standing = replace(standing, rounds=refused.rounds, semaphores=(refused.semaphore,))

@@ -236,10 +236,10 @@ def grant_in_one_trip(
 ) -> PermitRequest | fairness.Refusal | None:
     """The common grant -- room on every semaphore, nobody queued -- in one
     round trip and its own transaction, where the database can
-    (``statements/one_trip.py``); on PostgreSQL, for one name, a fair
-    line's grants and refusals too. ``None``, nothing written, when the call
-    needs the general grant: no room (outside a fair line), a rate limit, a
-    fair queue on several names, a missing name, expired permits to reclaim."""
+    (``statements/one_trip.py``); for one name, a fair line's grants and
+    refusals too. ``None``, nothing written, when the call needs the general
+    grant: no room outside a fair line, expired permits to reclaim, a rate
+    limit, a fair queue on several names, a missing name."""
     if connection.in_atomic_block:
         return None
     sql = one_trip_statements(connection)

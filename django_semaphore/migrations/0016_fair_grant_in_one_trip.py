@@ -1,8 +1,8 @@
-"""The routines once more (``engine/statements/routines.py``): on PostgreSQL
-the grant function for one name now grants and refuses the waiters of a fair
-line too (``one_trip.py``), so it takes where the call stands in line and
-answers a refusal. Its former signature is dropped first; going back, 0010
-drops the new one."""
+"""The routines once more (``engine/statements/routines.py``): the grant
+routine for one name (PostgreSQL's function, MariaDB's procedure) now
+grants and refuses the waiters of a fair line too (``one_trip.py``), so it
+takes where the call stands in line and answers a refusal. PostgreSQL's
+former signature is dropped first; going back, 0010 drops the new one."""
 
 from django.db import migrations
 from django.db.backends.base.schema import BaseDatabaseSchemaEditor

@@ -10,9 +10,9 @@ attempts is here:
   same wait, for at most ``STANDBY_WAIT``, then it parks.
 
 Every sleep here is taken with no transaction open and no row locked. The
-one wait inside an attempt is the database's: on PostgreSQL the first
-waiter of a fair line on one name waits there for a release, at most 50 ms,
-the next in line behind it in the names' queue
+one wait inside an attempt is the database's: on MariaDB and PostgreSQL the
+first waiter of a fair line on one name waits there for a release, at most
+50 ms, the next in line queued behind it in the database
 (``engine/statements/one_trip.py``).
 
 **One poller per process and semaphore.** This process's waiters on a

@@ -111,9 +111,6 @@ class Statements(SQL):
         if len(expires_params) != 1:  # pragma: no cover - a Django change would show here
             raise AssertionError(f"Unexpected parameters in the expiry: {expires_params!r}")
         self.expires_sql = expires
-        # Read once the semaphore rows are locked, and only when one lacks
-        # room. The clock is read here, not in the locking read, which may
-        # compute it before its wait for the lock (PostgreSQL does).
         # Whether an expired request still holds one of the semaphores ``{ids}``
         # at ``{now}``: only then is a reclaim worth its statements.
         self.expired_sql = (
@@ -123,6 +120,9 @@ class Statements(SQL):
             f" AND p.{q('semaphore_id')} IN ({{ids}}) AND p.{q('state')} = '{self.acquired}')"
         )
         expired_sql = self.expired_sql.format(ids="{ids}", now=now)
+        # Read once the semaphore rows are locked, and only when one lacks
+        # room. The clock is read here, not in the locking read, which may
+        # compute it before its wait for the lock (PostgreSQL does).
         self.usage_sql = (
             f"SELECT {now}, (SELECT {q('id')} FROM {request} WHERE {q('external_id')} = %s),"
             f" {expired_sql}"

@@ -14,16 +14,19 @@ insert (its unique key settles repeated calls: a taken key fails as the
 general path's insert does), the counters' updates and the permits'
 insert, in semaphore id order.
 
-PostgreSQL's function for one name serves a fair line too: a waiter's
-refusal (its ticket taken) and a grant behind a live queue are one call, and
-the first waiter in line waits in it, briefly, for a release
-(``one_name_function_body``).
+The routine for one name serves a fair line too (``engine/fairness.py``'s
+rule, the ticket statements' own text): a waiter's refusal (its ticket
+taken) and a grant behind a live queue are one call, and the first waiter in
+line waits in it, at most ``HEAD_WAIT_MS``, for a release, the next in line
+queued behind it -- in the names' queue on PostgreSQL, on the row's lock on
+MariaDB -- each handed its turn by the database
+(``one_name_function_body``, ``_mariadb_line``).
 
 Anything else answers "not here" without writing anything, and the grant
-goes the general way (``grant.grant``): no room (which reclaims expired
-permits, reads a taken key and says when room comes), a missing name (a
-family's member is created there), a fair queue on several names or on
-MariaDB, a rate limit, a count above the capacity.
+goes the general way (``grant.grant``): no room outside a fair line, a
+refusal that needs more (a reclaim of expired permits, a taken key's
+request), a missing name (a family's member is created there), a fair
+queue on several names, a rate limit, a count above the capacity.
 """
 
 from __future__ import annotations
@@ -45,10 +48,9 @@ ROUTINE = "django_semaphore_grant"
 # PostgreSQL's function for one name: scalars where the general one keeps
 # arrays, a third less of the server's time per call.
 ONE_NAME_ROUTINE = "django_semaphore_grant_one"
-# The first waiter in a fair line waits for a release at the head of the
-# names' queue (PostgreSQL, one name) for at most HEAD_WAIT_MS milliseconds,
-# reading the release total every HEAD_POLL_US microseconds, before it is
-# refused.
+# The first waiter in a fair line of one name waits for a release in its
+# call for at most HEAD_WAIT_MS milliseconds, reading the release total every
+# HEAD_POLL_US microseconds, before it is refused.
 HEAD_WAIT_MS, HEAD_POLL_US = 50, 500
 # The block's parameters as the MariaDB procedure names them, in order.
 PROCEDURE_ARGUMENTS = ("p_name", "p_name", "p_count", "p_ttl", "p_ttl", "p_key", "p_owner", "p_ttl")
@@ -67,8 +69,8 @@ class Granted:
 
 @dataclass
 class Refused:
-    """The one-trip grant's refusal of a waiter in a fair line (PostgreSQL,
-    one name): what ``fairness.admit`` says of it in the general grant."""
+    """The one-trip grant's refusal of a waiter in a fair line (one name):
+    what ``fairness.admit`` says of it in the general grant."""
 
     semaphore: tuple[int, str, int]  # id, name, capacity
     rounds: int  # capacities' worth of grants that come before its own
@@ -78,8 +80,8 @@ class Refused:
 
 @dataclass(frozen=True)
 class Line:
-    """Where the call stands in the semaphore's line, for the function that
-    can refuse (PostgreSQL, one name)."""
+    """Where the call stands in the semaphore's line, for the routine that
+    can refuse (one name)."""
 
     ticketed: bool  # it holds tickets (only the general grant deletes them elsewhere)
     lacked: bool  # its ticket lacked room
