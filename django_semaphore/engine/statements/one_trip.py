@@ -90,7 +90,7 @@ class Line:
 
 
 @dataclass(frozen=True)
-class LineSQL:
+class LineStatements:
     """A fair line's statements (``tickets.py``, the grant's reads) as a
     routine runs them on one semaphore, its values named."""
 
@@ -135,18 +135,18 @@ class OneTripStatements(SQL):
             return None
         params: list[Any]
         wait = max(1, math.ceil(lock_wait))
-        standing = [line.ticketed, line.lacked, line.fair, line.ticket_life]
+        in_line = [line.ticketed, line.lacked, line.fair, line.ticket_life]
         if one_name and self.vendor == "postgresql":
             sql = f"SELECT * FROM {ONE_NAME_ROUTINE}(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
             params = [names[0], counts[names[0]], key, owner, ttl, queue.lock_timeout(lock_wait)]
-            params += standing
+            params += in_line
         elif self.vendor == "postgresql":
             sql = f"SELECT * FROM {ROUTINE}(%s, %s, %s, %s, %s, %s)"
             params = [names, [counts[n] for n in names], key, owner, ttl]
             params.append(queue.lock_timeout(lock_wait))
         elif one_name:
             sql = f"CALL {ROUTINE}(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-            params = [names[0], counts[names[0]], ttl, key, owner, wait, *standing]
+            params = [names[0], counts[names[0]], ttl, key, owner, wait, *in_line]
         else:
             sql = self._block(len(names), wait)
             pairs = [value for name in names for value in (name, counts[name])]
@@ -200,14 +200,14 @@ class OneTripStatements(SQL):
         """The MariaDB procedure's body: the block's program for one name
         and a fair line's steps, its parameters named (``routines.py``
         installs it)."""
-        program = self._mariadb_program(1, "p_wait", line=True)
+        program = self._mariadb_program(1, "p_wait", fair_line=True)
         return f"BEGIN {with_arguments(program, *PROCEDURE_ARGUMENTS)} END"
 
-    def _mariadb_program(self, count: int, wait: str, line: bool = False) -> str:
+    def _mariadb_program(self, count: int, wait: str, fair_line: bool = False) -> str:
         """The grant of ``count`` names, the body of a MariaDB block or
         procedure, its lock-wait bound ``wait`` (seconds, SQL). Its
         parameters, in order: the names; for each locked row, every (name,
-        count) pair; ttl (twice), key, owner, ttl. With ``line`` (one
+        count) pair; ttl (twice), key, owner, ttl. With ``fair_line`` (one
         name: the procedure), a fair line's steps too, as PostgreSQL's
         function for one name takes them (``one_name_function_body``),
         named ``p_ticketed``, ``p_lacked``, ``p_fair`` and ``p_life``.
@@ -279,7 +279,7 @@ class OneTripStatements(SQL):
             for i in rows
         )
         # The procedure answers a refusal in four more columns.
-        refusal_sql = ", NULL, NULL, NULL, NULL" if line else ""
+        refusal_sql = ", NULL, NULL, NULL, NULL" if fair_line else ""
         granted_sql = " UNION ALL ".join(
             f"SELECT v_request, v_now, v_expires, v_name_{i}, v_fencing_counter_{i} + 1,"
             f" v_held_{i} + v_count_{i}{refusal_sql}"
@@ -290,7 +290,7 @@ class OneTripStatements(SQL):
             f" ROLLBACK; SELECT NULL, NULL, NULL, NULL, NULL, NULL{refusal_sql};"
             f" ELSE SET v_now = {now};"
         )
-        if line:
+        if fair_line:
             decide_sql = self._mariadb_line(wait)
         return (
             f"{declarations}"
@@ -312,7 +312,7 @@ class OneTripStatements(SQL):
             f" {q('fencing_token')}, {q('slot_ends')}, {q('state')})"
             f" SELECT g.id, v_request, g.n, g.token, NULL, '{self.acquired}'"
             f" FROM ({permits_sql}) AS g ORDER BY g.id;"
-            f" COMMIT; {granted_sql};" + (" END decide;" if line else " END IF;")
+            f" COMMIT; {granted_sql};" + (" END decide;" if fair_line else " END IF;")
         )
 
     def _mariadb_line(self, wait: str) -> str:
@@ -321,7 +321,7 @@ class OneTripStatements(SQL):
         PostgreSQL's function for one name takes them; declined (the
         general grant's turn), it rolls back and leaves the block."""
         bound = f"SET STATEMENT innodb_lock_wait_timeout = {wait} FOR "
-        line = self._line("v_id_1", "v_count_1", bound)
+        steps = self._line_statements("v_id_1", "v_count_1", bound)
         declined_sql = "ROLLBACK; SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL"
         return (
             " decide: BEGIN"
@@ -335,11 +335,11 @@ class OneTripStatements(SQL):
             " THEN"
             " SET v_live = IFNULL(v_queued_until_1 > v_now, FALSE);"
             # What the older tickets that lacked room ask for stays theirs.
-            f" IF v_live THEN {line.ahead_sql}; END IF;"
+            f" IF v_live THEN {steps.ahead_sql}; END IF;"
             " IF v_held_1 + v_count_1 + v_reserved > v_capacity_1 THEN"
             " IF NOT (v_live OR p_ticketed OR (p_life IS NOT NULL AND (p_fair OR v_fair_1)))"
-            f" OR {line.key_taken_sql}"
-            f" OR (v_held_1 + v_count_1 > v_capacity_1 AND {line.expired_sql}) THEN"
+            f" OR {steps.key_taken_sql}"
+            f" OR (v_held_1 + v_count_1 > v_capacity_1 AND {steps.expired_sql}) THEN"
             f" {declined_sql}; LEAVE decide; END IF;"
             " SET v_deadline = TIMESTAMPADD(MICROSECOND, ROUND(p_life * 1000000), v_now);"
             # First in a fair line: it waits for a release here, the next in
@@ -359,7 +359,7 @@ class OneTripStatements(SQL):
             " IF v_held_1 + v_count_1 + v_reserved > v_capacity_1 THEN"
             " SET v_ticket = p_life IS NOT NULL AND (p_fair OR v_fair_1)"
             " AND NOT (p_ticketed AND p_lacked);"
-            f" IF v_ticket THEN {line.take_sql}; {line.queue_until_sql}; END IF;"
+            f" IF v_ticket THEN {steps.take_sql}; {steps.queue_until_sql}; END IF;"
             " COMMIT; SELECT NULL, NULL, NULL, v_name_1, v_fencing_counter_1, v_held_1,"
             " v_id_1, v_capacity_1, (v_reserved + v_count_1 - 1) DIV GREATEST(v_capacity_1, 1),"
             " v_ticket;"
@@ -368,13 +368,13 @@ class OneTripStatements(SQL):
             " END IF;"
             # Granted: its tickets stop holding back others; a queue that
             # held nobody back any more is over.
-            f" IF p_ticketed OR v_live THEN {line.delete_sql};"
-            f" IF v_live AND v_ahead = 0 AND NOT p_ticketed THEN {line.over_sql}; END IF;"
+            f" IF p_ticketed OR v_live THEN {steps.delete_sql};"
+            f" IF v_live AND v_ahead = 0 AND NOT p_ticketed THEN {steps.over_sql}; END IF;"
             " END IF;"
             " END IF;"
         )
 
-    def _line(self, id_sql: str, count_sql: str, bound: str = "") -> LineSQL:
+    def _line_statements(self, id_sql: str, count_sql: str, bound: str = "") -> LineStatements:
         """The fair line's statements on the semaphore ``id_sql`` for
         ``count_sql`` permits, in a routine whose key, owner, clock and
         deadline are ``p_key``, ``p_owner``, ``v_now`` and ``v_deadline``;
@@ -389,7 +389,7 @@ class OneTripStatements(SQL):
             *(id_sql, "p_key", "p_owner", count_sql, "v_now", "v_deadline", "TRUE"),
         )
         delete_sql = with_arguments(tickets.delete_sql.format(ids="%s"), "p_key", id_sql)
-        return LineSQL(
+        return LineStatements(
             ahead_sql="SELECT COUNT(*), COALESCE(SUM(o.permits), 0) INTO v_ahead, v_reserved"
             f" FROM ({older_sql}) o",
             key_taken_sql=f"EXISTS ({key_sql})",
@@ -485,7 +485,7 @@ class OneTripStatements(SQL):
         q = self.q
         locking = self._locking_read_of("= p_name", "s")
         waits_sql = queue.waits_for_one_sql("p_name", "p_lock_wait")
-        line = self._line("s.id", "p_count")
+        steps = self._line_statements("s.id", "p_count")
         released_sql = (
             f"SELECT c.{q('released')} INTO v_released FROM {self.counter} c"
             f" WHERE c.{q('semaphore_id')} = s.id"
@@ -510,13 +510,13 @@ class OneTripStatements(SQL):
             " IF s.queued_until > v_now OR p_ticketed OR v_held + p_count > s.capacity THEN\n"
             "  v_live := COALESCE(s.queued_until > v_now, false);\n"
             # What the older tickets that lacked room ask for stays theirs.
-            f"  IF v_live THEN {line.ahead_sql}; END IF;\n"
+            f"  IF v_live THEN {steps.ahead_sql}; END IF;\n"
             "  IF v_held + p_count + v_reserved > s.capacity THEN\n"
             # No room for it. Fair or behind a live queue, it is answered
             # here, the others the general way, as is a taken key's request
             # and a reclaim of expired permits.
             "   IF NOT (v_live OR p_ticketed OR (p_life IS NOT NULL AND (p_fair OR s.fair)))"
-            f" OR {line.key_taken_sql} OR (v_held + p_count > s.capacity AND {line.expired_sql})"
+            f" OR {steps.key_taken_sql} OR (v_held + p_count > s.capacity AND {steps.expired_sql})"
             " THEN RETURN; END IF;\n"
             # Its deadline: where its ticket, if it takes one, expires.
             "   v_deadline := v_now + make_interval(secs => p_life);\n"
@@ -535,7 +535,7 @@ class OneTripStatements(SQL):
             "   IF v_held + p_count + v_reserved > s.capacity THEN\n"
             "    refused_ticket := p_life IS NOT NULL AND (p_fair OR s.fair)"
             " AND NOT (p_ticketed AND p_lacked);\n"
-            f"    IF refused_ticket THEN {line.take_sql}; {line.queue_until_sql}; END IF;\n"
+            f"    IF refused_ticket THEN {steps.take_sql}; {steps.queue_until_sql}; END IF;\n"
             "    granted_name := s.name; granted_token := s.fencing_counter;"
             " granted_in_use := v_held; refused_id := s.id; refused_capacity := s.capacity;\n"
             "    refused_rounds := (v_reserved + p_count - 1) / GREATEST(s.capacity, 1);\n"
@@ -544,8 +544,8 @@ class OneTripStatements(SQL):
             "  END IF;\n"
             # Granted: its tickets stop holding back others; a queue that
             # held nobody back any more is over.
-            f"  IF p_ticketed OR v_live THEN {line.delete_sql};\n"
-            f"   IF v_live AND v_ahead = 0 AND NOT p_ticketed THEN {line.over_sql}; END IF;\n"
+            f"  IF p_ticketed OR v_live THEN {steps.delete_sql};\n"
+            f"   IF v_live AND v_ahead = 0 AND NOT p_ticketed THEN {steps.over_sql}; END IF;\n"
             "  END IF;\n"
             " END IF;\n"
             " granted_at := v_now;\n"
