@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from django_semaphore import acquire, release, set_window
 from django_semaphore.engine import fairness, grant
-from django_semaphore.engine.statements import one_trip, queue, routines
+from django_semaphore.engine.statements import grant_routine, one_trip, queue, routines
 from django_semaphore.engine.statements import release as release_statements
 from django_semaphore.exceptions import (
     CapacityExceeded,
@@ -233,7 +233,7 @@ def head_wait(monkeypatch):
     (seconds), the usual one again after the test."""
 
     def install(seconds: float) -> None:
-        monkeypatch.setattr(one_trip, "HEAD_WAIT_MS", int(seconds * 1000))
+        monkeypatch.setattr(grant_routine, "HEAD_WAIT_MS", int(seconds * 1000))
         routines.install(connections["default"])
 
     yield install
@@ -321,7 +321,7 @@ def test_its_lock_wait_is_bounded(make_semaphore, settings):
 
 def test_the_routines_are_the_ones_the_code_renders():
     """A change of a rendered body needs a migration that installs it again."""
-    grant = one_trip.OneTripStatements(connections["default"])
+    grant = grant_routine.GrantRoutine(connections["default"])
     releases = release_statements.ReleaseStatements(connections["default"])
     if connection.vendor == "postgresql":
         expected = {

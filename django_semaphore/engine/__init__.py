@@ -2,6 +2,6 @@
 
 It runs one transaction at a time and returns; it never sleeps (the
 database does, in one place: the head of a fair line,
-``statements/one_trip.py``) and knows none of its callers (``api``,
+``statements/grant_routine.py``) and knows none of its callers (``api``,
 ``waiting``, the sweeps and the admin call it).
 """

@@ -42,7 +42,7 @@ did.
 granted and where it stands; the waits between its attempts (one poller
 per line in each process, its polling interval) are in ``waiting``. On
 MariaDB and PostgreSQL a line of one name is served by the grant routine
-(``statements/one_trip.py``), which applies the same rule, and whose first
+(``statements/grant_routine.py``), which applies the same rule, and whose first
 waiter waits there for a release, briefly, before it is refused.
 """
 

@@ -13,7 +13,7 @@ Every sleep here is taken with no transaction open and no row locked. The
 one wait inside an attempt is the database's: on MariaDB and PostgreSQL the
 first waiter of a fair line on one name waits there for a release, at most
 50 ms, the next in line queued behind it in the database
-(``engine/statements/one_trip.py``).
+(``engine/statements/grant_routine.py``).
 
 **One poller per process and semaphore.** This process's waiters on a
 semaphore form its queue (``waiters``), first come first served; the one

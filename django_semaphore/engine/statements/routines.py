@@ -1,7 +1,7 @@
 """The routines the migrations install, rendered from the statements they
-run: the grant in one trip (``one_trip.py``: a procedure on MariaDB,
-functions for one name and for several on PostgreSQL), the release by key with the read of what it
-ended (``release.py``: a procedure) and, on PostgreSQL, the queue every
+run: the grant in one trip (``grant_routine.py``: a procedure on MariaDB,
+functions for one name and for several on PostgreSQL), the release by key
+with the read of what it ended (``release.py``: a procedure) and, on PostgreSQL, the queue every
 grant waits in (``queue.py``). The server parses and plans their
 statements once per connection, whatever the project's binding setting,
 where Django would send them as text to parse and plan every time. A test
@@ -13,7 +13,7 @@ from __future__ import annotations
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
-from django_semaphore.engine.statements import one_trip, queue, release
+from django_semaphore.engine.statements import grant_routine, one_trip, queue, release
 
 # What PostgreSQL's grant functions take, for dropping them.
 GRANT_ARGUMENTS = "text[], integer[], text, text, integer, text"
@@ -45,7 +45,7 @@ def uninstall(connection: BaseDatabaseWrapper) -> None:
 
 
 def _creates(connection: BaseDatabaseWrapper) -> list[str]:
-    grant = one_trip.OneTripStatements(connection)
+    grant = grant_routine.GrantRoutine(connection)
     release_statements = release.ReleaseStatements(connection)
     if connection.vendor == "postgresql":
         read = ", ".join(f"OUT {name} {type_}" for name, type_ in release.POSTGRES_READ.items())
