@@ -528,9 +528,9 @@ def test_the_one_statement_release_wakes_the_task_parked_on_its_room(published):
 # --- standing by ---------------------------------------------------------------------
 
 
-def claimer(name: str, key: str) -> Callable[[float], str]:
-    def claim(timeout: float) -> str:
-        acquire(name, external_id=key, timeout=timeout)
+def claimer(name: str, key: str) -> standby.Claim:
+    def claim(timeout: float, *, fair: bool) -> str:
+        acquire(name, external_id=key, timeout=timeout, fair=fair)
         return key
 
     return claim

@@ -200,11 +200,17 @@ def _forget_parked(task: Any, options: Options) -> None:
 
 
 def claim(
-    task: Any, demand: Any, ttl: int | None, timeout: float = 0, *, rerun_finished: bool = True
+    task: Any,
+    demand: Any,
+    ttl: int | None,
+    timeout: float = 0,
+    *,
+    fair: bool = False,
+    rerun_finished: bool = True,
 ) -> str:
     """Acquire (or re-attach to) this task id's permit (``task_keys.claim``)."""
     me = current_owner(task)
-    return task_keys.claim(me, demand, ttl, timeout, rerun_finished=rerun_finished)
+    return task_keys.claim(me, demand, ttl, timeout, fair=fair, rerun_finished=rerun_finished)
 
 
 def current_owner(task: Any, pid: int | None = None) -> TaskOwner:

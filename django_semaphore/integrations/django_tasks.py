@@ -276,8 +276,10 @@ def _claim_or_defer(result: Any, options: Options) -> str:
     return key
 
 
-def _claim(me: TaskOwner, options: Options, timeout: float | timedelta) -> str:
-    return task_keys.claim(me, options.demand, options.lease, timeout, fair=options.fair)
+def _claim(
+    me: TaskOwner, options: Options, timeout: float | timedelta, *, fair: bool = False
+) -> str:
+    return task_keys.claim(me, options.demand, options.lease, timeout, fair=options.fair or fair)
 
 
 def _lease(key: str, options: Options) -> Lease | None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Protocol
 
 from django_semaphore import process, routing
 from django_semaphore.conf import family_of
@@ -29,6 +30,12 @@ STANDBY_WAIT = 2 * SHORT_HOLD
 # last hold, seconds, by family pattern for a family's member (members of one
 # family are held alike, and a family may have thousands), else by name.
 _holds: dict[str, float] = {}
+
+
+class Claim(Protocol):
+    """A task's claim of its permit, waiting up to ``timeout`` seconds."""
+
+    def __call__(self, timeout: float, *, fair: bool) -> str: ...
 
 
 class Standbys(process.State):
@@ -64,11 +71,12 @@ def learned_holds(demand: Mapping[str, int]) -> list[float]:
     return [_holds[key] for key in keys if key in _holds]
 
 
-def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[float], str]) -> str | None:
-    """A task that found no room: wait in this worker for room, as any
-    acquire with a timeout waits (``waiting``'s poller), and return the key
-    ``claim(timeout)`` took. None when it is to park (at once, or after
-    ``STANDBY_WAIT``; a woken task keeps its place).
+def stand_by(task_id: str, demand: Mapping[str, int], claim: Claim) -> str | None:
+    """A task that found no room: wait in this worker for room, as a fair
+    waiter with a timeout waits (``waiting``'s poller, in the semaphores'
+    one line, where parked tasks stand too), and return the key
+    ``claim(timeout, fair=True)`` took. None when it is to park (at once, or
+    after ``STANDBY_WAIT``; a woken task keeps its place).
 
     It stands by unless this process knows its semaphores to be held long,
     or, for a task not woken, parked tasks are held back on them (they
@@ -96,7 +104,7 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Callable[[float], s
         if not standing:
             return None
         try:
-            return claim(STANDBY_WAIT)
+            return claim(STANDBY_WAIT, fair=True)
         except AcquireTimeout:
             pass
     if not holds:
