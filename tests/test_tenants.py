@@ -86,8 +86,8 @@ def test_a_fresh_task_stands_by_rather_than_park_behind_another_tenants_cap(hold
     holds[exports.name] = 0.05
     releaser = release_later("fill", 0.3)
 
-    def claim(timeout: float) -> str:
-        acquire({exports.name: 1, b.name: 1}, external_id="b-new", timeout=timeout)
+    def claim(timeout: float, *, fair: bool) -> str:
+        acquire({exports.name: 1, b.name: 1}, external_id="b-new", timeout=timeout, fair=fair)
         return "b-new"
 
     got = standby.stand_by("b-new", {exports.name: 1, b.name: 1}, claim)
