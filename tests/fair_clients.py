@@ -41,7 +41,7 @@ def record_tickets(history: Outbox) -> None:
     """Make this process record each ticket it takes, once committed: (key,
     semaphore id, ticket id, the semaphore's fencing counter when it came to
     hold back there (None while it does not), the permits it asks there),
-    as the general grant's fair queue or PostgreSQL's one-trip refusal took it;
+    as the general grant's fair queue or the one-trip refusal took it;
     and each grant's usage, the general grant's and the one-trip grant's:
     (None, semaphore id, fencing token, permits in use once granted, None)."""
     admit = fairness.admit
@@ -90,7 +90,7 @@ def record_tickets(history: Outbox) -> None:
     def granting(self, counts, key, *args) -> Granted | Refused | None:
         granted = grant_in_one_trip(self, counts, key, *args)
         if isinstance(granted, Refused):
-            # PostgreSQL's refusal of one name, its ticket taken under the lock.
+            # The routine's refusal of one name, its ticket taken under the lock.
             if granted.ticket_taken:
                 id, name, _ = granted.semaphore
                 ticket = Ticket.objects.using(self.connection.alias).get(
