@@ -130,10 +130,9 @@ class GrantRoutine(SQL):
             )
         # Names are exact, as Python compares them (not as the collation does).
         exact_sql = " ".join(["WHEN CAST(%s AS BINARY) THEN %s"] * count)
+        held_sql = {i: _mariadb_held(i) for i in rows}
         checks_sql = "".join(
-            f" SET v_count_{i} = CASE CAST(v_name_{i} AS BINARY) {exact_sql} END;"
-            f" SET v_held_{i} = GREATEST(v_in_use_counter_{i}"
-            f" - GREATEST(IFNULL(v_released_{i}, 0) - v_released_folded_{i}, 0), 0);"
+            f" SET v_count_{i} = CASE CAST(v_name_{i} AS BINARY) {exact_sql} END; {held_sql[i]};"
             for i in rows
         )
         declined_sql = " OR ".join(
@@ -197,6 +196,7 @@ class GrantRoutine(SQL):
         general grant's turn), it rolls back and leaves the block."""
         bound = f"SET STATEMENT innodb_lock_wait_timeout = {wait_sql} FOR "
         steps = self._line_statements("v_id_1", "v_count_1", bound)
+        held_sql = _mariadb_held(1)
         declined_sql = "ROLLBACK; SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL"
         return (
             " decide: BEGIN"
@@ -226,9 +226,7 @@ class GrantRoutine(SQL):
             f" DO SLEEP({int(HEAD_POLL_US)} / 1000000);"
             f" SELECT {self.q('released')} INTO v_released_1 FROM {self.counter}"
             f" WHERE {self.q('semaphore_id')} = v_id_1;"
-            " SET v_held_1 = GREATEST(v_in_use_counter_1"
-            " - GREATEST(IFNULL(v_released_1, 0) - v_released_folded_1, 0), 0);"
-            f" SET v_now = {self.now};"
+            f" {held_sql}; SET v_now = {self.now};"
             " END WHILE;"
             " END IF;"
             " IF v_held_1 + v_count_1 + v_reserved > v_capacity_1 THEN"
@@ -443,6 +441,15 @@ class GrantRoutine(SQL):
             " RETURN NEXT;\n"
             "END\n"
         )
+
+
+def _mariadb_held(i: int) -> str:
+    """MariaDB: row ``i``'s permits held, from its counter and the release
+    total last read (``rows.held``)."""
+    return (
+        f"SET v_held_{i} = GREATEST(v_in_use_counter_{i}"
+        f" - GREATEST(IFNULL(v_released_{i}, 0) - v_released_folded_{i}, 0), 0)"
+    )
 
 
 def grant_routine(connection: BaseDatabaseWrapper) -> GrantRoutine:
