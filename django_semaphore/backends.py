@@ -7,7 +7,9 @@ Everything vendor-specific lives here so ``engine/grant.py`` reads as the algori
 from __future__ import annotations
 
 import enum
+import logging
 import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -25,7 +27,14 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.functions import Now
 from django.db.models.sql.compiler import SQLCompiler
 
-from django_semaphore.exceptions import InconsistentData, SchemaOutOfDate, SemaphoreError
+from django_semaphore.exceptions import (
+    InconsistentData,
+    MissingPrivilege,
+    SchemaOutOfDate,
+    SemaphoreError,
+)
+
+logger = logging.getLogger("django_semaphore")
 
 
 class Failure(enum.Enum):
@@ -33,12 +42,16 @@ class Failure(enum.Enum):
 
     CONTENTION = "contention"  # deadlock, lock wait timeout, busy: retry
     DISCONNECT = "disconnect"  # connection lost or server restarting: reconnect, retry
+    # A routine of the app's version is not installed (``routines_installed``):
+    # the next attempt takes the general path.
+    ROUTINE_MISSING = "routine_missing"
 
 
 # MySQL/MariaDB server and client error codes.
 MYSQL_CONTENTION = frozenset(
     {
         1205,  # ER_LOCK_WAIT_TIMEOUT
+        1969,  # ER_STATEMENT_TIMEOUT: max_statement_time
         # ER_LOCK_DEADLOCK, also a Galera certification failure or brute-force
         # abort, from any statement of the transaction or from its COMMIT.
         1213,
@@ -73,8 +86,16 @@ MYSQL_DISCONNECT = frozenset(
         4031,  # ER_CLIENT_INTERACTION_TIMEOUT (MySQL 8)
     }
 )
-# PostgreSQL SQLSTATEs: deadlock, lock_not_available, serialization_failure.
-POSTGRES_CONTENTION = frozenset({"40P01", "55P03", "40001"})
+# PostgreSQL SQLSTATEs: deadlock, lock_not_available, serialization_failure,
+# query_canceled (statement_timeout).
+POSTGRES_CONTENTION = frozenset({"40P01", "55P03", "40001", "57014"})
+# A routine that is not there, or not with these arguments:
+# ER_SP_DOES_NOT_EXIST, ER_SP_WRONG_NO_OF_ARGS; undefined_function.
+MYSQL_NO_ROUTINE = frozenset({1305, 1318})
+POSTGRES_NO_ROUTINE = "42883"
+# The user may not run a routine: ER_PROCACCESS_DENIED_ERROR; insufficient_privilege.
+MYSQL_DENIED = 1370
+POSTGRES_DENIED = "42501"
 # Class 08 is "connection exception"; 57P0x are shutdowns and crashes; 25006
 # (read_only_sql_transaction) is a standby, e.g. the old primary after a
 # failover: a new connection (libpq target_session_attrs=read-write, or the
@@ -85,6 +106,8 @@ POSTGRES_DISCONNECT_PREFIXES = ("08", "57P01", "57P02", "57P03", "25006")
 def classify(connection: BaseDatabaseWrapper, exc: Error) -> Failure | None:
     """Whether ``exc`` is worth retrying, and how; ``None`` means surface it."""
     vendor = connection.vendor
+    if _routine_missing(connection, exc):
+        return Failure.ROUTINE_MISSING
     if isinstance(exc, InterfaceError):
         # A server's connection the driver gave up on. SQLite has none to
         # lose: its InterfaceError is a value it could not bind, a bug.
@@ -137,6 +160,12 @@ def translate(connection: BaseDatabaseWrapper, exc: Error) -> SemaphoreError:
             "Run manage.py semaphore_sweep --orphans (sweep.release_orphans()) to repair "
             "them; manage.py check --database lists what it finds."
         )
+    if _error_code(connection, exc) in (MYSQL_DENIED, POSTGRES_DENIED):
+        return MissingPrivilege(
+            f"The user of database {alias!r} may not run the app's routines ({exc}). "
+            "Run, as their owner: GRANT EXECUTE ON <database>.* TO <user> (MariaDB), or "
+            "GRANT EXECUTE ON ALL ROUTINES IN SCHEMA <schema> TO <user> (PostgreSQL)."
+        )
     if _schema_missing(connection, exc):
         return SchemaOutOfDate(
             f"The semaphore tables on database {alias!r} are missing or out of date "
@@ -146,6 +175,51 @@ def translate(connection: BaseDatabaseWrapper, exc: Error) -> SemaphoreError:
         f"Unexpected database error on {alias!r}: {exc} (the driver's error is this "
         "exception's __cause__; please report it if the database itself is healthy)."
     )
+
+
+def _error_code(connection: BaseDatabaseWrapper, exc: Error) -> int | str | None:
+    """MySQL's error number, PostgreSQL's SQLSTATE; ``None`` elsewhere."""
+    if connection.vendor == "mysql":
+        return exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
+    if connection.vendor == "postgresql":
+        return getattr(exc.__cause__, "sqlstate", None)
+    return None
+
+
+def _routine_missing(connection: BaseDatabaseWrapper, exc: Error) -> bool:
+    """One of the app's routines (``django_semaphore_*``) is not installed, or
+    not in the version called: the code is newer than the migrations."""
+    code = _error_code(connection, exc)
+    ours = code in MYSQL_NO_ROUTINE or code == POSTGRES_NO_ROUTINE
+    return ours and "django_semaphore_" in str(exc)
+
+
+# Alias -> when to call the routines again, in this process: a migration may
+# install them meanwhile.
+_without_routines: dict[str, float] = {}
+ROUTINES_RECHECK = 60.0
+
+
+def routines_installed(connection: BaseDatabaseWrapper) -> bool:
+    """Whether to call this version's routines on ``connection``: yes unless
+    a call found them missing less than ``ROUTINES_RECHECK`` seconds ago."""
+    again_at = _without_routines.get(connection.alias)
+    return again_at is None or time.monotonic() >= again_at
+
+
+def note_routines_missing(connection: BaseDatabaseWrapper, exc: Error) -> None:
+    """Take the general path on ``connection`` for a while (``Failure.ROUTINE_MISSING``);
+    logged once per alias and process."""
+    if connection.alias not in _without_routines:
+        logger.warning(
+            "django_semaphore: database %r lacks the routines of this version (%s); "
+            "granting and releasing the general way until they are installed "
+            "(manage.py migrate django_semaphore; manage.py check --database %s says more).",
+            connection.alias,
+            exc,
+            connection.alias,
+        )
+    _without_routines[connection.alias] = time.monotonic() + ROUTINES_RECHECK
 
 
 def _schema_missing(connection: BaseDatabaseWrapper, exc: Error) -> bool:

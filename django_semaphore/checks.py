@@ -17,6 +17,7 @@ from django.utils.module_loading import import_string
 
 from django_semaphore import backends, beat, declared, routing, sweep
 from django_semaphore.conf import DEFAULTS, app_settings, setting_problems
+from django_semaphore.engine.statements import ROUTINES_VERSION, routines
 from django_semaphore.integrations import django_tasks
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.parking import deferred
@@ -291,6 +292,32 @@ def _server_warnings(alias: str, server: backends.ServerSettings) -> list[CheckM
                 id="django_semaphore.W005",
             )
         )
+    return warnings
+
+
+@register(Tags.database)
+def check_routines(databases: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The routines of this code's version that the database lacks: grants
+    and releases then go the general way (slower, never failing). Runs with
+    ``check --database``."""
+    warnings: list[CheckMessage] = []
+    for alias in _asked_aliases(databases):
+        try:
+            missing = routines.missing(connections[alias])
+        except db.Error:
+            continue  # unreachable, or no tables yet: Django's own checks and migrate say so
+        if missing:
+            warnings.append(
+                Warning(
+                    f"The semaphore database {alias!r} lacks the routines of version "
+                    f"{ROUTINES_VERSION} ({', '.join(missing)}): grants and releases take "
+                    "the general path, several statements where one call would do.",
+                    hint=f"Run manage.py migrate django_semaphore --database {alias}; on "
+                    "MariaDB the migrating user needs CREATE ROUTINE (docs/operations.md, "
+                    "Database privileges).",
+                    id="django_semaphore.W021",
+                )
+            )
     return warnings
 
 

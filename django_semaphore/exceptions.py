@@ -159,6 +159,11 @@ class SchemaOutOfDate(SemaphoreError):
     """The app's tables or columns are missing: its migrations are not applied."""
 
 
+class MissingPrivilege(SemaphoreError, PermissionError):
+    """The database user may not run the app's routines: the message names
+    the GRANT to run."""
+
+
 class LiveDuplicate(SemaphoreExhausted):
     """Another run of the same Celery task id, alive, holds its permit."""
 

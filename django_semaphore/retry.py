@@ -39,7 +39,9 @@ def run_with_retries(
     attempts = (
         1 if connection.in_atomic_block else max(1, app_settings.RETRY_ATTEMPTS * persistence)
     )
-    for attempt in range(1, attempts + 1):
+    attempt, fell_back = 0, False
+    while attempt < attempts:
+        attempt += 1
         try:
             return operation()
         except PrelockTimeout:
@@ -49,9 +51,18 @@ def run_with_retries(
         # DatabaseError (PEP 249 makes them siblings).
         except Error as exc:
             failure_or_none = backends.classify(connection, exc)
-            if failure_or_none is None:
+            if failure_or_none is None or (
+                failure_or_none is Failure.ROUTINE_MISSING and connection.in_atomic_block
+            ):
                 raise backends.translate(connection, exc) from exc
             failure, cause = failure_or_none, exc
+        if failure is Failure.ROUTINE_MISSING and not fell_back:
+            # Code newer than the database's migrations (a deploy in
+            # progress): the attempt wrote nothing, and the next one, not
+            # counted, takes the general path.
+            backends.note_routines_missing(connection, cause)  # type: ignore[arg-type]
+            attempt, fell_back = attempt - 1, True
+            continue
         if failure is Failure.DISCONNECT and not connection.in_atomic_block:
             # The next statement reconnects. Closing a connection the driver
             # already gave up on fails (InterfaceError (0, '')), yet Django

@@ -14,18 +14,15 @@ from django.utils import timezone
 
 from django_semaphore import acquire, release, set_window
 from django_semaphore.engine import fairness, grant
-from django_semaphore.engine.statements import grant_routine, one_trip, queue, routines
-from django_semaphore.engine.statements import release as release_statements
+from django_semaphore.engine.statements import grant_routine, one_trip, routines
 from django_semaphore.exceptions import (
     CapacityExceeded,
     IdempotencyConflict,
     LockContention,
-    SchemaOutOfDate,
     SemaphoreExhausted,
     SemaphoreNotFound,
 )
 from django_semaphore.models import Permit, PermitRequest, Semaphore, Ticket
-from django_semaphore.states import ReleaseOutcome
 from django_semaphore.validation import validate_demand
 from tests.children import join, start_threads
 from tests.conftest import behind_the_engine, unique
@@ -234,11 +231,17 @@ def head_wait(monkeypatch):
 
     def install(seconds: float) -> None:
         monkeypatch.setattr(grant_routine, "HEAD_WAIT_MS", int(seconds * 1000))
-        routines.install(connections["default"])
+        install_rendered()
 
     yield install
     monkeypatch.undo()
-    routines.install(connections["default"])
+    install_rendered()  # the frozen text again (test_routines)
+
+
+def install_rendered() -> None:
+    with connection.cursor() as cursor:
+        for create in routines.creates(connections["default"]):
+            cursor.execute(create)
 
 
 def release_once_waiting_at_the_head(key: str) -> None:
@@ -317,56 +320,6 @@ def test_its_lock_wait_is_bounded(make_semaphore, settings):
         if connection.vendor == "mysql":
             cursor.execute("SELECT @@in_transaction")
             assert cursor.fetchone() == (0,)
-
-
-def test_the_routines_are_the_ones_the_code_renders():
-    """A change of a rendered body needs a migration that installs it again."""
-    grant = grant_routine.GrantRoutine(connections["default"])
-    releases = release_statements.ReleaseStatements(connections["default"])
-    if connection.vendor == "postgresql":
-        expected = {
-            one_trip.ROUTINE: grant.function_body(),
-            one_trip.ONE_NAME_ROUTINE: grant.one_name_function_body(),
-            release_statements.ROUTINE: releases.procedure_body(),
-            queue.ROUTINE: queue.function_body(),
-        }
-        read = "SELECT proname, prosrc FROM pg_proc WHERE proname LIKE 'django_semaphore%%'"
-    else:
-        expected = {
-            one_trip.ROUTINE: grant.procedure_body(),
-            release_statements.ROUTINE: releases.procedure_body(),
-        }
-        read = (
-            "SELECT ROUTINE_NAME, ROUTINE_DEFINITION FROM information_schema.ROUTINES"
-            " WHERE ROUTINE_SCHEMA = DATABASE()"
-        )
-    with connection.cursor() as cursor:
-        cursor.execute(read)
-        assert dict(cursor.fetchall()) == expected
-
-
-def test_without_the_routines_asks_for_migrate(make_semaphore):
-    """The grant of one name (PostgreSQL: of any number) and the release by
-    key call routines; MariaDB grants several names by a block, which needs
-    no migration."""
-    one, other = make_semaphore(capacity=2), make_semaphore(capacity=2)
-    both = {one.name: 1, other.name: 1}
-    acquire(one.name, external_id="held")
-    routines.uninstall(connections["default"])
-    try:
-        with pytest.raises(SchemaOutOfDate):
-            acquire(one.name, external_id="one")
-        with pytest.raises(SchemaOutOfDate):
-            release("held")
-        if connection.vendor == "mysql":
-            assert acquire(both, external_id="both").state == "ACQUIRED"
-        else:
-            with pytest.raises(SchemaOutOfDate):
-                acquire(both, external_id="both")
-    finally:
-        routines.install(connections["default"])
-    assert release("held") is ReleaseOutcome.RELEASED
-    assert acquire(both, external_id="both").state == "ACQUIRED"
 
 
 def test_refusal_is_the_general_one(make_semaphore):

@@ -1,19 +1,9 @@
-"""The routines that grant, and on MariaDB release, in one round trip
-(``engine/statements/routines.py``); nothing on SQLite and MySQL."""
+"""The routines that grant, and on MariaDB release, in one round trip:
+frozen in ``sql/0010_grant_function.*.sql``; nothing on SQLite and MySQL."""
 
 from django.db import migrations
-from django.db.backends.base.schema import BaseDatabaseSchemaEditor
-from django.db.migrations.state import StateApps
 
-from django_semaphore.engine.statements import routines
-
-
-def install(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    routines.install(schema_editor.connection)
-
-
-def uninstall(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    routines.uninstall(schema_editor.connection)
+from ._routines import replace
 
 
 class Migration(migrations.Migration):
@@ -21,4 +11,4 @@ class Migration(migrations.Migration):
         ("django_semaphore", "0009_rate_windows"),
     ]
 
-    operations = [migrations.RunPython(install, uninstall, elidable=False)]
+    operations = [replace(None, "0010_grant_function")]

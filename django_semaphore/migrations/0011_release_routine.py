@@ -1,17 +1,9 @@
-"""The routines once more (``engine/statements/routines.py``), for databases
-that applied 0010 before it installed the release procedure and MariaDB's
-grant procedure. Each is created or replaced, so on a new database this
-repeats 0010; going back, 0010 drops them."""
+"""The routines again, with the release procedure and MariaDB's grant
+procedure: frozen in ``sql/0011_release_routine.*.sql``."""
 
 from django.db import migrations
-from django.db.backends.base.schema import BaseDatabaseSchemaEditor
-from django.db.migrations.state import StateApps
 
-from django_semaphore.engine.statements import routines
-
-
-def install(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    routines.install(schema_editor.connection)
+from ._routines import replace
 
 
 class Migration(migrations.Migration):
@@ -19,4 +11,4 @@ class Migration(migrations.Migration):
         ("django_semaphore", "0010_grant_function"),
     ]
 
-    operations = [migrations.RunPython(install, migrations.RunPython.noop, elidable=False)]
+    operations = [replace("0010_grant_function", "0011_release_routine")]

@@ -1,18 +1,10 @@
-"""The routines once more (``engine/statements/routines.py``): on PostgreSQL
-the queue every grant waits in before it locks the semaphore rows
-(``queue.py``), for the general grant; the grant function again, which now
-waits in it first; and the grant function for one name (``one_trip.py``).
-Each is created or replaced; going back, 0010 drops them."""
+"""The routines again: on PostgreSQL the queue every grant waits in before
+it locks the semaphore rows, the grant function waiting in it first, and
+the grant function for one name. Frozen in ``sql/0012_grant_queue.*.sql``."""
 
 from django.db import migrations
-from django.db.backends.base.schema import BaseDatabaseSchemaEditor
-from django.db.migrations.state import StateApps
 
-from django_semaphore.engine.statements import routines
-
-
-def install(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    routines.install(schema_editor.connection)
+from ._routines import replace
 
 
 class Migration(migrations.Migration):
@@ -20,4 +12,4 @@ class Migration(migrations.Migration):
         ("django_semaphore", "0011_release_routine"),
     ]
 
-    operations = [migrations.RunPython(install, migrations.RunPython.noop, elidable=False)]
+    operations = [replace("0011_release_routine", "0012_grant_queue")]

@@ -3,7 +3,8 @@
 becomes a ``Ticket`` under that key (in park order, so each keeps its place;
 a woken task's tickets lack room, which keeps its room for it), the
 semaphores where such tickets lack room have live queues, and the routines
-are installed again (the release's read of where parked tasks wait)."""
+are installed again (the release's read of where parked tasks wait), frozen
+in ``sql/0013_parked_tasks_in_line.*.sql``."""
 
 from datetime import timedelta
 
@@ -12,7 +13,7 @@ from django.db.backends.base.schema import BaseDatabaseSchemaEditor
 from django.db.migrations.state import StateApps
 from django.db.models import Max
 
-from django_semaphore.engine.statements import routines
+from ._routines import replace
 
 # engine/statements/tickets.MAX_TICKET_LIFE, as of this migration.
 MAX_TICKET_LIFE = timedelta(days=365)
@@ -60,10 +61,6 @@ def demands_to_tickets(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor)
         Semaphore.objects.using(alias).filter(pk=semaphore_id).filter(
             models.Q(queued_until__isnull=True) | models.Q(queued_until__lt=until)
         ).update(queued_until=until)
-
-
-def install(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    routines.install(schema_editor.connection)
 
 
 class Migration(migrations.Migration):
@@ -114,5 +111,5 @@ class Migration(migrations.Migration):
         ),
         migrations.RunPython(demands_to_tickets, migrations.RunPython.noop),
         migrations.DeleteModel(name="ParkedDemand"),
-        migrations.RunPython(install, migrations.RunPython.noop, elidable=False),
+        replace("0012_grant_queue", "0013_parked_tasks_in_line"),
     ]

@@ -46,6 +46,15 @@ from django_semaphore.engine.statements.rows import LOCKED_COLUMNS, LockedSemaph
 from django_semaphore.models import Permit, PermitRequest, ReleaseCounter, Semaphore
 from django_semaphore.states import State
 
+# The version of the routines this code calls (``routines.py``): part of
+# their names, so that code of another version finds its own beside them.
+ROUTINES_VERSION = 1
+
+
+def routine(name: str) -> str:
+    """The name of this code's version of the routine ``name``."""
+    return f"{name}_v{ROUTINES_VERSION}"
+
 
 class SQL:
     """What every statement builder starts from: the connection, its quoting,

@@ -36,14 +36,14 @@ from typing import Any
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
-from django_semaphore.engine.statements import SQL, built, queue
+from django_semaphore.engine.statements import SQL, built, queue, routine
 from django_semaphore.engine.statements.grant_routine import grant_routine
 
 # A function on PostgreSQL, a procedure on MariaDB (routines.py installs it).
-ROUTINE = "django_semaphore_grant"
+ROUTINE = routine("django_semaphore_grant")
 # PostgreSQL's function for one name: scalars where the general one keeps
 # arrays, a third less of the server's time per call.
-ONE_NAME_ROUTINE = "django_semaphore_grant_one"
+ONE_NAME_ROUTINE = routine("django_semaphore_grant_one")
 
 
 @dataclass
@@ -107,6 +107,10 @@ class OneTripStatements(SQL):
         one_name = len(names) == 1
         if line.ticketed and not one_name:
             return None
+        if (one_name or self.vendor == "postgresql") and not backends.routines_installed(
+            self.connection
+        ):
+            return None  # MariaDB's block of several names is no routine
         params: list[Any]
         wait = max(1, math.ceil(lock_wait))
         in_line = [line.ticketed, line.lacked, line.fair, line.ticket_life]

@@ -29,8 +29,11 @@ from collections.abc import Sequence
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from django_semaphore import backends
+from django_semaphore.engine.statements import routine
+
 # routines.py installs it; the one-trip grant runs its statements (``waits_sql``).
-ROUTINE = "django_semaphore_queue"
+ROUTINE = routine("django_semaphore_queue")
 ARGUMENTS = "text[], text"
 # The advisory locks' first key, "SEMA": their own key space, apart from
 # the one-key locks a project takes itself. The second is the name's hash.
@@ -79,7 +82,12 @@ def create_sql() -> str:
 
 def enter(connection: BaseDatabaseWrapper, names: Sequence[str], lock_wait: float) -> None:
     """First in a grant's transaction: bound its lock waits to ``lock_wait``
-    seconds and wait for the names' turn."""
+    seconds and wait for the names' turn. Without this version's routine
+    (``backends.routines_installed``) the grant waits on the rows alone:
+    they decide, the queue only orders."""
+    if not backends.routines_installed(connection):
+        backends.start_bounded_transaction(connection, lock_wait)
+        return
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT {ROUTINE}(%s, %s)", [list(names), lock_timeout(lock_wait)])
 

@@ -21,12 +21,12 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
 from django_semaphore import backends
-from django_semaphore.engine.statements import SQL, built, placeholders, with_arguments
+from django_semaphore.engine.statements import SQL, built, placeholders, routine, with_arguments
 from django_semaphore.models import ParkedTask, ReleaseCounter, Ticket
 
 # The release by key as a procedure that also reads what it ended, once
 # the release committed (routines.py installs it).
-ROUTINE = "django_semaphore_release"
+ROUTINE = routine("django_semaphore_release")
 # PostgreSQL's procedure answers in arrays, a row of the read across them.
 # Named apart from the columns its statements name.
 POSTGRES_READ = {
@@ -278,7 +278,8 @@ class ReleaseStatements(SQL):
         it released, as ``read`` asks, when the database reads it in the
         same trip (its procedure; ``None``: not read, see
         ``released_on_key``)."""
-        if self.calls_procedure and self.connection.vendor == "postgresql":
+        procedure = self.calls_procedure and backends.routines_installed(self.connection)
+        if procedure and self.connection.vendor == "postgresql":
             with self.connection.cursor() as cursor:
                 cursor.execute(
                     f"CALL {ROUTINE}(%s, %s, %s, %s{', NULL' * (1 + len(POSTGRES_READ))})",
@@ -287,7 +288,7 @@ class ReleaseStatements(SQL):
                 ended, *columns = cursor.fetchone()
             rows = list(zip(*columns, strict=True)) if ended and columns[0] else []
             return bool(ended), self._exactly(key, rows)
-        if self.calls_procedure:
+        if procedure:
             with self.connection.cursor() as cursor:
                 wait = max(1, math.ceil(lock_wait))
                 cursor.execute(f"CALL {ROUTINE}(%s, %s, %s, %s)", [key, reason, wait, read.value])

@@ -1,50 +1,64 @@
-"""The routines the migrations install, rendered from the statements they
-run: the grant in one trip (``grant_routine.py``: a procedure on MariaDB,
-functions for one name and for several on PostgreSQL), the release by key
-with the read of what it ended (``release.py``: a procedure) and, on PostgreSQL, the queue every
-grant waits in (``queue.py``). The server parses and plans their
-statements once per connection, whatever the project's binding setting,
-where Django would send them as text to parse and plan every time. A test
-compares each installed routine with the one the code renders, so a
-change of either needs a migration that installs it again."""
+"""The routines of this code's version (``ROUTINES_VERSION``), rendered
+from the statements they run: the grant in one trip (``grant_routine.py``:
+a procedure on MariaDB, functions for one name and for several on
+PostgreSQL), the release by key with the read of what it ended
+(``release.py``: a procedure) and, on PostgreSQL, the queue every grant
+waits in (``queue.py``). The server parses and plans their statements once
+per connection, whatever the project's binding setting, where Django would
+send them as text to parse and plan every time.
+
+The migrations do not install this rendering: each froze its routines'
+text in ``migrations/sql/`` (``scripts/freeze_routines.py`` writes a new
+version's files from ``creates``), and the code calls the routines by
+their versioned names. A test compares ``creates`` with the newest frozen
+text, so a routine changed here needs a new version and a migration."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
 from django_semaphore.engine.statements import grant_routine, one_trip, queue, release
 
-# What PostgreSQL's grant functions take, for dropping them.
-GRANT_ARGUMENTS = "text[], integer[], text, text, integer, text"
-ONE_NAME_ARGUMENTS = "text, integer, text, text, integer, text, boolean, boolean, boolean, float8"
 
-
-def install(connection: BaseDatabaseWrapper) -> None:
-    """Create (or replace) this database's routines; nothing on SQLite and MySQL."""
-    with connection.cursor() as cursor:
-        for create in _creates(connection):
-            cursor.execute(create)
-
-
-def uninstall(connection: BaseDatabaseWrapper) -> None:
-    """Drop them (the migration's reverse)."""
-    drops = []
+def missing(connection: BaseDatabaseWrapper) -> list[str]:
+    """This version's routines that the database behind ``connection`` lacks
+    (``check --database``)."""
+    names = names_on(connection)
+    if not names:
+        return []
     if connection.vendor == "postgresql":
-        drops = [
-            f"DROP FUNCTION IF EXISTS {one_trip.ROUTINE}({GRANT_ARGUMENTS})",
-            f"DROP FUNCTION IF EXISTS {one_trip.ONE_NAME_ROUTINE}({ONE_NAME_ARGUMENTS})",
-            f"DROP PROCEDURE IF EXISTS {release.ROUTINE}",
-            f"DROP FUNCTION IF EXISTS {queue.ROUTINE}({queue.ARGUMENTS})",
-        ]
-    elif backends.bounds_each_statement(connection):
-        drops = [f"DROP PROCEDURE IF EXISTS {name}" for name in (one_trip.ROUTINE, release.ROUTINE)]
+        sql = (
+            "SELECT proname FROM pg_proc WHERE proname = ANY(%s)"
+            " AND pronamespace = current_schema()::regnamespace"
+        )
+        params: list[Any] = [names]
+    else:
+        sql = (
+            "SELECT ROUTINE_NAME FROM information_schema.ROUTINES"
+            " WHERE ROUTINE_SCHEMA = DATABASE() AND ROUTINE_NAME IN"
+            f" ({', '.join(['%s'] * len(names))})"
+        )
+        params = list(names)
     with connection.cursor() as cursor:
-        for drop in drops:
-            cursor.execute(drop)
+        cursor.execute(sql, params)
+        found = {row[0] for row in cursor.fetchall()}
+    return [name for name in names if name not in found]
 
 
-def _creates(connection: BaseDatabaseWrapper) -> list[str]:
+def names_on(connection: BaseDatabaseWrapper) -> list[str]:
+    """The names of this version's routines on this database; none on SQLite and MySQL."""
+    if connection.vendor == "postgresql":
+        return [queue.ROUTINE, one_trip.ROUTINE, one_trip.ONE_NAME_ROUTINE, release.ROUTINE]
+    if backends.bounds_each_statement(connection):
+        return [one_trip.ROUTINE, release.ROUTINE]
+    return []
+
+
+def creates(connection: BaseDatabaseWrapper) -> list[str]:
+    """The ``CREATE`` of each routine, in the order ``names_on`` lists them."""
     grant = grant_routine.GrantRoutine(connection)
     release_statements = release.ReleaseStatements(connection)
     if connection.vendor == "postgresql":

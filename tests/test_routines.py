@@ -1,0 +1,261 @@
+"""The routines: frozen in the migrations that install them, called by the
+version the code was written for, and a deploy in either order never fails
+a call (``engine/statements/routines.py``, ``migrations/_routines.py``)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.db import connections
+from django.test.utils import CaptureQueriesContext
+
+from django_semaphore import acquire, backends, checks, release
+from django_semaphore.engine.statements import ROUTINES_VERSION, routines
+from django_semaphore.migrations import _routines
+from django_semaphore.states import ReleaseOutcome
+from tests.children import join, spawn
+from tests.conftest import unique
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+connection = connections["default"]  # the wrapper itself: the engine keeps state by it
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+# The last release whose code calls the routines by their unversioned names.
+UNVERSIONED_RELEASE = "82680e8"
+NEWEST = "0017_routines_v1"
+BEFORE_NEWEST = "0016_fair_grant_in_one_trip"
+
+
+@pytest.fixture(autouse=True)
+def _routine_databases():
+    if not routines.names_on(connection):
+        pytest.skip("SQLite and MySQL have no routines")
+
+
+@pytest.fixture
+def fresh_routines(monkeypatch):
+    """The test migrates the app back and forth; it ends migrated, and this
+    process calls the routines again."""
+    monkeypatch.setattr(backends, "_without_routines", {})
+    yield
+    call_command("migrate", "django_semaphore", verbosity=0)
+
+
+def server() -> str:
+    return "postgresql" if connection.vendor == "postgresql" else "mariadb"
+
+
+def installed() -> dict[str, str]:
+    """Each of the app's routines on the test database, by name and
+    signature: its definition as the server keeps it."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT oid::regprocedure::text, pg_get_functiondef(oid) FROM pg_proc"
+                " WHERE proname LIKE 'django\\_semaphore\\_%%'"
+                " AND pronamespace = current_schema()::regnamespace"
+            )
+        else:
+            cursor.execute(
+                "SELECT r.ROUTINE_NAME, CONCAT(COALESCE(GROUP_CONCAT(p.PARAMETER_NAME, ' ',"
+                " p.DTD_IDENTIFIER ORDER BY p.ORDINAL_POSITION), ''), r.ROUTINE_DEFINITION)"
+                " FROM information_schema.ROUTINES r LEFT JOIN information_schema.PARAMETERS p"
+                " ON p.SPECIFIC_SCHEMA = r.ROUTINE_SCHEMA AND p.SPECIFIC_NAME = r.ROUTINE_NAME"
+                " WHERE r.ROUTINE_SCHEMA = DATABASE() GROUP BY r.ROUTINE_NAME, r.ROUTINE_DEFINITION"
+            )
+        return dict(cursor.fetchall())
+
+
+def test_the_code_renders_the_text_its_version_froze():
+    """A routine changed in the code without a new version and migration
+    fails here: the migrations would never install it."""
+    frozen = sorted(_routines.FROZEN.glob(f"*.{server()}.sql"))[-1].name.split(".")[0]
+    assert frozen == NEWEST
+    assert frozen.endswith(f"_v{ROUTINES_VERSION}")
+    rendered = [sql.strip() for sql in routines.creates(connection)]
+    assert rendered == _routines._statements(frozen, server()), (
+        "A routine's text changed: raise ROUTINES_VERSION and freeze it in a new migration "
+        "(scripts/freeze_routines.py)."
+    )
+
+
+def test_the_migrations_installed_this_versions_frozen_text():
+    frozen = dict(
+        zip(routines.names_on(connection), _routines._statements(NEWEST, server()), strict=True)
+    )
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT proname, prosrc FROM pg_proc WHERE proname = ANY(%s)", [list(frozen)]
+            )
+        else:
+            cursor.execute(
+                "SELECT ROUTINE_NAME, ROUTINE_DEFINITION FROM information_schema.ROUTINES"
+                " WHERE ROUTINE_SCHEMA = DATABASE() AND ROUTINE_NAME LIKE '%%\\_v1'"
+            )
+        bodies = dict(cursor.fetchall())
+    assert bodies.keys() == frozen.keys()
+    for name, body in bodies.items():
+        assert body in frozen[name]
+
+
+@pytest.mark.once
+def test_each_migrations_reverse_restores_the_routines_before_it(fresh_routines):
+    steps = [
+        "0009_rate_windows",
+        "0010_grant_function",
+        "0011_release_routine",
+        "0012_grant_queue",
+        "0013_parked_tasks_in_line",
+        "0015_parked_task_not_before",
+        BEFORE_NEWEST,
+        NEWEST,
+    ]
+    call_command("migrate", "django_semaphore", steps[0], verbosity=0)
+    seen = [installed()]
+    assert seen[0] == {}
+    for before, step in itertools.pairwise(steps):
+        call_command("migrate", "django_semaphore", step, verbosity=0)
+        seen.append(installed())
+        call_command("migrate", "django_semaphore", before, verbosity=0)
+        assert installed() == seen[-2], f"reversing {step}"
+        call_command("migrate", "django_semaphore", step, verbosity=0)
+    versioned = {s for s in seen[-1] if "_v1" in s}
+    assert len(versioned) == len(routines.names_on(connection))
+    assert {s: d for s, d in seen[-1].items() if s not in versioned} == seen[-2]
+
+
+def test_without_its_version_the_code_takes_the_general_path(
+    fresh_routines, make_semaphore, caplog
+):
+    """Deployed before ``migrate``: every call works, the general way,
+    logged once, and ``check --database`` says why; once migrated, one
+    call again."""
+    one, other = make_semaphore(capacity=1), make_semaphore(capacity=2)
+    call_command("migrate", "django_semaphore", BEFORE_NEWEST, verbosity=0)
+    [warning] = checks.check_routines(databases=["default"])
+    assert warning.id == "django_semaphore.W021"
+    assert all(name in warning.msg for name in routines.names_on(connection))
+
+    with caplog.at_level(logging.WARNING, logger="django_semaphore"):
+        for _ in range(2):
+            key = unique()
+            with CaptureQueriesContext(connection) as sent:
+                acquire(one.name, external_id=key)
+            assert len(sent) > 1
+            assert release(key) is ReleaseOutcome.RELEASED
+        acquire({one.name: 1, other.name: 1}, external_id="both")
+        with pytest.raises(Exception, match="No capacity"):
+            acquire(one.name, external_id="late")
+        assert release("both") is ReleaseOutcome.RELEASED
+    assert len([r for r in caplog.records if "lacks the routines" in r.message]) == 1
+
+    call_command("migrate", "django_semaphore", NEWEST, verbosity=0)
+    assert checks.check_routines(databases=["default"]) == []
+    backends._without_routines.clear()  # as ROUTINES_RECHECK seconds later
+    with CaptureQueriesContext(connection) as sent:
+        acquire(other.name, external_id="one-trip")
+    assert len(sent) == 1
+
+
+def deploying_client(name: str, pair: list[str], until: float, done: str) -> None:
+    """Acquire and release as fast as it can until ``until`` (wall clock),
+    one name and two, waiting for room; any error fails the process."""
+    ops = 0
+    try:
+        while time.time() < until:
+            for demand in (name, {name: 1, pair[0]: 1}, {pair[1]: 1, name: 1}):
+                key = unique("deploy")
+                acquire(demand, external_id=key, timeout=30)
+                assert release(key) is ReleaseOutcome.RELEASED
+                ops += 2
+    finally:
+        connections.close_all()
+    Path(done).write_text(str(ops))
+
+
+OLD_CLIENT = """
+import os, sys, time, uuid
+import django
+django.setup()
+from django.db import connections
+connections["default"].settings_dict["NAME"] = os.environ["TEST_DATABASE_NAME"]
+from django_semaphore import acquire, release
+name, until, ops = sys.argv[1], float(sys.argv[2]), 0
+while time.time() < until:
+    key = uuid.uuid4().hex
+    acquire(name, external_id=key, timeout=30)
+    assert release(key).value == "released"
+    ops += 2
+print(ops)
+"""
+
+
+def old_release(directory: str) -> str:
+    """The package as the last unversioned release had it, unpacked in ``directory``."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPOSITORY), "archive", UNVERSIONED_RELEASE, "django_semaphore"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(directory, filter="data")
+    return directory
+
+
+@pytest.mark.slow
+def test_a_rolling_deploy_in_either_order_fails_no_call(fresh_routines, make_semaphore, tmp_path):
+    """8 clients of this code and 2 of the previous release acquire and
+    release while the database is migrated back and forward under them:
+    not one call fails, and the counters stay exact (checked after every
+    test)."""
+    name = make_semaphore(capacity=3).name
+    pair = [make_semaphore(capacity=2).name, make_semaphore(capacity=2).name]
+    until = time.time() + 20
+    done = [str(tmp_path / f"client-{i}") for i in range(8)]
+    clients = [spawn(deploying_client, name, pair, until, d, bound=120) for d in done]
+    with tempfile.TemporaryDirectory() as old:
+        env = {
+            **os.environ,
+            "PYTHONPATH": f"{old_release(old)}{os.pathsep}{REPOSITORY}",
+            "TEST_DATABASE_NAME": connection.settings_dict["NAME"],
+        }
+        olds = [
+            subprocess.Popen(
+                [sys.executable, "-c", OLD_CLIENT, name, str(until)],
+                env=env,
+                cwd=old,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(2)
+        ]
+        try:
+            migrations = 0
+            while time.time() < until - 2:
+                call_command("migrate", "django_semaphore", BEFORE_NEWEST, verbosity=0)
+                time.sleep(1)
+                call_command("migrate", "django_semaphore", NEWEST, verbosity=0)
+                time.sleep(1)
+                migrations += 2
+            join(clients, within=90)
+            old_ops = [int(process.communicate(timeout=90)[0]) for process in olds]
+        finally:
+            for process in olds:
+                process.kill()
+    assert [process.returncode for process in olds] == [0, 0]
+    assert min(old_ops) > 0
+    assert min(int(Path(d).read_text()) for d in done) > 0
+    assert migrations >= 4
