@@ -22,10 +22,12 @@ from django.test.utils import CaptureQueriesContext
 
 from django_semaphore import acquire, backends, checks, release
 from django_semaphore.engine.statements import ROUTINES_VERSION, routines
+from django_semaphore.exceptions import LockContention, MissingPrivilege
 from django_semaphore.migrations import _routines
 from django_semaphore.states import ReleaseOutcome
 from tests.children import join, spawn
 from tests.conftest import unique
+from tests.test_backends import row_locked_elsewhere
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -46,10 +48,11 @@ def _routine_databases():
 
 @pytest.fixture
 def fresh_routines(monkeypatch):
-    """The test migrates the app back and forth; it ends migrated, and this
-    process calls the routines again."""
+    """The test migrates the app back and forth; it ends with this version's
+    routines installed again, and this process calling them."""
     monkeypatch.setattr(backends, "_without_routines", {})
     yield
+    call_command("migrate", "django_semaphore", BEFORE_NEWEST, verbosity=0)
     call_command("migrate", "django_semaphore", verbosity=0)
 
 
@@ -259,3 +262,93 @@ def test_a_rolling_deploy_in_either_order_fails_no_call(fresh_routines, make_sem
     assert min(old_ops) > 0
     assert min(int(Path(d).read_text()) for d in done) > 0
     assert migrations >= 4
+
+
+@pytest.fixture
+def app_user():
+    """Connect the test as a user who may read and write the app's tables,
+    create no routine, and run them only with ``execute``."""
+    user, database = unique("app").replace("-", "_"), connection.settings_dict["NAME"]
+    owner = {key: connection.settings_dict[key] for key in ("USER", "PASSWORD")}
+    teardown: list[str] = []
+
+    def connect_as(execute: bool) -> None:
+        if connection.vendor == "postgresql":
+            setup = [
+                f"CREATE ROLE {user} LOGIN PASSWORD '{user}'",
+                f"GRANT USAGE ON SCHEMA public TO {user}",
+                f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {user}",
+                f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {user}",
+                "REVOKE EXECUTE ON ALL ROUTINES IN SCHEMA public FROM PUBLIC",
+            ]
+            teardown.extend(
+                [
+                    "GRANT EXECUTE ON ALL ROUTINES IN SCHEMA public TO PUBLIC",
+                    f"DROP OWNED BY {user}",
+                    f"DROP ROLE {user}",
+                ]
+            )
+        else:
+            rights = "SELECT, INSERT, UPDATE, DELETE" + (", EXECUTE" if execute else "")
+            setup = [
+                f"CREATE USER '{user}'@'127.0.0.1' IDENTIFIED BY '{user}'",
+                f"GRANT {rights} ON `{database}`.* TO '{user}'@'127.0.0.1'",
+            ]
+            teardown.append(f"DROP USER '{user}'@'127.0.0.1'")
+        with connection.cursor() as cursor:
+            for sql in setup:
+                cursor.execute(sql)
+        connection.close()
+        connection.settings_dict.update(USER=user, PASSWORD=user)
+
+    yield connect_as
+    connection.close()
+    connection.settings_dict.update(owner)
+    with connection.cursor() as cursor:
+        for sql in teardown:
+            cursor.execute(sql)
+
+
+def test_a_user_who_may_not_run_the_routines_is_told_the_grant(make_semaphore, app_user):
+    name = make_semaphore(capacity=1).name
+    app_user(execute=False)
+    with pytest.raises(MissingPrivilege, match="GRANT EXECUTE"):
+        acquire(name, external_id="k")
+
+
+def test_a_statement_timeout_is_lock_contention(make_semaphore, settings):
+    """The server's bound on statements (PostgreSQL ``statement_timeout``,
+    MariaDB ``max_statement_time``) cuts a wait for the row short: retried
+    as contention, then ``LockContention`` naming it."""
+    settings.DJANGO_SEMAPHORE = {"RETRY_ATTEMPTS": 2, "LOCK_WAIT_TIMEOUT": 5}
+    name = make_semaphore(capacity=1).name
+    bound = (
+        "SET statement_timeout = '50ms'"
+        if connection.vendor == "postgresql"
+        else "SET SESSION max_statement_time = 0.05"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(bound)
+    try:
+        with row_locked_elsewhere(name), pytest.raises(LockContention, match="statement"):
+            acquire(name, external_id="k")
+    finally:
+        connection.close()
+
+
+def test_a_user_without_create_routine_migrates_and_is_served(
+    fresh_routines, make_semaphore, app_user, caplog
+):
+    """MariaDB: the migration skips its routines with a warning naming the
+    GRANT; the app grants the general way, and ``check --database`` says so."""
+    if connection.vendor != "mysql":
+        pytest.skip("PostgreSQL's CREATE on the schema covers tables and routines alike")
+    name = make_semaphore(capacity=1).name
+    call_command("migrate", "django_semaphore", BEFORE_NEWEST, verbosity=0)
+    app_user(execute=True)
+    with caplog.at_level(logging.WARNING, logger="django_semaphore"):
+        call_command("migrate", "django_semaphore", NEWEST, verbosity=0)
+    assert "GRANT CREATE ROUTINE" in caplog.text
+    assert [w.id for w in checks.check_routines(databases=["default"])] == ["django_semaphore.W021"]
+    acquire(name, external_id="k")
+    assert release("k") is ReleaseOutcome.RELEASED
