@@ -124,24 +124,52 @@ def session_lock_wait() -> tuple[object, ...]:
 @pytest.mark.parametrize(
     ("case", "refused"),
     [
-        ("no room", SemaphoreExhausted),
         ("too many", CapacityExceeded),
         ("missing", SemaphoreNotFound),
     ],
 )
 def test_declines_without_writing_and_the_general_grant_refuses(make_semaphore, case, refused):
     sem = make_semaphore(capacity=1)
-    names: object = {"no room": sem.name, "too many": {sem.name: 2}, "missing": unique()}[case]
-    holder = acquire(sem.name, external_id=unique())
-    if case != "no room":
-        release(holder.external_id)
+    names: object = {"too many": {sem.name: 2}, "missing": unique()}[case]
 
     with pytest.raises(refused):
         acquire(names, external_id="k")
 
     assert not PermitRequest.objects.filter(external_id="k").exists()
     sem.refresh_from_db()
-    assert sem.in_use == (1 if case == "no room" else 0)
+    assert sem.in_use == 0
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_refusal_without_more_to_do_is_one_statement(make_semaphore, waits):
+    """No room, nothing expired to reclaim, the key free: the routine's
+    refusal is final, fair or not, waiting or failing fast."""
+    sem = make_semaphore(capacity=1)
+    acquire(sem.name, external_id="holder")
+    ask = ask_for(sem.name, "late", timeout=60 if waits else None)
+
+    refused, sent = statements_of(attempt, ask)
+
+    assert isinstance(refused, fairness.Refusal)
+    assert refused.error.names == [sem.name]
+    assert not refused.standing.ticketed
+    assert len(sent) == 1
+    assert not PermitRequest.objects.filter(external_id="late").exists()
+    assert not Ticket.objects.exists()
+
+
+@pytest.mark.parametrize("case", ["expired holder", "key taken"])
+def test_a_refusal_with_more_to_do_is_the_general_grants(make_semaphore, case):
+    sem = make_semaphore(capacity=1)
+    acquire(sem.name, external_id="holder", ttl=60)
+    if case == "expired holder":
+        PermitRequest.objects.filter(external_id="holder").update(expires_at=timezone.now())
+        assert acquire(sem.name, external_id="k").state == "ACQUIRED"
+        assert PermitRequest.objects.get(external_id="holder").release_reason == "expired"
+    else:
+        again, sent = statements_of(acquire, sem.name, external_id="holder")
+        assert again.external_id == "holder"
+        assert len(sent) > 1
 
 
 @pytest.mark.parametrize(
@@ -168,9 +196,11 @@ def test_declines_without_writing_and_the_general_grant_grants(make_semaphore, c
     assert PermitRequest.objects.filter(external_id="k").count() == 1
 
 
-def ask_for(name: str, key: str, timeout: float = 60, fair: bool = False) -> fairness.Ask:
-    """An acquire of ``name`` with a timeout, as the engine is asked it."""
-    return fairness.Ask(key, "me", validate_demand(name), fair, time.monotonic() + timeout)
+def ask_for(name: str, key: str, timeout: float | None = 60, fair: bool = False) -> fairness.Ask:
+    """An acquire of ``name`` with a timeout (``None``: failing fast), as the
+    engine is asked it."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return fairness.Ask(key, "me", validate_demand(name), fair, deadline)
 
 
 def attempt(

@@ -212,8 +212,7 @@ class GrantRoutine(SQL):
             # What the older tickets that lacked room ask for stays theirs.
             f" IF v_live THEN {steps.ahead_sql}; END IF;"
             " IF v_held_1 + v_count_1 + v_reserved > v_capacity_1 THEN"
-            " IF NOT (v_live OR p_ticketed OR (p_life IS NOT NULL AND (p_fair OR v_fair_1)))"
-            f" OR {steps.key_taken_sql}"
+            f" IF {steps.key_taken_sql}"
             f" OR (v_held_1 + v_count_1 > v_capacity_1 AND {steps.expired_sql}) THEN"
             f" {declined_sql}; LEAVE decide; END IF;"
             " SET v_deadline = TIMESTAMPADD(MICROSECOND, ROUND(p_life * 1000000), v_now);"
@@ -352,9 +351,10 @@ class GrantRoutine(SQL):
         waiter that finds no room waits here for a release, at most
         ``HEAD_WAIT_MS``, if it is first in line (the next ones wait behind it
         in the names' queue, each handed the turn by the database), and is
-        refused here otherwise, taking its ticket. A refusal that needs
-        more -- a reclaim of expired permits, a taken key's request -- and
-        one outside a fair line are left to the general grant."""
+        refused here otherwise, taking its ticket; any other call that finds
+        no room is refused here too. A refusal that needs more -- a reclaim
+        of expired permits, a taken key's request -- is left to the general
+        grant."""
         q = self.q
         locking = self._locking_read_of("= p_name", "s")
         waits_sql = queue.waits_for_one_sql("p_name", "p_lock_wait")
@@ -385,11 +385,10 @@ class GrantRoutine(SQL):
             # What the older tickets that lacked room ask for stays theirs.
             f"  IF v_live THEN {steps.ahead_sql}; END IF;\n"
             "  IF v_held + p_count + v_reserved > s.capacity THEN\n"
-            # No room for it. Fair or behind a live queue, it is answered
-            # here, the others the general way, as is a taken key's request
-            # and a reclaim of expired permits.
-            "   IF NOT (v_live OR p_ticketed OR (p_life IS NOT NULL AND (p_fair OR s.fair)))"
-            f" OR {steps.key_taken_sql} OR (v_held + p_count > s.capacity AND {steps.expired_sql})"
+            # No room for it: refused here, unless the general grant has
+            # more to do -- answer a taken key with its request, reclaim
+            # expired permits.
+            f"   IF {steps.key_taken_sql} OR (v_held + p_count > s.capacity AND {steps.expired_sql})"
             " THEN RETURN; END IF;\n"
             # Its deadline: where its ticket, if it takes one, expires.
             "   v_deadline := v_now + make_interval(secs => p_life);\n"

@@ -14,16 +14,16 @@ then the request's insert (its unique key settles repeated calls: a taken
 key fails as the general path's insert does), the counters' updates and the
 permits' insert, in semaphore id order.
 
-The routine for one name serves a fair line too: a waiter's refusal (its
-ticket taken) and a grant behind a live queue are one call, and the first
-waiter in line waits in it, briefly, for a release, the next in line queued
-behind it (``grant_routine.py``).
+The routine for one name also refuses: a call that finds no room is
+answered in the same call (a fair waiter's ticket taken), and the first
+waiter of a fair line waits in it, briefly, for a release, the next in
+line queued behind it (``grant_routine.py``).
 
 Anything else answers "not here" without writing anything, and the grant
-goes the general way (``grant.grant``): no room outside a fair line, a
-refusal that needs more (a reclaim of expired permits, a taken key's
-request), a missing name (a family's member is created there), a fair
-queue on several names, a rate limit, a count above the capacity.
+goes the general way (``grant.grant``): a refusal that needs more (a
+reclaim of expired permits, a taken key's request), no room on several
+names, a missing name (a family's member is created there), a fair queue
+on several names, a rate limit, a count above the capacity.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class Granted:
 
 @dataclass
 class Refused:
-    """The one-trip grant's refusal of a waiter in a fair line (one name):
-    what ``fairness.admit`` says of it in the general grant."""
+    """The one-trip grant's refusal (one name): what ``fairness.admit`` says
+    of it in the general grant."""
 
     semaphore: tuple[int, str, int]  # id, name, capacity
     rounds: int  # capacities' worth of grants that come before its own
