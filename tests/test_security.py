@@ -205,6 +205,7 @@ SQL_WORDS = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|PRAGMA|SET|WHERE|VALUES)
 SAFE_CALLS = {
     "q", "quote_name", "_placeholders", "placeholders", "case_placeholders", "int", "len", "ceil",
     "floor", "range",
+    "routine",  # a routine's versioned name, from a constant
 }  # fmt: skip
 INT_COMBINERS = {"max", "min"}  # safe when every argument is
 SAFE_NAMES = {

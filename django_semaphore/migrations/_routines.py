@@ -50,9 +50,10 @@ def _replace(schema_editor: BaseDatabaseSchemaEditor, old: str | None, new: str 
     server = _server(schema_editor.connection)
     if server is None:
         return
-    drops = [_drop(server, name) for name in _created(old, server)]
     try:
-        for sql in drops + (_statements(new, server) if new else []):
+        for name in _created(old, server):
+            _drop(schema_editor, server, name)
+        for sql in _statements(new, server) if new else []:
             schema_editor.execute(sql, params=None)
     except DatabaseError as exc:
         if server != "mariadb" or not exc.args or exc.args[0] not in MARIADB_DENIED:
@@ -85,13 +86,17 @@ def _created(migration: str | None, server: str) -> list[str]:
     return [CREATED.match(sql).group(1) for sql in _statements(migration, server)]  # type: ignore[union-attr]
 
 
-def _drop(server: str, name: str) -> str:
+def _drop(schema_editor: BaseDatabaseSchemaEditor, server: str, name: str) -> None:
     if server == "mariadb":
-        return f"DROP PROCEDURE IF EXISTS {name}"
+        schema_editor.execute(f"DROP PROCEDURE IF EXISTS {name}", params=None)
+        return
     # Every signature the name has (a function's arguments are part of it).
-    return (
-        "DO $drop$ DECLARE r regprocedure; BEGIN"
-        " FOR r IN SELECT oid::regprocedure FROM pg_proc"
-        f" WHERE proname = '{name}' AND pronamespace = current_schema()::regnamespace LOOP"
-        " EXECUTE 'DROP ROUTINE ' || r; END LOOP; END $drop$"
-    )
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT oid::regprocedure::text FROM pg_proc WHERE proname = %s"
+            " AND pronamespace = current_schema()::regnamespace",
+            [name],
+        )
+        signatures = [row[0] for row in cursor.fetchall()]
+    for signature in signatures:
+        schema_editor.execute(f"DROP ROUTINE {signature}", params=None)
