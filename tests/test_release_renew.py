@@ -9,6 +9,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_semaphore import ReleaseOutcome, acquire, release, renew
 from django_semaphore.engine.releasing import release_requests
+from django_semaphore.engine.statements import release as release_statements
 from django_semaphore.exceptions import PermitAlreadyReleased, PermitNotFound
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.signals import hold_ended, permit_released
@@ -171,7 +172,7 @@ def test_release_is_one_statement_whoever_listens(make_semaphore, parking, metri
     if connection.vendor in ("mysql", "postgresql"):
         # The procedure reads what it ended once the release committed.
         assert len(statements) == 1
-        assert statements[0].startswith("CALL django_semaphore_release(")
+        assert statements[0].startswith(f"CALL {release_statements.ROUTINE}(")
     else:
         # Permits, release counter, request.
         assert sum(s.startswith("UPDATE") for s in statements) == 3
