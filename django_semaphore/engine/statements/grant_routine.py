@@ -23,8 +23,13 @@ from django_semaphore.engine.statements.tickets import ticket_statements
 
 # The first waiter in a fair line of one name waits for a release in its
 # call for at most HEAD_WAIT_MS milliseconds, reading the release total every
-# HEAD_POLL_US microseconds, before it is refused.
-HEAD_WAIT_MS, HEAD_POLL_US = 50, 500
+# HEAD_POLL_US microseconds, before it is refused; any other call that finds
+# no room, with nobody ahead in the line, for at most BRIEF_WAIT_US: callers
+# that retry at once then wait their turn asleep behind it, on the row's
+# lock, instead of taking the processor from the holders that release, and
+# a release meanwhile is handed over in the same call. Waits of callers
+# outside a fair line may stack (each thinks itself first): hence brief.
+HEAD_WAIT_MS, HEAD_POLL_US, BRIEF_WAIT_US = 50, 500, 2000
 # The block's parameters as the MariaDB procedure names them, in order.
 PROCEDURE_ARGUMENTS = ("p_name", "p_name", "p_count", "p_ttl", "p_ttl", "p_key", "p_owner", "p_ttl")
 
@@ -212,15 +217,17 @@ class GrantRoutine(SQL):
             # What the older tickets that lacked room ask for stays theirs.
             f" IF v_live THEN {steps.ahead_sql}; END IF;"
             " IF v_held_1 + v_count_1 + v_reserved > v_capacity_1 THEN"
-            f" IF {steps.key_taken_sql}"
+            " IF p_life IS NOT NULL AND NOT (v_live OR p_ticketed OR p_fair OR v_fair_1)"
+            f" OR {steps.key_taken_sql}"
             f" OR (v_held_1 + v_count_1 > v_capacity_1 AND {steps.expired_sql}) THEN"
             f" {declined_sql}; LEAVE decide; END IF;"
             " SET v_deadline = TIMESTAMPADD(MICROSECOND, ROUND(p_life * 1000000), v_now);"
-            # First in a fair line: it waits for a release here, the next in
-            # line behind it on the row's lock.
-            " IF v_reserved = 0 AND p_life IS NOT NULL AND (p_fair OR v_fair_1) THEN"
-            " SET v_until = LEAST(v_deadline,"
-            f" v_now + INTERVAL {int(HEAD_WAIT_MS) * 1000} MICROSECOND);"
+            # First in line: it waits for a release here, the next in line
+            # behind it on the row's lock (BRIEF_WAIT_US outside a fair line).
+            " IF v_reserved = 0 THEN"
+            " SET v_until = v_now + INTERVAL IF(p_life IS NOT NULL AND (p_fair OR v_fair_1),"
+            f" {int(HEAD_WAIT_MS) * 1000}, {int(BRIEF_WAIT_US)}) MICROSECOND;"
+            " IF v_deadline < v_until THEN SET v_until = v_deadline; END IF;"
             " WHILE v_held_1 + v_count_1 > v_capacity_1 AND v_now < v_until DO"
             f" DO SLEEP({int(HEAD_POLL_US)} / 1000000);"
             f" SELECT {self.q('released')} INTO v_released_1 FROM {self.counter}"
@@ -351,10 +358,11 @@ class GrantRoutine(SQL):
         waiter that finds no room waits here for a release, at most
         ``HEAD_WAIT_MS``, if it is first in line (the next ones wait behind it
         in the names' queue, each handed the turn by the database), and is
-        refused here otherwise, taking its ticket; any other call that finds
-        no room is refused here too. A refusal that needs more -- a reclaim
-        of expired permits, a taken key's request -- is left to the general
-        grant."""
+        refused here otherwise, taking its ticket; a call that fails fast is
+        refused here too, after at most ``BRIEF_WAIT_US`` at the head. A
+        refusal that needs more -- a reclaim of expired permits, a taken
+        key's request -- and a waiter outside a fair line are left to the
+        general grant (``one_trip.py`` says why)."""
         q = self.q
         locking = self._locking_read_of("= p_name", "s")
         waits_sql = queue.waits_for_one_sql("p_name", "p_lock_wait")
@@ -387,16 +395,20 @@ class GrantRoutine(SQL):
             "  IF v_held + p_count + v_reserved > s.capacity THEN\n"
             # No room for it: refused here, unless the general grant has
             # more to do -- answer a taken key with its request, reclaim
-            # expired permits.
-            f"   IF {steps.key_taken_sql} OR (v_held + p_count > s.capacity AND {steps.expired_sql})"
+            # expired permits -- or it waits outside a fair line (see
+            # one_trip.py: measured slower refused here).
+            "   IF p_life IS NOT NULL AND NOT (v_live OR p_ticketed OR p_fair OR s.fair)"
+            f" OR {steps.key_taken_sql} OR (v_held + p_count > s.capacity AND {steps.expired_sql})"
             " THEN RETURN; END IF;\n"
             # Its deadline: where its ticket, if it takes one, expires.
             "   v_deadline := v_now + make_interval(secs => p_life);\n"
-            # First in a fair line: it waits for a release here, at the head
-            # of the names' queue, where the next in line waits behind it.
-            "   IF v_reserved = 0 AND p_life IS NOT NULL AND (p_fair OR s.fair) THEN\n"
-            "    v_until := LEAST(v_deadline,"
-            f" v_now + {int(HEAD_WAIT_MS)} * interval '1 millisecond');\n"
+            # First in line: it waits for a release here, at the head of the
+            # names' queue, where the next in line waits behind it
+            # (BRIEF_WAIT_US outside a fair line; LEAST ignores a NULL deadline).
+            "   IF v_reserved = 0 THEN\n"
+            "    v_until := LEAST(v_deadline, v_now + CASE WHEN p_life IS NOT NULL"
+            f" AND (p_fair OR s.fair) THEN {int(HEAD_WAIT_MS) * 1000} ELSE {int(BRIEF_WAIT_US)}"
+            " END * interval '1 microsecond');\n"
             "    WHILE v_held + p_count > s.capacity AND v_now < v_until LOOP\n"
             f"     PERFORM pg_sleep({int(HEAD_POLL_US)} / 1000000.0);\n"
             f"     {released_sql};\n"

@@ -14,10 +14,14 @@ then the request's insert (its unique key settles repeated calls: a taken
 key fails as the general path's insert does), the counters' updates and the
 permits' insert, in semaphore id order.
 
-The routine for one name also refuses: a call that finds no room is
-answered in the same call (a fair waiter's ticket taken), and the first
-waiter of a fair line waits in it, briefly, for a release, the next in
-line queued behind it (``grant_routine.py``).
+The routine for one name also refuses, in the same call: a caller that
+fails fast (after waiting briefly at the head for a release, nobody ahead
+of it), and a waiter of a fair line (its ticket taken; the first in line
+waits at the head for a release, the next queued behind it; see
+``grant_routine.py``). A caller that waits outside a fair line is refused
+the general way: refused here, 64 such waiters on PostgreSQL ran at a
+third to a half of their cycles, each refusal ending sooner and sending
+them back to the names' queue sooner.
 
 Anything else answers "not here" without writing anything, and the grant
 goes the general way (``grant.grant``): a refusal that needs more (a

@@ -63,10 +63,10 @@ BEGIN
   v_live := COALESCE(s.queued_until > v_now, false);
   IF v_live THEN SELECT COUNT(*), COALESCE(SUM(o.permits), 0) INTO v_ahead, v_reserved FROM (SELECT t."semaphore_id", COUNT(*) AS n, SUM(t."count") AS permits FROM "django_semaphore_ticket" t WHERE t."semaphore_id" IN (s.id) AND t."lacked" = TRUE AND t."expires_at" > v_now AND t."external_id" <> p_key AND NOT EXISTS (SELECT 1 FROM "django_semaphore_ticket" m WHERE m."semaphore_id" = t."semaphore_id" AND m."external_id" = p_key AND m."id" < t."id") GROUP BY t."semaphore_id") o; END IF;
   IF v_held + p_count + v_reserved > s.capacity THEN
-   IF EXISTS (SELECT "id", "state", "external_id" FROM "django_semaphore_permitrequest" WHERE "external_id" = p_key) OR (v_held + p_count > s.capacity AND EXISTS(SELECT 1 FROM "django_semaphore_permitrequest" r JOIN "django_semaphore_permit" p ON p."request_id" = r."id" WHERE r."state" = 'ACQUIRED' AND r."expires_at" <= v_now AND p."semaphore_id" IN (s.id) AND p."state" = 'ACQUIRED')) THEN RETURN; END IF;
+   IF p_life IS NOT NULL AND NOT (v_live OR p_ticketed OR p_fair OR s.fair) OR EXISTS (SELECT "id", "state", "external_id" FROM "django_semaphore_permitrequest" WHERE "external_id" = p_key) OR (v_held + p_count > s.capacity AND EXISTS(SELECT 1 FROM "django_semaphore_permitrequest" r JOIN "django_semaphore_permit" p ON p."request_id" = r."id" WHERE r."state" = 'ACQUIRED' AND r."expires_at" <= v_now AND p."semaphore_id" IN (s.id) AND p."state" = 'ACQUIRED')) THEN RETURN; END IF;
    v_deadline := v_now + make_interval(secs => p_life);
-   IF v_reserved = 0 AND p_life IS NOT NULL AND (p_fair OR s.fair) THEN
-    v_until := LEAST(v_deadline, v_now + 50 * interval '1 millisecond');
+   IF v_reserved = 0 THEN
+    v_until := LEAST(v_deadline, v_now + CASE WHEN p_life IS NOT NULL AND (p_fair OR s.fair) THEN 50000 ELSE 2000 END * interval '1 microsecond');
     WHILE v_held + p_count > s.capacity AND v_now < v_until LOOP
      PERFORM pg_sleep(500 / 1000000.0);
      SELECT c."released" INTO v_released FROM "django_semaphore_releasecounter" c WHERE c."semaphore_id" = s.id;
