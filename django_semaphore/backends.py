@@ -105,31 +105,23 @@ POSTGRES_DISCONNECT_PREFIXES = ("08", "57P01", "57P02", "57P03", "25006")
 
 def classify(connection: BaseDatabaseWrapper, exc: Error) -> Failure | None:
     """Whether ``exc`` is worth retrying, and how; ``None`` means surface it."""
-    vendor = connection.vendor
+    vendor, code = connection.vendor, _error_code(connection, exc)
     if _routine_missing(connection, exc):
         return Failure.ROUTINE_MISSING
     if isinstance(exc, InterfaceError):
         # A server's connection the driver gave up on. SQLite has none to
         # lose: its InterfaceError is a value it could not bind, a bug.
         return None if vendor == "sqlite" else Failure.DISCONNECT
-    if vendor == "mysql":
-        code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
-        if code in MYSQL_CONTENTION:
-            return Failure.CONTENTION
-        if code in MYSQL_DISCONNECT:
-            return Failure.DISCONNECT
-        return None
-    if vendor == "postgresql":
-        sqlstate = getattr(exc.__cause__, "sqlstate", None)
-        if sqlstate in POSTGRES_CONTENTION:
-            return Failure.CONTENTION
-        if sqlstate is None:
-            # psycopg reports a dropped socket as an OperationalError without
-            # a SQLSTATE; an error the server raised always carries one.
-            return Failure.DISCONNECT if isinstance(exc, OperationalError) else None
-        if sqlstate.startswith(POSTGRES_DISCONNECT_PREFIXES):
-            return Failure.DISCONNECT
-        return None
+    if code in MYSQL_CONTENTION or code in POSTGRES_CONTENTION:
+        return Failure.CONTENTION
+    if code in MYSQL_DISCONNECT or (
+        isinstance(code, str) and code.startswith(POSTGRES_DISCONNECT_PREFIXES)
+    ):
+        return Failure.DISCONNECT
+    if vendor == "postgresql" and code is None:
+        # psycopg reports a dropped socket as an OperationalError without
+        # a SQLSTATE; an error the server raised always carries one.
+        return Failure.DISCONNECT if isinstance(exc, OperationalError) else None
     if vendor == "sqlite":
         message = str(exc)
         if "database is locked" in message or "database table is locked" in message:
@@ -223,10 +215,9 @@ def note_routines_missing(connection: BaseDatabaseWrapper, exc: Error) -> None:
 
 
 def _schema_missing(connection: BaseDatabaseWrapper, exc: Error) -> bool:
-    if connection.vendor == "mysql":
-        return bool(exc.args) and exc.args[0] in MYSQL_SCHEMA
-    if connection.vendor == "postgresql":
-        return getattr(exc.__cause__, "sqlstate", None) in POSTGRES_SCHEMA
+    code = _error_code(connection, exc)
+    if code in MYSQL_SCHEMA or code in POSTGRES_SCHEMA:
+        return True
     return connection.vendor == "sqlite" and str(exc).startswith(SQLITE_SCHEMA)
 
 

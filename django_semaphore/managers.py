@@ -194,20 +194,21 @@ def in_use(counter: type[models.Model], permit: type[models.Model]) -> Case:
 
 
 def held(counter: type[models.Model]) -> Greatest:
-    """The permits held on a semaphore: its ``in_use_counter`` less the
-    releases counted on its ``ReleaseCounter`` and not yet folded in.
+    """The permits held on a semaphore, as the grant counts them
+    (``rows.held``): its ``in_use_counter`` less the releases counted on its
+    ``ReleaseCounter`` since the last fold, never below zero.
 
-    Signed arithmetic: MySQL refuses an unsigned difference below zero. A
-    counter written behind the engine's back reads no lower than zero (the
-    verifier reports and corrects it), as it did when releases lowered it.
+    Signed arithmetic: MySQL refuses an unsigned difference below zero.
     """
     released = Subquery(
         counter._default_manager.filter(semaphore=OuterRef("pk")).values("released")
     )
+    unfolded = Coalesce(Cast(released, BigIntegerField()), 0) - Cast(
+        "released_folded", BigIntegerField()
+    )
     return Greatest(
         Cast("in_use_counter", BigIntegerField())
-        + Cast("released_folded", BigIntegerField())
-        - Coalesce(Cast(released, BigIntegerField()), 0),
+        - Greatest(unfolded, 0, output_field=BigIntegerField()),
         0,
         output_field=BigIntegerField(),
     )

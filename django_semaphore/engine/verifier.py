@@ -27,6 +27,7 @@ from django_semaphore import backends, routing, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.engine.statements import statements
+from django_semaphore.engine.statements.rows import held as permits_held
 from django_semaphore.guards import engine_writes
 from django_semaphore.managers import not_closed
 from django_semaphore.models import Permit, ReleaseCounter, Semaphore
@@ -98,7 +99,7 @@ def _verify_batch(
         )
         drifts: dict[int, signals.Drift] = {}
         for id, (name, counted, folded) in recorded.items():
-            in_use = counted + folded - released.get(id, folded)
+            in_use = permits_held(counted, folded, released.get(id, 0))
             if in_use != int(held.get(id) or 0):
                 drifts[id] = signals.Drift(name, in_use, int(held.get(id) or 0))
         if correct and drifts:

@@ -326,7 +326,7 @@ class Statements(SQL):
         releases read (``read_released``)."""
         # Never below zero: a counter written behind the engine's back must
         # not make a grant fail (the verifier reports and corrects it).
-        counted = {s.id: max(s.held, 0) + added[s.id] for s in locked}
+        counted = {s.id: s.held + added[s.id] for s in locked}
         folded = {s.id: s.folded for s in locked}
         # A rate limit's slots: what it grants counts until its window ends,
         # released or not (the release counter counts its holders).

@@ -79,5 +79,7 @@ LOCKED_COLUMNS = (
 def held(counted: int, folded: int, released: int) -> int:
     """The permits held on a semaphore: its ``in_use_counter`` less the
     releases its ``ReleaseCounter`` counted since the last fold (a release
-    total read before that fold counts nothing)."""
-    return counted - max(released - folded, 0)
+    total read before that fold counts nothing), never below zero. The one
+    formula: the routines (``grant_routine.py``), the ORM's ``in_use``
+    (``managers.held``) and the verifier say the same."""
+    return max(counted - max(released - folded, 0), 0)
