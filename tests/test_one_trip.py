@@ -370,6 +370,8 @@ def test_counters_written_behind_the_engine_never_fail_the_grant(make_semaphore)
     sem = make_semaphore(capacity=2)
     with behind_the_engine():
         Semaphore.objects.filter(pk=sem.pk).update(in_use_counter=0, released_folded=5)
+    # One formula: the ORM's in_use (the admin, parking) says what the grant sees.
+    assert Semaphore.objects.get(pk=sem.pk).in_use == 0
     acquire(sem.name, external_id=unique())  # the connection's statements built
 
     request, sent = statements_of(acquire, sem.name, external_id="k")
