@@ -1,7 +1,7 @@
 """The grant routine's text: what the one-trip grant (``one_trip.py``) runs
 in the database, rendered from the grant's own statements -- PostgreSQL's
 functions (for one name, for several), MariaDB's procedure (one name) and
-block (several). ``routines.py`` installs the routines.
+block (several). ``routines.py`` renders the routines.
 
 For one name it serves a fair line too (``engine/fairness.py``'s rule, the
 ticket statements' own text): a waiter's refusal (its ticket taken) and a
@@ -79,7 +79,7 @@ class GrantRoutine(SQL):
     def procedure_body(self) -> str:
         """The MariaDB procedure's body: the block's program for one name
         and a fair line's steps, its parameters named (``routines.py``
-        installs it)."""
+        renders it)."""
         program = self._mariadb_program(1, "p_wait", fair_line=True)
         return f"BEGIN {with_arguments(program, *PROCEDURE_ARGUMENTS)} END"
 
@@ -293,7 +293,7 @@ class GrantRoutine(SQL):
         return locking.replace(one_name, names_sql)
 
     def function_body(self) -> str:
-        """The PostgreSQL function's body (``routines.py`` installs it)."""
+        """The PostgreSQL function's body (``routines.py`` renders it)."""
         q = self.q
         locking = self._locking_read_of("= ANY(p_names)")
         waits_sql = queue.waits_sql("p_names", "p_lock_wait")
@@ -351,7 +351,7 @@ class GrantRoutine(SQL):
         )
 
     def one_name_function_body(self) -> str:
-        """PostgreSQL's function for one name (``routines.py`` installs it):
+        """PostgreSQL's function for one name (``routines.py`` renders it):
         the general function's steps on one row read into a record, and fair
         mode's too (``engine/fairness.py``). Behind a live queue it grants
         only beside what the older tickets that lacked room ask for. A fair

@@ -43,7 +43,8 @@ from django_semaphore import backends
 from django_semaphore.engine.statements import SQL, built, queue, routine
 from django_semaphore.engine.statements.grant_routine import grant_routine
 
-# A function on PostgreSQL, a procedure on MariaDB (routines.py installs it).
+# A function on PostgreSQL, a procedure on MariaDB (routines.py renders it, a
+# migration installs it as frozen text).
 ROUTINE = routine("django_semaphore_grant")
 # PostgreSQL's function for one name: scalars where the general one keeps
 # arrays, a third less of the server's time per call.

@@ -32,9 +32,9 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_semaphore import backends
 from django_semaphore.engine.statements import routine
 
-# routines.py installs it; the one-trip grant runs its statements (``waits_sql``).
+# routines.py renders it, a migration installs it; the one-trip grant runs its
+# statements (``waits_sql``).
 ROUTINE = routine("django_semaphore_queue")
-ARGUMENTS = "text[], text"
 # The advisory locks' first key, "SEMA": their own key space, apart from
 # the one-key locks a project takes itself. The second is the name's hash.
 LOCK_CLASS = 0x53454D41
@@ -73,7 +73,7 @@ def function_body() -> str:
 
 
 def create_sql() -> str:
-    """The routine's ``CREATE`` (``routines.py`` runs it)."""
+    """The routine's ``CREATE`` (``routines.creates`` lists it)."""
     return (
         f"CREATE OR REPLACE FUNCTION {ROUTINE}(p_names text[], p_lock_wait text)"
         f" RETURNS void LANGUAGE plpgsql VOLATILE AS $queue${function_body()}$queue$"

@@ -25,7 +25,7 @@ from django_semaphore.engine.statements import SQL, built, placeholders, routine
 from django_semaphore.models import ParkedTask, ReleaseCounter, Ticket
 
 # The release by key as a procedure that also reads what it ended, once
-# the release committed (routines.py installs it).
+# the release committed (routines.py renders it, a migration installs it).
 ROUTINE = routine("django_semaphore_release")
 # PostgreSQL's procedure answers in arrays, a row of the read across them.
 # Named apart from the columns its statements name.
