@@ -22,11 +22,13 @@ from django_semaphore.exceptions import (
     SemaphoreExhausted,
     SemaphoreNotFound,
 )
+from django_semaphore.migrations import _routines
 from django_semaphore.models import Permit, PermitRequest, Semaphore, Ticket
 from django_semaphore.validation import validate_demand
 from tests.children import join, start_threads
 from tests.conftest import behind_the_engine, unique
 from tests.test_backends import row_locked_elsewhere
+from tests.test_routines import NEWEST, server
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -269,8 +271,9 @@ def head_wait(monkeypatch):
         install_rendered()
 
     yield install
-    monkeypatch.undo()
-    install_rendered()  # the frozen text again (test_routines)
+    with connection.cursor() as cursor:  # what the migration installed, again
+        for create in _routines._statements(NEWEST, server()):
+            cursor.execute(create)
 
 
 def install_rendered() -> None:

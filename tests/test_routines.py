@@ -87,11 +87,18 @@ def test_the_code_renders_the_text_its_version_froze():
     frozen = sorted(_routines.FROZEN.glob(f"*.{server()}.sql"))[-1].name.split(".")[0]
     assert frozen == NEWEST
     assert frozen.endswith(f"_v{ROUTINES_VERSION}")
-    rendered = [sql.strip() for sql in routines.creates(connection)]
-    assert rendered == _routines._statements(frozen, server()), (
+    rendered = [unquoted(sql.strip()) for sql in routines.creates(connection)]
+    assert rendered == [unquoted(sql) for sql in _routines._statements(frozen, server())], (
         "A routine's text changed: raise ROUTINES_VERSION and freeze it in a new migration "
         "(scripts/freeze_routines.py)."
     )
+
+
+def unquoted(sql: str) -> str:
+    """``sql`` without identifier quotes: Django 6.1 quotes the ORM's table
+    aliases (`` `U0` ``) where 5.2 does not, in the locking read a routine
+    embeds; the same statement either way."""
+    return sql.replace("`", "").replace('"', "")
 
 
 def test_the_migrations_installed_this_versions_frozen_text():
