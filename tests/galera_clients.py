@@ -152,7 +152,11 @@ def _remove_semaphore_row_write(statements: Any) -> None:
     and the fencing counter), and fencing tokens that never collide (the seed used the permit's
     auto-increment id). Without the second part every grant after the first
     would fail on the unique (semaphore, token) index instead, which is a
-    conflict Galera certifies too, and the check would prove nothing."""
+    conflict Galera certifies too, and the check would prove nothing. Every
+    grant goes the general way (the routine writes the row itself)."""
+    from django_semaphore.engine.statements.one_trip import OneTripStatements
+
+    OneTripStatements.applies = lambda self: False  # type: ignore[method-assign]
     insert_permits = statements.insert_permits
 
     def insert_uncoordinated(self: Any, cursor: Any, rows: Any) -> None:
