@@ -34,10 +34,10 @@ pytestmark = pytest.mark.django_db(transaction=True)
 connection = connections["default"]  # the wrapper itself: the engine keeps state by it
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-# The last release whose code calls the routines by their unversioned names.
-UNVERSIONED_RELEASE = "82680e8"
-NEWEST = "0017_routines_v1"
-BEFORE_NEWEST = "0016_fair_grant_in_one_trip"
+# The previous release: its code calls version 1 of the routines.
+PREVIOUS_RELEASE = "ca0014a"
+NEWEST = "0018_routines_v2"
+BEFORE_NEWEST = "0017_routines_v1"
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +113,8 @@ def test_the_migrations_installed_this_versions_frozen_text():
         else:
             cursor.execute(
                 "SELECT ROUTINE_NAME, ROUTINE_DEFINITION FROM information_schema.ROUTINES"
-                " WHERE ROUTINE_SCHEMA = DATABASE() AND ROUTINE_NAME LIKE '%%\\_v1'"
+                " WHERE ROUTINE_SCHEMA = DATABASE() AND ROUTINE_NAME LIKE %s",
+                [f"%\\_v{ROUTINES_VERSION}"],
             )
         bodies = dict(cursor.fetchall())
     assert bodies.keys() == frozen.keys()
@@ -130,6 +131,7 @@ def test_each_migrations_reverse_restores_the_routines_before_it(fresh_routines)
         "0012_grant_queue",
         "0013_parked_tasks_in_line",
         "0015_parked_task_not_before",
+        "0016_fair_grant_in_one_trip",
         BEFORE_NEWEST,
         NEWEST,
     ]
@@ -142,7 +144,7 @@ def test_each_migrations_reverse_restores_the_routines_before_it(fresh_routines)
         call_command("migrate", "django_semaphore", before, verbosity=0)
         assert installed() == seen[-2], f"reversing {step}"
         call_command("migrate", "django_semaphore", step, verbosity=0)
-    versioned = {s for s in seen[-1] if "_v1" in s}
+    versioned = {s for s in seen[-1] if s.split("(")[0].endswith(f"_v{ROUTINES_VERSION}")}
     assert len(versioned) == len(routines.names_on(connection))
     assert {s: d for s, d in seen[-1].items() if s not in versioned} == seen[-2]
 
@@ -214,9 +216,9 @@ print(ops)
 
 
 def old_release(directory: str) -> str:
-    """The package as the last unversioned release had it, unpacked in ``directory``."""
+    """The package as the previous release had it, unpacked in ``directory``."""
     archive = subprocess.run(
-        ["git", "-C", str(REPOSITORY), "archive", UNVERSIONED_RELEASE, "django_semaphore"],
+        ["git", "-C", str(REPOSITORY), "archive", PREVIOUS_RELEASE, "django_semaphore"],
         check=True,
         capture_output=True,
     ).stdout

@@ -48,7 +48,7 @@ from django_semaphore.states import State
 
 # The version of the routines this code calls (``routines.py``): part of
 # their names, so that code of another version finds its own beside them.
-ROUTINES_VERSION = 1
+ROUTINES_VERSION = 2
 
 
 def routine(name: str) -> str:
@@ -142,17 +142,15 @@ class Statements(SQL):
             f"SELECT {q('semaphore_id')}, {q('released')} FROM {self.counter}"
             f" WHERE {q('semaphore_id')} IN ({{ids}})"
         )
+        # The routines run these three writes too (``grant_routine.py``).
+        self.stamp = stamp
         self.insert_request_sql = (
             f"INSERT INTO {request} ({q('external_id')}, {q('owner')}, {q('state')},"
             f" {q('ttl')}, {q('expires_at')}, {q('created_at')}, {q('updated_at')},"
             f" {q('released_at')}, {q('release_reason')})"
-            f" VALUES (%s, %s, %s, %s, {{expires}}, {stamp}, {stamp}, NULL, '')"
-            + (
-                f" RETURNING {q('id')}, {q('created_at')}, {q('expires_at')}"
-                if self.returning
-                else ""
-            )
+            " VALUES (%s, %s, %s, %s, {expires}, {now}, {now}, NULL, '')"
         )
+        self.returning_sql = f" RETURNING {q('id')}, {q('created_at')}, {q('expires_at')}"
         self.stamps_sql = (
             f"SELECT {q('created_at')}, {q('expires_at')} FROM {request} WHERE {q('id')} = %s"
         )
@@ -188,7 +186,7 @@ class Statements(SQL):
         self.case_sql = f"WHEN {q('id')} = %s THEN %s"
         self.insert_permits_sql = (
             f"INSERT INTO {permit} ({q('semaphore_id')}, {q('request_id')}, {q('count')},"
-            f" {q('fencing_token')}, {q('slot_ends')}, {q('state')}) VALUES {{rows}}"
+            f" {q('fencing_token')}, {q('slot_ends')}, {q('state')}) {{rows}}"
         )
         self.set_counted_sql = (
             f"UPDATE {semaphore} SET {q('in_use_counter')} = %s, {q('released_folded')} = %s"
@@ -302,9 +300,10 @@ class Statements(SQL):
         if ttl is not None:
             expires = self.expires_sql
             params.append(self.duration.get_db_prep_value(timedelta(seconds=ttl), self.connection))
-        cursor.execute(
-            self.bounded(self.insert_request_sql.format(expires=expires), lock_wait), params
-        )
+        sql = self.insert_request_sql.format(expires=expires, now=self.stamp)
+        if self.returning:
+            sql += self.returning_sql
+        cursor.execute(self.bounded(sql, lock_wait), params)
         if self.returning:
             request_id, now, expires_at = cursor.fetchone()
         else:
@@ -356,7 +355,7 @@ class Statements(SQL):
         # No lock wait to bound: the rows its keys refer to (the request, the
         # semaphores) are this transaction's, and no other can insert a token
         # of these semaphores while it holds them.
-        values = ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(rows))
+        values = "VALUES " + ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(rows))
         adapt = self.connection.ops.adapt_datetimefield_value
         cursor.execute(
             self.insert_permits_sql.format(rows=values),

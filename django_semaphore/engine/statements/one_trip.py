@@ -133,7 +133,7 @@ class OneTripStatements(SQL):
         else:
             sql = grant_routine(self.connection).block(len(names), wait)
             pairs = [value for name in names for value in (name, counts[name])]
-            params = [*names, *pairs * len(names), ttl, ttl, key, owner, ttl]
+            params = [key, owner, ttl, *names, *pairs * len(names)]
         with self.connection.cursor() as cursor:
             cursor.execute(sql, params)
             rows = cursor.fetchall()
