@@ -20,7 +20,7 @@ row's lock on MariaDB -- each handed its turn by the database.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -38,18 +38,9 @@ from django_semaphore.engine.statements.tickets import ticket_statements
 # outside a fair line may stack (each thinks itself first): hence brief.
 HEAD_WAIT_MS, HEAD_POLL_US, BRIEF_WAIT_US = 50, 500, 2000
 # The one-name routine's answer, a row: granted, or refused (the last four).
-ANSWER = (
-    "granted_request",
-    "granted_at",
-    "granted_expires_at",
-    "granted_name",
-    "granted_token",
-    "granted_in_use",
-    "refused_id",
-    "refused_capacity",
-    "refused_rounds",
-    "refused_ticket",
-)
+ANSWER: tuple[str, ...] = ("granted_request", "granted_at", "granted_expires_at", "granted_name")
+ANSWER += ("granted_token", "granted_in_use", "refused_id", "refused_capacity")
+ANSWER += ("refused_rounds", "refused_ticket")
 
 
 @dataclass(frozen=True)
@@ -83,12 +74,13 @@ class _Server:
     def div(self) -> str:
         return "/" if self.postgresql else "DIV"
 
-    def answer(self, values: dict[str, str]) -> str:
-        """The one-name routine's answer (``ANSWER``'s columns, NULL where
-        not given), committed; the routine ends."""
+    def answer(self, values: tuple[str, ...], first: int = 0) -> str:
+        """The one-name routine's answer, ``ANSWER``'s columns from the
+        ``first`` on (NULL the others), committed; the routine ends."""
+        given = dict(zip(ANSWER[first:], values, strict=False))
         if self.postgresql:
-            return " ".join(f"{c} := {v};" for c, v in values.items()) + " RETURN NEXT; RETURN;"
-        row = ", ".join(values.get(column, "NULL") for column in ANSWER)
+            return " ".join(f"{c} := {v};" for c, v in given.items()) + " RETURN NEXT; RETURN;"
+        row = ", ".join(given.get(column, "NULL") for column in ANSWER)
         return f"COMMIT; SELECT {row}; LEAVE body;"
 
     @property
@@ -101,19 +93,25 @@ class _Server:
 
 @dataclass(frozen=True)
 class _Row:
-    """How a routine names a locked semaphore's values, and the count asked of it."""
+    """How a routine names a locked semaphore's columns, its release total
+    as last read, its permits held, and the count asked of it."""
 
     id: str
-    counted: str  # in_use_counter
-    folded: str  # released_folded
+    in_use_counter: str
+    released_folded: str
     capacity: str
-    released: str  # its release total, as last read
-    held: str  # the permits held, from those three
+    released: str
+    held: str
     count: str
     name: str = ""
-    token: str = ""  # the fencing counter before this grant
+    fencing_counter: str = ""
     fair: str = ""
     queued_until: str = ""
+
+    @classmethod
+    def named(cls, template: str) -> _Row:
+        """Every value a variable named by ``template`` from its field's name."""
+        return cls(**{field: template.format(field) for field in cls.__dataclass_fields__})
 
 
 def _short(row: _Row, kept: str = "") -> str:
@@ -166,15 +164,15 @@ class GrantRoutine(SQL):
             f" {self._held(server, row)}; {let('v_now', server.clock)};"
         )
         rounds = f"(v_reserved + {row.count} - 1) {server.div} GREATEST({row.capacity}, 1)"
-        refused = {
-            "granted_name": row.name,
-            "granted_token": row.token,
-            "granted_in_use": row.held,
-            "refused_id": row.id,
-            "refused_capacity": row.capacity,
-            "refused_rounds": rounds,
-            "refused_ticket": "v_ticket",
-        }
+        refused = (
+            row.name,
+            row.fencing_counter,
+            row.held,
+            row.id,
+            row.capacity,
+            rounds,
+            "v_ticket",
+        )
         return (
             f" {let('v_now', server.clock)};"
             f" IF {row.queued_until} > v_now OR p_ticketed OR {_short(row)} THEN"
@@ -196,7 +194,7 @@ class GrantRoutine(SQL):
             f" IF {_short(row, 'v_reserved')} THEN"
             f" {let('v_ticket', f'{in_line} AND NOT (p_ticketed AND p_lacked)')};"
             f" IF v_ticket THEN {steps.take_sql}; {steps.queue_until_sql}; END IF;"
-            f" {server.answer(refused)}"
+            f" {server.answer(refused, first=3)}"
             " END IF;"
             " END IF;"
             # Granted: its tickets stop holding back others; a queue that
@@ -233,11 +231,22 @@ class GrantRoutine(SQL):
         counters through them (release.py)."""
         return f" {self.general.insert_permits_sql.format(rows=rows_sql)};"
 
+    def grant_one(self, server: _Server, row: _Row) -> str:
+        """The writes of a grant on one name, and its answer."""
+        token, acquired = f"{row.fencing_counter} + 1", f"'{self.acquired}'"
+        permits = f"VALUES ({row.id}, v_request, {row.count}, {token}, NULL, {acquired})"
+        granted = ("v_request", "v_now", "v_expires", row.name, token, f"{row.held} + {row.count}")
+        return (
+            f"{self.insert_request(server)}{self.count_grant(row, _folded(row))}"
+            f"{self.insert_permits(permits)} {server.answer(granted)}"
+        )
+
     def _held(self, server: _Server, row: _Row) -> str:
         """The row's permits held (``rows.held``), into ``row.held``."""
         return server.let(
             row.held,
-            f"GREATEST({row.counted} - GREATEST(COALESCE({row.released}, 0) - {row.folded}, 0), 0)",
+            f"GREATEST({row.in_use_counter}"
+            f" - GREATEST(COALESCE({row.released}, 0) - {row.released_folded}, 0), 0)",
         )
 
     def _read_released(self, row: _Row) -> str:
@@ -293,13 +302,13 @@ class GrantRoutine(SQL):
         q, server = self.q, _Server(postgresql=True, clock=self.now)
         locking = self._locking_read_of("= ANY(p_names)")
         row = _Row(
-            id="v_ids[i]",
-            counted="v_counted[i]",
-            folded="v_folded[i]",
-            capacity="v_capacities[i]",
-            released="v_released",
-            held="v_held[i]",
-            count="v_counts[i]",
+            "v_ids[i]",
+            "v_counted[i]",
+            "v_folded[i]",
+            "v_capacities[i]",
+            "v_released",
+            "v_held[i]",
+            "v_counts[i]",
         )
         return (
             "\nDECLARE s record; i integer; v_count integer; v_released bigint;"
@@ -325,7 +334,7 @@ class GrantRoutine(SQL):
             f" {self._held(server, row)}; IF {_short(row)} THEN RETURN; END IF;"
             f" v_folded[i] := GREATEST(COALESCE(v_released, 0), v_folded[i]); END LOOP;\n"
             f" v_now := {server.clock};{self.insert_request(server)}\n"
-            f" FOR i IN 1 .. cardinality(v_ids) LOOP{self.count_grant(row, row.folded)}"
+            f" FOR i IN 1 .. cardinality(v_ids) LOOP{self.count_grant(row, row.released_folded)}"
             " END LOOP;\n"
             + self.insert_permits(
                 f"SELECT g.id, v_request, g.n, g.token, NULL, '{self.acquired}'"
@@ -341,27 +350,7 @@ class GrantRoutine(SQL):
         the general function's steps on one row read into a record, and the
         decision (``decide``)."""
         server = _Server(postgresql=True, clock=self.now)
-        row = _Row(
-            id="s.id",
-            counted="s.in_use_counter",
-            folded="s.released_folded",
-            capacity="s.capacity",
-            released="v_released",
-            held="v_held",
-            count="p_count",
-            name="s.name",
-            token="s.fencing_counter",
-            fair="s.fair",
-            queued_until="s.queued_until",
-        )
-        granted = {
-            "granted_request": "v_request",
-            "granted_at": "v_now",
-            "granted_expires_at": "v_expires",
-            "granted_name": "s.name",
-            "granted_token": "s.fencing_counter + 1",
-            "granted_in_use": "v_held + p_count",
-        }
+        row = replace(_Row.named("s.{}"), released="v_released", held="v_held", count="p_count")
         return (
             "\nDECLARE s record; v_released bigint; v_held bigint; v_request bigint;"
             " v_now timestamptz; v_expires timestamptz; v_until timestamptz;"
@@ -373,12 +362,7 @@ class GrantRoutine(SQL):
             f" IF NOT FOUND OR s.name::text <> p_name OR s.{self.q('window')} IS NOT NULL"
             " OR p_count > s.capacity THEN RETURN; END IF;\n"
             f" {self._read_released(row)}; {self._held(server, row)};\n"
-            f"{self.decide(server, row)}\n"
-            f"{self.insert_request(server)}{self.count_grant(row, _folded(row))}"
-            + self.insert_permits(
-                f"VALUES (s.id, v_request, p_count, s.fencing_counter + 1, NULL, '{self.acquired}')"
-            )
-            + f"\n {server.answer(granted)}\nEND\n"
+            f"{self.decide(server, row)}\n{self.grant_one(server, row)}\nEND\n"
         )
 
     def _locking_read_of(self, names_sql: str, targets: str = "") -> str:
@@ -397,15 +381,7 @@ class GrantRoutine(SQL):
         locking read into variables, and the decision (``decide``)."""
         wait = "SET STATEMENT innodb_lock_wait_timeout = p_wait FOR "
         server = _Server(postgresql=False, clock=self.now, bound=wait)
-        row = _mariadb_row(1)
-        granted = {
-            "granted_request": "v_request",
-            "granted_at": "v_now",
-            "granted_expires_at": "v_expires",
-            "granted_name": row.name,
-            "granted_token": f"{row.token} + 1",
-            "granted_in_use": f"{row.held} + {row.count}",
-        }
+        row = _Row.named("v_{}_1")
         locking = with_arguments(self.lock_into(1, _mariadb_targets(1)), "p_name")
         return (
             f"body: BEGIN {self._mariadb_declarations(1)}"
@@ -420,13 +396,7 @@ class GrantRoutine(SQL):
             f"{self._held(server, row)};"
             f" IF {row.count} IS NULL OR v_window_1 IS NOT NULL OR {row.count} > {row.capacity}"
             f" THEN {server.decline} END IF;"
-            f"{self.decide(server, row)}"
-            f"{self.insert_request(server)}{self.count_grant(row, _folded(row))}"
-            + self.insert_permits(
-                f"VALUES ({row.id}, v_request, {row.count}, {row.token} + 1, NULL,"
-                f" '{self.acquired}')"
-            )
-            + f" {server.answer(granted)} END"
+            f"{self.decide(server, row)}{self.grant_one(server, row)} END"
         )
 
     def block(self, count: int, wait: int) -> str:
@@ -446,7 +416,7 @@ class GrantRoutine(SQL):
             clock=self.now,
             bound=f"SET STATEMENT innodb_lock_wait_timeout = {wait} FOR ",
         )
-        q, rows = self.q, [_mariadb_row(i) for i in range(1, count + 1)]
+        q, rows = self.q, [_Row.named(f"v_{{}}_{i}") for i in range(1, count + 1)]
         column = f"{self.request}.{q('external_id')}"
         # Names are exact, as Python compares them (not as the collation does).
         exact_sql = " ".join(["WHEN CAST(%s AS BINARY) THEN %s"] * count)
@@ -461,10 +431,11 @@ class GrantRoutine(SQL):
             for i, row in enumerate(rows, 1)
         )
         permits_sql = " UNION ALL ".join(
-            f"SELECT {row.id} AS id, {row.count} AS n, {row.token} + 1 AS token" for row in rows
+            f"SELECT {row.id} AS id, {row.count} AS n, {row.fencing_counter} + 1 AS token"
+            for row in rows
         )
         granted_sql = " UNION ALL ".join(
-            f"SELECT v_request, v_now, v_expires, {row.name}, {row.token} + 1,"
+            f"SELECT v_request, v_now, v_expires, {row.name}, {row.fencing_counter} + 1,"
             f" {row.held} + {row.count}"
             for row in rows
         )
@@ -514,26 +485,6 @@ class GrantRoutine(SQL):
         )
 
 
-def _mariadb_row(i: int) -> _Row:
-    """MariaDB: the variables of the ``i``-th locked row."""
-    return _Row(**{field: f"v_{column}_{i}" for field, column in _MARIADB_VARIABLES.items()})
-
-
-_MARIADB_VARIABLES = {
-    "id": "id",
-    "counted": "in_use_counter",
-    "folded": "released_folded",
-    "capacity": "capacity",
-    "released": "released",
-    "held": "held",
-    "count": "count",
-    "name": "name",
-    "token": "fencing_counter",
-    "fair": "fair",
-    "queued_until": "queued_until",
-}
-
-
 def _mariadb_targets(i: int) -> str:
     """MariaDB: the variables the locking read of row ``i`` reads into."""
     return ", ".join(f"v_{column}_{i}" for column in (*LOCKED_COLUMNS, "released"))
@@ -541,7 +492,7 @@ def _mariadb_targets(i: int) -> str:
 
 def _folded(row: _Row) -> str:
     """The release total folded into the counter as the grant writes it."""
-    return f"GREATEST(COALESCE({row.released}, 0), {row.folded})"
+    return f"GREATEST(COALESCE({row.released}, 0), {row.released_folded})"
 
 
 def grant_routine(connection: BaseDatabaseWrapper) -> GrantRoutine:
