@@ -19,6 +19,7 @@ from django.db.models.functions import Coalesce
 
 from django_semaphore import routing
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.engine.line import fits, room
 from django_semaphore.limits import Limit
 from django_semaphore.models import ParkedTask, Permit, Semaphore, Ticket
 from django_semaphore.states import State
@@ -56,12 +57,12 @@ class Blocker:
     @property
     def room(self) -> int:
         """What is free for this waiter: not in use, not kept for older waiters."""
-        return max(0, self.limit.capacity - self.in_use - self.kept)
+        return max(0, room(self.in_use, self.limit.capacity, self.kept))
 
     @property
     def lacks_room(self) -> bool:
         """Whether this semaphore keeps the waiter waiting."""
-        return self.wants > self.room
+        return not fits(self.in_use, self.wants, self.limit.capacity, self.kept)
 
     def explained(self) -> list[str]:
         """In words, as the status command and the admin show it: a summary,

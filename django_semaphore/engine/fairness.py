@@ -61,6 +61,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
 from django_semaphore import backends
+from django_semaphore.engine import line
 from django_semaphore.engine.statements.one_trip import Line, Refused
 from django_semaphore.engine.statements.rows import LockedSemaphore
 from django_semaphore.engine.statements.tickets import MAX_TICKET_LIFE, ticket_statements
@@ -123,45 +124,37 @@ def admit(
     """Under the row locks: the names that keep this call waiting (empty:
     grant it), and where it stands now. When it has to wait, takes this
     call's tickets, or marks those where it newly lacks room."""
-    live = [s for s in locked if _after(connection, s.queued_until, now)]
-    ahead = _older_tickets(connection, cursor, live, ask.key, now, lock_wait) if live else {}
-    # What the older tickets that lacked room ask for stays theirs: this
-    # call lacks room where it does not fit beside them.
+    tickets = ticket_statements(connection)
+    live = [s.id for s in locked if _after(connection, s.queued_until, now)]
+    # Semaphore id -> (tickets, permits they ask for): the live tickets that
+    # lacked room, of other keys, older than this key's own there (all of
+    # them when it has none). What they ask for stays theirs.
+    ahead = tickets.older(cursor, live, ask.key, now, lock_wait) if live else {}
     reserved = {id: permits for id, (_, permits) in ahead.items()}
-    short = {
-        s.id
-        for s in locked
-        if s.in_use + ask.demand.counts[s.name] + reserved.get(s.id, 0) > s.capacity
-    }
-    # How many permit grants must come before this waiter's, in units of
-    # its semaphores' capacity: 0 when it is next in line.
+    counts = ask.demand.counts
+    short = {s.id for s in line.lacking_room(locked, counts, reserved)}
     standing = replace(
         standing,
-        rounds=max(
-            (reserved.get(s.id, 0) + ask.demand.counts[s.name] - 1) // max(s.capacity, 1)
-            for s in locked
-        ),
+        rounds=max(line.rounds(counts[s.name], s.capacity, reserved.get(s.id, 0)) for s in locked),
         semaphores=tuple((s.id, s.name, s.capacity) for s in locked),
     )
-    queues = ask.fair or any(s.fair for s in locked)
     if not short:
-        # This key's tickets, this call's, an earlier call's with the same
-        # key (a retry) or its parked task's: granted, they must stop
-        # holding back others.
-        if standing.ticketed or live:
-            _delete_tickets(connection, cursor, [s.id for s in locked], ask.key, lock_wait)
-        # A newcomer that nothing held back found a queue that is over (its
-        # tickets were granted or gave up): ended, so that the next grants
-        # take one trip again instead of reading an empty queue.
-        over = [s.id for s in live if s.id not in ahead]
-        if over and not standing.ticketed:
-            ticket_statements(connection).end_queues(cursor, over, now)
+        if line.deletes_tickets(standing.ticketed, bool(live)):
+            tickets.delete(cursor, [s.id for s in locked], ask.key, lock_wait)
+        if over := line.ended_queues(live, ahead, standing.ticketed):
+            tickets.end_queues(cursor, over, now)
         return [], standing
-    takes = queues and not (standing.ticketed and short <= standing.lacked)
+    queues = ask.fair or any(s.fair for s in locked)
+    takes = line.takes_tickets(queues, standing.ticketed, short, standing.lacked)
     life = ticket_life(ask) if takes else None
     if life is not None:
+        # On all of its semaphores, marked where it lacks room; a key's
+        # tickets are kept, with their place (a retry with the same key from
+        # another process, the first one crashed or still waiting, only
+        # pushes their expiry).
         expires_at = now + timedelta(seconds=life)
-        _insert_tickets(connection, locked, ask, now, expires_at, lock_wait, short)
+        asks = {s.id: counts[s.name] for s in locked}
+        tickets.take(cursor, ask.key, ask.owner, asks, now, expires_at, short, lock_wait)
     standing = _placed(standing, short, ticketed=life is not None)
     return sorted(s.name for s in locked if s.id in short), standing
 
@@ -174,17 +167,18 @@ def ticket_life(ask: Ask) -> float | None:
     return min(max(ask.deadline - time.monotonic(), 0), MAX_TICKET_LIFE.total_seconds())
 
 
-def line(ask: Ask, standing: Standing) -> Line:
+def one_trip_line(ask: Ask, standing: Standing) -> Line:
     """Where the call stands, as the one-trip grant that may refuse it takes it."""
     return Line(standing.ticketed, bool(standing.lacked), ask.fair, ticket_life(ask))
 
 
 def refused_in_one_trip(ask: Ask, standing: Standing, refused: Refused) -> Refusal:
-    """The one-trip grant's refusal (one name), with the call's
-    standing as ``admit`` would have left it."""
-    id, name, _ = refused.semaphore
-    standing = replace(standing, rounds=refused.rounds, semaphores=(refused.semaphore,))
-    return Refusal(SemaphoreExhausted([name]), _placed(standing, {id}, refused.ticket_taken))
+    """The one-trip grant's refusal, with the call's standing as ``admit``
+    would have left it."""
+    standing = replace(standing, rounds=refused.rounds, semaphores=refused.lacking)
+    short = {id for id, _, _ in refused.lacking}
+    error = SemaphoreExhausted(sorted(name for _, name, _ in refused.lacking))
+    return Refusal(error, _placed(standing, short, refused.ticket_taken))
 
 
 def _placed(standing: Standing, short: set[int], ticketed: bool) -> Standing:
@@ -211,60 +205,6 @@ def leave(alias: str, ask: Ask, standing: Standing) -> None:
         Ticket.objects.using(alias).filter(
             semaphore__name__in=ask.demand.names, external_id=ask.key
         ).delete()
-
-
-# --- the statements, inside the grant transaction ------------------------------
-
-
-def _older_tickets(
-    connection: BaseDatabaseWrapper,
-    cursor: CursorWrapper,
-    semaphores: Sequence[LockedSemaphore],
-    key: str,
-    now: datetime,
-    lock_wait: float,
-) -> dict[int, tuple[int, int]]:
-    """Semaphore id -> (tickets, permits they ask for): the live tickets of
-    other keys older than this key's own ticket there (all of them when it
-    has none). Semaphores without any are left out."""
-    ids = [s.id for s in semaphores]
-    return ticket_statements(connection).older(cursor, ids, key, now, lock_wait)
-
-
-def _insert_tickets(
-    connection: BaseDatabaseWrapper,
-    locked: Sequence[LockedSemaphore],
-    ask: Ask,
-    now: datetime,
-    expires_at: datetime,
-    lock_wait: float,
-    short: set[int],
-) -> None:
-    """This waiter's tickets on all of its semaphores (kept, with their
-    place, if it has them: a retry with the same key from another process,
-    the first one crashed or still waiting, only pushes their expiry),
-    marked where it lacks room (``short``, semaphore ids)."""
-    with connection.cursor() as cursor:
-        ticket_statements(connection).take(
-            cursor,
-            ask.key,
-            ask.owner,
-            {s.id: ask.demand.counts[s.name] for s in locked},
-            now,
-            expires_at,
-            short,
-            lock_wait,
-        )
-
-
-def _delete_tickets(
-    connection: BaseDatabaseWrapper,
-    cursor: CursorWrapper,
-    semaphore_ids: list[int],
-    key: str,
-    lock_wait: float,
-) -> None:
-    ticket_statements(connection).delete(cursor, semaphore_ids, key, lock_wait)
 
 
 def _after(connection: BaseDatabaseWrapper, queued_until: Any, now: datetime) -> bool:

@@ -45,6 +45,7 @@ from django.db.backends.utils import CursorWrapper
 from django_semaphore import backends, signals
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.engine import fairness, families, prelock
+from django_semaphore.engine.line import fits, lacking_room
 from django_semaphore.engine.releasing import reclaim_expired, release_requests
 from django_semaphore.engine.statements import Statements, queue, statements
 from django_semaphore.engine.statements.one_trip import Refused, one_trip_statements
@@ -184,19 +185,19 @@ def grant(
         locked = [s for s in locked if s.name in demand.counts]
         if len(locked) != len(demand.names):
             return SemaphoreNotFound(set(demand.names) - {s.name for s in locked})
-        too_big = [s.name for s in locked if demand.counts[s.name] > s.capacity]
+        too_big = [s.name for s in locked if not fits(0, demand.counts[s.name], s.capacity)]
         if too_big:
             return CapacityExceeded(
                 "Asked for more permits than the capacity of: " + ", ".join(too_big)
             )
-        if _lacking_room(locked, demand) and not sql.fresh_with_the_lock(locked):
+        if lacking_room(locked, demand.counts) and not sql.fresh_with_the_lock(locked):
             # The release totals read with the lock may predate the wait for
             # a second row (MariaDB) or not be read at all (PostgreSQL): read
             # them again before saying no.
             sql.read_released(cursor, locked)
         # While a fair queue is live on one of these semaphores, the queue
         # decides too (see refusal): nobody is granted past an older ticket.
-        if _lacking_room(locked, demand) or any(s.queue_live for s in locked):
+        if lacking_room(locked, demand.counts) or any(s.queue_live for s in locked):
             refused = refusal(connection, sql, cursor, locked, lock_wait, ask, standing)
             if refused is not None:
                 return refused
@@ -246,7 +247,9 @@ def grant_in_one_trip(
     if not sql.applies():
         return None
     key, owner = ask.key, ask.owner
-    granted = sql.grant(ask.demand.counts, key, owner, ttl, lock_wait, fairness.line(ask, standing))
+    granted = sql.grant(
+        ask.demand.counts, key, owner, ttl, lock_wait, fairness.one_trip_line(ask, standing)
+    )
     if granted is None:
         return None
     if isinstance(granted, Refused):
@@ -317,7 +320,7 @@ def refusal(
             sql.close_slots(cursor, s, usage.now)
     # Expired holders free room on concurrency limits only: a rate limit's
     # slots end with their window, released or not.
-    lacking = [s.id for s in _lacking_room(locked, demand) if not s.limit.is_rate]
+    lacking = [s.id for s in lacking_room(locked, demand.counts) if not s.limit.is_rate]
     if lacking and usage.expired and reclaim_expired(connection, lacking, usage.now, lock_wait):
         sql.read_released(cursor, locked)
     waiting_on, standing = fairness.admit(
@@ -341,17 +344,13 @@ def _next_slot_in(
     """Seconds until the rate limits that lack room have room for this
     demand; ``None`` when a concurrency limit lacks room too (its holders'
     releases cannot be foretold)."""
-    lacking = _lacking_room(locked, demand)
+    lacking = lacking_room(locked, demand.counts)
     if not lacking or not all(s.limit.is_rate for s in lacking):
         return None
     frees = [sql.next_slot(cursor, s, demand.counts[s.name], now) for s in lacking]
     if None in frees:
         return None
     return max((at - now).total_seconds() for at in frees if at is not None)
-
-
-def _lacking_room(locked: list[LockedSemaphore], demand: Demand) -> list[LockedSemaphore]:
-    return [s for s in locked if s.in_use + demand.counts[s.name] > s.capacity]
 
 
 # --- idempotent re-entry -----------------------------------------------------

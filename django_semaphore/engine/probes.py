@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
+from django_semaphore.engine.line import fits, room
 from django_semaphore.engine.statements import built, placeholders
 from django_semaphore.engine.statements.probes import ProbeStatements
 from django_semaphore.engine.statements.rows import held
@@ -30,7 +31,12 @@ class Room:
 
     @property
     def free(self) -> int:
-        return self.capacity - self.in_use
+        """What is free for the key: neither held nor asked for by the tickets ahead."""
+        return room(self.in_use, self.capacity, self.ahead)
+
+    def fits(self, count: int) -> bool:
+        """Whether ``count`` permits fit here beside the tickets ahead."""
+        return fits(self.in_use, count, self.capacity, self.ahead)
 
 
 def probe(

@@ -4,7 +4,7 @@ them a release (or a capacity raise) wakes.
 **One line.** A parked task waits in each of its semaphores' lines as a
 fair waiter does: by a ``Ticket`` per semaphore, keyed by its task id and
 taken under the rows' locks, and under fair mode's one rule
-(``engine/fairness``): an older ticket that lacked room keeps the room it
+(``engine/line``): an older ticket that lacked room keeps the room it
 asks for, and a younger waiter -- a parked task, a fair waiter, any grant
 -- fits only beside it. A task that does not fit lacks room there from
 then on and holds back younger ones in turn, so a release elsewhere cannot
@@ -34,6 +34,7 @@ from django.utils import timezone
 from django_semaphore import backends
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
+from django_semaphore.engine.line import fits, lacking_room, room
 from django_semaphore.engine.releasing import reclaim_expired
 from django_semaphore.engine.statements.tickets import MAX_TICKET_LIFE, ticket_statements
 from django_semaphore.exceptions import SemaphoreNotFound
@@ -79,11 +80,12 @@ def line_up(
     ids = {row.name: row.id for row in rows}
     statements = ticket_statements(connection)
     with connection.cursor() as cursor:
-        ahead = statements.older(cursor, list(ids.values()), key, now, lock_wait)
-        short = _short(rows, demand, ahead)
+        older = statements.older(cursor, list(ids.values()), key, now, lock_wait)
+        kept = {id: permits for id, (_, permits) in older.items()}
+        short = {row.id for row in lacking_room(rows, demand, kept)}
         held_short = [row.id for row in rows if row.id in short and not row.limit.is_rate]
         if held_short and reclaim_expired(connection, held_short, now, lock_wait):
-            short = _short(_locked(connection, demand), demand, ahead)
+            short = {row.id for row in lacking_room(_locked(connection, demand), demand, kept)}
         until = expires_at or now + MAX_TICKET_LIFE
         lacking = short
         if woken and not short:
@@ -130,17 +132,6 @@ def _locked(connection: BaseDatabaseWrapper, demand: Mapping[str, int]) -> list[
     return rows
 
 
-def _short(
-    rows: list[_Locked], demand: Mapping[str, int], ahead: Mapping[int, tuple[int, int]]
-) -> set[int]:
-    """The semaphores where the demand does not fit beside ``ahead``."""
-    return {
-        row.id
-        for row in rows
-        if row.in_use + demand[row.name] + ahead.get(row.id, (0, 0))[1] > row.capacity
-    }
-
-
 def _candidates(alias: str, freed: set[int]) -> list[str]:
     """The parked tasks that may fit in the room on these semaphores, by
     plain reads (no lock, no transaction; the wake-up decides under the
@@ -156,11 +147,11 @@ def _candidates(alias: str, freed: set[int]) -> list[str]:
     lacking = Ticket.objects.filter(external_id=OuterRef("external_id"), lacked=True)
     candidates: set[str] = set()
     for id, capacity, in_use in semaphores.values_list("id", "capacity", F("in_use")):
-        if (room := capacity - in_use) > 0:
+        if (free := room(in_use, capacity)) > 0:
             line = Ticket.objects.using(alias).of_parked().filter(semaphore_id=id).order_by("id")
             for kind in (Q(lacked=True), Q(lacked=False) & ~Exists(lacking)):
                 oldest = line.filter(kind).values_list("external_id", flat=True)
-                candidates.update(oldest[: min(room, CANDIDATES_READ)])
+                candidates.update(oldest[: min(free, CANDIDATES_READ)])
     return sorted(candidates)
 
 
@@ -206,8 +197,8 @@ class _Line:
 
     def fits(self, place: _Place) -> bool:
         """Whether ``place`` fits beside the older tickets that hold back."""
-        ahead = sum(p.count for p in self.holding_back if p.id < place.id and p.key != place.key)
-        return self.in_use + ahead + place.count <= self.capacity
+        kept = sum(p.count for p in self.holding_back if p.id < place.id and p.key != place.key)
+        return fits(self.in_use, place.count, self.capacity, kept)
 
     def hold_back(self, place: _Place) -> None:
         self.holding_back.append(place)
@@ -241,11 +232,10 @@ def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
             .values_list("id", "capacity", F("in_use"))
         }
         for id, line in lines.items():
-            room = line.capacity - line.in_use
-            if room > 0:
+            if (free := room(line.in_use, line.capacity)) > 0:
                 oldest = tickets.holding_back().filter(semaphore_id=id).order_by("id")
                 line.holding_back = [
-                    _Place(*row) for row in oldest.values_list("id", "external_id", "count")[:room]
+                    _Place(*row) for row in oldest.values_list("id", "external_id", "count")[:free]
                 ]
         waiting = dict(
             ParkedTask.objects.using(alias)

@@ -72,6 +72,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import process
 from django_semaphore.engine.fairness import Ask, Refusal, Standing, leave
+from django_semaphore.engine.line import rounds
 from django_semaphore.engine.probes import Room, probe
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.models import PermitRequest
@@ -227,13 +228,15 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
                     # the first to see the room takes it.
                     time.sleep(random.uniform(0, min(NOTIFY_SPREAD, until - now)))
             found = _probe(connection, waiter)
-            if found is None or _fits(waiter, found):
+            if found is None or not (lacking := _lacking(waiter, found)):
                 waiter.expected_room = True
                 return
-            slot = _next_slot_in(waiter, found)
+            # A rate limit it lacks room on frees a slot when its window
+            # ends, not at a release: attempt then.
+            slot = max(
+                (r.next_slot_in for r in lacking if r.next_slot_in is not None), default=None
+            )
             if slot is not None:
-                # A rate limit it lacks room on frees a slot when its window
-                # ends, not at a release: attempt then.
                 waiter.woken.wait(max(min(slot, deadline - time.monotonic()), 0))
                 waiter.expected_room = True
                 return
@@ -262,27 +265,15 @@ def _probe(connection: BaseDatabaseWrapper, waiter: Waiter) -> dict[int, Room] |
         return None
 
 
-def _fits(waiter: Waiter, found: dict[int, Room]) -> bool:
-    """Whether an attempt would be granted as ``found`` says: room on each
-    of its semaphores beside what the tickets ahead of it ask for there."""
+def _lacking(waiter: Waiter, found: dict[int, Room]) -> list[Room]:
+    """Its semaphores where an attempt would be refused as ``found`` says:
+    no room beside what the tickets ahead of it ask for there."""
     counts = waiter.ask.demand.counts
-    return all(
-        id not in found or found[id].ahead + counts[name] <= found[id].free
+    return [
+        found[id]
         for id, name, _ in waiter.standing.semaphores
-    )
-
-
-def _next_slot_in(waiter: Waiter, found: dict[int, Room]) -> float | None:
-    """Seconds until the next slot ends on the rate limits where it lacks
-    room (``None``: it lacks room on none): no attempt succeeds before."""
-    ends = []
-    for id, name, _ in waiter.standing.semaphores:
-        room = found.get(id)
-        if room is None or room.next_slot_in is None:
-            continue
-        if room.ahead + waiter.ask.demand.counts[name] > room.free:
-            ends.append(room.next_slot_in)
-    return max(ends, default=None)
+        if id in found and not found[id].fits(counts[name])
+    ]
 
 
 def _holds_away(waiter: Waiter, found: dict[int, Room]) -> float:
@@ -291,7 +282,7 @@ def _holds_away(waiter: Waiter, found: dict[int, Room]) -> float:
     releases a capacity's worth."""
     counts = waiter.ask.demand.counts
     return max(
-        (found[id].ahead + counts[name] - found[id].free) / max(capacity, 1) if id in found else 0
+        (counts[name] - found[id].free) / max(capacity, 1) if id in found else 0
         for id, name, capacity in waiter.standing.semaphores
     )
 
@@ -301,7 +292,7 @@ def _rounds(waiter: Waiter, found: dict[int, Room]) -> int:
     it is next in line."""
     counts = waiter.ask.demand.counts
     return max(
-        (found[id].ahead + counts[name] - 1) // max(capacity, 1) if id in found else 0
+        rounds(counts[name], capacity, found[id].ahead) if id in found else 0
         for id, name, capacity in waiter.standing.semaphores
     )
 

@@ -1,0 +1,79 @@
+"""The fair line's rule, stated once in Python: a request fits where the
+permits held, its count and what the older tickets that lacked room ask for
+(``kept``: their room is kept for them) stay within the capacity.
+
+The general grant (``grant``, ``fairness.admit``), parking's wake-up
+(``wakeups``), the probes and the waiter that reads them (``waiting``) and
+``why_waiting`` (``blockers``) ask it here, so that they never disagree; the
+SQL routines state the same rule in their one template
+(``statements/grant_routine.py``). Pure functions of plain values: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Set
+from typing import Protocol, TypeVar
+
+
+def room(held: int, capacity: int, kept: int = 0) -> int:
+    """What is free for a waiter: neither held nor kept for older waiters
+    (negative when more is held than the capacity, as after a lowering)."""
+    return capacity - held - kept
+
+
+def fits(held: int, count: int, capacity: int, kept: int = 0) -> bool:
+    """Whether ``count`` permits fit beside those held and those kept."""
+    return count <= room(held, capacity, kept)
+
+
+def rounds(count: int, capacity: int, kept: int = 0) -> int:
+    """Capacities' worth of grants that must come before this one's: 0 when
+    it is next in line."""
+    return (kept + count - 1) // max(capacity, 1)
+
+
+class Row(Protocol):
+    """A semaphore as a caller read it."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def in_use(self) -> int: ...
+
+
+R = TypeVar("R", bound=Row)
+
+
+def lacking_room(
+    rows: Iterable[R], counts: Mapping[str, int], kept: Mapping[int, int] | None = None
+) -> list[R]:
+    """The semaphores where ``counts`` (by name) do not fit beside what is
+    held and what is kept there (by semaphore id)."""
+    kept = kept or {}
+    return [s for s in rows if not fits(s.in_use, counts[s.name], s.capacity, kept.get(s.id, 0))]
+
+
+def takes_tickets(queues: bool, ticketed: bool, short: Set[int], lacked: Set[int]) -> bool:
+    """Whether a refused call takes its tickets (or marks where they lack
+    room): where it queues, unless its tickets lack room on every semaphore
+    it is short of already."""
+    return queues and not (ticketed and short <= lacked)
+
+
+def deletes_tickets(ticketed: bool, queue_live: bool) -> bool:
+    """Whether a granted call deletes its key's tickets (its own, a retry's
+    or its parked task's), which must stop holding back others: when it took
+    them, or when a queue is live where they may be."""
+    return ticketed or queue_live
+
+
+def ended_queues(live: Iterable[int], held_back: Collection[int], ticketed: bool) -> list[int]:
+    """The queues a granted call that took no ticket ends: those live where
+    no older ticket is left (``held_back``: where some is; they were granted
+    or gave up), so that the next grants take one trip again instead of
+    reading an empty queue."""
+    return [] if ticketed else [id for id in live if id not in held_back]
