@@ -165,16 +165,39 @@ def test_a_refusal_without_more_to_do_is_one_statement(make_semaphore, timeout, 
     assert not PermitRequest.objects.filter(external_id="late").exists()
 
 
+@pytest.mark.parametrize(
+    ("timeout", "one_call"), [(None, True), (60, False)], ids=["fails fast", "waits"]
+)
+def test_several_names_refused_without_more_to_do(make_semaphore, timeout, one_call):
+    """Several names, room on one but not on the two others: one statement
+    for a caller that fails fast, naming both; nothing written."""
+    full, free, also_full = (make_semaphore(capacity=c) for c in (1, 2, 1))
+    acquire(full.name, external_id="h1")
+    acquire(also_full.name, external_id="h2")
+    ask = ask_for([full.name, free.name, also_full.name], "late", timeout=timeout)
+
+    refused, sent = statements_of(attempt, ask)
+
+    assert isinstance(refused, fairness.Refusal)
+    assert refused.error.names == sorted([full.name, also_full.name])
+    assert (len(sent) == 1) is one_call
+    assert not PermitRequest.objects.filter(external_id="late").exists()
+    free.refresh_from_db()
+    assert (free.in_use, free.fencing_counter) == (0, 0)
+
+
+@pytest.mark.parametrize("several", [False, True], ids=["one name", "several names"])
 @pytest.mark.parametrize("case", ["expired holder", "key taken"])
-def test_a_refusal_with_more_to_do_is_the_general_grants(make_semaphore, case):
+def test_a_refusal_with_more_to_do_is_the_general_grants(make_semaphore, case, several):
     sem = make_semaphore(capacity=1)
-    acquire(sem.name, external_id="holder", ttl=60)
+    names = [sem.name, make_semaphore(capacity=1).name] if several else sem.name
+    acquire(names, external_id="holder", ttl=60)
     if case == "expired holder":
         PermitRequest.objects.filter(external_id="holder").update(expires_at=timezone.now())
-        assert acquire(sem.name, external_id="k").state == "ACQUIRED"
+        assert acquire(names, external_id="k").state == "ACQUIRED"
         assert PermitRequest.objects.get(external_id="holder").release_reason == "expired"
     else:
-        again, sent = statements_of(acquire, sem.name, external_id="holder")
+        again, sent = statements_of(acquire, names, external_id="holder")
         assert again.external_id == "holder"
         assert len(sent) > 1
 
@@ -203,7 +226,9 @@ def test_declines_without_writing_and_the_general_grant_grants(make_semaphore, c
     assert PermitRequest.objects.filter(external_id="k").count() == 1
 
 
-def ask_for(name: str, key: str, timeout: float | None = 60, fair: bool = False) -> fairness.Ask:
+def ask_for(
+    name: str | list[str], key: str, timeout: float | None = 60, fair: bool = False
+) -> fairness.Ask:
     """An acquire of ``name`` with a timeout (``None``: failing fast), as the
     engine is asked it."""
     deadline = None if timeout is None else time.monotonic() + timeout

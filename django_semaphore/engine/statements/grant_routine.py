@@ -241,6 +241,15 @@ class GrantRoutine(SQL):
             f"{self.insert_permits(permits)} {server.answer(granted)}"
         )
 
+    def _not_refused(self, ids_sql: str) -> str:
+        """Whether a call that lacks room on several names (``ids_sql``) is
+        left to the general grant: it waits (refused there, measured faster:
+        ``one_trip.py``), its key is taken, or expired holders are there to
+        reclaim. A call that fails fast is refused in the routine."""
+        key_taken = with_arguments(self.key_sql, "p_key")
+        expired = self.general.expired_sql.format(ids=ids_sql, now="v_now")
+        return f"NOT p_fail_fast OR EXISTS ({key_taken}) OR {expired}"
+
     def _held(self, server: _Server, row: _Row) -> str:
         """The row's permits held (``rows.held``), into ``row.held``."""
         return server.let(
@@ -315,7 +324,8 @@ class GrantRoutine(SQL):
             " v_ids bigint[] := '{}'; v_names text[] := '{}'; v_counts integer[] := '{}';"
             " v_capacities bigint[] := '{}'; v_counted bigint[] := '{}';"
             " v_folded bigint[] := '{}'; v_tokens bigint[] := '{}'; v_held bigint[] := '{}';"
-            " v_now timestamptz; v_expires timestamptz; v_request bigint;\n"
+            " v_now timestamptz; v_expires timestamptz; v_request bigint;"
+            " v_short integer[] := '{}';\n"
             f"BEGIN\n{queue.waits_sql('p_names', 'p_lock_wait')}"
             f" FOR s IN {locking} LOOP\n"
             "  v_count := p_counts[array_position(p_names, s.name::text)];\n"
@@ -331,16 +341,23 @@ class GrantRoutine(SQL):
             # A statement of its own, so read once the locks are held: the
             # releases committed during the wait count.
             f" FOR i IN 1 .. cardinality(v_ids) LOOP {self._read_released(row)};"
-            f" {self._held(server, row)}; IF {_short(row)} THEN RETURN; END IF;"
+            f" {self._held(server, row)}; IF {_short(row)} THEN v_short := v_short || i; END IF;"
             f" v_folded[i] := GREATEST(COALESCE(v_released, 0), v_folded[i]); END LOOP;\n"
-            f" v_now := {server.clock};{self.insert_request(server)}\n"
+            f" v_now := {server.clock};\n"
+            f" IF cardinality(v_short) > 0 THEN IF {self._not_refused('SELECT unnest(v_ids)')}"
+            " THEN RETURN; END IF;\n"
+            "  RETURN QUERY SELECT NULL::bigint, NULL::timestamptz, NULL::timestamptz, v_names[k],"
+            " v_tokens[k] - 1, v_held[k], v_ids[k], v_capacities[k] FROM unnest(v_short) AS k;"
+            " RETURN;\n"
+            f" END IF;{self.insert_request(server)}\n"
             f" FOR i IN 1 .. cardinality(v_ids) LOOP{self.count_grant(row, row.released_folded)}"
             " END LOOP;\n"
             + self.insert_permits(
                 f"SELECT g.id, v_request, g.n, g.token, NULL, '{self.acquired}'"
                 " FROM unnest(v_ids, v_counts, v_tokens) AS g(id, n, token) ORDER BY g.id"
             )
-            + "\n RETURN QUERY SELECT v_request, v_now, v_expires, g.name, g.token, g.held + g.n"
+            + "\n RETURN QUERY SELECT v_request, v_now, v_expires, g.name, g.token, g.held + g.n,"
+            " NULL::bigint, NULL::bigint"
             " FROM unnest(v_names, v_tokens, v_held, v_counts) AS g(name, token, held, n);\n"
             "END\n"
         )
@@ -402,7 +419,8 @@ class GrantRoutine(SQL):
     def block(self, count: int, wait: int) -> str:
         """MariaDB's block for ``count`` names (two or more), its lock-wait
         bound ``wait`` seconds, built once. Its parameters: key, owner, ttl,
-        the names, then every (name, count) pair for each locked row. The
+        whether the call fails fast, the names, then every (name, count)
+        pair for each locked row. The
         rows are read by a cursor over the locking read, opened under the
         lock-wait bound (which ``SET STATEMENT`` cannot wrap)."""
         block = self.blocks.get((count, wait))
@@ -427,9 +445,21 @@ class GrantRoutine(SQL):
         )
         declined_sql = " OR ".join(
             f"{row.count} IS NULL OR v_window_{i} IS NOT NULL"
-            f" OR COALESCE(v_queue_live_{i}, 0) OR {row.count} > {row.capacity} OR {_short(row)}"
+            f" OR COALESCE(v_queue_live_{i}, 0) OR {row.count} > {row.capacity}"
             for i, row in enumerate(rows, 1)
         )
+        short_sql = " OR ".join(_short(row) for row in rows)
+        # The release totals read with the locks may predate the wait for a
+        # later row: read again before saying no.
+        again_sql = "".join(
+            f" {self._read_released(row)}; {self._held(server, row)};" for row in rows
+        )
+        refused_sql = " UNION ALL ".join(
+            f"SELECT NULL, NULL, NULL, {row.name}, {row.fencing_counter}, {row.held}, {row.id},"
+            f" {row.capacity} FROM DUAL WHERE {_short(row)}"
+            for row in rows
+        )
+        declined = f"ROLLBACK; SELECT {', '.join(['NULL'] * 6)};"
         permits_sql = " UNION ALL ".join(
             f"SELECT {row.id} AS id, {row.count} AS n, {row.fencing_counter} + 1 AS token"
             for row in rows
@@ -442,7 +472,8 @@ class GrantRoutine(SQL):
         return (
             f"BEGIN NOT ATOMIC DECLARE p_key TYPE OF {column} DEFAULT %s;"
             f" DECLARE p_owner TYPE OF {self.request}.{q('owner')} DEFAULT %s;"
-            f" DECLARE p_ttl INT DEFAULT %s; {self._mariadb_declarations(count)}"
+            f" DECLARE p_ttl INT DEFAULT %s; DECLARE p_fail_fast BOOL DEFAULT %s;"
+            f" {self._mariadb_declarations(count)}"
             " DECLARE v_request BIGINT; DECLARE v_now, v_expires DATETIME(6);"
             " DECLARE v_waited BIGINT; DECLARE v_done BOOL DEFAULT FALSE;"
             f" DECLARE c CURSOR FOR {self.lock_into(count)};"
@@ -455,14 +486,17 @@ class GrantRoutine(SQL):
             " OPEN c; SET SESSION innodb_lock_wait_timeout = v_waited; SET v_waited = NULL;"
             + "".join(f" FETCH c INTO {_mariadb_targets(i)};" for i in range(1, count + 1))
             + f" CLOSE c;{checks_sql}"
-            f" IF v_done OR {declined_sql} THEN ROLLBACK; SELECT {', '.join(['NULL'] * 6)};"
-            f" ELSE SET v_now = {server.clock};{self.insert_request(server)}"
+            f" IF v_done OR {declined_sql} THEN {declined}"
+            f" ELSE IF {short_sql} THEN{again_sql} END IF; SET v_now = {server.clock};"
+            f" IF {short_sql} THEN IF {self._not_refused(', '.join(row.id for row in rows))}"
+            f" THEN {declined} ELSE ROLLBACK; {refused_sql}; END IF;"
+            f" ELSE{self.insert_request(server)}"
             + "".join(self.count_grant(row, _folded(row)) for row in rows)
             + self.insert_permits(
                 f"SELECT g.id, v_request, g.n, g.token, NULL, '{self.acquired}'"
                 f" FROM ({permits_sql}) AS g ORDER BY g.id"
             )
-            + f" COMMIT; {granted_sql}; END IF; END"
+            + f" COMMIT; {granted_sql}; END IF; END IF; END"
         )
 
     def _mariadb_declarations(self, count: int) -> str:

@@ -14,20 +14,20 @@ then the request's insert (its unique key settles repeated calls: a taken
 key fails as the general path's insert does), the counters' updates and the
 permits' insert, in semaphore id order.
 
-The routine for one name also refuses, in the same call: a caller that
-fails fast (after waiting briefly at the head for a release, nobody ahead
-of it), and a waiter of a fair line (its ticket taken; the first in line
-waits at the head for a release, the next queued behind it; see
-``grant_routine.py``). A caller that waits outside a fair line is refused
-the general way: refused here, 64 such waiters on PostgreSQL ran at a
-third to a half of their cycles, each refusal ending sooner and sending
-them back to the names' queue sooner.
+The routines also refuse, in the same call: a caller that fails fast (for
+one name after waiting briefly at the head for a release, nobody ahead of
+it), and, for one name, a waiter of a fair line (its ticket taken; the
+first in line waits at the head for a release, the next queued behind it;
+see ``grant_routine.py``). A caller that waits outside a fair line is
+refused the general way: refused here, 64 such waiters on PostgreSQL ran
+at a third to a half of their cycles, each refusal ending sooner and
+sending them back to the names' queue sooner.
 
 Anything else answers "not here" without writing anything, and the grant
 goes the general way (``grant.grant``): a refusal that needs more (a
-reclaim of expired permits, a taken key's request), no room on several
-names, a missing name (a family's member is created there), a fair queue
-on several names, a rate limit, a count above the capacity.
+reclaim of expired permits, a taken key's request), a waiter's refusal on
+several names, a missing name (a family's member is created there), a fair
+queue on several names, a rate limit, a count above the capacity.
 """
 
 from __future__ import annotations
@@ -64,13 +64,12 @@ class Granted:
 
 @dataclass
 class Refused:
-    """The one-trip grant's refusal (one name): what ``fairness.admit`` says
-    of it in the general grant."""
+    """The one-trip grant's refusal: what ``fairness.admit`` says of it in
+    the general grant."""
 
-    semaphore: tuple[int, str, int]  # id, name, capacity
-    rounds: int  # capacities' worth of grants that come before its own
-    ticket_taken: bool  # it took its ticket (or marked it lacking room)
-    grants: int  # the semaphore's fencing counter: the grants made before the refusal
+    lacking: tuple[tuple[int, str, int], ...]  # (id, name, capacity) of those without room
+    rounds: int  # capacities' worth of grants that come before its own (one name)
+    ticket_taken: bool  # it took its ticket (or marked it lacking room; one name)
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,8 @@ class OneTripStatements(SQL):
         line: Line,
     ) -> Granted | Refused | None:
         """Grant ``counts`` (name -> permits) to ``key``, committed, or refuse
-        a waiter in a fair line; ``None``: not in one trip (nothing written).
+        a caller that fails fast or waits in a fair line; ``None``: not in
+        one trip (nothing written).
         Outside any transaction."""
         names = sorted(counts)
         one_name = len(names) == 1
@@ -119,21 +119,22 @@ class OneTripStatements(SQL):
         params: list[Any]
         wait = max(1, math.ceil(lock_wait))
         in_line = [line.ticketed, line.lacked, line.fair, line.ticket_life]
+        fails_fast = line.ticket_life is None
         if one_name and self.vendor == "postgresql":
             sql = f"SELECT * FROM {ONE_NAME_ROUTINE}(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
             params = [names[0], counts[names[0]], key, owner, ttl, queue.lock_timeout(lock_wait)]
             params += in_line
         elif self.vendor == "postgresql":
-            sql = f"SELECT * FROM {ROUTINE}(%s, %s, %s, %s, %s, %s)"
+            sql = f"SELECT * FROM {ROUTINE}(%s, %s, %s, %s, %s, %s, %s)"
             params = [names, [counts[n] for n in names], key, owner, ttl]
-            params.append(queue.lock_timeout(lock_wait))
+            params += [queue.lock_timeout(lock_wait), fails_fast]
         elif one_name:
             sql = f"CALL {ROUTINE}(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
             params = [names[0], counts[names[0]], ttl, key, owner, wait, *in_line]
         else:
             sql = grant_routine(self.connection).block(len(names), wait)
             pairs = [value for name in names for value in (name, counts[name])]
-            params = [key, owner, ttl, *names, *pairs * len(names)]
+            params = [key, owner, ttl, fails_fast, *names, *pairs * len(names)]
         with self.connection.cursor() as cursor:
             cursor.execute(sql, params)
             rows = cursor.fetchall()
@@ -141,15 +142,15 @@ class OneTripStatements(SQL):
                 while cursor.nextset():  # the block's or the call's closing status
                     pass
         # Declined: no row (PostgreSQL) or a row of NULLs; refused: a row
-        # with no request but the refusal's four columns (one name).
+        # with no request per name without room: its id and capacity, and
+        # for one name where the call stands in its line.
         if not rows or rows[0][3] is None:
             return None
         request_id, granted_at, expires_at = rows[0][:3]
         if request_id is None:
-            _, _, _, name, grants, _, id, capacity, rounds, ticket_taken = rows[0]
-            return Refused(
-                (int(id), name, int(capacity)), int(rounds), bool(ticket_taken), int(grants)
-            )
+            lacking = tuple((int(row[6]), row[3], int(row[7])) for row in rows)
+            rounds, ticket_taken = rows[0][8:] or (0, False)
+            return Refused(lacking, int(rounds), bool(ticket_taken))
         stamp = backends.datetime_from_db
         return Granted(
             int(request_id),

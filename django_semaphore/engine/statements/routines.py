@@ -70,8 +70,9 @@ def creates(connection: BaseDatabaseWrapper) -> list[str]:
         return [
             queue.create_sql(),
             f"CREATE OR REPLACE FUNCTION {one_trip.ROUTINE}(p_names text[], p_counts integer[],"
-            " p_key text, p_owner text, p_ttl integer, p_lock_wait text)"
-            f" RETURNS TABLE ({granted}) LANGUAGE plpgsql VOLATILE"
+            " p_key text, p_owner text, p_ttl integer, p_lock_wait text, p_fail_fast boolean)"
+            f" RETURNS TABLE ({granted}, refused_id bigint, refused_capacity bigint)"
+            " LANGUAGE plpgsql VOLATILE"
             f" AS $grant${grant.function_body()}$grant$",
             f"CREATE OR REPLACE FUNCTION {one_trip.ONE_NAME_ROUTINE}(p_name text, p_count integer,"
             " p_key text, p_owner text, p_ttl integer, p_lock_wait text, p_ticketed boolean,"

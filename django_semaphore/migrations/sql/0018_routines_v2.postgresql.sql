@@ -13,8 +13,8 @@ BEGIN
 END
 $queue$
 -- end of statement
-CREATE OR REPLACE FUNCTION django_semaphore_grant_v2(p_names text[], p_counts integer[], p_key text, p_owner text, p_ttl integer, p_lock_wait text) RETURNS TABLE (granted_request bigint, granted_at timestamptz, granted_expires_at timestamptz, granted_name text, granted_token bigint, granted_in_use bigint) LANGUAGE plpgsql VOLATILE AS $grant$
-DECLARE s record; i integer; v_count integer; v_released bigint; v_ids bigint[] := '{}'; v_names text[] := '{}'; v_counts integer[] := '{}'; v_capacities bigint[] := '{}'; v_counted bigint[] := '{}'; v_folded bigint[] := '{}'; v_tokens bigint[] := '{}'; v_held bigint[] := '{}'; v_now timestamptz; v_expires timestamptz; v_request bigint;
+CREATE OR REPLACE FUNCTION django_semaphore_grant_v2(p_names text[], p_counts integer[], p_key text, p_owner text, p_ttl integer, p_lock_wait text, p_fail_fast boolean) RETURNS TABLE (granted_request bigint, granted_at timestamptz, granted_expires_at timestamptz, granted_name text, granted_token bigint, granted_in_use bigint, refused_id bigint, refused_capacity bigint) LANGUAGE plpgsql VOLATILE AS $grant$
+DECLARE s record; i integer; v_count integer; v_released bigint; v_ids bigint[] := '{}'; v_names text[] := '{}'; v_counts integer[] := '{}'; v_capacities bigint[] := '{}'; v_counted bigint[] := '{}'; v_folded bigint[] := '{}'; v_tokens bigint[] := '{}'; v_held bigint[] := '{}'; v_now timestamptz; v_expires timestamptz; v_request bigint; v_short integer[] := '{}';
 BEGIN
  PERFORM set_config('lock_timeout', p_lock_wait, true);
  IF cardinality(p_names) = 1 THEN
@@ -32,11 +32,14 @@ BEGIN
   v_ids := v_ids || s.id::bigint; v_names := v_names || s.name::text; v_counts := v_counts || v_count; v_capacities := v_capacities || s.capacity::bigint; v_counted := v_counted || s.in_use_counter::bigint; v_folded := v_folded || s.released_folded::bigint; v_tokens := v_tokens || (s.fencing_counter + 1)::bigint;
  END LOOP;
  IF cardinality(v_ids) <> cardinality(p_names) THEN RETURN; END IF;
- FOR i IN 1 .. cardinality(v_ids) LOOP SELECT c."released" INTO v_released FROM "django_semaphore_releasecounter" c WHERE c."semaphore_id" = v_ids[i]; v_held[i] := GREATEST(v_counted[i] - GREATEST(COALESCE(v_released, 0) - v_folded[i], 0), 0); IF v_held[i] + v_counts[i] > v_capacities[i] THEN RETURN; END IF; v_folded[i] := GREATEST(COALESCE(v_released, 0), v_folded[i]); END LOOP;
- v_now := CLOCK_TIMESTAMP(); v_expires := v_now + (p_ttl) * interval '1 second'; INSERT INTO "django_semaphore_permitrequest" ("external_id", "owner", "state", "ttl", "expires_at", "created_at", "updated_at", "released_at", "release_reason") VALUES (p_key, p_owner, 'ACQUIRED', p_ttl, v_expires, v_now, v_now, NULL, '') RETURNING "id" INTO v_request;
+ FOR i IN 1 .. cardinality(v_ids) LOOP SELECT c."released" INTO v_released FROM "django_semaphore_releasecounter" c WHERE c."semaphore_id" = v_ids[i]; v_held[i] := GREATEST(v_counted[i] - GREATEST(COALESCE(v_released, 0) - v_folded[i], 0), 0); IF v_held[i] + v_counts[i] > v_capacities[i] THEN v_short := v_short || i; END IF; v_folded[i] := GREATEST(COALESCE(v_released, 0), v_folded[i]); END LOOP;
+ v_now := CLOCK_TIMESTAMP();
+ IF cardinality(v_short) > 0 THEN IF NOT p_fail_fast OR EXISTS (SELECT "id", "state", "external_id" FROM "django_semaphore_permitrequest" WHERE "external_id" = p_key) OR EXISTS(SELECT 1 FROM "django_semaphore_permitrequest" r JOIN "django_semaphore_permit" p ON p."request_id" = r."id" WHERE r."state" = 'ACQUIRED' AND r."expires_at" <= v_now AND p."semaphore_id" IN (SELECT unnest(v_ids)) AND p."state" = 'ACQUIRED') THEN RETURN; END IF;
+  RETURN QUERY SELECT NULL::bigint, NULL::timestamptz, NULL::timestamptz, v_names[k], v_tokens[k] - 1, v_held[k], v_ids[k], v_capacities[k] FROM unnest(v_short) AS k; RETURN;
+ END IF; v_expires := v_now + (p_ttl) * interval '1 second'; INSERT INTO "django_semaphore_permitrequest" ("external_id", "owner", "state", "ttl", "expires_at", "created_at", "updated_at", "released_at", "release_reason") VALUES (p_key, p_owner, 'ACQUIRED', p_ttl, v_expires, v_now, v_now, NULL, '') RETURNING "id" INTO v_request;
  FOR i IN 1 .. cardinality(v_ids) LOOP UPDATE "django_semaphore_semaphore" SET "fencing_counter" = "fencing_counter" + 1, "in_use_counter" = v_held[i] + v_counts[i], "released_folded" = v_folded[i], "slots_open" = "slots_open" + 0, "updated_at" = v_now WHERE "id" IN (v_ids[i]); END LOOP;
  INSERT INTO "django_semaphore_permit" ("semaphore_id", "request_id", "count", "fencing_token", "slot_ends", "state") SELECT g.id, v_request, g.n, g.token, NULL, 'ACQUIRED' FROM unnest(v_ids, v_counts, v_tokens) AS g(id, n, token) ORDER BY g.id;
- RETURN QUERY SELECT v_request, v_now, v_expires, g.name, g.token, g.held + g.n FROM unnest(v_names, v_tokens, v_held, v_counts) AS g(name, token, held, n);
+ RETURN QUERY SELECT v_request, v_now, v_expires, g.name, g.token, g.held + g.n, NULL::bigint, NULL::bigint FROM unnest(v_names, v_tokens, v_held, v_counts) AS g(name, token, held, n);
 END
 $grant$
 -- end of statement
