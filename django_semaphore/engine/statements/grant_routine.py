@@ -181,8 +181,7 @@ class GrantRoutine(SQL):
             f" IF v_live THEN {steps.ahead_sql}; END IF;"
             f" IF {_short(row, 'v_reserved')} THEN"
             f" IF p_life IS NOT NULL AND NOT (v_live OR p_ticketed OR p_fair OR {row.fair})"
-            f" OR {steps.key_taken_sql} OR ({_short(row)} AND {steps.expired_sql})"
-            f" THEN {server.decline} END IF;"
+            f" OR {steps.key_taken_sql} THEN {server.decline} END IF;"
             # Its deadline: where its ticket, if it takes one, expires.
             f" {let('v_deadline', server.after('v_now', life, 'MICROSECOND'))};"
             # First in line: it waits for a release here, the next in line behind it.
@@ -192,6 +191,9 @@ class GrantRoutine(SQL):
             f" {server.loop(f'{_short(row)} AND v_now < v_until', catch_up)};"
             " END IF;"
             f" IF {_short(row, 'v_reserved')} THEN"
+            # Read last: MariaDB reads it locking the holders' requests,
+            # which their releases would wait for all through the wait.
+            f" IF {_short(row)} AND {steps.expired_sql} THEN {server.decline} END IF;"
             f" {let('v_ticket', f'{in_line} AND NOT (p_ticketed AND p_lacked)')};"
             f" IF v_ticket THEN {steps.take_sql}; {steps.queue_until_sql}; END IF;"
             f" {server.answer(refused, first=3)}"
