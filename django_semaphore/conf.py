@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -97,6 +97,27 @@ DURATION_KEYS = frozenset(
 MAX_LOCK_WAIT = (2**31 - 1) // 1000
 
 
+T = TypeVar("T")
+
+
+def _duration(value: Any) -> timedelta:
+    return value if isinstance(value, timedelta) else timedelta(seconds=value)
+
+
+class _Setting(Generic[T]):
+    """A key of the dict, read through ``Settings._get`` as type ``T``
+    (``convert`` is called at each read)."""
+
+    def __init__(self, convert: Callable[[Any], T]) -> None:
+        self.convert = convert
+
+    def __set_name__(self, owner: type[Settings], name: str) -> None:
+        self.key = name
+
+    def __get__(self, instance: Settings, owner: type[Settings] | None = None) -> T:
+        return self.convert(instance._get(self.key))
+
+
 class Settings:
     """Attribute access to the app's settings with their defaults."""
 
@@ -132,8 +153,6 @@ class Settings:
         problems = setting_problems(key, value)
         if problems:
             raise ImproperlyConfigured(" ".join(problems))
-        if key in DURATION_KEYS and not isinstance(value, timedelta):
-            return timedelta(seconds=value)
         return value
 
     @property
@@ -142,45 +161,16 @@ class Settings:
         configured = self._get("DATABASE")
         return None if configured is None else str(configured)
 
-    @property
-    def SHARDS(self) -> dict[str, str]:
-        return dict(self._get("SHARDS"))
-
-    @property
-    def LOCK_WAIT_TIMEOUT(self) -> float:
-        return float(self._get("LOCK_WAIT_TIMEOUT"))
-
-    @property
-    def RETRY_ATTEMPTS(self) -> int:
-        return int(self._get("RETRY_ATTEMPTS"))
-
-    @property
-    def PRELOCK_TIMEOUT(self) -> float:
-        return float(self._get("PRELOCK_TIMEOUT"))
-
-    @property
-    def STALENESS_LIMIT(self) -> timedelta:
-        return self._get("STALENESS_LIMIT")  # type: ignore[no-any-return]
-
-    @property
-    def RELEASED_RETENTION(self) -> timedelta:
-        return self._get("RELEASED_RETENTION")  # type: ignore[no-any-return]
-
-    @property
-    def HISTORY_RETENTION(self) -> timedelta:
-        return self._get("HISTORY_RETENTION")  # type: ignore[no-any-return]
-
-    @property
-    def CLEANUP_BATCH_SIZE(self) -> int:
-        return int(self._get("CLEANUP_BATCH_SIZE"))
-
-    @property
-    def LIVENESS_CHECKERS(self) -> list[str]:
-        return list(self._get("LIVENESS_CHECKERS"))
-
-    @property
-    def VIEW_STATUS_CODE(self) -> int:
-        return int(self._get("VIEW_STATUS_CODE"))
+    SHARDS = _Setting(dict[str, str])
+    LOCK_WAIT_TIMEOUT = _Setting(float)
+    RETRY_ATTEMPTS = _Setting(int)
+    PRELOCK_TIMEOUT = _Setting(float)
+    STALENESS_LIMIT = _Setting(_duration)
+    RELEASED_RETENTION = _Setting(_duration)
+    HISTORY_RETENTION = _Setting(_duration)
+    CLEANUP_BATCH_SIZE = _Setting(int)
+    LIVENESS_CHECKERS = _Setting(list[str])
+    VIEW_STATUS_CODE = _Setting(int)
 
     @property
     def REFUSED_VIEW(self) -> Callable[..., Any]:
@@ -188,29 +178,12 @@ class Settings:
         ``override_settings`` works, and nothing is imported before it is used)."""
         return import_string(self._get("REFUSED_VIEW"))  # type: ignore[no-any-return]
 
-    @property
-    def SEMAPHORES(self) -> dict[str, Any]:
-        return dict(self._get("SEMAPHORES"))
-
-    @property
-    def MEMBER_IDLE_LIMIT(self) -> timedelta:
-        return self._get("MEMBER_IDLE_LIMIT")  # type: ignore[no-any-return]
-
-    @property
-    def PARK_TASKS(self) -> bool:
-        return bool(self._get("PARK_TASKS"))
-
-    @property
-    def PARKED_REPUBLISH_AFTER(self) -> timedelta:
-        return self._get("PARKED_REPUBLISH_AFTER")  # type: ignore[no-any-return]
-
-    @property
-    def LEASE(self) -> timedelta:
-        return self._get("LEASE")  # type: ignore[no-any-return]
-
-    @property
-    def METRICS_PER_MEMBER(self) -> frozenset[str]:
-        return frozenset(self._get("METRICS_PER_MEMBER"))
+    SEMAPHORES = _Setting(dict[str, Any])
+    MEMBER_IDLE_LIMIT = _Setting(_duration)
+    PARK_TASKS = _Setting(bool)
+    PARKED_REPUBLISH_AFTER = _Setting(_duration)
+    LEASE = _Setting(_duration)
+    METRICS_PER_MEMBER = _Setting(frozenset[str])
 
     def forget(self, **kwargs: Any) -> None:
         """Read every value afresh: any setting may have changed one (a
