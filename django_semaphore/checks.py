@@ -4,9 +4,9 @@ tasks backends that cannot defer a waiting run."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, TypeVar
 
 from django import db
 from django.conf import settings
@@ -24,6 +24,7 @@ from django_semaphore.parking import deferred
 from django_semaphore.validation import is_pattern
 
 DOCS = "See docs/settings.md."
+T = TypeVar("T")
 
 
 def _error(id: int, msg: str, hint: str = DOCS) -> Error:
@@ -234,12 +235,18 @@ def _routed_writes() -> set[str]:
     return chosen
 
 
-def _asked_aliases(databases: Any) -> list[str]:
-    """The app's aliases that ``check --database`` asks about; none unless
-    asked, as Django's own database checks."""
-    if databases is None:
-        return []
-    return [alias for alias in _app_aliases() if alias in databases]
+def _read_each(databases: Any, read: Callable[[str], T]) -> Iterator[tuple[str, T]]:
+    """(alias, what ``read`` found there) for each of the app's aliases that
+    ``check --database`` asks about; none unless asked, as Django's own
+    database checks. An alias ``read`` fails on is passed over: unreachable
+    or not migrated, Django's own checks and ``migrate`` say so."""
+    asked = [] if databases is None else [a for a in _app_aliases() if a in databases]
+    for alias in asked:
+        try:
+            found = read(alias)
+        except db.Error:
+            continue
+        yield alias, found
 
 
 @register(Tags.database)
@@ -247,14 +254,8 @@ def check_database_servers(databases: Any = None, **kwargs: Any) -> list[CheckMe
     """What only the connected server can tell: a read-only server (a replica),
     Galera reads that may not see the other nodes' latest writes, an isolation
     level the grant was not designed for. Runs with ``check --database``."""
-    warnings: list[CheckMessage] = []
-    for alias in _asked_aliases(databases):
-        try:
-            server = backends.server_settings(connections[alias])
-        except db.Error:
-            continue  # unreachable: Django's own checks and the first acquire say so
-        warnings.extend(_server_warnings(alias, server))
-    return warnings
+    servers = _read_each(databases, lambda alias: backends.server_settings(connections[alias]))
+    return [warning for alias, server in servers for warning in _server_warnings(alias, server)]
 
 
 def _server_warnings(alias: str, server: backends.ServerSettings) -> list[CheckMessage]:
@@ -300,25 +301,19 @@ def check_routines(databases: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """The routines of this code's version that the database lacks: grants
     and releases then go the general way (slower, never failing). Runs with
     ``check --database``."""
-    warnings: list[CheckMessage] = []
-    for alias in _asked_aliases(databases):
-        try:
-            missing = routines.missing(connections[alias])
-        except db.Error:
-            continue  # unreachable, or no tables yet: Django's own checks and migrate say so
-        if missing:
-            warnings.append(
-                Warning(
-                    f"The semaphore database {alias!r} lacks the routines of version "
-                    f"{ROUTINES_VERSION} ({', '.join(missing)}): grants and releases take "
-                    "the general path, several statements where one call would do.",
-                    hint=f"Run manage.py migrate django_semaphore --database {alias}; on "
-                    "MariaDB the migrating user needs CREATE ROUTINE (docs/operations.md, "
-                    "Database privileges).",
-                    id="django_semaphore.W021",
-                )
-            )
-    return warnings
+    return [
+        Warning(
+            f"The semaphore database {alias!r} lacks the routines of version "
+            f"{ROUTINES_VERSION} ({', '.join(missing)}): grants and releases take "
+            "the general path, several statements where one call would do.",
+            hint=f"Run manage.py migrate django_semaphore --database {alias}; on "
+            "MariaDB the migrating user needs CREATE ROUTINE (docs/operations.md, "
+            "Database privileges).",
+            id="django_semaphore.W021",
+        )
+        for alias, missing in _read_each(databases, lambda a: routines.missing(connections[a]))
+        if missing
+    ]
 
 
 # What check_data_consistency reports, by kind of repair (sweep.REPAIRS).
@@ -352,26 +347,19 @@ def check_data_consistency(databases: Any = None, **kwargs: Any) -> list[CheckMe
     """States the engine never writes (a manual edit, a restore, a crash, raw
     SQL): reported, not changed; the orphan sweep repairs them. Runs with
     ``check --database``."""
-    messages: list[CheckMessage] = []
-    for alias in _asked_aliases(databases):
-        try:
-            found = sweep.inconsistencies(alias)
-        except db.Error:
-            continue  # unreachable or not migrated: Django's own checks say so
-        for kind, count in found.items():
-            if count:
-                number, text = INCONSISTENCIES[kind]
-                messages.append(
-                    # A warning, not an error: migrate runs the database
-                    # checks too, and must not be blocked by what the sweep repairs.
-                    Warning(
-                        text.format(count=count, alias=alias),
-                        hint="Run manage.py semaphore_sweep --orphans (or wait for the beat "
-                        "task release_orphans) to repair it. See docs/maintenance.md.",
-                        id=f"django_semaphore.W{number:03d}",
-                    )
-                )
-    return messages
+    return [
+        # A warning, not an error: migrate runs the database checks too, and
+        # must not be blocked by what the sweep repairs.
+        Warning(
+            INCONSISTENCIES[kind][1].format(count=count, alias=alias),
+            hint="Run manage.py semaphore_sweep --orphans (or wait for the beat "
+            "task release_orphans) to repair it. See docs/maintenance.md.",
+            id=f"django_semaphore.W{INCONSISTENCIES[kind][0]:03d}",
+        )
+        for alias, found in _read_each(databases, sweep.inconsistencies)
+        for kind, count in found.items()
+        if count
+    ]
 
 
 @register(Tags.database)
@@ -379,15 +367,8 @@ def check_settings_drift(databases: Any = None, **kwargs: Any) -> list[CheckMess
     """Declared semaphores whose row has other limits than ``SEMAPHORES``
     says (``migrate`` creates missing ones but never changes existing ones).
     Runs with ``check --database``, and in ``migrate``'s checks."""
-    messages: list[CheckMessage] = []
-    for alias in _asked_aliases(databases):
-        try:
-            found = declared.drift(alias, missing=False)
-        except ImproperlyConfigured:
-            return []  # check_settings reports it
-        except db.Error:
-            continue  # unreachable or not migrated: Django's own checks say so
-        messages.extend(
+    try:
+        return [
             # A warning: migrate runs the database checks too, and must not
             # be blocked by a difference it is documented to leave alone.
             Warning(
@@ -397,6 +378,8 @@ def check_settings_drift(databases: Any = None, **kwargs: Any) -> list[CheckMess
                 "SEMAPHORES to match. See docs/settings.md.",
                 id="django_semaphore.W012",
             )
+            for _, found in _read_each(databases, lambda a: declared.drift(a, missing=False))
             for each in found
-        )
-    return messages
+        ]
+    except ImproperlyConfigured:
+        return []  # check_settings reports it
