@@ -66,6 +66,10 @@ def _delete_in_batches(
     progress: Callable[[CleanupReport], None] | None,
     before: Callable[[list[int]], int] | None = None,
 ) -> CleanupReport:
+    if report.dry_run:
+        report.deleted = old.count()
+        return report
+
     def batch() -> tuple[int, int, int]:
         """(rows found, rows deleted, dependent rows deleted). Counted into
         the report only once committed: a deadlock rolls a batch back and
@@ -84,13 +88,12 @@ def _delete_in_batches(
     for found, deleted, dependents in _batches(batch, deadline, f"cleaning {report.what}"):
         report.deleted += deleted
         report.permits += dependents
-        if found:
-            report.batches += 1
-            if progress is not None:
-                progress(report)
         if not found:  # a short batch may only mean another clean-up holds rows
             report.finished = True
             break
+        report.batches += 1
+        if progress is not None:
+            progress(report)
     if report.deleted:
         logger.info("%s", report)
     return report

@@ -80,9 +80,7 @@ def clean_released(
         old = old.filter(created_at__lte=oldest_close - timedelta(seconds=MAX_WINDOW))
     report = CleanupReport("released requests", dry_run=dry_run)
     if dry_run:
-        report.deleted = old.count()
         report.permits = Permit.objects.using(alias).filter(request__in=old).count()
-        return report
 
     def delete_permits(ids: list[int]) -> int:
         return _raw_delete(Permit.objects.using(alias).filter(request_id__in=ids))
@@ -113,9 +111,6 @@ def clean_history(
         changed_at__lte=_ago(app_settings.HISTORY_RETENTION)
     )
     report = CleanupReport("capacity history", dry_run=dry_run)
-    if dry_run:
-        report.deleted = old.count()
-        return report
     return _delete_in_batches(old.order_by("changed_at"), report, size, deadline, progress)
 
 
@@ -154,9 +149,6 @@ def clean_idle_members(
         .filter(~Exists(Ticket.objects.filter(semaphore=OuterRef("pk"), parked__id__isnull=False)))
     )
     report = CleanupReport("idle family members", dry_run=dry_run)
-    if dry_run:
-        report.deleted = idle.count()
-        return report
 
     def delete_dependents(ids: list[int]) -> int:
         # What CASCADE would delete, without Django's collector reading it:
@@ -189,7 +181,4 @@ def clean_tickets(
     size, deadline = _limits(batch_size, time_budget)
     dead = Ticket.objects.using(routing.current_alias()).filter(expires_at__lte=DatabaseNow())
     report = CleanupReport("dead tickets", dry_run=dry_run)
-    if dry_run:
-        report.deleted = dead.count()
-        return report
     return _delete_in_batches(dead.order_by("expires_at"), report, size, deadline, None)

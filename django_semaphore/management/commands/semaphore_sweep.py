@@ -95,21 +95,14 @@ class Command(BaseCommand):
             tickets = sweep.clean_tickets(batch_size=size, dry_run=dry_run)
             if tickets.deleted:  # rarely any: granted waiters delete their own
                 self.stdout.write(str(tickets))
+        limits: dict[str, Any] = {"batch_size": size, "time_budget": budget, "dry_run": dry_run}
         if options["cleanup"] or everything:
-            report = sweep.clean_released(
-                batch_size=size, time_budget=budget, dry_run=dry_run, progress=self._progress
-            )
-            self.stdout.write(str(report))
-            members = sweep.clean_idle_members(
-                batch_size=size, time_budget=budget, dry_run=dry_run, progress=self._progress
-            )
+            self.stdout.write(str(sweep.clean_released(**limits, progress=self._progress)))
+            members = sweep.clean_idle_members(**limits, progress=self._progress)
             if members.deleted:  # as for tickets: a line only when there were some
                 self.stdout.write(str(members))
         if options["history"] or everything:
-            report = sweep.clean_history(
-                batch_size=size, time_budget=budget, dry_run=dry_run, progress=self._progress
-            )
-            self.stdout.write(str(report))
+            self.stdout.write(str(sweep.clean_history(**limits, progress=self._progress)))
 
     def _progress(self, report: sweep.CleanupReport) -> None:
         if self.verbosity >= 2 or (self.verbosity >= 1 and report.batches % 100 == 0):
