@@ -39,6 +39,12 @@ class Holder:
     expires_at: datetime | None
 
 
+def room_for(in_use: int, capacity: int, kept: int) -> int:
+    """What is free for a waiter, by the grant's rule: neither in use nor
+    kept for the older waiters that lacked room (0 when over capacity)."""
+    return max(0, room(in_use, capacity, kept))
+
+
 @dataclass(frozen=True)
 class Blocker:
     """One semaphore of the waiter's demand, as it stands."""
@@ -57,7 +63,7 @@ class Blocker:
     @property
     def room(self) -> int:
         """What is free for this waiter: not in use, not kept for older waiters."""
-        return max(0, room(self.in_use, self.limit.capacity, self.kept))
+        return room_for(self.in_use, self.limit.capacity, self.kept)
 
     @property
     def lacks_room(self) -> bool:

@@ -106,8 +106,8 @@ def _rendered(response: HttpResponse) -> HttpResponse:
     return response
 
 
-class ReadOnlyAdmin(OperatorAdmin):
-    """History and state written only by the app: viewable, never edited here."""
+class ReadOnly:
+    """Viewable, never added, changed or deleted here."""
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
@@ -117,3 +117,7 @@ class ReadOnlyAdmin(OperatorAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+class ReadOnlyAdmin(ReadOnly, OperatorAdmin):
+    """History and state written only by the app: viewable, never edited here."""

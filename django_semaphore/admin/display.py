@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
@@ -11,7 +12,7 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext, ngettext
 
 if TYPE_CHECKING:
-    from django_semaphore.models import CapacityChange
+    from django_semaphore.models import CapacityChange, Permit, Ticket
 
 # Bar colors, the admin's own palette: readable on its light and dark themes.
 BAR_IN_USE = "#79aec8"
@@ -56,6 +57,20 @@ def usage_bar(in_use: int, capacity: int) -> SafeString:
         color=color,
         label=label,
     )
+
+
+def demand(shares: Iterable[Permit] | Iterable[Ticket]) -> str:
+    """A request's or a parked task's semaphores, each with its count when
+    more than one: "a, b (2)"."""
+    return ", ".join(
+        share.semaphore.name if share.count == 1 else f"{share.semaphore.name} ({share.count})"
+        for share in shares
+    )
+
+
+def counted_link(count: int, url: str) -> SafeString | int:
+    """``count`` as a link to the list of what it counts; a bare 0."""
+    return format_html('<a href="{}">{}</a>', url, count) if count else 0
 
 
 def limit_change(change: CapacityChange) -> str:

@@ -17,6 +17,7 @@ from django.utils.translation import gettext_lazy as _
 
 from django_semaphore import parking, routing
 from django_semaphore.admin.base import OperatorAdmin
+from django_semaphore.admin.display import demand
 from django_semaphore.blockers import Waiting, why_waiting
 from django_semaphore.models import ParkedTask, Ticket
 
@@ -64,12 +65,7 @@ class ParkedTaskAdmin(OperatorAdmin):
 
     @admin.display(description=_("semaphores"))
     def semaphores(self, obj: ParkedTask) -> str:
-        return ", ".join(
-            ticket.semaphore.name
-            if ticket.count == 1
-            else f"{ticket.semaphore.name} ({ticket.count})"
-            for ticket in obj.tickets.all()
-        )
+        return demand(obj.tickets.all())
 
     @admin.display(description=_("why it waits"))
     def why(self, obj: ParkedTask) -> str:

@@ -16,8 +16,8 @@ from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_semaphore import api, routing
-from django_semaphore.admin.base import ReadOnlyAdmin
-from django_semaphore.admin.display import expiry
+from django_semaphore.admin.base import ReadOnly, ReadOnlyAdmin
+from django_semaphore.admin.display import demand, expiry
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.models import Permit, PermitRequest
 from django_semaphore.states import ReleaseOutcome, State
@@ -40,7 +40,7 @@ class ExpiredFilter(admin.SimpleListFilter):
         return queryset
 
 
-class PermitInline(admin.TabularInline):
+class PermitInline(ReadOnly, admin.TabularInline):
     """The request's share of each semaphore: read-only, 1..n rows."""
 
     model = Permit
@@ -62,15 +62,6 @@ class PermitInline(admin.TabularInline):
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # Permits have no admin of their own: seeing the request is seeing them.
         return self.admin_site.get_model_admin(PermitRequest).has_view_permission(request, obj)
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 @admin.register(PermitRequest)
@@ -106,12 +97,7 @@ class PermitRequestAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("semaphores"))
     def semaphores(self, obj: PermitRequest) -> str:
-        return ", ".join(
-            permit.semaphore.name
-            if permit.count == 1
-            else f"{permit.semaphore.name} ({permit.count})"
-            for permit in obj.permits.all()
-        )
+        return demand(obj.permits.all())
 
     @admin.display(description=_("expires"), ordering="expires_at")
     def expires(self, obj: PermitRequest) -> str:

@@ -14,6 +14,7 @@ from django_semaphore import routing
 from django_semaphore.admin.base import OperatorAdmin
 from django_semaphore.admin.chart import describe, render_svg
 from django_semaphore.admin.display import duration, expiry, limit_change
+from django_semaphore.blockers import room_for
 from django_semaphore.models import (
     CapacityChange,
     ParkedTask,
@@ -71,16 +72,7 @@ def sections(page: OperatorAdmin, request: HttpRequest, obj: Semaphore) -> dict[
             for permit in holders
         ],
         "holders_total": held.count() if len(holders) == HOLDERS_SHOWN else len(holders),
-        "holders_url": (
-            page.admin_url(
-                PermitRequest,
-                "changelist",
-                permits__semaphore__id__exact=obj.pk,
-                state__exact=State.ACQUIRED,
-            )
-            if can_view_requests
-            else ""
-        ),
+        "holders_url": holders_url(page, obj) if can_view_requests else "",
         "queue": _queue(page, request, obj, waiting, now),
         "queue_total": queue.count() if len(waiting) == HOLDERS_SHOWN else len(waiting),
         "history": [
@@ -101,6 +93,16 @@ def sections(page: OperatorAdmin, request: HttpRequest, obj: Semaphore) -> dict[
     }
 
 
+def holders_url(page: OperatorAdmin, obj: Semaphore) -> str:
+    """The list of the requests that hold permits of ``obj``."""
+    return page.admin_url(
+        PermitRequest,
+        "changelist",
+        permits__semaphore__id__exact=obj.pk,
+        state__exact=State.ACQUIRED,
+    )
+
+
 def _queue(
     page: OperatorAdmin, request: HttpRequest, obj: Semaphore, waiting: list[Ticket], now: datetime
 ) -> list[dict[str, Any]]:
@@ -111,7 +113,7 @@ def _queue(
     can_view_parked = page.can_view(request, ParkedTask)
     queue, kept = [], 0
     for ticket in waiting:
-        free = max(0, obj.capacity - obj.in_use - kept)
+        free = room_for(obj.in_use, obj.capacity, kept)
         queue.append(
             {
                 "owner": ticket.waiter,

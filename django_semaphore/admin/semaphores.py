@@ -25,12 +25,8 @@ from django.utils.translation import gettext_lazy as _
 
 from django_semaphore import conf, parking, routing
 from django_semaphore.admin.base import OperatorAdmin
-from django_semaphore.admin.display import (
-    duration,
-    elapsed,
-    usage_bar,
-)
-from django_semaphore.admin.sections import sections
+from django_semaphore.admin.display import counted_link, duration, elapsed, usage_bar
+from django_semaphore.admin.sections import holders_url, sections
 from django_semaphore.admin.usage import UsageFilter, annotated, with_changelist_columns
 from django_semaphore.api import set_capacity, set_window
 from django_semaphore.backends import DatabaseNow
@@ -44,6 +40,21 @@ from django_semaphore.models import (
 )
 from django_semaphore.states import State
 from django_semaphore.validation import MAX_COUNT, MAX_LENGTH
+
+# The read-only sections of a semaphore's page: "Usage now" (``next_slot``
+# on a rate limit only) and "Bookkeeping".
+USAGE_NOW = [
+    "in_use",
+    "next_slot",
+    "available",
+    "utilization",
+    "holders",
+    "waiters",
+    "longest_wait",
+    "parked",
+    "oldest_parked",
+]
+BOOKKEEPING = ("fencing_counter", "created_at", "updated_at")
 
 
 class FamilyFilter(admin.SimpleListFilter):
@@ -113,31 +124,16 @@ class SemaphoreAdmin(OperatorAdmin):
     list_filter = [UsageFilter, "fair", FamilyFilter]
     search_fields = ["name"]
     ordering = ["name"]
-    readonly_fields = [
-        "rate",
-        "in_use",
-        "next_slot",
-        "available",
-        "utilization",
-        "holders",
-        "waiters",
-        "longest_wait",
-        "parked",
-        "oldest_parked",
-        "fencing_counter",
-        "family_role",
-        "created_at",
-        "updated_at",
-    ]
+    readonly_fields = ["rate", "family_role", *USAGE_NOW, *BOOKKEEPING]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Semaphore]:
         queryset = cast(SemaphoreQuerySet, super().get_queryset(request))
         return parking.with_parked(with_changelist_columns(queryset))
 
     def get_fieldsets(self, request: HttpRequest, obj: Semaphore | None = None) -> Any:
-        if obj is None:
-            return [(None, {"fields": ["name", "capacity", "window", "fair"]})]
         settings = ["name", "capacity", "window", "fair"]
+        if obj is None:
+            return [(None, {"fields": settings})]
         if self.has_change_permission(request, obj):
             settings.append("reason")
         if obj.family or conf.is_family_default(obj.name):
@@ -146,26 +142,11 @@ class SemaphoreAdmin(OperatorAdmin):
             (None, {"fields": settings}),
             (
                 _("Usage now"),
-                {
-                    "fields": [
-                        "in_use",
-                        *(["next_slot"] if obj.limit.is_rate else []),
-                        "available",
-                        "utilization",
-                        "holders",
-                        "waiters",
-                        "longest_wait",
-                        "parked",
-                        "oldest_parked",
-                    ]
-                },
+                {"fields": [f for f in USAGE_NOW if f != "next_slot" or obj.limit.is_rate]},
             ),
             (
                 _("Bookkeeping"),
-                {
-                    "fields": ["fencing_counter", "created_at", "updated_at"],
-                    "classes": ["collapse"],
-                },
+                {"fields": BOOKKEEPING, "classes": ["collapse"]},
             ),
         ]
 
@@ -253,19 +234,7 @@ class SemaphoreAdmin(OperatorAdmin):
 
     @admin.display(description=_("holders"), ordering="holders")
     def holders(self, obj: Semaphore) -> SafeString | int:
-        count = annotated(obj, "holders")
-        if not count:
-            return 0
-        return format_html(
-            '<a href="{}">{}</a>',
-            self.admin_url(
-                PermitRequest,
-                "changelist",
-                permits__semaphore__id__exact=obj.pk,
-                state__exact=State.ACQUIRED,
-            ),
-            count,
-        )
+        return counted_link(annotated(obj, "holders"), holders_url(self, obj))
 
     @admin.display(description=_("waiters"), ordering="waiters")
     def waiters(self, obj: Semaphore) -> int:
@@ -280,14 +249,8 @@ class SemaphoreAdmin(OperatorAdmin):
 
     @admin.display(description=_("parked tasks"), ordering="parked")
     def parked(self, obj: Semaphore) -> SafeString | int:
-        count = annotated(obj, "parked")
-        if not count:
-            return 0
-        return format_html(
-            '<a href="{}">{}</a>',
-            self.admin_url(ParkedTask, "changelist", tickets__semaphore__id__exact=obj.pk),
-            count,
-        )
+        url = self.admin_url(ParkedTask, "changelist", tickets__semaphore__id__exact=obj.pk)
+        return counted_link(annotated(obj, "parked"), url)
 
     @admin.display(description=_("oldest parked"), ordering="parked_since")
     def oldest_parked(self, obj: Semaphore) -> str:
