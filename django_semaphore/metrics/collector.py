@@ -25,6 +25,40 @@ from django_semaphore.parking import with_parked
 logger = logging.getLogger("django_semaphore")
 
 
+# Each semaphore's gauges: its figure in ``series.Gauges``, the metric's name, its help.
+GAUGES = (
+    ("capacity", "django_semaphore_capacity", "Permits the semaphore grants at most."),
+    (
+        "window",
+        "django_semaphore_window_seconds",
+        "A rate limit's window: at most capacity grants in this many seconds; "
+        "0 for a concurrency limit.",
+    ),
+    (
+        "in_use",
+        "django_semaphore_in_use",
+        "Permits held now, or on a rate limit granted in its current window "
+        "(above capacity after capacity was lowered).",
+    ),
+    ("waiters", "django_semaphore_waiters", "Fair-mode waiters queued (live tickets)."),
+    (
+        "longest_wait",
+        "django_semaphore_longest_wait_seconds",
+        "How long the oldest queued fair-mode waiter has waited; 0 when none.",
+    ),
+    (
+        "parked",
+        "django_semaphore_parked_tasks",
+        "Celery tasks parked until this semaphore has room for them.",
+    ),
+    (
+        "oldest_parked",
+        "django_semaphore_oldest_parked_seconds",
+        "How long the first parked task in line has waited (database clock); 0 when none.",
+    ),
+)
+
+
 class SemaphoreCollector(Collector):
     """Capacity, a rate limit's window, permits in use, fair-mode waiters,
     the longest wait, parked tasks and the oldest of them, of every semaphore (a family's members
@@ -35,9 +69,7 @@ class SemaphoreCollector(Collector):
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
-        capacity, window, in_use, waiters, longest_wait, parked, oldest_parked, up = families = (
-            self._families()
-        )
+        *per_semaphore, up = families = self._families()
         try:
             rows = list(
                 with_parked(Semaphore.objects.db_manager(routing.current_alias()).with_usage())
@@ -51,56 +83,14 @@ class SemaphoreCollector(Collector):
         up.add_metric([], 1)
         gauges = series.gauges_by_label(rows)
         for label in sorted(gauges):
-            of = gauges[label]
-            capacity.add_metric([label], of.capacity)
-            window.add_metric([label], of.window)
-            in_use.add_metric([label], of.in_use)
-            waiters.add_metric([label], of.waiters)
-            longest_wait.add_metric([label], of.longest_wait)
-            parked.add_metric([label], of.parked)
-            oldest_parked.add_metric([label], of.oldest_parked)
+            for (figure, _, _), family in zip(GAUGES, per_semaphore, strict=True):
+                family.add_metric([label], getattr(gauges[label], figure))
         return families
 
     @staticmethod
     def _families() -> list[GaugeMetricFamily]:
         return [
-            GaugeMetricFamily(
-                "django_semaphore_capacity",
-                "Permits the semaphore grants at most.",
-                labels=["semaphore"],
-            ),
-            GaugeMetricFamily(
-                "django_semaphore_window_seconds",
-                "A rate limit's window: at most capacity grants in this many seconds; "
-                "0 for a concurrency limit.",
-                labels=["semaphore"],
-            ),
-            GaugeMetricFamily(
-                "django_semaphore_in_use",
-                "Permits held now, or on a rate limit granted in its current window "
-                "(above capacity after capacity was lowered).",
-                labels=["semaphore"],
-            ),
-            GaugeMetricFamily(
-                "django_semaphore_waiters",
-                "Fair-mode waiters queued (live tickets).",
-                labels=["semaphore"],
-            ),
-            GaugeMetricFamily(
-                "django_semaphore_longest_wait_seconds",
-                "How long the oldest queued fair-mode waiter has waited; 0 when none.",
-                labels=["semaphore"],
-            ),
-            GaugeMetricFamily(
-                "django_semaphore_parked_tasks",
-                "Celery tasks parked until this semaphore has room for them.",
-                labels=["semaphore"],
-            ),
-            GaugeMetricFamily(
-                "django_semaphore_oldest_parked_seconds",
-                "How long the first parked task in line has waited (database clock); 0 when none.",
-                labels=["semaphore"],
-            ),
+            *(GaugeMetricFamily(name, text, labels=["semaphore"]) for _, name, text in GAUGES),
             GaugeMetricFamily(
                 "django_semaphore_database_up",
                 "1 if this scrape could read the semaphores from the database, else 0.",
