@@ -44,7 +44,7 @@ from django_semaphore.exceptions import (
     TaskAlreadyRan,
 )
 from django_semaphore.integrations import task_keys
-from django_semaphore.integrations.leases import HEARTBEAT, Lease
+from django_semaphore.integrations.leases import Lease
 from django_semaphore.integrations.options import Options
 from django_semaphore.owners import NO_PROCESS, TaskOwner
 from django_semaphore.waiting import standby
@@ -91,7 +91,7 @@ def run_task(
     setattr(task.request, TASK_KEY_ATTRIBUTE, key)  # settled by on_task_postrun
     if parks:
         _forget_parked(task, options)
-    lease = _hold_lease(key, options)
+    lease = options.hold_lease(key)
     setattr(task.request, TASK_LEASE_ATTRIBUTE, lease)
     started = time.monotonic()
     try:
@@ -104,14 +104,6 @@ def run_task(
     if lease is not None and lease.lost:
         raise PermitLost(f"Task {task.request.id} lost its permit while it ran.")
     return result
-
-
-def _hold_lease(key: str, options: Options) -> Lease | None:
-    """Have the process heartbeat renew the run's permit while it runs."""
-    ttl = options.lease
-    if ttl is None:
-        return None
-    return HEARTBEAT.hold(key, ttl, routing.alias_for_names(options.demand))
 
 
 def _parks_for(refusal: SemaphoreExhausted) -> bool:

@@ -20,7 +20,7 @@ from django.db import connections
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.integrations import django_tasks
 from django_semaphore.integrations.celery_tasks import run_task
-from django_semaphore.integrations.context import permit
+from django_semaphore.integrations.context import HeldPermit, permit
 from django_semaphore.integrations.leases import LEASE, DefaultLease
 from django_semaphore.integrations.options import OPTIONS_ATTRIBUTE, Options, demand_of
 from django_semaphore.integrations.views import run_async_view, run_view
@@ -176,17 +176,16 @@ def holds_permit(
         request_at = _request_position(func, view)
         if inspect.iscoroutinefunction(func):
             wrapper = _async_wrapper(func, options, request_at)
-            setattr(wrapper, OPTIONS_ATTRIBUTE, options)  # read when a task is sent
-            return cast(F, wrapper)
-        wrapper = _sync_wrapper(func, options, request_at)
-        setattr(wrapper, OPTIONS_ATTRIBUTE, options)
-        if view is not False:
-            # Django's handler must not open ATOMIC_REQUESTS' transaction
-            # around the wrapper: the permit is committed first, then
-            # views opens the same transaction around the view itself.
-            # Set even when this function looks like no view: method_decorator
-            # copies the attribute from a decorated (*args, **kwargs) dummy.
-            wrapper._non_atomic_requests = set(connections)  # type: ignore[attr-defined]
+        else:
+            wrapper = _sync_wrapper(func, options, request_at)
+            if view is not False:
+                # Django's handler must not open ATOMIC_REQUESTS' transaction
+                # around the wrapper: the permit is committed first, then
+                # views opens the same transaction around the view itself.
+                # Set even when this function looks like no view: method_decorator
+                # copies the attribute from a decorated (*args, **kwargs) dummy.
+                wrapper._non_atomic_requests = set(connections)  # type: ignore[attr-defined]
+        setattr(wrapper, OPTIONS_ATTRIBUTE, options)  # read when a task is sent
         return cast(F, wrapper)
 
     return decorate
@@ -262,6 +261,12 @@ def _running_task_of(body: Callable[..., Any]) -> Any:
     return None
 
 
+def _permit(call: Options) -> HeldPermit:
+    """A plain function's permit, held for the call with a fresh key."""
+    owner = process_owner(call.label)
+    return permit(call.demand, owner=owner, ttl=call.lease, timeout=call.timeout, fair=call.fair)
+
+
 def _sync_wrapper(func: F, options: Options, request_at: int | None) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -278,14 +283,7 @@ def _sync_wrapper(func: F, options: Options, request_at: int | None) -> Callable
         if result is not None:
             own = django_tasks.own_arguments(result, args)
             return django_tasks.run(func, options.for_call(*own, **kwargs), result, args, kwargs)
-        call = options.for_call(*args, **kwargs)
-        with permit(
-            call.demand,
-            owner=process_owner(call.label),
-            ttl=call.lease,
-            timeout=call.timeout,
-            fair=call.fair,
-        ):
+        with _permit(options.for_call(*args, **kwargs)):
             return func(*args, **kwargs)
 
     return wrapper
@@ -300,14 +298,7 @@ def _async_wrapper(func: F, options: Options, request_at: int | None) -> Callabl
             call = options.for_call(*own, **kwargs)
             return await django_tasks.run_async(func, call, result, args, kwargs)
         if request_at is None:
-            call = options.for_call(*args, **kwargs)
-            async with permit(
-                call.demand,
-                owner=process_owner(call.label),
-                ttl=call.lease,
-                timeout=call.timeout,
-                fair=call.fair,
-            ):
+            async with _permit(options.for_call(*args, **kwargs)):
                 return await func(*args, **kwargs)
         request = args[request_at]
         return await run_async_view(func, options.for_call(request), request, args, kwargs)

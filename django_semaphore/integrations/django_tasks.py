@@ -58,7 +58,7 @@ from django_semaphore.exceptions import (
     TaskReplaced,
 )
 from django_semaphore.integrations import task_keys
-from django_semaphore.integrations.leases import HEARTBEAT, Lease
+from django_semaphore.integrations.leases import Lease
 from django_semaphore.integrations.options import OPTIONS_ATTRIBUTE, Options
 from django_semaphore.owners import TaskOwner
 from django_semaphore.parking import admission, deferred
@@ -222,7 +222,7 @@ def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwar
     """
     _refuse_undecided(result, options)
     key = _claim_or_defer(result, options)
-    lease = _lease(key, options)
+    lease = options.hold_lease(key)
     try:
         return func(*args, **kwargs)
     finally:
@@ -235,7 +235,7 @@ async def run_async(
     """``run`` for an ``async def`` task: it waits for room, never deferred."""
     _refuse_undecided(result, options)
     key = await sync_to_async(_claim)(_owner(result), options, options.timeout or MAX_TTL)
-    lease = _lease(key, options)
+    lease = options.hold_lease(key)
     try:
         return await func(*args, **kwargs)
     finally:
@@ -280,14 +280,6 @@ def _claim(
     me: TaskOwner, options: Options, timeout: float | timedelta, *, fair: bool = False
 ) -> str:
     return task_keys.claim(me, options.demand, options.lease, timeout, fair=options.fair or fair)
-
-
-def _lease(key: str, options: Options) -> Lease | None:
-    """Have this process's heartbeat renew the run's permit while it runs."""
-    ttl = options.lease
-    if ttl is None:
-        return None
-    return HEARTBEAT.hold(key, ttl, routing.alias_for_names(options.demand))
 
 
 def _settle(result: Any, key: str, lease: Lease | None) -> None:

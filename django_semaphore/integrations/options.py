@@ -12,8 +12,9 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
+from django_semaphore import routing
 from django_semaphore.conf import app_settings
-from django_semaphore.integrations.leases import DefaultLease, lease_seconds
+from django_semaphore.integrations.leases import HEARTBEAT, DefaultLease, Lease, lease_seconds
 from django_semaphore.parking.admission import Policy
 from django_semaphore.validation import validate_demand
 
@@ -68,6 +69,14 @@ class Options:
         discarded (``parking.admission``)."""
         policies = (self.on_conflict, self.max_waiting, self.debounce)
         return any(policy is not None for policy in policies)
+
+    def hold_lease(self, key: str) -> Lease | None:
+        """Have the process heartbeat renew the run's permit under ``key``
+        while the run lasts; ``None`` for a permit without a lease."""
+        ttl = self.lease
+        if ttl is None:
+            return None
+        return HEARTBEAT.hold(key, ttl, routing.alias_for_names(self.demand))
 
     def for_call(self, *args: Any, **kwargs: Any) -> Options:
         """The options of one call: its demand computed from its arguments,

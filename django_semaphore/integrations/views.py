@@ -109,9 +109,7 @@ def _requested_transactions(view: Callable[..., Any]) -> ExitStack:
 
 def _hold_lease(held: PermitRequest) -> Lease | None:
     """The process heartbeat renews the permit until the response is sent."""
-    if held.ttl is None:
-        return None
-    return hold(held)
+    return None if held.ttl is None else hold(held)
 
 
 def _view_owner(options: Options, request: HttpRequest) -> str:
