@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from django_semaphore import routing
@@ -143,9 +143,7 @@ def build_utilization(
     # The capacity before the first change is that change's old value;
     # without changes it never moved.
     capacity = inside[0].old.capacity if inside else capacity_now
-    capacity_at: dict[datetime, int] = {}
-    for change in inside:
-        capacity_at[change.at] = change.new.capacity
+    capacity_at = {change.at: change.new.capacity for change in inside}
 
     segments: list[Segment] = []
     cursor = start
@@ -187,11 +185,9 @@ def _clip(grant: Span, periods: list[tuple[datetime, datetime]]) -> list[Span]:
 def _append(segments: list[Segment], segment: Segment) -> None:
     if segment.end <= segment.start:
         return
-    if segments and (segments[-1].in_use, segments[-1].capacity) == (
-        segment.in_use,
-        segment.capacity,
-    ):
-        segments[-1] = Segment(segments[-1].start, segment.end, segment.in_use, segment.capacity)
+    last = segments[-1] if segments else None
+    if last is not None and (last.in_use, last.capacity) == (segment.in_use, segment.capacity):
+        segments[-1] = replace(last, end=segment.end)
     else:
         segments.append(segment)
 
