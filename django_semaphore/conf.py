@@ -92,9 +92,9 @@ DURATION_KEYS = frozenset(
     }
 )
 
-# PostgreSQL's lock_timeout is an int of milliseconds; MySQL's is at most
-# 2**30 seconds: one bound for every backend.
-MAX_LOCK_WAIT = (2**31 - 1) // 1000
+# PostgreSQL's lock_timeout is an int of milliseconds (less than one is 0:
+# no bound at all); MySQL's is at most 2**30 seconds: one range for every backend.
+MIN_LOCK_WAIT, MAX_LOCK_WAIT = 0.001, (2**31 - 1) // 1000
 
 
 T = TypeVar("T")
@@ -240,8 +240,8 @@ def _is_alias(value: Any) -> bool:
 _SCALAR_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "DATABASE": (lambda value: value is None or _is_alias(value), "None or a DATABASES alias"),
     "LOCK_WAIT_TIMEOUT": (
-        lambda value: _is_seconds(value, MAX_LOCK_WAIT),
-        f"a positive number of seconds, at most {MAX_LOCK_WAIT}",
+        lambda value: _is_seconds(value, MAX_LOCK_WAIT) and value >= MIN_LOCK_WAIT,
+        f"a positive number of seconds, from {MIN_LOCK_WAIT} (1 ms) to {MAX_LOCK_WAIT}",
     ),
     "PRELOCK_TIMEOUT": (
         # What threading.Lock.acquire(timeout=...) takes.

@@ -366,6 +366,35 @@ def test_the_first_in_a_fair_line_waits_for_a_release_at_the_head(
         ticket.delete()
 
 
+@pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_the_head_waits_only_at_read_committed(make_semaphore, head_wait, level):
+    """From a snapshot the head would see no release, and at MariaDB's
+    SERIALIZABLE every release would wait behind it: refused at once, its
+    ticket taken, where at READ COMMITTED it would wait for the release."""
+    head_wait(30)
+    sem = make_semaphore(capacity=1, fair=True)
+    acquire(sem.name, external_id="holder", ttl=60)
+    set_level = (
+        "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL"
+        if connection.vendor == "postgresql"
+        else "SET SESSION TRANSACTION ISOLATION LEVEL"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(f"{set_level} {level}")
+    try:
+        started = time.monotonic()
+        refused = attempt(ask_for(sem.name, "waiter", fair=True))
+        assert time.monotonic() - started < 10
+    finally:
+        connection.close()  # the next session at the project's level again
+    assert isinstance(refused, fairness.Refusal)
+    assert refused.standing.ticketed
+    release("holder")
+    assert isinstance(
+        attempt(ask_for(sem.name, "waiter", fair=True), refused.standing), PermitRequest
+    )
+
+
 def test_a_taken_key_answers_as_a_repeated_call(make_semaphore):
     sem = make_semaphore(capacity=3)
     first = acquire(sem.name, external_id="same")

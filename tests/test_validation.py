@@ -263,6 +263,7 @@ BAD_SETTINGS = [
     ("LOCK_WAIT_TIMEOUT", "soon"),
     ("LOCK_WAIT_TIMEOUT", math.inf),
     ("LOCK_WAIT_TIMEOUT", 10**7),  # past PostgreSQL's lock_timeout
+    ("LOCK_WAIT_TIMEOUT", 0.0005),  # 0 ms on PostgreSQL: no bound at all
     ("PRELOCK_TIMEOUT", -1),
     ("PRELOCK_TIMEOUT", 1e12),  # past threading.TIMEOUT_MAX
     ("RETRY_ATTEMPTS", "many"),

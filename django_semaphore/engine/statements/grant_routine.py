@@ -74,6 +74,16 @@ class _Server:
     def div(self) -> str:
         return "/" if self.postgresql else "DIV"
 
+    @property
+    def read_committed(self) -> str:
+        """Whether the session reads at READ COMMITTED: only there does a
+        wait at the head see the releases committed meanwhile (at REPEATABLE
+        READ it would see none, and MariaDB's SERIALIZABLE would make every
+        release wait behind it)."""
+        if self.postgresql:
+            return "current_setting('transaction_isolation') = 'read committed'"
+        return "@@tx_isolation = 'READ-COMMITTED'"
+
     def answer(self, values: tuple[str, ...], first: int = 0) -> str:
         """The one-name routine's answer, ``ANSWER``'s columns from the
         ``first`` on (NULL the others), committed; the routine ends."""
@@ -185,7 +195,7 @@ class GrantRoutine(SQL):
             # Its deadline: where its ticket, if it takes one, expires.
             f" {let('v_deadline', server.after('v_now', life, 'MICROSECOND'))};"
             # First in line: it waits for a release here, the next in line behind it.
-            " IF v_reserved = 0 THEN"
+            f" IF v_reserved = 0 AND {server.read_committed} THEN"
             f" {let('v_until', server.after('v_now', head_wait, 'MICROSECOND'))};"
             f" IF v_deadline < v_until THEN {let('v_until', 'v_deadline')}; END IF;"
             f" {server.loop(f'{_short(row)} AND v_now < v_until', catch_up)};"
