@@ -23,7 +23,9 @@ from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.parking import deferred
 from django_semaphore.validation import is_pattern
 
-DOCS = "See docs/settings.md."
+# Where an installed project reads the docs: its docs/ folder is not installed.
+SITE = "https://django-semaphore.readthedocs.io/en/latest/"
+DOCS = f"See {SITE}settings/."
 T = TypeVar("T")
 
 
@@ -124,7 +126,7 @@ def check_beat_schedule(**kwargs: Any) -> list[CheckMessage]:
             "holders are never reclaimed.",
             hint="Merge django_semaphore.beat.BEAT_SCHEDULE into CELERY_BEAT_SCHEDULE (or "
             "app.conf.beat_schedule): CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE, ...}, or "
-            "beat_schedule(...) for other intervals. See docs/maintenance.md.",
+            f"beat_schedule(...) for other intervals. See {SITE}maintenance/.",
             id="django_semaphore.W020",
         )
     ]
@@ -146,7 +148,7 @@ def check_task_backends(**kwargs: Any) -> list[CheckMessage]:
             Info(
                 f"Django tasks of the task backend {alias!r} that find no room wait in "
                 "their worker, which they keep busy: it cannot defer runs.",
-                hint="django-tasks-db's DatabaseBackend defers them; see docs/django-tasks.md.",
+                hint=f"django-tasks-db's DatabaseBackend defers them; see {SITE}django-tasks/.",
                 id="django_semaphore.I001",
             )
         )
@@ -190,7 +192,7 @@ def check_production_database(**kwargs: Any) -> list[CheckMessage]:
             Warning(
                 f"The routers send semaphore writes to {', '.join(sorted(elsewhere))}, not "
                 f"to the app's alias {routing.current_alias()!r}: it looks like a replica.",
-                hint="Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See docs/clusters.md.",
+                hint=f"Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See {SITE}clusters/.",
                 id="django_semaphore.W003",
             )
         )
@@ -209,7 +211,7 @@ def check_production_database(**kwargs: Any) -> list[CheckMessage]:
             warnings.append(
                 Warning(
                     f"The semaphore database {alias!r} looks like a replica (a test mirror).",
-                    hint="Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See docs/clusters.md.",
+                    hint=f"Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See {SITE}clusters/.",
                     id="django_semaphore.W003",
                 )
             )
@@ -277,7 +279,7 @@ def _server_warnings(alias: str, server: backends.ServerSettings) -> list[CheckM
                 "another node than the grant's may not find it yet (NOT_FOUND, the "
                 "permit then held until its TTL or the sweep).",
                 hint="Add \"SET SESSION wsrep_sync_wait = 1\" to OPTIONS['init_command'], or "
-                "send every client of the app to one node. See docs/clusters.md.",
+                f"send every client of the app to one node. See {SITE}clusters/.",
                 id="django_semaphore.W004",
             )
         )
@@ -308,8 +310,8 @@ def check_routines(databases: Any = None, **kwargs: Any) -> list[CheckMessage]:
             f"{ROUTINES_VERSION} ({', '.join(missing)}): grants and releases take "
             "the general path, several statements where one call would do.",
             hint=f"Run manage.py migrate django_semaphore --database {alias}; on "
-            "MariaDB the migrating user needs CREATE ROUTINE (docs/operations.md, "
-            "Database privileges).",
+            f"MariaDB the migrating user needs CREATE ROUTINE ({SITE}operations/"
+            "#database-privileges).",
             id="django_semaphore.W021",
         )
         for alias, missing in _read_each(databases, lambda a: routines.missing(connections[a]))
@@ -354,7 +356,7 @@ def check_data_consistency(databases: Any = None, **kwargs: Any) -> list[CheckMe
         Warning(
             INCONSISTENCIES[kind][1].format(count=count, alias=alias),
             hint="Run manage.py semaphore_sweep --orphans (or wait for the beat "
-            "task release_orphans) to repair it. See docs/maintenance.md.",
+            f"task release_orphans) to repair it. See {SITE}maintenance/.",
             id=f"django_semaphore.W{INCONSISTENCIES[kind][0]:03d}",
         )
         for alias, found in _read_each(databases, sweep.inconsistencies)
@@ -376,7 +378,7 @@ def check_settings_drift(databases: Any = None, **kwargs: Any) -> list[CheckMess
                 each.describe(),
                 hint=f"Run {declared.APPLY_COMMAND} to apply the settings (recorded in the "
                 "capacity history; see what it would change without --apply), or change "
-                "SEMAPHORES to match. See docs/settings.md.",
+                f"SEMAPHORES to match. {DOCS}",
                 id="django_semaphore.W012",
             )
             for _, found in _read_each(databases, lambda a: declared.drift(a, missing=False))

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from datetime import timedelta
 from io import StringIO
+from pathlib import Path
 
 import pytest
 from django.core.management import call_command
 
+from django_semaphore import checks
 from tests.conftest import static_checks
+
+REPOSITORY = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.django_db
@@ -66,6 +71,19 @@ def check_ids(settings, value):
 )
 def test_bad_settings_are_reported(settings, value, expected):
     assert expected in check_ids(settings, value)
+
+
+def test_check_hints_point_at_pages_of_the_docs_site(settings):
+    """An installed project has no docs/ folder: a hint names the page on
+    the docs site, and every page a hint names is one of the site's."""
+    settings.DJANGO_SEMAPHORE = {"LOCK_WAIT_TIMEOUT": 0}
+    [message] = [m for m in static_checks() if m.id == "django_semaphore.E004"]
+    assert message.hint == f"See {checks.SITE}settings/."
+    source = Path(checks.__file__).read_text()
+    pages = set(re.findall(r"\{SITE\}([\w-]+)/", source))
+    assert pages >= {"settings", "clusters", "operations", "maintenance"}
+    assert all((REPOSITORY / "docs" / f"{page}.md").exists() for page in pages)
+    assert not re.search(r"docs/[\w-]+\.md", source)
 
 
 def test_good_settings_pass(settings):
