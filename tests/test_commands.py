@@ -96,6 +96,19 @@ def test_status_shows_capacity_use_and_holders(make_semaphore):
     }
 
 
+def test_status_writes_control_characters_in_names_as_escapes(make_semaphore):
+    """A name is any text a caller gave: printed raw, "\\x1b[2J" would clear
+    the operator's terminal and a line break forge a row."""
+    sem = Semaphore.objects.create(name=unique("\x1b[2J\nfake\t"), capacity=1)
+    acquire(sem.name, external_id=unique())
+
+    output = run("semaphore_status", sem.name)
+
+    assert not any(c in output for c in "\x1b\t")
+    assert "\\x1b[2J\\nfake\\t" in output
+    assert len(output.splitlines()) == 2
+
+
 def test_status_without_semaphores():
     assert "(no semaphores)" in run("semaphore_status", "no-such-name")
 

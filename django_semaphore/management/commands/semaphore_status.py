@@ -124,7 +124,7 @@ class Command(BaseCommand):
             .select_related("parked")
             .order_by("id")
         )
-        self.stdout.write(f"\nWaiting in line on {semaphore.name}, first served first:")
+        self.stdout.write(f"\nWaiting in line on {_shown(semaphore.name)}, first served first:")
         rows = [("place", "owner", "key", "count", "waiting since", "gives up at")]
         for place, ticket in enumerate(tickets[:QUEUE_SHOWN], start=1):
             rows.append(
@@ -140,6 +140,7 @@ class Command(BaseCommand):
         self._table(rows)
 
     def _table(self, rows: Sequence[tuple[str, ...]]) -> None:
+        rows = [tuple(map(_shown, row)) for row in rows]
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         for row in rows:
             cells = [row[0].ljust(widths[0])] + [
@@ -155,3 +156,9 @@ class Command(BaseCommand):
 
 def _seconds(wait: timedelta | None) -> str:
     return "-" if wait is None else f"{wait.total_seconds():.1f}s"
+
+
+def _shown(text: str) -> str:
+    """``text`` with what a terminal would act on (escape sequences, line
+    breaks) written as escapes: names, keys and owners come from callers."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
