@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from celery.result import AsyncResult
+from django.contrib.admin.models import DELETION, LogEntry
 from django.core.management import call_command
 from django.db import connection, connections
 from django.db.migrations.loader import MigrationLoader
@@ -721,6 +722,8 @@ def test_the_drop_action_needs_the_delete_permission_and_drops(client):
 
     assert parked_ids() == [kept]
     assert "1 parked task was dropped." in [str(m) for m in response.context["messages"]]
+    [entry] = LogEntry.objects.filter(object_id=str(row.pk), action_flag=DELETION)
+    assert entry.user == response.context["user"]
 
 
 def test_semaphore_status_and_the_metrics_count_parked_tasks(client):

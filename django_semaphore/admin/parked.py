@@ -5,9 +5,11 @@ next."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from django.contrib import admin, messages
+from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.auth.base_user import AbstractBaseUser
 from django.db.models import Prefetch, QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html, format_html_join
@@ -87,8 +89,16 @@ class ParkedTaskAdmin(OperatorAdmin):
     @admin.action(permissions=["delete"], description=_("Drop selected parked tasks"))
     def drop(self, request: HttpRequest, queryset: QuerySet[ParkedTask]) -> None:
         """Drop the selected tasks: never published again, their room offered
-        to the next in line. Their Celery state stays ``PARKED``."""
-        dropped = parking.cancel(queryset.values_list("task_id", flat=True))
+        to the next in line. Their Celery state stays ``PARKED``. Each gets a
+        ``LogEntry`` naming the user, as the admin's own delete writes."""
+        selected = list(queryset)
+        dropped = parking.cancel(task.task_id for task in selected)
+        LogEntry.objects.log_actions(
+            user_id=cast(AbstractBaseUser, request.user).pk,
+            queryset=selected,
+            action_flag=DELETION,
+            change_message=gettext("Dropped (never published again)."),
+        )
         self.message_user(
             request,
             ngettext(
