@@ -171,6 +171,25 @@ def test_holds_permit_refuses_bad_arguments_when_decorating(kwargs):
         holds_permit(lambda request: "ok", **kwargs)
 
 
+def test_a_names_callable_that_cannot_take_the_calls_arguments_is_named():
+    """Was a bare TypeError from inside the decorator, at the call or the send."""
+
+    @holds_permit(lambda customer: f"export:{customer}")
+    def export(customer, fmt):
+        return fmt
+
+    with pytest.raises(InvalidRequest, match=r"names callable .* cannot take the arguments"):
+        export("acme", "csv")
+
+    @holds_permit(lambda customer: f"export:{customer + 1}")
+    def broken(customer):
+        return customer
+
+    with pytest.raises(TypeError) as raised:  # its own error, as it raised it
+        broken("acme")
+    assert not isinstance(raised.value, InvalidRequest)
+
+
 # --- sweeps, force-release, the counter verifier, parked tasks, beat ----------------
 
 

@@ -7,6 +7,7 @@ doors need not import each other.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -14,6 +15,7 @@ from typing import Any
 
 from django_semaphore import routing
 from django_semaphore.conf import app_settings
+from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.integrations.leases import HEARTBEAT, DefaultLease, Lease, lease_seconds
 from django_semaphore.parking.admission import Policy
 from django_semaphore.validation import validate_demand
@@ -83,7 +85,27 @@ class Options:
         when the decorator was given a callable."""
         if self.names_of is None:
             return self
-        return replace(self, demand=demand_of(self.names_of(*args, **kwargs), self.count))
+        try:
+            names = self.names_of(*args, **kwargs)
+        except TypeError as exc:
+            if _takes(self.names_of, args, kwargs):
+                raise  # raised inside it: its own error
+            raise InvalidRequest(
+                f"The names callable {self.names_of!r} cannot take the arguments of the "
+                f"call it names semaphores for ({exc}): give it the same parameters."
+            ) from exc
+        return replace(self, demand=demand_of(names, self.count))
+
+
+def _takes(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``function`` accepts these arguments (unknown: it does)."""
+    try:
+        inspect.signature(function).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read
+        pass
+    return True
 
 
 def demand_of(names: Any, count: int) -> dict[str, int]:
