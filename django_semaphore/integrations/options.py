@@ -88,24 +88,15 @@ class Options:
         try:
             names = self.names_of(*args, **kwargs)
         except TypeError as exc:
-            if _takes(self.names_of, args, kwargs):
-                raise  # raised inside it: its own error
-            raise InvalidRequest(
-                f"The names callable {self.names_of!r} cannot take the arguments of the "
-                f"call it names semaphores for ({exc}): give it the same parameters."
-            ) from exc
+            try:
+                inspect.signature(self.names_of).bind(*args, **kwargs)
+            except (TypeError, ValueError):  # they do not fit (or it has no signature)
+                raise InvalidRequest(
+                    f"The names callable {self.names_of!r} cannot take the arguments of the "
+                    f"call it names semaphores for ({exc}): give it the same parameters."
+                ) from exc
+            raise  # raised inside it: its own error
         return replace(self, demand=demand_of(names, self.count))
-
-
-def _takes(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``function`` accepts these arguments (unknown: it does)."""
-    try:
-        inspect.signature(function).bind(*args, **kwargs)
-    except TypeError:
-        return False
-    except ValueError:  # no signature to read
-        pass
-    return True
 
 
 def demand_of(names: Any, count: int) -> dict[str, int]:
