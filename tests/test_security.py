@@ -206,6 +206,11 @@ SAFE_CALLS = {
     "q", "quote_name", "_placeholders", "placeholders", "case_placeholders", "int", "len", "ceil",
     "floor", "range",
     "routine",  # a routine's versioned name, from a constant
+    # The grant routines' builders (statements/grant_routine.py): SQL text
+    # made by these same rules, each one's f-strings checked here too.
+    "decide", "grant_one", "insert_request", "count_grant", "insert_permits", "lock_into",
+    "waits_sql", "let", "after", "sleep", "loop", "answer", "_held", "_short", "_folded",
+    "_read_released", "_not_refused", "_mariadb_declarations",
 }  # fmt: skip
 INT_COMBINERS = {"max", "min"}  # safe when every argument is
 SAFE_NAMES = {
@@ -215,6 +220,7 @@ SAFE_NAMES = {
     "locking",  # the manager's locking read, compiled by the ORM
     "declarations",  # a block's variables, typed by quoted columns
     "acquired",  # the ACQUIRED state, a constant (a function's body takes no parameters)
+    "clock", "decline",  # a routine's server spellings (grant_routine._Server)
 }  # fmt: skip
 
 
@@ -236,7 +242,9 @@ def _safe_value(node: ast.expr, local: frozenset[str] = frozenset()) -> bool:
         # "..._sql": SQL text the builders made by these same rules.
         return node.id in SAFE_NAMES or node.id in local or node.id.endswith("_sql")
     if isinstance(node, ast.Attribute):
-        return node.attr in SAFE_NAMES or node.attr.endswith("_sql")
+        # row.*: a routine's own variables (grant_routine._Row), named from constants.
+        row = isinstance(node.value, ast.Name) and node.value.id == "row"
+        return row or node.attr in SAFE_NAMES or node.attr.endswith("_sql")
     if isinstance(node, ast.Subscript):
         return _safe_value(node.value, local)
     if isinstance(node, ast.IfExp):

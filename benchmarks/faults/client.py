@@ -13,8 +13,10 @@ that point:
   or while holding (``hold``): a real SIGKILL of this process;
 - ``connkill`` at a SQL point: ``KILL <connection id>`` sent from a second
   connection, then the statement runs on the killed connection;
-- ``lost-response`` after the grant's COMMIT: the connection is killed and the
-  commit reports "lost connection", as if the answer never arrived;
+- ``lost-response`` after the grant's COMMIT (the general grant's commit, or
+  the one-trip grant's call, which commits in the database): the connection
+  is killed and the commit or call reports "lost connection", as if the
+  answer never arrived;
 - ``sigstop`` while holding: the process stops itself; the runner continues
   it (SIGCONT) after the permit's TTL has passed.
 """
@@ -44,8 +46,8 @@ POINTS = (
     ("UPDATE `django_semaphore_permitrequest` r LEFT JOIN", "", "", "release.request"),
     # The one-trip grant, and release(key) with the read of what it ended,
     # each one call (several names: a block): a fault fires before it is sent.
-    ("CALL django_semaphore_grant(", "", "", "acquire.insert"),
-    ("CALL django_semaphore_release(", "", "", "release.request"),
+    ("CALL django_semaphore_grant", "", "", "acquire.insert"),  # any version
+    ("CALL django_semaphore_release", "", "", "release.request"),
     ("BEGIN NOT ATOMIC", "INSERT INTO `django_semaphore_permit`", "", "acquire.insert"),
 )
 RETRYABLE_CODES = {1205, 1213, 1927, 2006, 2013}
@@ -107,13 +109,17 @@ class Client:
         return False
 
     def _hook(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        point = point_of(sql, self.connection.in_atomic_block)
-        if point == "acquire.insert":
+        in_transaction = self.connection.in_atomic_block
+        point = point_of(sql, in_transaction)
+        if point == "acquire.insert" and in_transaction:
             self.granting = True
         if point is not None and self._take_arm(point):
             self._fire(point)
         try:
-            return execute(sql, params, many, context)
+            result = execute(sql, params, many, context)
+            if point == "acquire.insert" and not in_transaction:
+                self._lose_the_answer()  # the one-trip grant committed in its call
+            return result
         except Exception as exc:
             code = getattr(exc, "args", [None])[0]
             if code in RETRYABLE_CODES:
@@ -157,6 +163,16 @@ class Client:
                 if exc.args and exc.args[0] == 1094:  # unknown thread: gone already
                     return
                 self.side = None
+
+    def _lose_the_answer(self) -> None:
+        from django.db import OperationalError
+
+        if self._take_arm("acquire.commit"):
+            self.record("fault", p="acquire.commit", a="lost-response", k=self.key)
+            self._kill_my_connection()
+            raise OperationalError(
+                2013, "Lost connection to server during query (injected after the call)"
+            )
 
     def _install_commit_fault(self) -> None:
         from django.db import OperationalError

@@ -51,8 +51,8 @@ class _Server:
     clock: str  # the database's clock, read when evaluated
     bound: str = ""  # what bounds a write's lock wait (PostgreSQL: the transaction's setting)
 
-    def let(self, variable: str, value: str) -> str:
-        return f"{variable} := {value}" if self.postgresql else f"SET {variable} = {value}"
+    def let(self, to_sql: str, value_sql: str) -> str:
+        return f"{to_sql} := {value_sql}" if self.postgresql else f"SET {to_sql} = {value_sql}"
 
     def after(self, moment: str, amount: str, unit: str) -> str:
         """``moment`` plus ``amount`` ``unit``s (SECOND, MICROSECOND); NULL if it is."""
@@ -60,15 +60,12 @@ class _Server:
             return f"{moment} + ({amount}) * interval '1 {unit.lower()}'"
         return f"{moment} + INTERVAL ({amount}) {unit}"
 
-    def sleep(self, microseconds: int) -> str:
-        if self.postgresql:
-            return f"PERFORM pg_sleep({microseconds} / 1000000.0)"
-        return f"DO SLEEP({microseconds} / 1000000)"
+    def sleep(self, us: int) -> str:
+        return f"PERFORM pg_sleep({us}e-6)" if self.postgresql else f"DO SLEEP({us}e-6)"
 
     def loop(self, condition: str, body: str) -> str:
-        if self.postgresql:
-            return f"WHILE {condition} LOOP {body} END LOOP"
-        return f"WHILE {condition} DO {body} END WHILE"
+        do, end = ("LOOP", "LOOP") if self.postgresql else ("DO", "WHILE")
+        return f"WHILE {condition} {do} {body} END {end}"
 
     @property
     def div(self) -> str:
@@ -225,16 +222,15 @@ class GrantRoutine(SQL):
             self.general.insert_request_sql.format(expires="v_expires", now="v_now"),
             *("p_key", "p_owner", f"'{self.acquired}'", "p_ttl"),
         )
-        expires = server.let("v_expires", server.after("v_now", "p_ttl", "SECOND"))
+        expires_sql = server.let("v_expires", server.after("v_now", "p_ttl", "SECOND"))
         if server.postgresql:
-            return f" {expires}; {sql} RETURNING {self.q('id')} INTO v_request;"
-        return f" {expires}; {server.bound}{sql}; SET v_request = LAST_INSERT_ID();"
+            return f" {expires_sql}; {sql} RETURNING {self.q('id')} INTO v_request;"
+        return f" {expires_sql}; {server.bound}{sql}; SET v_request = LAST_INSERT_ID();"
 
-    def count_grant(self, row: _Row, folded: str) -> str:
+    def count_grant(self, row: _Row, fold_sql: str) -> str:
         """The general grant's update of the row's counters and fencing token."""
-        sql = self.general.grant_sql.format(
-            counted=f"{row.held} + {row.count}", folded=folded, slots="0", ids=row.id
-        )
+        sum_sql, ids = f"{row.held} + {row.count}", row.id
+        sql = self.general.grant_sql.format(counted=sum_sql, folded=fold_sql, slots="0", ids=ids)
         return f" {with_arguments(sql, 'v_now')};"
 
     def insert_permits(self, rows_sql: str) -> str:
@@ -245,9 +241,16 @@ class GrantRoutine(SQL):
 
     def grant_one(self, server: _Server, row: _Row) -> str:
         """The writes of a grant on one name, and its answer."""
-        token, acquired = f"{row.fencing_counter} + 1", f"'{self.acquired}'"
-        permits = f"VALUES ({row.id}, v_request, {row.count}, {token}, NULL, {acquired})"
-        granted = ("v_request", "v_now", "v_expires", row.name, token, f"{row.held} + {row.count}")
+        token_sql = f"{row.fencing_counter} + 1"
+        permits = f"VALUES ({row.id}, v_request, {row.count}, {token_sql}, NULL, '{self.acquired}')"
+        granted = (
+            "v_request",
+            "v_now",
+            "v_expires",
+            row.name,
+            token_sql,
+            f"{row.held} + {row.count}",
+        )
         return (
             f"{self.insert_request(server)}{self.count_grant(row, _folded(row))}"
             f"{self.insert_permits(permits)} {server.answer(granted)}"
@@ -471,7 +474,7 @@ class GrantRoutine(SQL):
             f" {row.capacity} FROM DUAL WHERE {_short(row)}"
             for row in rows
         )
-        declined = f"ROLLBACK; SELECT {', '.join(['NULL'] * 6)};"
+        decline_sql = f"ROLLBACK; SELECT {', '.join(['NULL'] * 6)};"
         permits_sql = " UNION ALL ".join(
             f"SELECT {row.id} AS id, {row.count} AS n, {row.fencing_counter} + 1 AS token"
             for row in rows
@@ -498,10 +501,10 @@ class GrantRoutine(SQL):
             " OPEN c; SET SESSION innodb_lock_wait_timeout = v_waited; SET v_waited = NULL;"
             + "".join(f" FETCH c INTO {_mariadb_targets(i)};" for i in range(1, count + 1))
             + f" CLOSE c;{checks_sql}"
-            f" IF v_done OR {declined_sql} THEN {declined}"
+            f" IF v_done OR {declined_sql} THEN {decline_sql}"
             f" ELSE IF {short_sql} THEN{again_sql} END IF; SET v_now = {server.clock};"
             f" IF {short_sql} THEN IF {self._not_refused(', '.join(row.id for row in rows))}"
-            f" THEN {declined} ELSE ROLLBACK; {refused_sql}; END IF;"
+            f" THEN {decline_sql} ELSE ROLLBACK; {refused_sql}; END IF;"
             f" ELSE{self.insert_request(server)}"
             + "".join(self.count_grant(row, _folded(row)) for row in rows)
             + self.insert_permits(
