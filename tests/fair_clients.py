@@ -92,7 +92,7 @@ def record_tickets(history: Outbox) -> None:
         if isinstance(granted, Refused):
             # The routine's refusal of one name, its ticket taken under the lock.
             if granted.ticket_taken:
-                id, name, _ = granted.semaphore
+                [(id, name, _)] = granted.lacking
                 ticket = Ticket.objects.using(self.connection.alias).get(
                     external_id=key, semaphore_id=id
                 )

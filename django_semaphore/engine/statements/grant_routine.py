@@ -243,14 +243,8 @@ class GrantRoutine(SQL):
         """The writes of a grant on one name, and its answer."""
         token_sql = f"{row.fencing_counter} + 1"
         permits = f"VALUES ({row.id}, v_request, {row.count}, {token_sql}, NULL, '{self.acquired}')"
-        granted = (
-            "v_request",
-            "v_now",
-            "v_expires",
-            row.name,
-            token_sql,
-            f"{row.held} + {row.count}",
-        )
+        sum_sql = f"{row.held} + {row.count}"
+        granted = ("v_request", "v_now", "v_expires", row.name, token_sql, sum_sql)
         return (
             f"{self.insert_request(server)}{self.count_grant(row, _folded(row))}"
             f"{self.insert_permits(permits)} {server.answer(granted)}"

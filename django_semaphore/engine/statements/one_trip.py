@@ -70,6 +70,7 @@ class Refused:
     lacking: tuple[tuple[int, str, int], ...]  # (id, name, capacity) of those without room
     rounds: int  # capacities' worth of grants that come before its own (one name)
     ticket_taken: bool  # it took its ticket (or marked it lacking room; one name)
+    grants: int  # the fencing counter: the grants made before the refusal (one name)
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ class OneTripStatements(SQL):
         if request_id is None:
             lacking = tuple((int(row[6]), row[3], int(row[7])) for row in rows)
             rounds, ticket_taken = rows[0][8:] or (0, False)
-            return Refused(lacking, int(rounds), bool(ticket_taken))
+            return Refused(lacking, int(rounds), bool(ticket_taken), int(rows[0][4]))
         stamp = backends.datetime_from_db
         return Granted(
             int(request_id),
