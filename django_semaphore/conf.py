@@ -376,6 +376,15 @@ def family_of(name: str) -> Family | None:
     return None
 
 
+def declared_capacity(name: str) -> float:
+    """The capacity settings declare for ``name``, its own or its family's;
+    ``math.inf`` (no bound) when they declare neither."""
+    if name in app_settings.SEMAPHORES:
+        return validate_declared(name, app_settings.SEMAPHORES[name]).capacity
+    family = family_of(name)
+    return math.inf if family is None else family.capacity
+
+
 def is_family_default(name: str) -> bool:
     """Whether ``name`` is a declared family's pattern (its template row)."""
     return is_pattern(name) and name in app_settings.SEMAPHORES

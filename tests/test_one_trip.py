@@ -126,7 +126,7 @@ def session_lock_wait() -> tuple[object, ...]:
 @pytest.mark.parametrize(
     ("case", "refused"),
     [
-        ("too many", CapacityExceeded),
+        ("too many", SemaphoreExhausted),
         ("missing", SemaphoreNotFound),
     ],
 )

@@ -43,6 +43,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
 from django_semaphore import backends, signals
+from django_semaphore.conf import declared_capacity
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.engine import fairness, families, prelock
 from django_semaphore.engine.line import fits, lacking_room
@@ -185,10 +186,18 @@ def grant(
         locked = [s for s in locked if s.name in demand.counts]
         if len(locked) != len(demand.names):
             return SemaphoreNotFound(set(demand.names) - {s.name for s in locked})
-        too_big = [s.name for s in locked if not fits(0, demand.counts[s.name], s.capacity)]
+        # Beyond the capacity settings declare, a demand is a programming
+        # error; beyond one an operator lowered (or closed: 0), it waits.
+        too_big = [
+            s.name
+            for s in locked
+            if not fits(0, demand.counts[s.name], s.capacity)
+            and demand.counts[s.name] > declared_capacity(s.name)
+        ]
         if too_big:
             return CapacityExceeded(
-                "Asked for more permits than the capacity of: " + ", ".join(too_big)
+                "Asked for more permits than the capacity settings declare for: "
+                + ", ".join(too_big)
             )
         if lacking_room(locked, demand.counts) and not sql.fresh_with_the_lock(locked):
             # The release totals read with the lock may predate the wait for
