@@ -284,18 +284,20 @@ class SemaphoreAdmin(OperatorAdmin):
             Semaphore.objects.using(routing.current_alias()).filter(pk=obj.pk).update(
                 fair=obj.fair, updated_at=timezone.now()
             )
-        # The same path as code: under the row lock, recorded with the user
-        # (both changed: two records, each with the reason).
+        # The same path as code: under the row lock, recorded with the user;
+        # what the form did not change is not written back (someone else's
+        # change since the form was opened stays), and both changed are one
+        # change, one record.
         who = cast(AbstractBaseUser, request.user)
         reason = form.cleaned_data.get("reason", "")
-        if "capacity" in form.changed_data:
-            saved = set_capacity(
-                obj.name, form.cleaned_data["capacity"], changed_by=who, reason=reason
-            )
-            obj.capacity, obj.updated_at = saved.capacity, saved.updated_at
-        if "window" in form.changed_data:
-            saved = set_window(obj.name, form.cleaned_data["window"], changed_by=who, reason=reason)
-            obj.window, obj.updated_at = saved.window, saved.updated_at
+        limits = {f: form.cleaned_data[f] for f in ("capacity", "window") if f in form.changed_data}
+        if "capacity" in limits:
+            saved = set_capacity(obj.name, **limits, changed_by=who, reason=reason)
+        elif limits:
+            saved = set_window(obj.name, limits["window"], changed_by=who, reason=reason)
+        else:
+            return
+        obj.capacity, obj.window, obj.updated_at = saved.capacity, saved.window, saved.updated_at
 
     def get_deleted_objects(
         self, objs: Sequence[Any] | QuerySet[Any], request: HttpRequest
