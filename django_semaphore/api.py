@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections, transaction
@@ -281,10 +282,12 @@ def set_capacity(
     name: str,
     capacity: int,
     *,
+    window: int | timedelta | EllipsisType | None = ...,
     changed_by: AbstractBaseUser | None = None,
     reason: str = "",
 ) -> Semaphore:
-    """Change a semaphore's capacity under its row lock and record it.
+    """Change a semaphore's capacity -- and its window, when one is given --
+    under its row lock, in one transaction recorded as one change.
 
     Lowering below what is in use is allowed: the semaphore is over capacity
     and grants nothing until usage falls; held permits are never revoked.
@@ -295,12 +298,21 @@ def set_capacity(
     family default: once committed, the members that follow it are changed
     too, in batches, each recorded in their history.
 
+    Args:
+        window: left out, the window stays as it is; else as for
+            ``set_window``, changed together with the capacity: no grant
+            ever sees the new capacity with the old window (``"50/h"`` on a
+            concurrency limit of 2 is never a concurrency limit of 50).
+
     Raises:
-        InvalidRequest: a malformed name, capacity or reason, or a
+        InvalidRequest: a malformed name, capacity, window or reason, or a
             ``changed_by`` that is not a saved user; nothing is changed.
         SemaphoreNotFound: no semaphore has this name.
     """
-    return _change(name, {"capacity": validate_capacity(capacity)}, changed_by, reason)
+    limits: Limits = {"capacity": validate_capacity(capacity)}
+    if window is not ...:
+        limits["window"] = validate_window(window)
+    return _change(name, limits, changed_by, reason)
 
 
 def set_window(
@@ -317,7 +329,8 @@ def set_window(
     A window set or changed counts the grants made from then on (each slot
     keeps the end it was granted with); removed, it ends every slot and
     the holders count again. Runs in the caller's transaction if there is
-    one; family members and defaults as for ``set_capacity``.
+    one; family members and defaults as for ``set_capacity`` (which changes
+    a capacity and a window together).
 
     Raises:
         InvalidRequest: a malformed name or reason, a window that is not

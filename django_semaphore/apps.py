@@ -25,9 +25,10 @@ class DjangoSemaphoreConfig(AppConfig):
         from django_semaphore.models import Permit, PermitRequest, Semaphore, requests, semaphore
 
         post_migrate.connect(create_declared_semaphores, sender=self)
-        # Deleting what is held would end permits behind their holders' backs.
+        # Deleting what is held would end permits behind their holders'
+        # backs, and a semaphore waited on would leave its waiters waiting.
         for model, guard in (
-            (Semaphore, semaphore.refuse_deleting_held_semaphore),
+            (Semaphore, semaphore.refuse_deleting_a_semaphore_in_use),
             (PermitRequest, requests.refuse_deleting_held_request),
             (Permit, requests.refuse_deleting_held_permit),
         ):

@@ -10,8 +10,8 @@ default capacity, kept in the row named by its pattern (see
 When settings and an existing row disagree (``"exports": 3`` became ``10``,
 a ``rate`` was added), that is *drift*: ``migrate`` says so, the database
 check ``django_semaphore.W012`` reports it, and ``manage.py semaphore_sync
---apply`` applies the settings on purpose, through ``set_capacity`` and
-``set_window`` (recorded in the capacity history). A family is compared by
+--apply`` applies the settings on purpose, through ``set_capacity`` (capacity
+and window as one change, recorded in the capacity history). A family is compared by
 its pattern's row, the family default; its members are not compared (those
 that follow the default follow it when it changes, those changed on their
 own keep their capacity).
@@ -50,14 +50,6 @@ class Drift:
     @property
     def database_has(self) -> str:
         return "nothing" if self.stored is None else str(self.stored)
-
-    @property
-    def changes_capacity(self) -> bool:
-        return self.stored is not None and self.stored.capacity != self.declared.capacity
-
-    @property
-    def changes_window(self) -> bool:
-        return self.stored is not None and self.stored.window != self.declared.window
 
     def describe(self) -> str:
         what = "family default " if is_pattern(self.name) else ""

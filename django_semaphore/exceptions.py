@@ -151,6 +151,11 @@ class PermitHeld(UnsafeWrite):
     """A delete that would end held permits behind their holders' backs."""
 
 
+class WaitersInLine(UnsafeWrite):
+    """A delete of a semaphore that fair waiters or parked tasks wait on:
+    they would wait for a semaphore that is gone."""
+
+
 class InconsistentData(SemaphoreError):
     """The app's own rows contradict each other (a manual edit, a restore): run the sweep."""
 

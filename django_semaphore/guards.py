@@ -11,8 +11,9 @@ models by a project (a shell, a data migration, a script) go through here:
 - ``bulk_create()`` of requests or permits raises :class:`UnsafeWrite`:
   only ``acquire()`` creates them.
 - ``delete()`` of a held semaphore, request or permit raises
-  :class:`PermitHeld` (``pre_delete`` receivers beside each model, so it
-  covers instances, querysets, cascades and the admin alike).
+  :class:`PermitHeld`, and of a semaphore fair waiters or parked tasks wait
+  on :class:`WaitersInLine` (``pre_delete`` receivers beside each model, so
+  it covers instances, querysets, cascades and the admin alike).
 - ``save()`` is guarded by ``GuardedModel`` (and ``Semaphore.save()``).
 
 What no Python hook sees (raw SQL, ``QuerySet._raw_delete()``, ``TRUNCATE``,

@@ -297,6 +297,10 @@ PermitManager = models.Manager.from_queryset(PermitQuerySet)
 class TicketQuerySet(models.QuerySet[M]):
     """``Ticket.objects``' queries: the semaphores' lines."""
 
+    def live(self) -> Self:
+        """Tickets whose waiters still wait: before their deadline."""
+        return self.filter(expires_at__gt=DatabaseNow())
+
     def holding_back(self) -> Self:
         """Live tickets that lacked room: each keeps the room it asks for
         from younger waiters (``engine/fairness.py``)."""

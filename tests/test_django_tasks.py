@@ -33,6 +33,7 @@ from django_semaphore.owners import TaskOwner
 from django_semaphore.parking.deferred import DEFERRED
 from django_semaphore.states import ReleaseReason, State
 from tests import own_tasks
+from tests.conftest import behind_the_engine
 from tests.testapp.models import RunLog
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -203,6 +204,30 @@ def test_the_sweep_command_resumes_a_parked_task_no_release_woke(limited, wakes_
 
     assert row.values_list("run_after", flat=True).get() <= timezone.now()
     assert ParkedTask.objects.get(task_id=result.id).woken_at is not None
+
+
+def test_a_parked_task_whose_semaphore_is_gone_fails_with_the_reason(limited, wakes_nobody):
+    from django_tasks_db.models import DBTaskResult
+
+    from django_semaphore.parking import deferred
+
+    acquire({own_tasks.LIMITED: 2}, external_id="holder")
+    result = own_tasks.holding.using(backend="database").enqueue("orphaned")
+    parking.defer(
+        result.id, result.id, "tests.own_tasks.holding", "database", {own_tasks.LIMITED: 1}
+    )
+    deferred.hold(result.id)
+    with behind_the_engine():  # a delete no guard saw: raw SQL, an older version
+        Semaphore.objects.filter(pk=limited.pk).delete()
+
+    assert sweep.sweep_parked().orphaned == 1
+
+    assert not ParkedTask.objects.exists()
+    row = DBTaskResult.objects.get(id=result.id)
+    assert (row.status, row.exception_class_path) == (
+        "FAILED",
+        "django_semaphore.exceptions.SemaphoreNotFound",
+    )
 
 
 # --- re-runs of the same result ---------------------------------------------------------

@@ -13,7 +13,12 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_semaphore import acquire, release
-from django_semaphore.exceptions import AcquireTimeout, PermitAlreadyReleased, SemaphoreExhausted
+from django_semaphore.exceptions import (
+    AcquireTimeout,
+    PermitAlreadyReleased,
+    SemaphoreExhausted,
+    WaitersInLine,
+)
 from django_semaphore.models import Semaphore, Ticket
 from tests.conftest import behind_the_engine
 
@@ -292,3 +297,30 @@ def test_waiting_threads_of_one_process_share_one_poller(make_semaphore, monkeyp
     within = [t for t in attempts if t - started < wait]
     assert attempts
     assert len(within) <= threads + 2 * wait + 4
+
+
+def test_a_semaphore_fair_waiters_wait_on_is_not_deleted(client, make_semaphore):
+    from tests.test_admin import semaphore_url, staff
+
+    free, held = make_semaphore(1, fair=True), make_semaphore(1, fair=True)
+    holder = key()
+    acquire(held.name, external_id=holder)
+    order: list[str] = []
+    waiter = Waiter({free.name: 1, held.name: 1}, order, timeout=20, fair=True, owner="w")
+    waiter.start()
+    try:
+        wait_for_tickets(free.name, 1)
+        with pytest.raises(WaitersInLine):
+            free.delete()
+        with pytest.raises(WaitersInLine):
+            Semaphore.objects.filter(pk=free.pk).delete()
+        client.force_login(staff("view_semaphore", "delete_semaphore"))
+        page = client.post(semaphore_url(free, "delete"), {"post": "yes"})
+        assert page.context["protected"] == [f"Fair waiter: {waiter.key} (w)"]
+        assert Semaphore.objects.filter(pk=free.pk).exists()
+    finally:
+        release(holder)
+        waiter.finish()
+    assert order == [waiter.key], waiter.error
+    release(waiter.key)
+    free.delete()  # nobody waits any more

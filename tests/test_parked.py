@@ -33,7 +33,7 @@ from django_semaphore import acquire, force_release, parking, release, sweep
 from django_semaphore.admin.semaphores import SemaphoreAdmin
 from django_semaphore.api import set_capacity
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.exceptions import SemaphoreExhausted, SemaphoreNotFound
+from django_semaphore.exceptions import SemaphoreExhausted, SemaphoreNotFound, WaitersInLine
 from django_semaphore.integrations import task_keys
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.parking import rows, wake
@@ -475,6 +475,50 @@ def test_cancel_drops_a_parked_task_and_offers_its_room(published):
     assert parking.cancel([first]) == 1
     assert parked_ids() == [second]
     assert published == [first, second]
+
+
+def test_a_semaphore_parked_tasks_wait_on_is_not_deleted(client):
+    s = semaphore(1)
+    task_id = park_row({s.name: 1})
+
+    with pytest.raises(WaitersInLine, match="1 fair waiter"):
+        s.delete()
+    with pytest.raises(WaitersInLine):
+        Semaphore.objects.filter(pk=s.pk).delete()
+    page = staff_client(client, "delete_semaphore").post(
+        reverse("admin:django_semaphore_semaphore_delete", args=[s.pk]), {"post": "yes"}
+    )
+    assert page.status_code == 200  # the confirmation again, listing it as protected
+    row = ParkedTask.objects.get(task_id=task_id)
+    link = reverse("admin:django_semaphore_parkedtask_change", args=[row.pk])
+    assert page.context["protected"] == [
+        f'Parked task: <a href="{link}">tests.parked[{task_id}]</a>'
+    ]
+    assert parked_ids() == [task_id]
+    assert Ticket.objects.filter(semaphore=s).exists()
+
+    parking.cancel([task_id])
+    s.delete()
+    assert not Semaphore.objects.filter(pk=s.pk).exists()
+
+
+def test_the_sweep_drops_a_parked_task_whose_semaphore_is_gone(published, caplog):
+    gone, kept = semaphore(1), semaphore(1)
+    orphan = park_row({gone.name: 1})
+    waiting = park_row({kept.name: 1})
+    running = park_row({gone.name: 1})
+    with behind_the_engine():  # raw SQL, or a version that let it through
+        Semaphore.objects.filter(pk=gone.pk).delete()
+        # This one's run holds its permit: its grant took its tickets, and
+        # the run deletes its row (parking.started).
+        PermitRequest.objects.create(external_id=running, created_at=timezone.now())
+
+    report = sweep.sweep_parked()
+
+    assert (report.orphaned, report.dropped) == (1, 0)
+    assert "1 whose semaphore is gone" in str(report)
+    assert parked_ids() == [waiting, running]
+    assert f"Dropped parked task tests.parked[{orphan}]" in caplog.text
 
 
 def test_every_door_that_frees_room_wakes_parked_tasks_there(wakes, monkeypatch):

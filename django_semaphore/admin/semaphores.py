@@ -37,6 +37,7 @@ from django_semaphore.models import (
     Permit,
     PermitRequest,
     Semaphore,
+    Ticket,
 )
 from django_semaphore.states import State
 from django_semaphore.validation import MAX_COUNT, MAX_LENGTH
@@ -283,18 +284,20 @@ class SemaphoreAdmin(OperatorAdmin):
             Semaphore.objects.using(routing.current_alias()).filter(pk=obj.pk).update(
                 fair=obj.fair, updated_at=timezone.now()
             )
-        # The same path as code: under the row lock, recorded with the user
-        # (both changed: two records, each with the reason).
+        # The same path as code: under the row lock, recorded with the user;
+        # what the form did not change is not written back (someone else's
+        # change since the form was opened stays), and both changed are one
+        # change, one record.
         who = cast(AbstractBaseUser, request.user)
         reason = form.cleaned_data.get("reason", "")
-        if "capacity" in form.changed_data:
-            saved = set_capacity(
-                obj.name, form.cleaned_data["capacity"], changed_by=who, reason=reason
-            )
-            obj.capacity, obj.updated_at = saved.capacity, saved.updated_at
-        if "window" in form.changed_data:
-            saved = set_window(obj.name, form.cleaned_data["window"], changed_by=who, reason=reason)
-            obj.window, obj.updated_at = saved.window, saved.updated_at
+        limits = {f: form.cleaned_data[f] for f in ("capacity", "window") if f in form.changed_data}
+        if "capacity" in limits:
+            saved = set_capacity(obj.name, **limits, changed_by=who, reason=reason)
+        elif limits:
+            saved = set_window(obj.name, limits["window"], changed_by=who, reason=reason)
+        else:
+            return
+        obj.capacity, obj.window, obj.updated_at = saved.capacity, saved.window, saved.updated_at
 
     def get_deleted_objects(
         self, objs: Sequence[Any] | QuerySet[Any], request: HttpRequest
@@ -303,21 +306,32 @@ class SemaphoreAdmin(OperatorAdmin):
         # A semaphore's capacity history goes with it; it has no delete
         # permission of its own, being read-only everywhere else.
         perms_needed.discard(CapacityChange._meta.verbose_name)
-        # Deleting a held semaphore would end its holders' permits silently
-        # behind their backs: they are shown as protected, and block it.
+        # Deleting a held semaphore would end its holders' permits behind
+        # their backs, and one waited on would leave its parked tasks and
+        # fair waiters waiting for nothing: they are shown as protected, and
+        # block it (the model's delete refuses it too).
+        alias = routing.current_alias()
+        semaphores = list(objs)
         held = (
-            PermitRequest.objects.using(routing.current_alias())
-            .filter(state=State.ACQUIRED, permits__semaphore__in=list(objs))
+            PermitRequest.objects.using(alias)
+            .filter(state=State.ACQUIRED, permits__semaphore__in=semaphores)
             .distinct()
         )
-        protected.extend(
-            format_html(
-                '{}: <a href="{}">{}</a>',
-                capfirst(PermitRequest._meta.verbose_name),
-                self.admin_url(PermitRequest, "change", request_.pk),
-                request_,
+        waiting = Ticket.objects.using(alias).live().filter(semaphore__in=semaphores)
+        parked = ParkedTask.objects.using(alias).filter(key__in=waiting.values("external_id"))
+        for model, found in ((PermitRequest, held), (ParkedTask, parked)):
+            protected.extend(
+                format_html(
+                    '{}: <a href="{}">{}</a>',
+                    capfirst(model._meta.verbose_name),
+                    self.admin_url(model, "change", each.pk),
+                    each,
+                )
+                for each in found
             )
-            for request_ in held
+        protected.extend(
+            format_html("{}: {} ({})", gettext("Fair waiter"), ticket.external_id, ticket.owner)
+            for ticket in waiting.filter(parked__id__isnull=True)
         )
         return to_delete, counts, perms_needed, protected
 

@@ -31,7 +31,8 @@ def change_limits(
     reason: str,
 ) -> Semaphore:
     """``set_capacity``'s or ``set_window``'s transaction (or its part of the
-    caller's)."""
+    caller's): one change of what ``limits`` gives, capacity and window
+    together, one ``CapacityChange``."""
     with transaction.atomic(using=alias):
         semaphore = Semaphore.objects.using(alias).filter(name=name).locked().first()
         if semaphore is None:

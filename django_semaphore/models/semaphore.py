@@ -12,7 +12,7 @@ from django.db.models import F, Q
 from django.utils.translation import gettext_lazy as _
 
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.exceptions import PermitHeld, SemaphoreNotFound
+from django_semaphore.exceptions import PermitHeld, SemaphoreNotFound, WaitersInLine
 from django_semaphore.guards import GuardedModel, engine_is_writing, engine_writes
 from django_semaphore.limits import Limit
 from django_semaphore.managers import ReleaseCounterManager, SemaphoreManager
@@ -56,7 +56,8 @@ class Semaphore(GuardedModel):
     ``set_capacity`` and ``set_window`` do),
     never the engine-owned columns. Bulk writes of those columns or of
     ``capacity`` are refused (``UnsafeWrite``), and so is deleting a held
-    semaphore (``PermitHeld``). See docs/concepts.md, "Using the models".
+    semaphore (``PermitHeld``) or one waited on (``WaitersInLine``). See
+    docs/concepts.md, "Using the models".
     """
 
     # The columns written only by the engine's own statements, under the row
@@ -374,15 +375,17 @@ RELEASE_FIRST = (
 )
 
 
-def refuse_deleting_held_semaphore(
+def refuse_deleting_a_semaphore_in_use(
     sender: type[Semaphore], instance: Semaphore, using: str, **kwargs: Any
 ) -> None:
-    """Deleting a held semaphore would end its holders' permits silently."""
+    """Deleting a held semaphore would end its holders' permits silently;
+    one that fair waiters or parked tasks wait on would leave them waiting
+    for a semaphore that is gone."""
     if engine_is_writing():
         return
-    # Under the row lock (the delete's own transaction): a grant committed
-    # after Django collected the permits to delete is seen here, and no new
-    # one starts until the delete commits.
+    # Under the row lock (the delete's own transaction): a grant or a ticket
+    # committed after Django collected the rows to delete is seen here, and
+    # no new one is made until the delete commits.
     sender.objects.using(using).filter(pk=instance.pk).locked().exists()
     holders = (
         instance.permits.using(using)
@@ -395,4 +398,11 @@ def refuse_deleting_held_semaphore(
         raise PermitHeld(
             f"Semaphore {instance.name!r} is held by {holders} request(s) and cannot be "
             f"deleted: {RELEASE_FIRST}"
+        )
+    if waiters := instance.tickets.using(using).live().count():
+        raise WaitersInLine(
+            f"Semaphore {instance.name!r} has {waiters} fair waiter(s) or parked task(s) "
+            f"in line and cannot be deleted: let them be served, or drop the parked tasks "
+            f"(the admin's action, parking.cancel(task_ids)); a fair waiter's place ends "
+            f"when it gives up."
         )

@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from django_semaphore import routing
 from django_semaphore.conf import app_settings
-from django_semaphore.models import ParkedTask, Ticket
-from django_semaphore.parking import wake
+from django_semaphore.exceptions import SemaphoreNotFound
+from django_semaphore.models import ParkedTask, PermitRequest, Ticket
+from django_semaphore.parking import deferred, wake
+from django_semaphore.parking.rows import raw_delete
 
 logger = logging.getLogger("django_semaphore")
 
@@ -22,16 +25,20 @@ class ParkedReport:
     republished: int = 0  # woken rows whose run never started
     woken: int = 0
     dropped: int = 0  # past their expiry
+    orphaned: int = 0  # dropped: they waited on no semaphore left
 
     def __str__(self) -> str:
         return (
             f"Parked tasks: woken {self.woken}, republished {self.republished}, "
-            f"dropped {self.dropped} expired."
+            f"dropped {self.dropped} expired and {self.orphaned} whose semaphore is gone."
         )
 
 
 def sweep_parked() -> ParkedReport:
-    """The backstop of the wake-ups: drop expired rows, publish again woken
+    """The backstop of the wake-ups: drop expired rows and those whose
+    semaphore is gone (deleted behind the delete guard's back: raw SQL, an
+    older version; each logged, and a Django task's result recorded as
+    failed with ``SemaphoreNotFound``), publish again woken
     rows whose run has not started within ``PARKED_REPUBLISH_AFTER``, and
     wake what fits on every semaphore with parked tasks (releases made by a
     process that does not park tasks send no wake-up), and on rate limits
@@ -42,6 +49,7 @@ def sweep_parked() -> ParkedReport:
         dropped = tasks.filter(expires_at__lte=timezone.now())
         Ticket.objects.using(alias).filter(parked__in=dropped).delete()
         report.dropped += dropped.delete()[0]
+        report.orphaned += _drop_orphans(alias)
         overdue_since = timezone.now() - app_settings.PARKED_REPUBLISH_AFTER
         overdue = list(
             tasks.filter(woken_at__lte=overdue_since).order_by("id").values_list("id", flat=True)
@@ -58,6 +66,26 @@ def sweep_parked() -> ParkedReport:
         report.woken += wake.wake(alias, semaphore_ids)
         # A rate limit's wake-up at its next slot, published again if lost.
         wake.schedule_slots(alias, semaphore_ids)
-    if report.republished or report.woken or report.dropped:
+    if report.republished or report.woken or report.dropped or report.orphaned:
         logger.info("%s", report)
     return report
+
+
+def _drop_orphans(alias: str) -> int:
+    """Drop the parked tasks left with no ticket, no semaphore to wait on;
+    not one whose run holds its permit already (its grant took the tickets,
+    and ``parking.started`` deletes the row)."""
+    runs = PermitRequest.objects.using(alias).filter(external_id=OuterRef("key"))
+    orphans = ParkedTask.objects.using(alias).filter(tickets__isnull=True).filter(~Exists(runs))
+    found = list(orphans.values_list("id", "task_name", "task_id", "backend"))
+    if not found:
+        return 0
+    for _, task_name, task_id, _ in found:
+        logger.warning(
+            "Dropped parked task %s[%s]: the semaphore it waited on was deleted.",
+            task_name,
+            task_id,
+        )
+    if results := [task_id for _, _, task_id, backend in found if backend]:
+        deferred.drop(results, SemaphoreNotFound)
+    return raw_delete(ParkedTask.objects.using(alias).filter(id__in=[row[0] for row in found]))

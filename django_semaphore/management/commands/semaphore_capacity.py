@@ -2,17 +2,18 @@
 
 ``CAPACITY`` may be a rate (``100/s``, ``5/m``): the semaphore becomes a
 rate limit with that window; ``--no-window`` makes it a concurrency limit
-again.
+again. Capacity and window change together: one transaction, one record.
 """
 
 from __future__ import annotations
 
+from types import EllipsisType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_semaphore import routing
-from django_semaphore.api import set_capacity, set_window
+from django_semaphore.api import set_capacity
 from django_semaphore.exceptions import InvalidRequest, SemaphoreError
 from django_semaphore.limits import Limit
 from django_semaphore.models import Semaphore
@@ -44,25 +45,23 @@ class Command(BaseCommand):
         reason = f"{BY_COMMAND}: {options['reason']}" if options["reason"] else BY_COMMAND
         try:
             name = validate_name(options["name"])  # before the read of its limits
-            capacity, windows = _limits(options["capacity"], options["no_window"])
+            capacity, window = _limits(options["capacity"], options["no_window"])
             previous = (
                 Semaphore.objects.using(routing.alias_for_name(name))
                 .filter(name=name)
                 .values_list("capacity", "window")
                 .first()
             )
-            semaphore = set_capacity(name, capacity, reason=reason)
-            for window in windows:
-                semaphore = set_window(name, window, reason=reason)
+            semaphore = set_capacity(name, capacity, window=window, reason=reason)
         except SemaphoreError as exc:
             raise CommandError(str(exc)) from exc
         before = "?" if previous is None else Limit(*previous)
         self.stdout.write(f"Semaphore {semaphore.name!r}: capacity {before} -> {semaphore.limit}.")
 
 
-def _limits(given: str, no_window: bool) -> tuple[int, list[int | None]]:
-    """The capacity, and the window to set (none: leave it as it is)."""
+def _limits(given: str, no_window: bool) -> tuple[int, int | EllipsisType | None]:
+    """The capacity, and the window to set with it (``...``: leave it as it is)."""
     limit = parse_limit(given)
     if limit.is_rate and no_window:
         raise InvalidRequest("A rate has a window: give a capacity with --no-window.")
-    return limit.capacity, [limit.window] if limit.is_rate or no_window else []
+    return limit.capacity, limit.window if limit.is_rate or no_window else ...

@@ -6,8 +6,8 @@ existing ones alone (their limits belong to the admin and the capacity API
 from then on). This command is how a change of settings is applied: a dry
 run by default, listing what would change; with ``--apply``, missing ones
 are created as ``migrate`` creates them, and each differing capacity and
-window is changed through ``set_capacity`` and ``set_window``, recorded in
-the capacity history with the reason ``settings``. A family's pattern is
+window is changed through ``set_capacity`` (both at once), recorded in the
+capacity history as one change with the reason ``settings``. A family's pattern is
 its default: its members that follow the default follow it; members whose
 capacity was changed on their own keep it.
 """
@@ -18,10 +18,10 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import Error, transaction
+from django.db import Error
 
 from django_semaphore import routing
-from django_semaphore.api import set_capacity, set_window
+from django_semaphore.api import set_capacity
 from django_semaphore.declared import Drift, create_declared_semaphores, drift
 from django_semaphore.exceptions import SemaphoreError
 
@@ -79,10 +79,6 @@ def _apply(each: Drift, reason: str) -> None:
         # As migrate creates them (all of the alias's missing ones at once).
         create_declared_semaphores(using=each.alias, verbosity=0)
         return
-    # One transaction: nobody is granted under the new capacity with the old
-    # window (or the reverse) in between.
-    with transaction.atomic(using=each.alias):
-        if each.changes_capacity:
-            set_capacity(each.name, each.declared.capacity, reason=reason)
-        if each.changes_window:
-            set_window(each.name, each.declared.window, reason=reason)
+    # One change: nobody is granted under the new capacity with the old
+    # window (or the reverse), and the history has one record of it.
+    set_capacity(each.name, each.declared.capacity, window=each.declared.window, reason=reason)
