@@ -321,8 +321,9 @@ class Seen(process.State):
 
     def reset(self) -> None:
         self.lock = threading.Lock()
-        # key -> (alias, names, time.monotonic() of the grant), oldest first.
-        self.grants: OrderedDict[str, tuple[str, list[str], float]] = OrderedDict()
+        # (alias, key) -> (names, time.monotonic() of the grant), oldest first
+        # (a key used on two shards has a grant on each).
+        self.grants: OrderedDict[tuple[str, str], tuple[list[str], float]] = OrderedDict()
         # (alias, name) -> time.monotonic() of this process's last wait there.
         self.waits: dict[tuple[str, str], float] = {}
 
@@ -334,8 +335,8 @@ def granted(alias: str, key: str, names: list[str]) -> None:
     """Note a grant of this process: its release (``released``) learns how
     long it was held and which semaphores to wake."""
     with SEEN.lock:
-        if key not in SEEN.grants:
-            SEEN.grants[key] = (alias, names, time.monotonic())
+        if (alias, key) not in SEEN.grants:
+            SEEN.grants[(alias, key)] = (names, time.monotonic())
             if len(SEEN.grants) > GRANTS_KEPT:
                 SEEN.grants.popitem(last=False)
 
@@ -345,11 +346,12 @@ def released(connection: BaseDatabaseWrapper, key: str) -> None:
     process's pollers of its semaphores, and on PostgreSQL notify the other
     processes when waiting was seen there lately. No statement when this
     process granted it not, or saw nobody wait on it."""
+    alias = connection.alias
     with SEEN.lock:
-        grant = SEEN.grants.pop(key, None)
+        grant = SEEN.grants.pop((alias, key), None)
     if grant is None:
         return
-    alias, names, since = grant
+    names, since = grant
     learn_hold(dict.fromkeys(names, 1), time.monotonic() - since)
     WAITERS.room_made(alias, names)
     if notifies(connection) and _waited_lately(alias, names):
