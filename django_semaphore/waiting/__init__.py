@@ -27,8 +27,10 @@ semaphore it freed at once: no database statement, and none at all when this
 process has no waiter there. On PostgreSQL the release also sends a
 ``NOTIFY`` after its commit when this process saw waiting on those
 semaphores lately, and each process with waiters there ``LISTEN``\\s on one
-daemon connection (``listening``), so a release anywhere wakes them.
-Probes remain the fallback (MariaDB has no notify).
+daemon connection (``listening``; a direct one where the alias is behind a
+transaction pooler), so a release anywhere wakes them. Probes remain the
+fallback (MariaDB has no notify, and a pooled alias without a direct
+connection no listener).
 
 **The pace of probes** is learned from the holds this process observed
 (``granted`` then ``released``, as a parking task's are through
@@ -76,7 +78,7 @@ from django_semaphore.engine.line import rounds
 from django_semaphore.engine.probes import Room, probe
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.models import PermitRequest
-from django_semaphore.waiting.listening import LISTENER, notifies, notify
+from django_semaphore.waiting.listening import LISTENER, listen_alias, notify
 from django_semaphore.waiting.standby import learn_hold, learned_holds
 from django_semaphore.waiting.waiters import WAITERS, Waiter
 
@@ -354,7 +356,7 @@ def released(connection: BaseDatabaseWrapper, key: str) -> None:
     names, since = grant
     learn_hold(dict.fromkeys(names, 1), time.monotonic() - since)
     WAITERS.room_made(alias, names)
-    if notifies(connection) and _waited_lately(alias, names):
+    if listen_alias(alias) is not None and _waited_lately(alias, names):
         notify(connection, names)
 
 
