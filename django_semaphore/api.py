@@ -212,14 +212,28 @@ def _refuse_outer_transaction(connection: BaseDatabaseWrapper) -> None:
 
 
 def release(external_id: str) -> ReleaseOutcome:
-    """End the request with this key; safe to repeat.
+    """End the request with this key -- on every alias that has one (a key
+    used on two shards); safe to repeat.
 
     Returns:
-        ``RELEASED`` if this call ended it, ``ALREADY_RELEASED`` if it had
-        ended before (released, expired or revoked), ``NOT_FOUND`` otherwise.
+        ``RELEASED`` if this call ended it (on any alias), ``ALREADY_RELEASED``
+        if it had ended before (released, expired or revoked), ``NOT_FOUND``
+        otherwise.
     """
     key = validate_key(external_id)
-    connection = connections[routing.alias_for_key(key)]
+    return _over_aliases(
+        [_release_on(connections[alias], key) for alias in routing.aliases_for_key(key)]
+    )
+
+
+def _over_aliases(outcomes: Iterable[ReleaseOutcome]) -> ReleaseOutcome:
+    """A key's outcome over the aliases with a request under it: ``RELEASED``
+    if one was ended now, else ``ALREADY_RELEASED`` if one had ended (the
+    members' own order)."""
+    return min(outcomes, key=list(ReleaseOutcome).index, default=ReleaseOutcome.NOT_FOUND)
+
+
+def _release_on(connection: BaseDatabaseWrapper, key: str) -> ReleaseOutcome:
     outcome, freed = run_with_retries(
         connection,
         functools.partial(release_key, connection, key, parking.enabled()),
@@ -238,18 +252,24 @@ def _woken(connection: BaseDatabaseWrapper, key: str, freed: dict[int, int]) -> 
 
 
 def renew(external_id: str, ttl: int | float | timedelta | None = None) -> PermitRequest:
-    """Push the request's expiry to now + ``ttl`` (default: its own ttl).
+    """Push the request's expiry to now + ``ttl`` (default: its own ttl), on
+    every alias that has a request with this key (a key used on two shards).
+
+    Returns:
+        The request renewed (of several, the one on the first alias, ``DATABASE`` first).
 
     Raises:
-        PermitAlreadyReleased: it was released or had expired; the holder has
-            lost its permits and must stop. ``PermitNotFound`` (a subclass)
-            when no request has this key.
+        PermitAlreadyReleased: it (or one of them) was released or had
+            expired; the holder has lost permits and must stop.
+            ``PermitNotFound`` (a subclass) when no request has this key.
     """
     key = validate_key(external_id)
     ttl_seconds = validate_ttl(ttl)
-    connection = connections[routing.alias_for_key(key)]
-    alias = connection.alias
+    renewed = [_renew_on(alias, key, ttl_seconds) for alias in routing.aliases_for_key(key)]
+    return renewed[0]
 
+
+def _renew_on(alias: str, key: str, ttl_seconds: int | None) -> PermitRequest:
     def attempt() -> PermitRequest:
         request = grant.find_request(alias, key)
         if request is None:
@@ -272,7 +292,7 @@ def renew(external_id: str, ttl: int | float | timedelta | None = None) -> Permi
         request.ttl, request.expires_at = new_ttl, expires_at
         return request
 
-    return run_with_retries(connection, attempt)
+    return run_with_retries(connections[alias], attempt)
 
 
 # --- capacity ----------------------------------------------------------------
@@ -382,7 +402,7 @@ def force_release(keys: Iterable[str], reason: str | None = None) -> dict[str, R
     call it. Their holders find out at their next renew or release.
 
     Args:
-        keys: ``external_id`` values, looked for on every alias.
+        keys: ``external_id`` values, ended on every alias that has them.
         reason: a ``ReleaseReason`` value (default ``admin``).
 
     Returns:
@@ -398,13 +418,10 @@ def force_release(keys: Iterable[str], reason: str | None = None) -> dict[str, R
         raise InvalidRequest(
             f"reason must be one of {', '.join(ReleaseReason.values)}, not {reason!r}."
         )
-    outcomes = dict.fromkeys(keys, ReleaseOutcome.NOT_FOUND)
-    for alias in routing.aliases():
-        # Keys are unique per alias: a key found on one is looked for no further.
-        missing = [key for key in keys if outcomes[key] is ReleaseOutcome.NOT_FOUND]
-        if missing:
-            outcomes |= _force_release_on(alias, missing, reason or ReleaseReason.ADMIN)
-    return outcomes
+    found = [
+        _force_release_on(alias, keys, reason or ReleaseReason.ADMIN) for alias in routing.aliases()
+    ]
+    return {key: _over_aliases(each[key] for each in found) for key in keys}
 
 
 def _force_release_on(alias: str, keys: list[str], reason: str) -> dict[str, ReleaseOutcome]:

@@ -22,6 +22,7 @@ from django_semaphore.integrations import django_tasks
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.parking import deferred
 from django_semaphore.validation import is_pattern
+from django_semaphore.waiting import POLL_CAP, listening
 
 # Where an installed project reads the docs: its docs/ folder is not installed.
 SITE = "https://django-semaphore.readthedocs.io/en/latest/"
@@ -55,6 +56,7 @@ SETTING_IDS = {
     "PARK_TASKS": 20,
     "PARKED_REPUBLISH_AFTER": 21,
     "METRICS_PER_MEMBER": 30,
+    "LISTEN_DATABASES": 40,
 }
 
 
@@ -168,6 +170,31 @@ def check_sqlite_transactions(**kwargs: Any) -> list[CheckMessage]:
         )
         for alias in _app_aliases()
         if backends.is_sqlite_without_immediate_transactions(settings.DATABASES[alias])
+    ]
+
+
+@register(Tags.compatibility)
+def check_listening(**kwargs: Any) -> list[CheckMessage]:
+    """A PostgreSQL alias behind a transaction pooler, with no direct
+    connection named for ``LISTEN``: its waiters poll (``waiting.listening``)."""
+    try:
+        named = app_settings.LISTEN_DATABASES
+    except ImproperlyConfigured:
+        return []  # check_settings reports it
+    return [
+        Warning(
+            f"The semaphore database {alias!r} is behind a transaction pooler "
+            "(DISABLE_SERVER_SIDE_CURSORS): a LISTEN through it would hear nothing, so its "
+            "waiters poll, and hear of a release in another process at their next probe "
+            f"(up to {POLL_CAP:g} s later).",
+            hint="Name a direct connection to the same database (not through the pooler) "
+            f"for listening: DJANGO_SEMAPHORE['LISTEN_DATABASES'] = {{{alias!r}: "
+            f"'<direct alias>'}}, or {{{alias!r}: None}} to poll without this warning. "
+            f"See {SITE}operations/#connection-poolers.",
+            id="django_semaphore.W040",
+        )
+        for alias in _app_aliases()
+        if alias not in named and listening.pooled(alias) and listening.notifies(connections[alias])
     ]
 
 

@@ -79,6 +79,11 @@ DEFAULTS: dict[str, Any] = {
     # label one by one; any other family's members are one series, labelled
     # with its pattern (metrics/series.py).
     "METRICS_PER_MEMBER": [],
+    # Alias -> the alias of a direct connection to the same database, for
+    # LISTEN (PostgreSQL): an alias behind a transaction pooler hears no
+    # notification on its own; None there: its waiters poll (see
+    # waiting/listening.py).
+    "LISTEN_DATABASES": {},
 }
 
 DURATION_KEYS = frozenset(
@@ -184,6 +189,7 @@ class Settings:
     PARKED_REPUBLISH_AFTER = _Setting(_duration)
     LEASE = _Setting(_duration)
     METRICS_PER_MEMBER = _Setting(frozenset[str])
+    LISTEN_DATABASES = _Setting(dict[str, str | None])
 
     def forget(self, **kwargs: Any) -> None:
         """Read every value afresh: any setting may have changed one (a
@@ -214,6 +220,8 @@ def setting_problems(key: str, value: Any) -> list[str]:
         return _declared_problems(value)
     if key == "METRICS_PER_MEMBER":
         return _per_member_problems(value)
+    if key == "LISTEN_DATABASES":
+        return _listen_problems(value)
     sound, expects = _SCALAR_RULES[key]
     return [] if sound(value) else [f"DJANGO_SEMAPHORE[{key!r}] must be {expects}, not {value!r}."]
 
@@ -270,6 +278,20 @@ def _shard_problems(value: Any) -> list[str]:
         f"not {pattern!r} to {alias!r}."
         for pattern, alias in value.items()
         if not isinstance(pattern, str) or not _is_alias(alias)
+    ]
+
+
+def _listen_problems(value: Any) -> list[str]:
+    if not isinstance(value, Mapping):
+        return [f"DJANGO_SEMAPHORE['LISTEN_DATABASES'] must map aliases to aliases, not {value!r}."]
+    return [
+        f"DJANGO_SEMAPHORE['LISTEN_DATABASES'] must map DATABASES aliases to the alias of a "
+        f"direct connection (one without DISABLE_SERVER_SIDE_CURSORS: not through a "
+        f"transaction pooler) or None, not {alias!r} to {direct!r}."
+        for alias, direct in value.items()
+        if not _is_alias(alias)
+        or not (direct is None or _is_alias(direct))
+        or (direct is not None and settings.DATABASES[direct].get("DISABLE_SERVER_SIDE_CURSORS"))
     ]
 
 

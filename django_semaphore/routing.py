@@ -13,9 +13,9 @@ is a write alias, never a replica: every read that decides a grant or a
 release goes to the alias chosen here, whatever ``db_for_read`` a router has.
 
 A grant is one transaction, so a multi-semaphore request must name semaphores
-of one alias (``CrossShardRequest`` otherwise). Keys are looked up on each
-alias in turn by ``release``/``renew``: they must be unique across aliases
-(task ids and UUIDs are). Sweeps, commands and the admin visit every alias.
+of one alias (``CrossShardRequest`` otherwise). A key is looked up on every
+alias by ``release``/``renew``/``force_release``, which act on each request
+that has it. Sweeps, commands and the admin visit every alias.
 """
 
 from __future__ import annotations
@@ -88,17 +88,28 @@ def aliases() -> list[str]:
     return list(dict.fromkeys([current_alias(), *app_settings.SHARDS.values()]))
 
 
-def alias_for_key(key: str) -> str:
-    """The alias whose request has ``key``; ``DATABASE`` when none has it (or
-    when there is only one alias, without asking the database)."""
+def aliases_for_key(key: str) -> list[str]:
+    """The aliases whose requests have ``key``: a key used on two aliases
+    has a request on each (no database can refuse it for the other), and
+    by-key operations act on all of them. ``[DATABASE]`` when none has it,
+    or when there is only one alias (without asking the database)."""
     candidates = aliases()
     if len(candidates) == 1:
-        return candidates[0]
-    for alias in candidates:
-        requests = PermitRequest.objects.using(alias).filter(external_id=key)
-        if run_with_retries(connections[alias], requests.exists):
-            return alias
-    return candidates[0]
+        return candidates
+    found = [
+        alias
+        for alias in candidates
+        if run_with_retries(
+            connections[alias], PermitRequest.objects.using(alias).filter(external_id=key).exists
+        )
+    ]
+    return found or candidates[:1]
+
+
+def alias_for_key(key: str) -> str:
+    """The first of :func:`aliases_for_key`: for a task id, whose requests
+    live on its demand's one alias."""
+    return aliases_for_key(key)[0]
 
 
 @contextmanager

@@ -61,7 +61,7 @@ def test_a_forked_child_renews_every_state_another_thread_held(settings):
             held.set()
             done.wait(10)
 
-    SEEN.grants["forked"] = ("default", ["forked"], 0.0)
+    SEEN.grants[("default", "forked")] = (["forked"], 0.0)
     STANDBYS.names["forked"] += 1
     SCHEDULED.due[("default", 0)] = 0.0
     thread = threading.Thread(daemon=True, target=hold_everything)
@@ -81,6 +81,6 @@ def test_a_forked_child_renews_every_state_another_thread_held(settings):
     finally:
         done.set()
         thread.join(10)
-        SEEN.grants.pop("forked", None)
+        SEEN.grants.pop(("default", "forked"), None)
         STANDBYS.names.subtract(["forked"])
         SCHEDULED.due.pop(("default", 0), None)

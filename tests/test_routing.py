@@ -9,6 +9,7 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 from django.db import InterfaceError, OperationalError, connection, connections
+from django.test.utils import CaptureQueriesContext
 
 from django_semaphore import (
     acquire,
@@ -22,9 +23,15 @@ from django_semaphore import (
     sweep,
 )
 from django_semaphore.declared import create_declared_semaphores
-from django_semaphore.exceptions import CrossShardRequest, InvalidRequest, PermitNotFound
+from django_semaphore.exceptions import (
+    CrossShardRequest,
+    InvalidRequest,
+    PermitAlreadyReleased,
+    PermitNotFound,
+)
 from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore
 from django_semaphore.states import ReleaseOutcome
+from django_semaphore.waiting.standby import learned_holds
 from tests.conftest import static_checks, unique
 
 SHARDED = {"SHARDS": {"b-*": "shard"}}
@@ -103,6 +110,95 @@ def test_sweeps_and_force_release_visit_every_alias(sharded):
         keys[1]: ReleaseOutcome.ALREADY_RELEASED,
         "nope": ReleaseOutcome.NOT_FOUND,
     }
+
+
+def held(key: str) -> dict[str, str]:
+    """alias -> the state of ``key``'s request there."""
+    return {
+        alias: state
+        for alias in ("default", "shard")
+        for state in PermitRequest.objects.using(alias)
+        .filter(external_id=key)
+        .values_list("state", flat=True)
+    }
+
+
+@both
+def test_a_key_held_on_two_aliases_is_released_on_both(sharded):
+    a, b = make("a"), make("b")
+    key = unique("job")
+    acquire(a.name, external_id=key, ttl=60)
+    acquire(b.name, external_id=key, ttl=60)
+
+    assert release(key) is ReleaseOutcome.RELEASED
+    assert held(key) == {"default": "RELEASED", "shard": "RELEASED"}
+    assert release(key) is ReleaseOutcome.ALREADY_RELEASED
+    # Their room is back on both.
+    acquire(a.name, external_id=unique("key"))
+    acquire(b.name, external_id=unique("key"))
+
+
+@both
+def test_a_key_ended_on_one_alias_is_released_where_it_is_still_held(sharded):
+    a, b = make("a"), make("b")
+    key = unique("job")
+    acquire(a.name, external_id=key)
+    release(key)
+    acquire(b.name, external_id=key)  # the shard cannot know the key ended elsewhere
+
+    assert release(key) is ReleaseOutcome.RELEASED
+    assert held(key) == {"default": "RELEASED", "shard": "RELEASED"}
+
+
+@both
+def test_a_key_held_on_two_aliases_is_renewed_on_both(sharded):
+    a, b = make("a"), make("b")
+    key = unique("job")
+    requests = [acquire(s.name, external_id=key, ttl=60) for s in (a, b)]
+
+    assert renew(key, ttl=600).ttl == 600
+    for request in requests:
+        stored = PermitRequest.objects.using(request._state.db).get(pk=request.pk)
+        assert stored.ttl == 600
+        assert stored.expires_at > request.expires_at + timedelta(seconds=500)
+
+    # One of them ended: the holder has lost permits under its key.
+    PermitRequest.objects.using("shard").filter(external_id=key).update(
+        expires_at=requests[1].expires_at - timedelta(hours=1)
+    )
+    with pytest.raises(PermitAlreadyReleased):
+        renew(key)
+
+
+@both
+def test_force_release_ends_a_key_on_every_alias_holding_it(sharded):
+    a, b = make("a"), make("b")
+    key = unique("job")
+    acquire(a.name, external_id=key)
+    acquire(b.name, external_id=key)
+
+    assert force_release([key]) == {key: ReleaseOutcome.RELEASED}
+    assert held(key) == {"default": "RELEASED", "shard": "RELEASED"}
+
+
+@both
+def test_a_release_learns_the_hold_on_each_alias_holding_the_key(sharded):
+    a, b = make("a"), make("b")
+    key = unique("job")
+    acquire(a.name, external_id=key)
+    acquire(b.name, external_id=key)
+
+    release(key)
+
+    # Each alias's grant was noted, and its release woke that alias's pollers.
+    assert learned_holds({a.name: 1})
+    assert learned_holds({b.name: 1})
+
+
+def test_with_one_alias_a_key_is_placed_without_asking_the_database(db):
+    with CaptureQueriesContext(connection) as queries:
+        assert routing.aliases_for_key(unique("key")) == ["default"]
+    assert not queries.captured_queries
 
 
 @both

@@ -75,3 +75,22 @@ def wait_slowly(name: str, ready: Any, waited: Outbox) -> None:
         waited.put(None)
     finally:
         connections.close_all()
+
+
+# The application_name of the listener's direct connection, in pg_stat_activity.
+DIRECT = "semaphore-direct"
+
+
+def wait_listening_directly(name: str, ready: Any, waited: Outbox) -> None:
+    """``wait_slowly`` with ``default`` behind a transaction pooler, as far as
+    the app can tell, and ``semaphores`` (the same test database, its
+    connection named ``DIRECT``) named for listening."""
+    from django.test.utils import override_settings
+
+    default = connections["default"].settings_dict
+    default["DISABLE_SERVER_SIDE_CURSORS"] = True
+    connections["semaphores"].settings_dict.update(
+        NAME=default["NAME"], OPTIONS={**default["OPTIONS"], "application_name": DIRECT}
+    )
+    with override_settings(DJANGO_SEMAPHORE={"LISTEN_DATABASES": {"default": "semaphores"}}):
+        wait_slowly(name, ready, waited)

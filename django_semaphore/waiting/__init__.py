@@ -27,8 +27,10 @@ semaphore it freed at once: no database statement, and none at all when this
 process has no waiter there. On PostgreSQL the release also sends a
 ``NOTIFY`` after its commit when this process saw waiting on those
 semaphores lately, and each process with waiters there ``LISTEN``\\s on one
-daemon connection (``listening``), so a release anywhere wakes them.
-Probes remain the fallback (MariaDB has no notify).
+daemon connection (``listening``; a direct one where the alias is behind a
+transaction pooler), so a release anywhere wakes them. Probes remain the
+fallback (MariaDB has no notify, and a pooled alias without a direct
+connection no listener).
 
 **The pace of probes** is learned from the holds this process observed
 (``granted`` then ``released``, as a parking task's are through
@@ -76,7 +78,7 @@ from django_semaphore.engine.line import rounds
 from django_semaphore.engine.probes import Room, probe
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.models import PermitRequest
-from django_semaphore.waiting.listening import LISTENER, notifies, notify
+from django_semaphore.waiting.listening import LISTENER, listen_alias, notify
 from django_semaphore.waiting.standby import learn_hold, learned_holds
 from django_semaphore.waiting.waiters import WAITERS, Waiter
 
@@ -321,8 +323,9 @@ class Seen(process.State):
 
     def reset(self) -> None:
         self.lock = threading.Lock()
-        # key -> (alias, names, time.monotonic() of the grant), oldest first.
-        self.grants: OrderedDict[str, tuple[str, list[str], float]] = OrderedDict()
+        # (alias, key) -> (names, time.monotonic() of the grant), oldest first
+        # (a key used on two shards has a grant on each).
+        self.grants: OrderedDict[tuple[str, str], tuple[list[str], float]] = OrderedDict()
         # (alias, name) -> time.monotonic() of this process's last wait there.
         self.waits: dict[tuple[str, str], float] = {}
 
@@ -334,8 +337,8 @@ def granted(alias: str, key: str, names: list[str]) -> None:
     """Note a grant of this process: its release (``released``) learns how
     long it was held and which semaphores to wake."""
     with SEEN.lock:
-        if key not in SEEN.grants:
-            SEEN.grants[key] = (alias, names, time.monotonic())
+        if (alias, key) not in SEEN.grants:
+            SEEN.grants[(alias, key)] = (names, time.monotonic())
             if len(SEEN.grants) > GRANTS_KEPT:
                 SEEN.grants.popitem(last=False)
 
@@ -345,14 +348,15 @@ def released(connection: BaseDatabaseWrapper, key: str) -> None:
     process's pollers of its semaphores, and on PostgreSQL notify the other
     processes when waiting was seen there lately. No statement when this
     process granted it not, or saw nobody wait on it."""
+    alias = connection.alias
     with SEEN.lock:
-        grant = SEEN.grants.pop(key, None)
+        grant = SEEN.grants.pop((alias, key), None)
     if grant is None:
         return
-    alias, names, since = grant
+    names, since = grant
     learn_hold(dict.fromkeys(names, 1), time.monotonic() - since)
     WAITERS.room_made(alias, names)
-    if notifies(connection) and _waited_lately(alias, names):
+    if listen_alias(alias) is not None and _waited_lately(alias, names):
         notify(connection, names)
 
 

@@ -6,6 +6,14 @@ waiters on a PostgreSQL alias ``LISTEN``\\s on one daemon connection
 (``Listener``), waking its pollers' probes on each notification. Best effort
 both ways: the probes remain the fallback, and MariaDB and SQLite have no
 notify at all.
+
+**Behind a transaction pooler** (PgBouncer's ``pool_mode = transaction``) a
+``LISTEN`` registers on a server connection that goes back to the pool once
+the statement ends: the notifications reach another client, or none. The
+listener connects through the alias ``LISTEN_DATABASES`` names instead (a
+direct connection to the same database); without one, an alias known to be
+pooled (``pooled``) has no listener, its waiters poll, and its releases send
+no ``NOTIFY``.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import process
+from django_semaphore.conf import app_settings
 from django_semaphore.waiting.waiters import WAITERS
 
 logger = logging.getLogger("django_semaphore")
@@ -34,6 +43,23 @@ def notifies(connection: BaseDatabaseWrapper) -> bool:
     """Whether the alias can notify listeners: PostgreSQL through psycopg 3."""
     driver = getattr(connection, "Database", None)
     return connection.vendor == "postgresql" and getattr(driver, "__name__", "") == "psycopg"
+
+
+def pooled(alias: str) -> bool:
+    """Whether ``alias`` goes through a transaction pooler, as far as can be
+    known: Django asks for ``DISABLE_SERVER_SIDE_CURSORS`` there. The server
+    cannot say (PgBouncer answers ``SHOW pool_mode`` on its admin console only)."""
+    return bool(connections[alias].settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"))
+
+
+def listen_alias(alias: str) -> str | None:
+    """The alias whose connection listens for releases on ``alias``: the one
+    ``LISTEN_DATABASES`` names, else ``alias`` unless it is ``pooled``;
+    None where nobody listens (the waiters poll) or nothing can notify."""
+    via = app_settings.LISTEN_DATABASES.get(alias, None if pooled(alias) else alias)
+    if via is None or not (notifies(connections[alias]) and notifies(connections[via])):
+        return None
+    return via
 
 
 def notify(connection: BaseDatabaseWrapper, names: list[str]) -> None:
@@ -78,50 +104,55 @@ class Listener(process.State):
         return alias in self._listening
 
     def wanted(self, alias: str) -> None:
-        """Make sure a listener runs for ``alias``, if it can notify."""
-        if not notifies(connections[alias]):
+        """Make sure a listener runs for ``alias``, if it has one (``listen_alias``)."""
+        via = listen_alias(alias)
+        if via is None:
             return
         with self._lock:
             thread = self._threads.get(alias)
             if thread is None or not thread.is_alive():
                 thread = threading.Thread(
-                    target=self._run, args=(alias,), name=f"semaphore-listener-{alias}", daemon=True
+                    target=self._run,
+                    args=(alias, via),
+                    name=f"semaphore-listener-{alias}",
+                    daemon=True,
                 )
                 self._threads[alias] = thread
                 thread.start()
 
-    def _run(self, alias: str) -> None:
+    def _run(self, alias: str, via: str) -> None:
         try:
-            while self._wanted(alias):
-                self._listen_or_retry(alias)
+            while self._wanted(alias, via):
+                self._listen_or_retry(alias, via)
         finally:
             self._listening.discard(alias)
-            connections[alias].close()  # this thread's own connection
+            connections[via].close()  # this thread's own connection
 
-    def _wanted(self, alias: str) -> bool:
+    def _wanted(self, alias: str, via: str) -> bool:
         """Until this process waits on ``alias`` (closing the connection after
         ``LISTEN_IDLE`` without a waiter): False when stopped."""
         with WAITERS.changed:
             waiting = lambda: WAITERS.waiting_on(alias) or self._stopping  # noqa: E731
             if not WAITERS.changed.wait_for(waiting, timeout=LISTEN_IDLE):
                 self._listening.discard(alias)
-                connections[alias].close()
+                connections[via].close()
                 WAITERS.changed.wait_for(waiting)
             return not self._stopping
 
-    def _listen_or_retry(self, alias: str) -> None:
+    def _listen_or_retry(self, alias: str, via: str) -> None:
         try:
-            self._listen(alias)
+            self._listen(alias, via)
         except Exception as exc:  # a lost connection: the probes carry on meanwhile
             logger.info("Listening for releases on %r failed, will retry: %s", alias, exc)
             self._listening.discard(alias)
             with suppress(Exception):
-                connections[alias].close()
+                connections[via].close()
             time.sleep(LISTEN_RETRY)
 
-    def _listen(self, alias: str) -> None:
-        """Listen while this process waits on ``alias``; wake on each notification."""
-        connection = connections[alias]
+    def _listen(self, alias: str, via: str) -> None:
+        """Listen on ``via`` while this process waits on ``alias``; wake on
+        each notification."""
+        connection = connections[via]
         if connection.connection is None or not connection.is_usable():
             connection.close()
             connection.ensure_connection()
