@@ -16,7 +16,6 @@ from django_semaphore import acquire, release, set_window
 from django_semaphore.engine import fairness, grant
 from django_semaphore.engine.statements import grant_routine, one_trip, routines
 from django_semaphore.exceptions import (
-    CapacityExceeded,
     IdempotencyConflict,
     LockContention,
     SemaphoreExhausted,

@@ -43,8 +43,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
 from django_semaphore import backends, signals
-from django_semaphore.conf import declared_capacity
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.conf import declared_capacity
 from django_semaphore.engine import fairness, families, prelock
 from django_semaphore.engine.line import fits, lacking_room
 from django_semaphore.engine.releasing import reclaim_expired, release_requests
