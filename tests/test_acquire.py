@@ -336,3 +336,17 @@ def test_a_grant_without_insert_returning_reads_its_stamps_back(make_semaphore, 
     stored = PermitRequest.objects.get(pk=request.pk)
     assert (stored.created_at, stored.expires_at) == (request.created_at, request.expires_at)
     assert request.expires_at - request.created_at == timedelta(seconds=60)
+
+
+def test_a_grant_marks_the_semaphore_used_at_most_once_a_minute(make_semaphore):
+    # updated_at is indexed (the idle clean-up's index): written by every
+    # grant, the hottest row's every update would rewrite an index entry.
+    sem = make_semaphore(capacity=5)
+    acquire(sem.name, external_id=unique())
+    marked = Semaphore.objects.get(pk=sem.pk).updated_at
+    acquire(sem.name, external_id=unique())
+    assert Semaphore.objects.get(pk=sem.pk).updated_at == marked
+
+    Semaphore.objects.filter(pk=sem.pk).update(updated_at=marked - timedelta(minutes=2))
+    acquire(sem.name, external_id=unique())
+    assert Semaphore.objects.get(pk=sem.pk).updated_at >= marked

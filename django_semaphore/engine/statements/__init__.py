@@ -49,6 +49,11 @@ from django_semaphore.states import State
 # The version of the routines this code calls (``routines.py``): part of
 # their names, so that code of another version finds its own beside them.
 ROUTINES_VERSION = 2
+# How stale a grant lets a semaphore's updated_at get: it marks a family
+# member as used for the idle clean-up, and written by every grant it would
+# change an indexed column each time (no HOT update on PostgreSQL, a
+# secondary index entry rewritten on InnoDB, on the hottest row there is).
+MARKED_EVERY = timedelta(minutes=1)
 
 
 def routine(name: str) -> str:
@@ -159,12 +164,14 @@ class Statements(SQL):
         # the same lock) write them. The fencing write is also what keeps a
         # multi-primary (Galera) cluster from over-granting: row locks are
         # node-local there, but two grants that both write these rows
-        # conflict at certification.
+        # conflict at certification. ``updated_at``: at most once a
+        # ``MARKED_EVERY`` (its parameters: that long ago, then now).
         self.grant_sql = (
             f"UPDATE {semaphore} SET {q('fencing_counter')} = {q('fencing_counter')} + 1,"
             f" {q('in_use_counter')} = {{counted}}, {q('released_folded')} = {{folded}},"
             f" {q('slots_open')} = {q('slots_open')} + {{slots}},"
-            f" {q('updated_at')} = %s WHERE {q('id')} IN ({{ids}})"
+            f" {q('updated_at')} = CASE WHEN {q('updated_at')} < %s THEN %s"
+            f" ELSE {q('updated_at')} END WHERE {q('id')} IN ({{ids}})"
         )
         # A rate limit's slots that ended since it last closed them: a range
         # of the (semaphore, slot_ends) index, never the slots of past windows.
@@ -342,6 +349,7 @@ class Statements(SQL):
                 *_case_params(counted),
                 *_case_params(folded),
                 *_case_params(slots),
+                self.connection.ops.adapt_datetimefield_value(now - MARKED_EVERY),
                 self.connection.ops.adapt_datetimefield_value(now),
                 *counted,
             ],

@@ -24,7 +24,14 @@ from dataclasses import dataclass, replace
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_semaphore.engine.statements import SQL, built, queue, statements, with_arguments
+from django_semaphore.engine.statements import (
+    MARKED_EVERY,
+    SQL,
+    built,
+    queue,
+    statements,
+    with_arguments,
+)
 from django_semaphore.engine.statements.rows import LOCKED_COLUMNS
 from django_semaphore.engine.statements.tickets import ticket_statements
 
@@ -231,7 +238,8 @@ class GrantRoutine(SQL):
         """The general grant's update of the row's counters and fencing token."""
         sum_sql, ids = f"{row.held} + {row.count}", row.id
         sql = self.general.grant_sql.format(counted=sum_sql, folded=fold_sql, slots="0", ids=ids)
-        return f" {with_arguments(sql, 'v_now')};"
+        stale = f"v_now - INTERVAL '{MARKED_EVERY.total_seconds():.0f}' SECOND"
+        return f" {with_arguments(sql, stale, 'v_now')};"
 
     def insert_permits(self, rows_sql: str) -> str:
         """The general grant's insert of the permits, its rows ``rows_sql``:
