@@ -50,6 +50,14 @@ if "NAME" in _shard_test:
     _shard_test["NAME"] = f"{_shard_test['NAME']}.shard"
 DATABASES["shard"] = {**_default, "NAME": f"{_default['NAME']}_shard", "TEST": _shard_test}
 
+# SQLite beside any server: the differential test runs one history on both
+# (tests/test_differential.py). Created only when a test asks for it.
+DATABASES["sqlite"] = {
+    "ENGINE": "django.db.backends.sqlite3",
+    "NAME": str(_sqlite_dir / "beside.sqlite3"),
+    "TEST": {"NAME": str(_sqlite_dir / "beside.sqlite3.test")},
+}
+
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",

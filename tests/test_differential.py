@@ -2,8 +2,8 @@
 histories -- acquires with and without keys taken, fair and not, of one
 name and several, releases, renewals, expiries, capacity changes -- run
 through the routines (MariaDB, PostgreSQL) and through the general grant
-alone, give the same grants, refusals, fencing tokens and counters. On
-SQLite both runs take the general grant."""
+alone, and through SQLite, give the same grants, refusals, fencing tokens
+and counters. On SQLite all three runs take the general grant."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from django_semaphore import acquire, release, renew
+from django_semaphore import acquire, release, renew, routing
 from django_semaphore.api import set_capacity
 from django_semaphore.engine.statements.one_trip import OneTripStatements
 from django_semaphore.exceptions import SemaphoreError
 from django_semaphore.models import PermitRequest, Semaphore
 from tests.conftest import unique
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite"])
 
 CAPACITIES = (1, 2, 3)  # of the history's semaphores, by index
 KEYS = [f"k{i}" for i in range(6)]
@@ -41,24 +41,26 @@ steps = st.one_of(
 histories = st.lists(steps, min_size=4, max_size=24)
 
 
-def run(history: list[tuple[Any, ...]], general: bool, monkeypatch: pytest.MonkeyPatch) -> list:
-    """What each step of ``history`` answered, and the counters at the end,
-    on semaphores of its own (names by index)."""
+def run(
+    history: list[tuple[Any, ...]], alias: str, general: bool, monkeypatch: pytest.MonkeyPatch
+) -> list:
+    """What each step of ``history`` answered on ``alias``, and the counters
+    at the end, on semaphores of its own (names by index)."""
     names = [unique("diff") for _ in CAPACITIES]
     for name, capacity in zip(names, CAPACITIES, strict=True):
-        Semaphore.objects.create(name=name, capacity=capacity)
+        Semaphore.objects.using(alias).create(name=name, capacity=capacity)
     keys = {key: unique(key) for key in KEYS}
-    with monkeypatch.context() as patch:
+    with monkeypatch.context() as patch, routing.on_alias(alias):
         if general:
             patch.setattr(OneTripStatements, "applies", lambda self: False)
-        seen: list[Any] = [answer(step, names, keys) for step in history]
+        seen: list[Any] = [answer(step, names, keys, alias) for step in history]
     for name in names:
-        sem = Semaphore.objects.get(name=name)
+        sem = Semaphore.objects.using(alias).get(name=name)
         seen.append((sem.in_use, sem.fencing_counter, sem.capacity))
     return seen
 
 
-def answer(step: tuple[Any, ...], names: list[str], keys: dict[str, str]) -> Any:
+def answer(step: tuple[Any, ...], names: list[str], keys: dict[str, str], alias: str) -> Any:
     kind, *args = step
     try:
         if kind == "acquire":
@@ -73,8 +75,10 @@ def answer(step: tuple[Any, ...], names: list[str], keys: dict[str, str]) -> Any
         if kind == "renew":
             return renew(keys[args[0]]).state
         if kind == "expire":
-            return PermitRequest.objects.filter(external_id=keys[args[0]]).update(
-                expires_at=timezone.now() - timedelta(seconds=1)
+            return (
+                PermitRequest.objects.using(alias)
+                .filter(external_id=keys[args[0]])
+                .update(expires_at=timezone.now() - timedelta(seconds=1))
             )
         index, capacity = args
         return set_capacity(names[index], capacity).capacity
@@ -89,8 +93,10 @@ def answer(step: tuple[Any, ...], names: list[str], keys: dict[str, str]) -> Any
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(history=histories)
-def test_the_routines_answer_as_the_general_grant(history, monkeypatch):
-    routines = run(history, general=False, monkeypatch=monkeypatch)
-    general = run(history, general=True, monkeypatch=monkeypatch)
+def test_the_routines_answer_as_the_general_grant_and_sqlite(history, monkeypatch):
+    routines = run(history, "default", general=False, monkeypatch=monkeypatch)
+    general = run(history, "default", general=True, monkeypatch=monkeypatch)
+    on_sqlite = run(history, "sqlite", general=True, monkeypatch=monkeypatch)
     assert routines == general
+    assert general == on_sqlite
     connections["default"].close()  # a fresh session for the next history's settings
