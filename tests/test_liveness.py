@@ -11,7 +11,6 @@ import pytest
 from celery.result import AsyncResult
 
 from django_semaphore import set_capacity, sweep
-from django_semaphore.integrations import task_keys
 from django_semaphore.liveness import (
     CeleryTaskChecker,
     Liveness,
@@ -96,13 +95,12 @@ def test_a_re_attaching_task_asks_the_checkers_about_a_holder_on_another_machine
     on_gone_host = TaskOwner("t-1", "x", GONE_HOST, 12)
     on_other_host = TaskOwner("t-1", "x", "celery@other-host", 12)
     gone_here = TaskOwner("t-1", "x", f"celery@{here}", 2**22 + 1)  # above pid_max
-    assert not task_keys.is_dead(on_gone_host)  # no checkers configured
-    assert task_keys.is_dead(gone_here)
+    assert not is_dead(str(on_gone_host))  # no checkers configured
+    assert is_dead(str(gone_here))  # the process table is always asked
 
     settings.DJANGO_SEMAPHORE = {"LIVENESS_CHECKERS": ["tests.test_liveness.dead_on_gone_host"]}
-    assert task_keys.is_dead(on_gone_host)
-    assert not task_keys.is_dead(on_other_host)
     assert is_dead(str(on_gone_host))
+    assert not is_dead(str(on_other_host))
 
 
 # --- the Celery checker and a real worker -----------------------------------------
