@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -238,3 +240,21 @@ def test_sweep_with_the_celery_checker_releases_only_the_dead(one, celery_worker
     assert unsure.state == State.ACQUIRED
     assert PermitRequest.objects.get(external_id=result.id).state == State.ACQUIRED
     assert result.get(timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_killed_pool_child_s_task_permit_is_back_at_the_next_sweep(one, celery_worker):
+    """No liveness checker configured, the lease (60 s) far from over: the
+    sweep on the worker's machine sees the pool child gone."""
+    result = tasks.held_until_killed.delay("killed-swept", 120)
+    pid = celery_worker.started("killed-swept").pid
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists():  # until the worker reaps it
+        assert time.monotonic() < deadline, celery_worker.log_tail()
+        time.sleep(0.05)
+
+    assert sweep.release_orphans().owner_dead == 1
+    request = PermitRequest.objects.get(external_id=result.id)
+    assert (request.state, request.release_reason) == (State.RELEASED, ReleaseReason.OWNER_DEAD)
