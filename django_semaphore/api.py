@@ -86,7 +86,7 @@ def acquire(
         external_id: the caller's idempotency key (job id, task id, UUID). A
             repeated call with the same key and demand returns the same request.
         owner: who holds the permits, for operators and liveness checkers;
-            empty: ``module.qualname on host pid N`` of the caller.
+            empty: ``module.qualname on host pid N started T`` of the caller.
         ttl: seconds (or a ``timedelta``) after which the permits may be
             reclaimed unless renewed; ``None`` never expires. Nothing renews
             it: hand the request to ``leases.hold`` to have this process's

@@ -5,10 +5,14 @@ tasks backends that cannot defer a waiting run."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import suppress
+from difflib import get_close_matches
 from fnmatch import fnmatchcase
+from importlib import import_module
 from typing import Any, TypeVar
 
 from django import db
+from django.apps import apps
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
@@ -19,6 +23,7 @@ from django_semaphore import backends, beat, declared, routing, sweep
 from django_semaphore.conf import DEFAULTS, app_settings, setting_problems
 from django_semaphore.engine.statements import ROUTINES_VERSION, routines
 from django_semaphore.integrations import django_tasks
+from django_semaphore.integrations.options import GIVEN_NAMES
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.parking import deferred
 from django_semaphore.validation import is_pattern
@@ -103,6 +108,49 @@ def _shadowed(patterns: list[str]) -> list[tuple[str, str]]:
         for earlier in patterns[:i]
         if fnmatchcase(pattern, earlier)
     ]
+
+
+@register(Tags.compatibility)
+def check_named_semaphores(**kwargs: Any) -> list[CheckMessage]:
+    """Names given as strings to ``@holds_permit`` that ``SEMAPHORES``
+    neither declares nor matches by a family pattern: a typo that would
+    fail only when called. Where ``SEMAPHORES`` declares nothing, the
+    semaphores are made otherwise (the admin, code), and nothing is said."""
+    try:
+        declared = list(app_settings.SEMAPHORES)
+    except ImproperlyConfigured:
+        return []  # check_settings reports it
+    if not declared:
+        return []
+    _import_decorated_modules()
+    return [
+        Warning(
+            f"@holds_permit names {name!r}, which SEMAPHORES neither declares nor matches "
+            "by a family pattern: unless it is made otherwise, each call fails with "
+            "SemaphoreNotFound.",
+            hint=f"{_closest(name, declared)}Fix the name, or declare it in "
+            f"DJANGO_SEMAPHORE['SEMAPHORES']. {DOCS}",
+            id="django_semaphore.W013",
+        )
+        for name in sorted(GIVEN_NAMES)
+        if not any(fnmatchcase(name, each) for each in declared)
+    ]
+
+
+def _closest(name: str, declared: list[str]) -> str:
+    return "".join(f"Did you mean {close!r}? " for close in get_close_matches(name, declared, 1))
+
+
+def _import_decorated_modules() -> None:
+    """Import what a request or a worker would, so its decorators have run:
+    the URLconf (its ``include``s with it) and each installed app's
+    ``tasks`` module, as Celery's autodiscovery does. One that cannot be
+    imported is passed over: Django's URL check, or the worker, says why."""
+    urlconf = getattr(settings, "ROOT_URLCONF", None)
+    modules = [f"{app.name}.tasks" for app in apps.get_app_configs()]
+    for module in [urlconf, *modules] if isinstance(urlconf, str) else modules:
+        with suppress(ImportError):
+            import_module(module)
 
 
 # The beat entries nothing else replaces: parked tasks whose wake-up a

@@ -4,7 +4,9 @@ A checker answers ``ALIVE``, ``DEAD`` or ``UNKNOWN`` for each owner string it
 is asked about. Checkers are listed by dotted path in
 ``DJANGO_SEMAPHORE["LIVENESS_CHECKERS"]``; each path names a
 [`LivenessChecker`][django_semaphore.liveness.LivenessChecker] subclass or a
-plain function ``owner -> Liveness``.
+plain function ``owner -> Liveness``. The
+[`ProcessTableChecker`][django_semaphore.liveness.ProcessTableChecker] is
+always asked first.
 Only ``DEAD`` ever releases a permit, and only when no checker says ``ALIVE``:
 a checker that is unsure, fails or times out has said nothing.
 """
@@ -22,7 +24,7 @@ from typing import Any
 from django.utils.module_loading import import_string
 
 from django_semaphore.conf import app_settings
-from django_semaphore.owners import NO_PROCESS, TaskOwner
+from django_semaphore.owners import NO_PROCESS, TaskOwner, gone_from_this_machine
 
 logger = logging.getLogger("django_semaphore")
 
@@ -66,6 +68,18 @@ class LivenessChecker:
         return Liveness.UNKNOWN
 
 
+class ProcessTableChecker(LivenessChecker):
+    """DEAD for an owner whose process ran on this machine and is gone from
+    its process table (``owners.gone_from_this_machine``: the owner ends
+    with ``<host> pid <pid> started <ticks>``, as every owner this package
+    writes does); UNKNOWN for any other. Never ALIVE: a worker process
+    outlives the task runs whose permits it held. Always asked, whatever
+    ``LIVENESS_CHECKERS`` lists."""
+
+    def check_owner(self, owner: str) -> Liveness:
+        return Liveness.DEAD if gone_from_this_machine(owner) else Liveness.UNKNOWN
+
+
 class _FunctionChecker(LivenessChecker):
     def __init__(self, function: Callable[[str], Liveness]) -> None:
         self.function = function
@@ -92,7 +106,9 @@ def load_checkers(paths: Collection[str] | None = None) -> list[LivenessChecker]
 def dead_owners(
     owners: Collection[str], checkers: Collection[LivenessChecker] | None = None
 ) -> set[str]:
-    """The owners that some checker says are dead and none says are alive.
+    """The owners that some checker (the ``ProcessTableChecker`` or one of
+    ``checkers``, default ``LIVENESS_CHECKERS``) says are dead and none says
+    are alive.
 
     A checker that raises is logged and counts as ``UNKNOWN`` for all of them.
     """
@@ -100,7 +116,7 @@ def dead_owners(
     if not candidates:
         return set()
     verdicts: dict[str, set[Liveness]] = {owner: set() for owner in candidates}
-    for checker in load_checkers() if checkers is None else checkers:
+    for checker in [ProcessTableChecker(), *(load_checkers() if checkers is None else checkers)]:
         try:
             answers = checker.check(sorted(candidates))
         except Exception:
@@ -237,7 +253,8 @@ class DjangoTaskChecker(LivenessChecker):
     its run released the permit before its backend recorded the end, so a
     permit still held is one whose release failed. Never ALIVE: a RUNNING
     result may be a killed worker's (django-tasks-db leaves it RUNNING),
-    which the lease settles. A result run again meanwhile (a requeue) takes
+    which the lease settles, or sooner the ``ProcessTableChecker`` on the
+    worker's machine. A result run again meanwhile (a requeue) takes
     the permit over, and the sweep, re-reading the owner under the row lock,
     leaves it to the new run.
     """

@@ -29,7 +29,7 @@ from django.utils import timezone
 from django_semaphore import acquire, parking, release, sweep
 from django_semaphore.exceptions import DatabaseUnavailable, TaskDeferred
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
-from django_semaphore.owners import TaskOwner
+from django_semaphore.owners import TaskOwner, process_start
 from django_semaphore.parking.deferred import DEFERRED
 from django_semaphore.states import ReleaseReason, State
 from tests import own_tasks
@@ -251,7 +251,8 @@ def run_here(result: Any) -> Any:
 
 
 def owner_in(pid: int, result: Any) -> str:
-    return str(TaskOwner(result.id, "tests.own_tasks.holding", socket.gethostname(), pid))
+    started = process_start(pid)
+    return str(TaskOwner(result.id, "tests.own_tasks.holding", socket.gethostname(), pid, started))
 
 
 def dead_pid() -> int:
@@ -589,5 +590,6 @@ def test_an_rq_run_killed_holding_its_permit_is_requeued_and_takes_it_over(limit
     second = RunLog.objects.exclude(pk=first.pk).get(label="killed")
     request = PermitRequest.objects.get()  # the one permit, under the result's id
     assert (request.external_id, request.state) == (result.id, State.RELEASED)
-    assert request.owner == owner_in(second.pid, result)  # taken over by the re-run
+    # Taken over by the re-run, whose process (and so its start) is gone now.
+    assert request.owner.startswith(owner_in(second.pid, result) + " started ")
     assert Semaphore.objects.get(pk=limited.pk).in_use == 0

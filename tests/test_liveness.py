@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from celery.result import AsyncResult
 
 from django_semaphore import set_capacity, sweep
-from django_semaphore.integrations import task_keys
 from django_semaphore.liveness import (
     CeleryTaskChecker,
     Liveness,
@@ -96,13 +97,12 @@ def test_a_re_attaching_task_asks_the_checkers_about_a_holder_on_another_machine
     on_gone_host = TaskOwner("t-1", "x", GONE_HOST, 12)
     on_other_host = TaskOwner("t-1", "x", "celery@other-host", 12)
     gone_here = TaskOwner("t-1", "x", f"celery@{here}", 2**22 + 1)  # above pid_max
-    assert not task_keys.is_dead(on_gone_host)  # no checkers configured
-    assert task_keys.is_dead(gone_here)
+    assert not is_dead(str(on_gone_host))  # no checkers configured
+    assert is_dead(str(gone_here))  # the process table is always asked
 
     settings.DJANGO_SEMAPHORE = {"LIVENESS_CHECKERS": ["tests.test_liveness.dead_on_gone_host"]}
-    assert task_keys.is_dead(on_gone_host)
-    assert not task_keys.is_dead(on_other_host)
     assert is_dead(str(on_gone_host))
+    assert not is_dead(str(on_other_host))
 
 
 # --- the Celery checker and a real worker -----------------------------------------
@@ -240,3 +240,21 @@ def test_sweep_with_the_celery_checker_releases_only_the_dead(one, celery_worker
     assert unsure.state == State.ACQUIRED
     assert PermitRequest.objects.get(external_id=result.id).state == State.ACQUIRED
     assert result.get(timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_killed_pool_child_s_task_permit_is_back_at_the_next_sweep(one, celery_worker):
+    """No liveness checker configured, the lease (60 s) far from over: the
+    sweep on the worker's machine sees the pool child gone."""
+    result = tasks.held_until_killed.delay("killed-swept", 120)
+    pid = celery_worker.started("killed-swept").pid
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists():  # until the worker reaps it
+        assert time.monotonic() < deadline, celery_worker.log_tail()
+        time.sleep(0.05)
+
+    assert sweep.release_orphans().owner_dead == 1
+    request = PermitRequest.objects.get(external_id=result.id)
+    assert (request.state, request.release_reason) == (State.RELEASED, ReleaseReason.OWNER_DEAD)

@@ -65,6 +65,19 @@ def test_fair_waiters_and_expired_rows_do_not_count(held):
     assert parked_ids() == [gone, parked]
 
 
+def test_a_woken_task_not_started_yet_waits_no_more(held):
+    """Published (its room kept), it is on its way: the line has room for
+    the next, and a refusal counts only the tasks that wait."""
+    on_its_way = park_row({held.name: 1}, woken_at=timezone.now())
+    waiting = park_row({held.name: 1}, max_waiting=1)
+
+    with pytest.raises(LineFull) as refused:
+        park_row({held.name: 1}, max_waiting=1)
+
+    assert parked_ids() == [on_its_way, waiting]
+    assert str(refused.value) == f"1 tasks already wait parked on {held.name}."
+
+
 def test_only_the_full_semaphores_are_named(held, make_semaphore):
     free = make_semaphore(1)
     park_row({held.name: 1})

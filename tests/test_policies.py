@@ -193,6 +193,18 @@ def test_max_waiting_refuses_the_send(latest, published):
     assert len(parked_ids()) == 2
 
 
+def test_max_waiting_counts_the_tasks_that_wait_not_the_one_sent(latest, published):
+    sent = tasks.at_most_two_wait.delay("a", 0)  # fits: sent, its room kept until it runs
+    waiting = [tasks.at_most_two_wait.delay(label, 0) for label in "bc"]
+
+    with pytest.raises(LineFull) as refused:
+        tasks.at_most_two_wait.delay("d", 0)
+
+    assert str(refused.value) == f"2 tasks already wait parked on {tasks.LATEST}."
+    assert published == [sent.id]
+    assert parked_ids() == [sent.id, *(task.id for task in waiting)]
+
+
 def test_a_delayed_task_already_sent_counts(once, published):
     """Solid Queue #597: discard did not see a delayed job already enqueued,
     so duplicates ran. Here the room is kept from the send, countdown or not."""

@@ -9,11 +9,13 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from django_semaphore import checks
+from django_semaphore import checks, holds_permit
 from django_semaphore.conf import DEFAULTS, app_settings
+from tests.conftest import static_checks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -154,3 +156,91 @@ def test_the_default_refused_view_is_not_imported_by_the_check(settings, monkeyp
     assert checks.check_settings() == []
     assert imported == []
     assert DEFAULTS["REFUSED_VIEW"] == "django_semaphore.integrations.views.permit_refused"
+
+
+# --- names given to @holds_permit that nothing declares ------------------------------------
+
+
+def named_warnings() -> dict[str, Any]:
+    """W013 by the name it reports."""
+    return {
+        re.search(r"names '([^']+)'", m.msg)[1]: m  # type: ignore[index]
+        for m in static_checks()
+        if m.id == "django_semaphore.W013"
+    }
+
+
+def test_a_typo_is_reported_with_the_closest_declared_name(settings):
+    settings.DJANGO_SEMAPHORE = {"SEMAPHORES": {"exports": 3, "export:customer:*": 2, "backups": 1}}
+
+    @holds_permit("exprots")
+    def export() -> None: ...
+
+    @holds_permit({"export:customer:7": 1, "backups": 1})
+    def declared() -> None: ...
+
+    @holds_permit(lambda customer: f"exprot:customer:{customer}")
+    def computed(customer: int) -> None: ...
+
+    reported = named_warnings()
+    assert reported["exprots"].hint.startswith("Did you mean 'exports'? Fix the name")
+    assert not [name for name in reported if name.startswith(("export", "backups", "exprot:"))]
+
+
+def test_nothing_is_said_where_settings_declare_no_semaphore(settings):
+    settings.DJANGO_SEMAPHORE = {}
+
+    @holds_permit("exprots")
+    def export() -> None: ...
+
+    assert named_warnings() == {}
+
+
+CHECK_IN_A_FRESH_PROCESS = """
+import {module} as base
+from django.conf import settings
+values = {{key: getattr(base, key) for key in dir(base) if key.isupper()}}
+semaphores = {{**values["DJANGO_SEMAPHORE"]["SEMAPHORES"], **{add}}}
+for name in {remove}:
+    del semaphores[name]
+settings.configure(
+    **{{**values, "DJANGO_SEMAPHORE": {{"SEMAPHORES": semaphores}}, "SILENCED_SYSTEM_CHECKS": []}}
+)
+import django
+django.setup()
+from django.core.management import call_command
+call_command("check")
+"""
+
+
+@pytest.mark.parametrize(
+    ("module", "add", "remove", "typo", "closest"),
+    [
+        # Held by the URLconf's views, which only the check imports here.
+        ("tests.settings", {"viewz": 1}, [], "views", "viewz"),
+        # Held by an installed app's tasks module, imported as Celery's autodiscovery does.
+        ("example_project.settings", {"report": 1}, ["reports"], "reports", "report"),
+    ],
+)
+def test_check_finds_the_names_of_views_and_tasks_as_a_project_runs_it(
+    module, add, remove, typo, closest, tmp_path
+):
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "",
+        "DATABASE_URL": f"sqlite:///{tmp_path}/db.sqlite3",
+    }
+    script = CHECK_IN_A_FRESH_PROCESS.format(module=module, add=add, remove=remove)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 0, result.stderr
+    warning = f"(django_semaphore.W013) @holds_permit names {typo!r}, which SEMAPHORES neither"
+    assert warning in result.stderr
+    assert f"HINT: Did you mean {closest!r}?" in result.stderr

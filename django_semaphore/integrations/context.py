@@ -141,7 +141,7 @@ def permit(
         names: the semaphores, and how many permits of each.
         external_id: the idempotency key; a fresh UUID by default.
         owner: who holds the permits, for the admin and the liveness sweep;
-            empty: ``module.qualname on host pid N`` of the caller.
+            empty: ``module.qualname on host pid N started T`` of the caller.
         ttl: the lease, renewed while ``heartbeat`` is on: ``LEASE`` (the
             setting, 60 s by default), seconds or a ``timedelta``; ``None``
             never expires.

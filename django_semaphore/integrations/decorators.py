@@ -22,7 +22,7 @@ from django_semaphore.integrations import django_tasks
 from django_semaphore.integrations.celery_tasks import run_task
 from django_semaphore.integrations.context import HeldPermit, permit
 from django_semaphore.integrations.leases import LEASE, DefaultLease
-from django_semaphore.integrations.options import OPTIONS_ATTRIBUTE, Options, demand_of
+from django_semaphore.integrations.options import GIVEN_NAMES, OPTIONS_ATTRIBUTE, Options, demand_of
 from django_semaphore.integrations.views import run_async_view, run_view
 from django_semaphore.owners import process_owner
 from django_semaphore.parking.admission import ON_CONFLICT
@@ -88,7 +88,9 @@ def holds_permit(
             (``lambda request: f"export:customer:{request.user.pk}"``), a
             task's the task's arguments (``lambda customer_id, **_: ...``),
             a function's its arguments. With a family declared in settings
-            the computed semaphore is created on first use.
+            the computed semaphore is created on first use. A name given
+            as such that ``SEMAPHORES`` neither declares nor matches by a
+            pattern is reported by ``manage.py check`` (``W013``).
         count: permits per name when ``names`` is not a mapping.
         ttl: the lease, renewed by the process's heartbeat while the body
             runs (a task's permit kept across its own retry is kept for the
@@ -139,6 +141,7 @@ def holds_permit(
         names_of, demand = names, {}
     else:
         demand = demand_of(names, count)
+        GIVEN_NAMES.update(demand)
     # The LEASE setting is read at each call (override_settings works).
     lease = ttl if ttl is LEASE else validate_ttl(ttl)
     validate_timeout(timeout)

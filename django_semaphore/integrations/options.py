@@ -24,6 +24,11 @@ from django_semaphore.validation import validate_demand
 # what PermitTask reads when the task is sent).
 OPTIONS_ATTRIBUTE = "django_semaphore_options"
 
+# The names given as strings to ``holds_permit`` (``@task(semaphores=...)``
+# too), known at import: ``checks.check_named_semaphores`` compares them
+# with the declared ones.
+GIVEN_NAMES: set[str] = set()
+
 
 @dataclass(frozen=True)
 class Options:

@@ -30,7 +30,7 @@ from django_semaphore.exceptions import (
     TaskAlreadyRan,
 )
 from django_semaphore.models import PermitRequest
-from django_semaphore.owners import NO_PROCESS, TaskOwner
+from django_semaphore.owners import NO_PROCESS, TaskOwner, own_start
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import State
 
@@ -84,6 +84,7 @@ def owner(task_id: str, task_name: str, hostname: str = "", pid: int | None = No
         task_name=task_name,
         hostname=hostname or socket.gethostname(),
         pid=os.getpid() if pid is None else pid,
+        started=own_start(os.getpid()) if pid is None else None,
     )
 
 
@@ -112,7 +113,9 @@ def take_over(request: PermitRequest, me: TaskOwner) -> bool:
     holder = TaskOwner.parse(previous)
     if holder is None or holder.task_id != me.task_id:
         return False
-    if holder.pid != NO_PROCESS and not is_dead(holder):
+    # Gone from this machine's process table, or reported dead by the
+    # configured liveness checkers (an unknown answer is not dead).
+    if holder.pid != NO_PROCESS and not liveness.is_dead(previous):
         return False
     # Conditional on the owner we judged: of two runs adopting at once, one wins.
     return bool(
@@ -122,25 +125,6 @@ def take_over(request: PermitRequest, me: TaskOwner) -> bool:
             owner=str(me),
         )
     )
-
-
-def is_dead(holder: TaskOwner) -> bool:
-    """Gone from this machine's process table, or reported dead by the
-    configured liveness checkers (an unknown answer is not dead)."""
-    return _gone_from_this_machine(holder) or liveness.is_dead(str(holder))
-
-
-def _gone_from_this_machine(holder: TaskOwner) -> bool:
-    machine = holder.hostname.partition("@")[2] or holder.hostname
-    if machine != socket.gethostname():
-        return False
-    try:
-        os.kill(holder.pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def update_held(alias: str, select: Callable[[QuerySet[Any]], QuerySet[Any]], **values: Any) -> int:

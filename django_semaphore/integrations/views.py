@@ -35,7 +35,6 @@ from django_semaphore.integrations.leases import Lease, hold
 from django_semaphore.integrations.options import Options
 from django_semaphore.models import PermitRequest
 from django_semaphore.owners import process_owner
-from django_semaphore.validation import MAX_LENGTH
 
 logger = logging.getLogger("django_semaphore")
 
@@ -116,9 +115,8 @@ def _view_owner(options: Options, request: HttpRequest) -> str:
     user = getattr(request, "user", None)
     who = user.get_username() if user is not None and user.is_authenticated else "anonymous"
     remote = request.META.get("REMOTE_ADDR", "?")
-    return f"view {options.label} for {who} from {remote} on {process_owner('')}"[
-        :MAX_LENGTH
-    ].strip()
+    # Trimmed by its label, never its process: the sweep reads that back.
+    return process_owner(f"view {options.label} for {who} from {remote}")
 
 
 def _acquire_for_view(options: Options, request: HttpRequest) -> PermitRequest | HttpResponseBase:

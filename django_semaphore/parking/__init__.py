@@ -183,18 +183,21 @@ def _insert(
 
 def refuse_a_full_line(alias: str, key: str, lined: wakeups.Lined, max_waiting: int) -> None:
     """Raise ``LineFull`` (rolling back the tickets just taken) when
-    ``max_waiting`` parked tasks other than ``key``'s wait on a semaphore."""
+    ``max_waiting`` parked tasks other than ``key``'s wait on a semaphore.
+    A task sent or woken (published, its room kept) that has not started
+    yet waits no more: it does not count."""
     waiting = (
         Ticket.objects.using(alias)
         .filter(semaphore__in=lined.ids.values(), parked__id__isnull=False)
-        .filter(expires_at__gt=backends.DatabaseNow())
+        .filter(parked__woken_at__isnull=True, expires_at__gt=backends.DatabaseNow())
         .exclude(external_id=key)
-        .values("semaphore__name")
+        .values_list("semaphore__name")
         .annotate(n=Count("pk"))
         .filter(n__gte=max_waiting)
     )
-    if full := sorted(line["semaphore__name"] for line in waiting):
-        raise LineFull(full, f"{max_waiting} tasks already wait parked on {', '.join(full)}.")
+    if full := sorted(waiting):
+        told = "; ".join(f"{n} tasks already wait parked on {name}" for name, n in full)
+        raise LineFull([name for name, _ in full], f"{told}.")
 
 
 def set_state(task: Any, demand: Mapping[str, int], task_id: str | None = None) -> None:

@@ -6,6 +6,7 @@ check every in-use counter."""
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Collection, Iterable
 
 from django.db.models import Q
@@ -48,14 +49,16 @@ def release_orphans(
     already issued are raised (each repair logged at WARNING and sent as
     ``data_repaired``); then TTL-expired requests are released
     (``expired``), then those held past ``STALENESS_LIMIT`` (``stale``),
-    then those whose owner the liveness checkers report dead
-    (``owner_dead``; only a DEAD answer with no ALIVE one releases).
+    then those whose owner is dead (``owner_dead``): a process of this
+    machine gone from its process table, or the liveness checkers' verdict
+    (only a DEAD answer with no ALIVE one releases).
 
     Args:
         batch_size: rows per transaction (default ``CLEANUP_BATCH_SIZE``).
         time_budget: seconds after which no new batch starts (default: none).
         dry_run: count what would be released, change nothing.
-        checkers: liveness checkers to ask (default: ``LIVENESS_CHECKERS``).
+        checkers: liveness checkers to ask besides the process table
+            (default: ``LIVENESS_CHECKERS``).
 
     Returns:
         The counts released, by reason, and the repairs.
@@ -158,10 +161,11 @@ def _release_matching(
 def _release_dead_owners(
     checkers: list[liveness.LivenessChecker], size: int, deadline: float | None, dry_run: bool
 ) -> int:
-    if not checkers:
-        return 0
     alias = routing.current_alias()
     held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED).exclude(owner="")
+    if not checkers:
+        # Only the process table is asked: it judges this machine's owners only.
+        held = held.filter(owner__contains=f"{socket.gethostname()} pid ")
     total, last_pk = 0, 0
     while True:
         page = list(held.filter(pk__gt=last_pk).order_by("pk").values_list("pk", "owner")[:size])
