@@ -20,10 +20,10 @@ from django.db import connections
 from django.utils.module_loading import import_string
 
 from django_semaphore import backends, beat, declared, routing, sweep
-from django_semaphore.conf import DEFAULTS, app_settings, setting_problems
+from django_semaphore.conf import DEFAULTS, app_settings, declared_capacity, setting_problems
 from django_semaphore.engine.statements import ROUTINES_VERSION, routines
 from django_semaphore.integrations import django_tasks
-from django_semaphore.integrations.options import GIVEN_NAMES
+from django_semaphore.integrations.options import GIVEN_DEMANDS
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.parking import deferred
 from django_semaphore.validation import is_pattern
@@ -113,9 +113,11 @@ def _shadowed(patterns: list[str]) -> list[tuple[str, str]]:
 @register(Tags.compatibility)
 def check_named_semaphores(**kwargs: Any) -> list[CheckMessage]:
     """Names given as strings to ``@holds_permit`` that ``SEMAPHORES``
-    neither declares nor matches by a family pattern: a typo that would
-    fail only when called. Where ``SEMAPHORES`` declares nothing, the
-    semaphores are made otherwise (the admin, code), and nothing is said."""
+    neither declares nor matches by a family pattern (a typo that would
+    fail only when called), and counts beyond the capacity it declares (a
+    programming error: ``CapacityExceeded`` at each call). Where
+    ``SEMAPHORES`` declares nothing, the semaphores are made otherwise (the
+    admin, code), and nothing is said."""
     try:
         declared = list(app_settings.SEMAPHORES)
     except ImproperlyConfigured:
@@ -123,7 +125,17 @@ def check_named_semaphores(**kwargs: Any) -> list[CheckMessage]:
     if not declared:
         return []
     _import_decorated_modules()
-    return [
+    too_many: list[CheckMessage] = [
+        Error(
+            f"@holds_permit asks for {count} permits of {name!r}, whose capacity SEMAPHORES "
+            f"declares as {declared_capacity(name)}: each call fails with CapacityExceeded.",
+            hint=f"Lower the count, or raise the declared capacity. {DOCS}",
+            id="django_semaphore.E018",
+        )
+        for name, count in sorted(GIVEN_DEMANDS.items())
+        if count > declared_capacity(name)
+    ]
+    return too_many + [
         Warning(
             f"@holds_permit names {name!r}, which SEMAPHORES neither declares nor matches "
             "by a family pattern: unless it is made otherwise, each call fails with "
@@ -132,7 +144,7 @@ def check_named_semaphores(**kwargs: Any) -> list[CheckMessage]:
             f"DJANGO_SEMAPHORE['SEMAPHORES']. {DOCS}",
             id="django_semaphore.W013",
         )
-        for name in sorted(GIVEN_NAMES)
+        for name in sorted(GIVEN_DEMANDS)
         if not any(fnmatchcase(name, each) for each in declared)
     ]
 

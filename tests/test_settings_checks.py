@@ -187,6 +187,25 @@ def test_a_typo_is_reported_with_the_closest_declared_name(settings):
     assert not [name for name in reported if name.startswith(("export", "backups", "exprot:"))]
 
 
+def test_a_count_beyond_the_declared_capacity_is_an_error(settings):
+    settings.DJANGO_SEMAPHORE = {"SEMAPHORES": {"exports": 3, "export:customer:*": 2}}
+
+    @holds_permit({"exports": 4})
+    def too_many() -> None: ...
+
+    @holds_permit({"export:customer:7": 3})
+    def too_many_of_a_member() -> None: ...
+
+    @holds_permit({"exports": 3, "export:customer:8": 2})
+    def fits() -> None: ...
+
+    errors = [m for m in static_checks() if m.id == "django_semaphore.E018"]
+    assert sorted(re.search(r"of '([^']+)'", m.msg)[1] for m in errors) == [  # type: ignore[index]
+        "export:customer:7",
+        "exports",
+    ]
+
+
 def test_nothing_is_said_where_settings_declare_no_semaphore(settings):
     settings.DJANGO_SEMAPHORE = {}
 
@@ -204,7 +223,12 @@ semaphores = {{**values["DJANGO_SEMAPHORE"]["SEMAPHORES"], **{add}}}
 for name in {remove}:
     del semaphores[name]
 settings.configure(
-    **{{**values, "DJANGO_SEMAPHORE": {{"SEMAPHORES": semaphores}}, "SILENCED_SYSTEM_CHECKS": []}}
+    **{{
+        **values,
+        "DJANGO_SEMAPHORE": {{"SEMAPHORES": semaphores}},
+        # tests/views.py's too_many asks beyond a declared capacity on purpose.
+        "SILENCED_SYSTEM_CHECKS": ["django_semaphore.E018"],
+    }}
 )
 import django
 django.setup()

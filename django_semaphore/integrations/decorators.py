@@ -22,7 +22,12 @@ from django_semaphore.integrations import django_tasks
 from django_semaphore.integrations.celery_tasks import run_task
 from django_semaphore.integrations.context import HeldPermit, permit
 from django_semaphore.integrations.leases import LEASE, DefaultLease
-from django_semaphore.integrations.options import GIVEN_NAMES, OPTIONS_ATTRIBUTE, Options, demand_of
+from django_semaphore.integrations.options import (
+    GIVEN_DEMANDS,
+    OPTIONS_ATTRIBUTE,
+    Options,
+    demand_of,
+)
 from django_semaphore.integrations.views import run_async_view, run_view
 from django_semaphore.owners import process_owner
 from django_semaphore.parking.admission import ON_CONFLICT
@@ -141,7 +146,8 @@ def holds_permit(
         names_of, demand = names, {}
     else:
         demand = demand_of(names, count)
-        GIVEN_NAMES.update(demand)
+        for name, given in demand.items():
+            GIVEN_DEMANDS[name] = max(given, GIVEN_DEMANDS.get(name, 0))
     # The LEASE setting is read at each call (override_settings works).
     lease = ttl if ttl is LEASE else validate_ttl(ttl)
     validate_timeout(timeout)

@@ -25,9 +25,9 @@ from django_semaphore.validation import validate_demand
 OPTIONS_ATTRIBUTE = "django_semaphore_options"
 
 # The names given as strings to ``holds_permit`` (``@task(semaphores=...)``
-# too), known at import: ``checks.check_named_semaphores`` compares them
-# with the declared ones.
-GIVEN_NAMES: set[str] = set()
+# too), known at import, and the largest count given for each:
+# ``checks.check_named_semaphores`` compares them with the declared ones.
+GIVEN_DEMANDS: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
