@@ -188,6 +188,29 @@ def test_a_parked_tenant_is_woken_by_the_next_release_of_the_shared_semaphore(
     assert [run.task_id for run in runs] == [r.id for r in a_results]
 
 
+@pytest.mark.slow
+def test_one_tenants_backlog_leaves_worker_processes_to_another_tenant(celery_worker: Any, wakes):
+    """A's 20 tasks wait for A's own cap (1); B's one task, sent behind them,
+    finds the shared semaphore with room: it starts within 2 s, because one
+    of A's tasks stands by in a worker process and the rest park (they took
+    every process of the worker, standing by, and B's message waited)."""
+    Semaphore.objects.create(name=tasks.SHARED, capacity=4)
+    Semaphore.objects.create(name=tasks.TENANT_A, capacity=1)
+    Semaphore.objects.create(name=tasks.TENANT_B, capacity=1)
+    a_results = [tasks.export_for_a.delay("backlog-a", 0.5) for _ in range(20)]
+    eventually(lambda: RunLog.objects.filter(label="backlog-a").count() >= 2, "A's ran", 30)
+
+    sent = time.monotonic()
+    b_result = tasks.export_for_b.delay("backlog-b", 0)
+    eventually(lambda: RunLog.objects.filter(label="backlog-b").exists(), "B's task ran", 30)
+    started_after = time.monotonic() - sent
+
+    for result in a_results:
+        result.revoke()
+    settled([b_result])
+    assert started_after < 2, f"B started {started_after:.1f} s after it was sent"
+
+
 # --- fair mode: real threads ------------------------------------------------------------
 
 

@@ -79,8 +79,10 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Claim) -> str | Non
     after ``STANDBY_WAIT``; a woken task keeps its place).
 
     It stands by unless this process knows its semaphores to be held long,
-    or, for a task not woken, parked tasks are held back on them (they
-    lacked room there): those came first.
+    or, for a task not woken, a waiter is held back on one of them (it
+    lacked room there): that one came first, and while it waits in its
+    worker or parked, this one parks, leaving the worker's processes to
+    the tasks that have room (another tenant's, on a shared semaphore).
 
     Raises what ``claim`` raises for anything but a want of room
     (``LiveDuplicate`` included).
@@ -92,10 +94,9 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Claim) -> str | Non
     parked = ParkedTask.objects.using(alias).filter(task_id=task_id).values_list("woken_at")
     match parked.first():
         case None:  # not parked
-            # Only parked tasks held back there come first: one waiting for
-            # another tenant's cap is no reason to park (engine/wakeups),
-            # nor is a waiter in a worker (it is served as this one is).
-            ahead = Ticket.objects.using(alias).of_parked().filter(lacked=True)
+            # Held back where this demand asks: one waiting for another
+            # tenant's cap elsewhere is no reason to park (engine/wakeups).
+            ahead = Ticket.objects.using(alias).holding_back()
             if ahead.filter(semaphore__name__in=list(demand)).exists():
                 return None
         case (None,):  # parked, not woken: a copy of its message
