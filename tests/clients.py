@@ -149,12 +149,6 @@ def race_one_key(name: str, key: str, barrier: Any, results: Outbox) -> None:
         connections.close_all()
 
 
-def wait_in_line(name: str, key: str, timeout: float) -> None:
-    """Waits for ``name`` as a fair waiter (its ticket taken) until it is
-    granted, times out or is killed."""
-    acquire(name, external_id=key, timeout=timeout, fair=True)
-
-
 def hold_until_killed(name: str, lease: int, outbox: Outbox) -> None:
     """Holds ``name`` in a ``permit()`` block under a ``lease``-second lease,
     says which key, and sleeps until it is killed."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 import uuid
@@ -15,12 +13,10 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_semaphore import acquire, release, sweep
+from django_semaphore import acquire, release
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import AcquireTimeout, PermitAlreadyReleased, SemaphoreExhausted
 from django_semaphore.models import Semaphore, Ticket
-from tests import clients
-from tests.children import spawn
 from tests.conftest import behind_the_engine
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -301,50 +297,6 @@ def test_waiting_threads_of_one_process_share_one_poller(make_semaphore, monkeyp
 
 
 # --- a waiter's ticket lives by a lease it renews while it waits --------------------
-
-LEASE = 10.0  # TICKET_LEASE's default, seconds
-LATE = 1.5  # what the fail-fast polling below, on a loaded machine, may add
-
-
-def granted_within(name: str, bound: float) -> float:
-    """Seconds until a fail-fast acquire of ``name``, tried every 0.1 s,
-    is granted (fails past ``bound``)."""
-    started = time.monotonic()
-    while True:
-        try:
-            acquire(name, external_id=key())
-            return time.monotonic() - started
-        except SemaphoreExhausted:
-            assert time.monotonic() - started < bound, f"{name} still refused after {bound}s"
-            time.sleep(0.1)
-
-
-def test_a_killed_fair_waiter_keeps_its_room_no_longer_than_its_ticket_lease(make_semaphore):
-    """SIGKILLed while it waits with a 600 s timeout: nobody renews its
-    ticket, which stops keeping its room within TICKET_LEASE (10 s by
-    default) with no sweep run, and the sweep deletes it then."""
-    semaphore = make_semaphore(1)
-    holder, dead = key(), key()
-    acquire(semaphore.name, external_id=holder)
-    child = spawn(clients.wait_in_line, semaphore.name, dead, 600, bound=120)
-    try:
-        wait_for_tickets(semaphore.name, 1, within=60)
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.join(10)
-    killed = time.monotonic()
-    ticket = Ticket.objects.annotate(now=DatabaseNow()).get(external_id=dead)
-    assert ticket.expires_at <= ticket.now + timedelta(seconds=LEASE)
-    assert Semaphore.objects.get(pk=semaphore.pk).queued_until == ticket.expires_at
-    release(holder)
-    with pytest.raises(SemaphoreExhausted):  # kept for the waiter while its lease runs
-        acquire(semaphore.name, external_id=key())
-
-    granted_within(semaphore.name, LEASE + LATE)
-    assert time.monotonic() - killed <= LEASE + LATE
-    assert sweep.clean_tickets().deleted == 1
-    assert not Ticket.objects.filter(external_id=dead).exists()
-
 
 SHORT_LEASE = 3  # the least TICKET_LEASE
 
