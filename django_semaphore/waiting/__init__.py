@@ -44,6 +44,12 @@ counters show no grant for two holds the pace doubles, up to ``POLL_CAP``;
 an attempt comes at least every ``NEXT_IN_LINE_ATTEMPT`` or pace (a reclaim
 of expired permits needs one).
 
+**Tickets renewed.** A ticket lives by a lease (``TICKET_LEASE``): every
+``RENEWALS_PER_LEASE``-th of it the first of this process's waiters on an
+alias to come by (a poller between probes, a sleeper woken for it) renews
+the tickets of all of them (``fairness.renew``). A crashed process renews
+nothing, and its waiters' room is back when their leases run out.
+
 **Rate limits.** A rate limit (a windowed semaphore) gains room when a
 slot's window ends, not at a release: a poller whose probe finds it lacks
 room on one sleeps until its next slot ends, then attempts.
