@@ -103,7 +103,9 @@ class Waiting:
     waiter: str  # a fair waiter's owner, or "parked <task name>"
     task_id: str  # the parked task's id; "" for a fair waiter
     since: datetime
-    gives_up_at: datetime  # a fair waiter's deadline, a parked task's expiry
+    # When its place lapses: a fair waiter's lease (renewed while it
+    # waits), a parked task's expiry.
+    expires_at: datetime
     woken: bool  # a parked task woken and on its way to run
     blockers: list[Blocker]
     not_before: datetime | None = None  # a debounced send waits until then
@@ -113,7 +115,7 @@ class Waiting:
         and until when, then each semaphore (``Blocker.explained``)."""
         lines = [
             f"{self.key} waits: {self.waiter or '-'}, since {_moment(self.since)}, "
-            f"gives up at {_moment(self.gives_up_at)}"
+            f"expires at {_moment(self.expires_at)}"
         ]
         if self.woken:
             lines.append("  Woken: room is kept for it until its run takes it.")
@@ -165,7 +167,7 @@ def _waiting(alias: str, tickets: list[Ticket]) -> Waiting:
         waiter=first.waiter,
         task_id=parked.task_id if parked is not None else "",
         since=min(ticket.created_at for ticket in tickets),
-        gives_up_at=min(ticket.expires_at for ticket in tickets),
+        expires_at=min(ticket.expires_at for ticket in tickets),
         woken=parked is not None and parked.woken_at is not None,
         blockers=sorted(
             (_blocker(alias, ticket, semaphores[ticket.semaphore_id]) for ticket in tickets),

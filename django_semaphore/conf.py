@@ -75,6 +75,10 @@ DEFAULTS: dict[str, Any] = {
     # unless it says otherwise: renewed by the process's heartbeat, it runs
     # out this long after the holder dies.
     "LEASE": timedelta(seconds=60),
+    # A fair waiter's ticket (its place in line) lives this long unless its
+    # waiter, still waiting, renews it: a crashed waiter keeps room for
+    # others at most this long. A parked task's tickets live by its row.
+    "TICKET_LEASE": timedelta(seconds=10),
     # Families (patterns in SEMAPHORES) whose members the Prometheus metrics
     # label one by one; any other family's members are one series, labelled
     # with its pattern (metrics/series.py).
@@ -94,12 +98,14 @@ DURATION_KEYS = frozenset(
         "MEMBER_IDLE_LIMIT",
         "PARKED_REPUBLISH_AFTER",
         "LEASE",
+        "TICKET_LEASE",
     }
 )
 
 # PostgreSQL's lock_timeout is an int of milliseconds (less than one is 0:
 # no bound at all); MySQL's is at most 2**30 seconds: one range for every backend.
 MIN_LOCK_WAIT, MAX_LOCK_WAIT = 0.001, (2**31 - 1) // 1000
+MIN_TICKET_LEASE = timedelta(seconds=3)
 
 
 T = TypeVar("T")
@@ -188,6 +194,7 @@ class Settings:
     PARK_TASKS = _Setting(bool)
     PARKED_REPUBLISH_AFTER = _Setting(_duration)
     LEASE = _Setting(_duration)
+    TICKET_LEASE = _Setting(_duration)
     METRICS_PER_MEMBER = _Setting(frozenset[str])
     LISTEN_DATABASES = _Setting(dict[str, str | None])
 
@@ -264,6 +271,11 @@ _SCALAR_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **dict.fromkeys(
         DURATION_KEYS,
         (_is_duration, f"positive seconds or a timedelta, at most {MAX_TTL} seconds"),
+    ),
+    # Renewed every third of it by a waiter that polls every second or two.
+    "TICKET_LEASE": (
+        lambda value: _is_duration(value) and _duration(value) >= MIN_TICKET_LEASE,
+        f"seconds or a timedelta, from {MIN_TICKET_LEASE.seconds} to {MAX_TTL} seconds",
     ),
     "VIEW_STATUS_CODE": (lambda value: is_int(value, 400, 599), "a 4xx or 5xx status"),
     "PARK_TASKS": (lambda value: isinstance(value, bool), "True or False"),

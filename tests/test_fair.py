@@ -9,10 +9,12 @@ from datetime import timedelta
 
 import pytest
 from django.db import connection, connections
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_semaphore import acquire, release
+from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import (
     AcquireTimeout,
     PermitAlreadyReleased,
@@ -324,3 +326,49 @@ def test_a_semaphore_fair_waiters_wait_on_is_not_deleted(client, make_semaphore)
     assert order == [waiter.key], waiter.error
     release(waiter.key)
     free.delete()  # nobody waits any more
+
+
+# --- a waiter's ticket lives by a lease it renews while it waits --------------------
+
+SHORT_LEASE = 3  # the least TICKET_LEASE
+
+
+@override_settings(DJANGO_SEMAPHORE={"TICKET_LEASE": SHORT_LEASE})
+def test_waiting_threads_renew_their_tickets_and_their_queue(make_semaphore):
+    """Three waiters of one process, one polling and two asleep, keep
+    their tickets and their queue live for three leases, and their order."""
+    semaphore = make_semaphore(1, fair=True)
+    holder = key()
+    acquire(semaphore.name, external_id=holder)
+    order: list[str] = []
+    waiters = [Waiter(semaphore.name, order, timeout=30) for _ in range(3)]
+    for count, waiter in enumerate(waiters, 1):
+        waiter.start()
+        wait_for_tickets(semaphore.name, count)
+    time.sleep(3 * SHORT_LEASE)
+    live = Ticket.objects.filter(expires_at__gt=DatabaseNow(), semaphore=semaphore)
+    assert live.count() == 3
+    queued = Semaphore.objects.filter(pk=semaphore.pk, queued_until__gt=DatabaseNow())
+    assert queued.exists()
+    release(holder)
+    with pytest.raises(SemaphoreExhausted):  # no barging: the room is the first's
+        acquire(semaphore.name, external_id=key())
+    for waiter in waiters:
+        waiter.finish(within=10)
+        release(waiter.key)
+    assert order == [waiter.key for waiter in waiters]
+
+
+@override_settings(DJANGO_SEMAPHORE={"TICKET_LEASE": SHORT_LEASE})
+def test_a_waiter_whose_lapsed_ticket_was_swept_takes_it_again(make_semaphore):
+    semaphore = make_semaphore(1, fair=True)
+    holder = key()
+    acquire(semaphore.name, external_id=holder)
+    waiter = Waiter(semaphore.name, [], timeout=30)
+    waiter.start()
+    wait_for_tickets(semaphore.name, 1)
+    Ticket.objects.filter(external_id=waiter.key).delete()  # as the sweep does a lapsed one
+    wait_for_tickets(semaphore.name, 1, within=3 * SHORT_LEASE)
+    release(holder)
+    waiter.finish()
+    assert waiter.error is None

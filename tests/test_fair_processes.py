@@ -1,6 +1,6 @@
 """Fair mode across processes: no starvation, the room of older waiters kept
 from the recorded history, and a killed waiter that stops blocking at its
-deadline.
+deadline, or once its ticket's lease runs out.
 
 Meant for MariaDB and PostgreSQL (row locks across processes); SQLite runs
 them too, its writers serialized on the file.
@@ -18,7 +18,8 @@ from datetime import timedelta
 import pytest
 from django.db import connection, connections
 
-from django_semaphore import acquire, release, waiting
+from django_semaphore import acquire, release, sweep, waiting
+from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.models import Semaphore, Ticket
@@ -190,3 +191,44 @@ def test_a_killed_waiter_stops_blocking_at_its_deadline(make_semaphore):
     request = acquire(sem.name, external_id="after-" + sem.name, timeout=15)
     assert request.created_at >= ticket.expires_at
     assert request.created_at - ticket.expires_at < timedelta(seconds=2.5)
+
+
+LEASE = 10.0  # TICKET_LEASE's default, seconds
+LATE = 1.5  # what the fail-fast polling below, on a loaded machine, may add
+
+
+def test_a_killed_waiter_with_a_long_timeout_stops_blocking_within_its_ticket_lease(
+    make_semaphore,
+):
+    """SIGKILLed while it waits with a 600 s timeout: nobody renews its
+    ticket, which stops keeping its room within TICKET_LEASE (10 s by
+    default) with no sweep run; then the sweep deletes it."""
+    sem = make_semaphore(1)
+    Semaphore.objects.filter(pk=sem.pk).update(fair=True)
+    holder = "holder-" + sem.name
+    acquire(sem.name, external_id=holder)
+    doomed = spawn(wait_forever, sem.name, 600.0, bound=120)
+    deadline = time.monotonic() + 60
+    while not Ticket.objects.filter(semaphore=sem).exists():
+        assert time.monotonic() < deadline, "the waiter never queued"
+        time.sleep(0.02)
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.join(10)
+    killed = time.monotonic()
+    ticket = Ticket.objects.annotate(now=DatabaseNow()).get(semaphore=sem)
+    assert ticket.expires_at <= ticket.now + timedelta(seconds=LEASE)
+    assert Semaphore.objects.get(pk=sem.pk).queued_until == ticket.expires_at
+    release(holder)
+    with pytest.raises(SemaphoreExhausted):  # kept for the waiter while its lease runs
+        acquire(sem.name, external_id="early-" + sem.name)
+
+    while True:  # a newcomer failing fast, every 0.1 s
+        try:
+            acquire(sem.name, external_id="after-" + sem.name)
+            break
+        except SemaphoreExhausted:
+            assert time.monotonic() - killed < LEASE + LATE, "its room never came back"
+            time.sleep(0.1)
+    assert time.monotonic() - killed <= LEASE + LATE
+    assert sweep.clean_tickets().deleted == 1
+    assert not Ticket.objects.filter(semaphore=sem).exists()

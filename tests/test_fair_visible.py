@@ -114,7 +114,7 @@ def test_status_prints_waiters_and_each_queue(make_semaphore):
     assert row[-4] == "2"
     assert 42 <= float(row[-3].rstrip("s")) < 60
     assert f"Waiting in line on {sem.name}, first served first:" in lines
-    # place, owner ("waiter n"), key, count, since, gives up at
+    # place, owner ("waiter n"), key, count, since, expires at
     places = [line.split() for line in lines[lines.index("") + 3 :]]
     assert [(p[0], p[3], p[4]) for p in places] == [
         ("1", first.external_id, "1"),

@@ -25,6 +25,7 @@ from django.core.management import call_command
 from django.db import connection, connections
 from django.db.migrations.loader import MigrationLoader
 from django.db.models import DurationField, Value
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
@@ -33,6 +34,7 @@ from django_semaphore import acquire, force_release, parking, release, sweep
 from django_semaphore.admin.semaphores import SemaphoreAdmin
 from django_semaphore.api import set_capacity
 from django_semaphore.backends import DatabaseNow
+from django_semaphore.engine import fairness
 from django_semaphore.exceptions import SemaphoreExhausted, SemaphoreNotFound, WaitersInLine
 from django_semaphore.integrations import task_keys
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
@@ -257,6 +259,21 @@ def test_wake_is_first_in_first_out_and_a_big_demand_holds_back_younger_ones(pub
     assert wake.wake("default", [s.pk]) == 1
     assert published == [first, big]
     assert small in parked_ids()
+
+
+@override_settings(DJANGO_SEMAPHORE={"TICKET_LEASE": 3})
+def test_a_parked_tasks_tickets_live_by_its_row_not_by_a_ticket_lease(published):
+    """A fair waiter's ticket lives by a short lease; a parked task's, with
+    no process waiting, by its row: a renewal under its key (its woken
+    run standing by) never shortens it."""
+    s = semaphore(1)
+    acquire(s.name, external_id="holder")
+    task_id = park_row({s.name: 1})
+    parked = Ticket.objects.annotate(now=DatabaseNow()).get(external_id=task_id)
+    assert parked.expires_at > parked.now + timedelta(days=300)
+    assert fairness.renew("default", [task_id], [s.pk]) == 1
+    assert Ticket.objects.get(pk=parked.pk).expires_at == parked.expires_at
+    assert Semaphore.objects.get(pk=s.pk).queued_until == parked.expires_at
 
 
 def test_woken_tasks_keep_their_room_until_they_start(published):

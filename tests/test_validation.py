@@ -298,6 +298,8 @@ BAD_SETTINGS = [
     ("LEASE", 0),
     ("LEASE", "60s"),
     ("LEASE", timedelta(seconds=-5)),
+    ("TICKET_LEASE", 1),  # renewed every third of it: below what a waiter's loop keeps up with
+    ("TICKET_LEASE", "10s"),
     ("VIEW_STATUS_CODE", "429"),
     ("PARK_TASKS", "false"),
     ("DATABASE", "no-such-alias"),

@@ -128,7 +128,7 @@ def _queue(
                 "lacks": ticket.count > free,
                 "waiting": duration(ticket.created_at, now),
                 "since": ticket.created_at,
-                "gives_up": expiry(ticket.expires_at, now),
+                "expires": expiry(ticket.expires_at, now),
             }
         )
         kept += ticket.count if ticket.lacked else 0

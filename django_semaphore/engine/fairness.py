@@ -26,12 +26,17 @@ A ticket that lacked room keeps holding back until its waiter is granted or
 leaves, so its semaphores cannot take turns at denying it
 (``docs/fairness.md`` states the bound).
 
-A ticket stops blocking at ``expires_at``, its waiter's deadline, whatever
-became of the waiter: granted (its ticket is deleted in the grant
-transaction), gone (it deletes it on the way out), or crashed (it expires).
+A fair waiter's ticket lives by a lease (``TICKET_LEASE``), which its
+waiter renews while it waits (``renew``), and stops blocking at
+``expires_at`` whatever became of the waiter: granted (its ticket is
+deleted in the grant transaction), gone (it deletes it on the way out), or
+crashed (its lease runs out). A parked task's tickets live by its parked
+row instead (``engine/wakeups``): until its expiry, and no renewal shortens
+that.
 
 **Cost when unused.** A ticket that lacked room also writes
-``Semaphore.queued_until``, the latest deadline queued there. The grant's
+``Semaphore.queued_until``, the latest expiry queued there (pushed by the
+renewals too). The grant's
 locking read returns it: while it is in the past no ticket that holds back
 can be live, so no statement is added. While it
 is in the future every acquire on that semaphore, fair or not, respects the
@@ -50,7 +55,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -59,14 +64,18 @@ from typing import Any
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
+from django.db.models import Q
+from django.db.models.functions import Greatest
 
 from django_semaphore import backends
+from django_semaphore.conf import app_settings
 from django_semaphore.engine import line
 from django_semaphore.engine.statements.one_trip import Line, Refused
 from django_semaphore.engine.statements.rows import LockedSemaphore
-from django_semaphore.engine.statements.tickets import MAX_TICKET_LIFE, ticket_statements
+from django_semaphore.engine.statements.tickets import ticket_statements
 from django_semaphore.exceptions import SemaphoreExhausted
-from django_semaphore.models import Ticket
+from django_semaphore.guards import engine_writes
+from django_semaphore.models import Semaphore, Ticket
 from django_semaphore.validation import Demand
 
 _sequence = itertools.count(1)
@@ -160,11 +169,34 @@ def admit(
 
 
 def ticket_life(ask: Ask) -> float | None:
-    """Seconds a ticket this call takes lives: until its deadline, at most
-    ``MAX_TICKET_LIFE``; ``None``: it fails fast and takes none."""
+    """Seconds a ticket this call takes lives: a ``TICKET_LEASE`` (its
+    waiter renews it while it waits), at most until its deadline; ``None``:
+    it fails fast and takes none."""
     if ask.deadline is None:
         return None
-    return min(max(ask.deadline - time.monotonic(), 0), MAX_TICKET_LIFE.total_seconds())
+    lease = app_settings.TICKET_LEASE.total_seconds()
+    return min(max(ask.deadline - time.monotonic(), 0), lease)
+
+
+def renew(alias: str, keys: Collection[str], lacked: Collection[int]) -> int:
+    """Push the tickets of these keys (waiters still waiting) to a
+    ``TICKET_LEASE`` from now, never shortening one (a parked task's lives
+    by its row), and keep the queues of the semaphores where they lacked
+    room live as long; returns the tickets found. A lapsed ticket is
+    renewed with its place: its waiter was slow, not gone.
+
+    The tickets first: a grant that ends a queue between the two writes
+    sees them lapsed, and the queue is live again after it."""
+    until = backends.DatabaseNow() + app_settings.TICKET_LEASE
+    renewed = Ticket.objects.using(alias).filter(external_id__in=keys)
+    found = renewed.update(expires_at=Greatest("expires_at", until))
+    queues = Semaphore.objects.using(alias).filter(Q(queued_until__lt=until) | Q(queued_until=None))
+    with engine_writes():
+        # A row at a time: a write never holds one row's lock waiting for
+        # another's, which a grant may hold waiting for it.
+        for id in sorted(lacked):
+            queues.filter(id=id).update(queued_until=until)
+    return found
 
 
 def one_trip_line(ask: Ask, standing: Standing) -> Line:
@@ -197,8 +229,8 @@ def _placed(standing: Standing, short: set[int], ticketed: bool) -> Standing:
 
 
 def leave(alias: str, ask: Ask, standing: Standing) -> None:
-    """Delete a call's tickets after it gave up; best effort (they expire at
-    its deadline anyway)."""
+    """Delete a call's tickets after it gave up; best effort (their lease
+    runs out anyway)."""
     if not standing.ticketed:
         return
     with suppress(DatabaseError):

@@ -22,7 +22,7 @@ class Ticket(models.Model):
     attempt, or when a wake-up passed it over) or was woken to take it;
     only then does it hold back younger waiters here, by keeping the room it
     asks for. It stops holding back at ``expires_at``: a fair waiter's
-    deadline, a parked task's expiry.
+    lease (``TICKET_LEASE``, renewed while it waits), a parked task's expiry.
     """
 
     semaphore = models.ForeignKey(

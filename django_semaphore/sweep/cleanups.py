@@ -2,7 +2,7 @@
 time budget -- requests released longer ago than ``RELEASED_RETENTION``
 (with their permits), ``CapacityChange`` rows older than
 ``HISTORY_RETENTION``, family members idle past ``MEMBER_IDLE_LIMIT``,
-fair-mode tickets past their deadline."""
+fair-mode tickets that expired."""
 
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def clean_idle_members(
 def clean_tickets(
     *, batch_size: int | None = None, time_budget: float | None = None, dry_run: bool = False
 ) -> CleanupReport:
-    """Delete fair-mode tickets past their deadline, in batches.
+    """Delete fair-mode tickets that expired, in batches.
 
     They block nobody already (a ticket stops counting at its ``expires_at``):
     their waiters were granted, gave up or died. This only keeps the table

@@ -46,6 +46,12 @@ counters show no grant for two holds the pace doubles, up to ``POLL_CAP``;
 an attempt comes at least every ``NEXT_IN_LINE_ATTEMPT`` or pace (a reclaim
 of expired permits needs one).
 
+**Tickets renewed.** A ticket lives by a lease (``TICKET_LEASE``): every
+``RENEWALS_PER_LEASE``-th of it the first of this process's waiters on an
+alias to come by (a poller between probes, a sleeper woken for it) renews
+the tickets of all of them (``fairness.renew``). A crashed process renews
+nothing, and its waiters' room is back when their leases run out.
+
 **Rate limits.** A rate limit (a windowed semaphore) gains room when a
 slot's window ends, not at a release: a poller whose probe finds it lacks
 room on one sleeps until its next slot ends, then attempts.
@@ -67,13 +73,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import replace
 
 from django.db import Error
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import process
-from django_semaphore.engine.fairness import Ask, Refusal, Standing, leave
+from django_semaphore.conf import app_settings
+from django_semaphore.engine.fairness import Ask, Refusal, Standing, leave, renew
 from django_semaphore.engine.line import rounds
 from django_semaphore.engine.probes import Room, probe
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
@@ -98,6 +106,9 @@ POLL_CAP = 2.0
 # STARVING_BOUNDS (the upper bound while this process knows no hold).
 STARVING_HOLDS = 20
 STARVING_BOUNDS = (0.05, 0.5)
+# The tickets of this process's waiters are renewed together so many times
+# a TICKET_LEASE (the waiters' loops come by every second or two).
+RENEWALS_PER_LEASE = 3
 # A release sends NOTIFY (PostgreSQL) when this process saw a wait on one of
 # its semaphores within so many seconds: elsewhere it is sent to nobody.
 NOTIFY_AFTER_WAIT = 10.0
@@ -149,11 +160,14 @@ def wait_for_room(
         try:
             LISTENER.wanted(alias)
             while True:
+                _renew_tickets(connection)
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not WAITERS.wait_turn(waiter, remaining):
+                if remaining <= 0:
                     raise AcquireTimeout(
                         refused.names, f"{refused} (waited {wait:g}s)", refused.retry_after
                     )
+                if not WAITERS.wait_turn(waiter, min(remaining, _renewal_every())):
+                    continue
                 woken = waiter.woken.is_set() and not waiter.probe_now
                 if not woken:
                     # The last attempt may come at the deadline, never after it.
@@ -229,6 +243,7 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
                     # Every process's poller heard it: spread their probes,
                     # the first to see the room takes it.
                     time.sleep(random.uniform(0, min(NOTIFY_SPREAD, until - now)))
+            _renew_tickets(connection)
             found = _probe(connection, waiter)
             if found is None or not (lacking := _lacking(waiter, found)):
                 waiter.expected_room = True
@@ -239,7 +254,8 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
                 (r.next_slot_in for r in lacking if r.next_slot_in is not None), default=None
             )
             if slot is not None:
-                waiter.woken.wait(max(min(slot, deadline - time.monotonic()), 0))
+                slot = min(slot, deadline - time.monotonic(), _renewal_every())
+                waiter.woken.wait(max(slot, 0))
                 waiter.expected_room = True
                 return
             grants = sum(c.grants for c in found.values())
@@ -252,6 +268,26 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
             interval = max(every, min((hold or PROBE_EVERY) * _holds_away(waiter, found), POLL_CAP))
     finally:
         waiter.every = every
+
+
+def _renewal_every() -> float:
+    return app_settings.TICKET_LEASE.total_seconds() / RENEWALS_PER_LEASE
+
+
+def _renew_tickets(connection: BaseDatabaseWrapper) -> None:
+    """Renew the tickets of this process's waiters on the connection's
+    alias, together, when a renewal is due (``RENEWALS_PER_LEASE``). Where
+    some were found gone (lapsed, then swept), every one of them takes its
+    tickets again at its next refusal (keeping its place where it has one)."""
+    due = WAITERS.renewals_due(connection.alias, _renewal_every())
+    if not due:
+        return
+    names = {waiter.ask.key: waiter.ask.demand.names for waiter in due}
+    lacked = {id for waiter in due for id in waiter.standing.lacked}
+    with suppress(Error):  # tried again at the next renewal
+        if renew(connection.alias, names, lacked) < sum(map(len, names.values())):
+            for waiter in due:
+                waiter.standing = replace(waiter.standing, lacked=frozenset())
 
 
 def _probe(connection: BaseDatabaseWrapper, waiter: Waiter) -> dict[int, Room] | None:

@@ -48,6 +48,7 @@ class Waiter:
     every: float | None = None  # its probes' interval, kept between pauses
     grants: int | None = None  # the grants its last probe counted
     changed: float = field(default_factory=time.monotonic)  # when that last changed
+    renewed: float = field(default_factory=time.monotonic)  # its tickets, last
 
     def order(self) -> tuple[int, int]:
         """Its place in the queues: ticketed first, in their tickets' order
@@ -124,6 +125,25 @@ class Waiters(process.State):
                 if name in waiter.wants
             ]
         return bool(wanting) and not any(waiter.standing.ticketed for waiter in wanting)
+
+    def renewals_due(self, alias: str, every: float) -> list[Waiter]:
+        """The ticketed waiters on ``alias``, all renewed now, when one of
+        them was renewed ``every`` seconds ago or more (else none): one
+        renewal for all."""
+        now = time.monotonic()
+        with self.changed:
+            waiters = {
+                waiter
+                for (on, _), queue in self.queues.items()
+                if on == alias
+                for waiter in queue
+                if waiter.standing.ticketed
+            }
+            if all(now < waiter.renewed + every for waiter in waiters):
+                return []
+            for waiter in waiters:
+                waiter.renewed = now
+        return list(waiters)
 
     def waiting_on(self, alias: str) -> bool:
         """Whether this process waits on ``alias`` (the lock held)."""

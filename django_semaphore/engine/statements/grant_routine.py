@@ -141,8 +141,8 @@ class LineStatements:
     ahead_sql: str  # the older tickets that lacked room into (v_ahead, v_reserved)
     key_taken_sql: str  # EXISTS: a request has the key
     expired_sql: str  # EXISTS: an expired request holds the semaphore
-    take_sql: str  # the key's ticket, lacking room until the deadline
-    queue_until_sql: str  # the queue live until the deadline at least
+    take_sql: str  # the key's ticket, lacking room until v_deadline (its expiry)
+    queue_until_sql: str  # the queue live until v_deadline at least
     delete_sql: str  # the key's ticket
     over_sql: str  # the queue over, where no live ticket lacks room
 
@@ -196,7 +196,8 @@ class GrantRoutine(SQL):
             f" IF {_short(row, 'v_reserved')} THEN"
             f" IF p_life IS NOT NULL AND NOT (v_live OR p_ticketed OR p_fair OR {row.fair})"
             f" OR {steps.key_taken_sql} THEN {server.decline} END IF;"
-            # Its deadline: where its ticket, if it takes one, expires.
+            # Where its ticket, if it takes one, expires: a lease (the
+            # waiter renews it), at most its deadline; no wait runs past it.
             f" {let('v_deadline', server.after('v_now', life, 'MICROSECOND'))};"
             # First in line: it waits for a release here, the next in line behind it.
             f" IF v_reserved = 0 AND {server.read_committed} THEN"

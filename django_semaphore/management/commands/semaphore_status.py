@@ -125,7 +125,7 @@ class Command(BaseCommand):
             .order_by("id")
         )
         self.stdout.write(f"\nWaiting in line on {_shown(semaphore.name)}, first served first:")
-        rows = [("place", "owner", "key", "count", "waiting since", "gives up at")]
+        rows = [("place", "owner", "key", "count", "waiting since", "expires at")]
         for place, ticket in enumerate(tickets[:QUEUE_SHOWN], start=1):
             rows.append(
                 (
