@@ -392,7 +392,7 @@ def released(connection: BaseDatabaseWrapper, key: str) -> None:
     names, since = grant
     learn_hold(dict.fromkeys(names, 1), time.monotonic() - since)
     WAITERS.room_made(alias, names)
-    if listen_alias(alias) is not None and _waited_lately(alias, names):
+    if _waited_lately(alias, names) and listen_alias(alias) is not None:
         notify(connection, names)
 
 
