@@ -77,14 +77,14 @@ class ParkedTaskAdmin(OperatorAdmin):
         if waiting is None:
             return gettext("It no longer waits in line: its run has started, or it expired.")
         if waiting.woken:
-            woken = gettext("Woken: room is kept for it until its run takes it.")
-            return format_html("<p>{}</p>{}", woken, _explained(waiting))
-        if waiting.not_before is not None:
-            debounced = gettext("Debounced: not woken before %(moment)s.") % {
+            note = gettext("Woken: room is kept for it until its run takes it.")
+        elif waiting.not_before is not None:
+            note = gettext("Debounced: not woken before %(moment)s.") % {
                 "moment": waiting.not_before.isoformat(timespec="seconds")
             }
-            return format_html("<p>{}</p>{}", debounced, _explained(waiting))
-        return _explained(waiting)
+        else:
+            return _explained(waiting)
+        return format_html("<p>{}</p>{}", note, _explained(waiting))
 
     @admin.action(permissions=["delete"], description=_("Drop selected parked tasks"))
     def drop(self, request: HttpRequest, queryset: QuerySet[ParkedTask]) -> None:
