@@ -158,13 +158,7 @@ def validate_batch_size(batch_size: Any) -> int | None:
     """Rows per batch of a sweep; ``None``: the ``CLEANUP_BATCH_SIZE`` setting.
     Zero or less would be no batch at all (a negative one, a slice that
     Django refuses)."""
-    if batch_size is None:
-        return None
-    if not is_int(batch_size, 1, MAX_COUNT):
-        raise InvalidRequest(
-            f"batch_size must be an int from 1 to {MAX_COUNT}, not {batch_size!r}."
-        )
-    return batch_size
+    return None if batch_size is None else validate_int(batch_size, "batch_size", 1, MAX_COUNT)
 
 
 def validate_keys(keys: Any, what: str = "external_id") -> list[str]:
@@ -185,16 +179,19 @@ def validate_flag(value: Any, what: str) -> bool:
 
 def validate_token(token: Any) -> int:
     """A fencing token as its column can hold it, on every database."""
-    if not is_int(token, 0, MAX_TOKEN):
-        raise InvalidRequest(
-            f"A fencing token must be an int from 0 to {MAX_TOKEN}, not {token!r}."
-        )
-    return token
+    return validate_int(token, "A fencing token", 0, MAX_TOKEN)
 
 
 def is_int(value: Any, least: int, most: int) -> TypeGuard[int]:
     """An int (``True`` is not one) from ``least`` to ``most``."""
     return isinstance(value, int) and not isinstance(value, bool) and least <= value <= most
+
+
+def validate_int(value: Any, what: str, least: int, most: int) -> int:
+    """``value`` if :func:`is_int` says so; else ``InvalidRequest`` naming ``what``."""
+    if not is_int(value, least, most):
+        raise InvalidRequest(f"{what} must be an int from {least} to {most}, not {value!r}.")
+    return value
 
 
 def validate_capacity(capacity: Any) -> int:
@@ -282,8 +279,8 @@ def validate_declared(name: Any, value: Any) -> Declared:
             capacity = validate_capacity(value["capacity"])
             window = validate_window(value.get("window"))
         bound = value.get("max_members")
-        if bound is not None and not is_int(bound, 1, MAX_COUNT):
-            raise InvalidRequest(f"max_members must be an int from 1 to {MAX_COUNT}.")
+        if bound is not None:
+            validate_int(bound, "max_members", 1, MAX_COUNT)
     except InvalidRequest as exc:
         raise InvalidRequest(f"{where}: {exc}") from None
     return Declared(capacity, window, bound)
