@@ -18,7 +18,7 @@ from django_semaphore import routing
 from django_semaphore.exceptions import InvalidRequest, StaleFencingToken
 from django_semaphore.models import FencingMark
 from django_semaphore.retry import run_with_retries
-from django_semaphore.validation import MAX_LENGTH, validate_storable, validate_token
+from django_semaphore.validation import validate_text, validate_token
 
 
 def advance(resource: str, token: int, *, using: str | None = None) -> None:
@@ -62,11 +62,9 @@ def _advance(alias: str, resource: str, token: int) -> None:
 
 
 def _validate(resource: Any, token: Any, using: Any) -> None:
-    if not isinstance(resource, str) or not resource:
+    if resource == "":
         raise InvalidRequest("The fencing resource must be a non-empty str.")
-    if len(resource) > MAX_LENGTH:
-        raise InvalidRequest(f"The fencing resource must be at most {MAX_LENGTH} characters.")
-    validate_storable(resource, "fencing resource")
+    validate_text(resource, "fencing resource", blank=True)  # "  " is a resource
     validate_token(token)
     if using is not None and not (isinstance(using, str) and using in settings.DATABASES):
         raise InvalidRequest(f"using must be a DATABASES alias, not {using!r}.")

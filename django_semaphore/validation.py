@@ -52,7 +52,10 @@ def validate_demand(names: Any) -> Demand:
     if isinstance(names, str):
         counts = {validate_name(names): 1}
     elif isinstance(names, Mapping):
-        counts = {validate_name(name): _count(name, count) for name, count in names.items()}
+        counts = {
+            validate_name(name): validate_int(count, f"The count for {name!r}", 1, MAX_COUNT)
+            for name, count in names.items()
+        }
     elif isinstance(names, Iterable) and not isinstance(names, bytes | bytearray):
         listed = [validate_name(name) for name in names]
         if len(set(listed)) != len(listed):
@@ -71,30 +74,20 @@ def validate_demand(names: Any) -> Demand:
 
 
 def validate_name(name: Any) -> str:
-    return _text(name, "semaphore name")
+    return validate_text(name, "semaphore name")
 
 
-def _count(name: str, count: Any) -> int:
-    if not isinstance(count, int) or isinstance(count, bool):
-        raise InvalidRequest(f"The count for {name!r} must be an int, not {type(count).__name__}.")
-    if not 1 <= count <= MAX_COUNT:
-        raise InvalidRequest(f"The count for {name!r} must be at least 1, not {count}.")
-    return count
-
-
-def _text(value: Any, what: str) -> str:
+def validate_text(value: Any, what: str, *, blank: bool = False) -> str:
+    """A str of at most ``MAX_LENGTH`` characters, empty or blank only if
+    ``blank``. What some database cannot store is refused before the driver
+    fails on it: NUL (PostgreSQL text refuses it) and lone surrogates (not
+    UTF-8 at all)."""
     if not isinstance(value, str):
         raise InvalidRequest(f"The {what} must be a str, not {type(value).__name__}.")
-    if not value.strip():
+    if not blank and not value.strip():
         raise InvalidRequest(f"The {what} must not be empty.")
     if len(value) > MAX_LENGTH:
         raise InvalidRequest(f"The {what} must be at most {MAX_LENGTH} characters.")
-    return validate_storable(value, what)
-
-
-def validate_storable(value: str, what: str) -> str:
-    """Refuse what some database cannot store, before the driver fails on it:
-    NUL (PostgreSQL text refuses it) and lone surrogates (not UTF-8 at all)."""
     if "\x00" in value:
         raise InvalidRequest(f"The {what} must not contain NUL characters.")
     try:
@@ -110,15 +103,11 @@ def is_pattern(name: str) -> bool:
 
 
 def validate_key(external_id: Any) -> str:
-    return _text(external_id, "external_id")
+    return validate_text(external_id, "external_id")
 
 
 def validate_owner(owner: Any, field: str = "owner") -> str:
-    if not isinstance(owner, str):
-        raise InvalidRequest(f"The {field} must be a str, not {type(owner).__name__}.")
-    if len(owner) > MAX_LENGTH:
-        raise InvalidRequest(f"The {field} must be at most {MAX_LENGTH} characters.")
-    return validate_storable(owner, field)
+    return validate_text(owner, field, blank=True)
 
 
 def validate_ttl(ttl: Any) -> int | None:
@@ -166,7 +155,7 @@ def validate_keys(keys: Any, what: str = "external_id") -> list[str]:
     str is refused rather than taken as its characters."""
     if isinstance(keys, str | bytes) or not isinstance(keys, Iterable):
         raise InvalidRequest(f"Pass a list of {what} values, not {type(keys).__name__}.")
-    return [_text(key, what) for key in keys]
+    return [validate_text(key, what) for key in keys]
 
 
 def validate_flag(value: Any, what: str) -> bool:
@@ -195,11 +184,7 @@ def validate_int(value: Any, what: str, least: int, most: int) -> int:
 
 
 def validate_capacity(capacity: Any) -> int:
-    if not isinstance(capacity, int) or isinstance(capacity, bool):
-        raise InvalidRequest(f"capacity must be an int, not {type(capacity).__name__}.")
-    if not 0 <= capacity <= MAX_COUNT:
-        raise InvalidRequest(f"capacity must be between 0 and {MAX_COUNT}, not {capacity}.")
-    return capacity
+    return validate_int(capacity, "capacity", 0, MAX_COUNT)
 
 
 def validate_window(window: Any) -> int | None:
