@@ -114,12 +114,7 @@ def validate_ttl(ttl: Any) -> int | None:
     """Whole seconds (fractions round up, so a TTL is never shortened)."""
     if ttl is None:
         return None
-    seconds = _seconds(ttl, "ttl")
-    if seconds <= 0:
-        raise InvalidRequest(f"ttl must be positive, not {ttl!r}.")
-    if seconds > MAX_TTL:
-        raise InvalidRequest(f"ttl must be at most {MAX_TTL} seconds.")
-    return math.ceil(seconds)
+    return math.ceil(_seconds_up_to(ttl, "ttl", MAX_TTL, positive=True))
 
 
 def validate_timeout(timeout: Any) -> float:
@@ -130,10 +125,7 @@ def validate_debounce(debounce: Any) -> float | None:
     """Seconds a debounced send waits for the sends that follow it."""
     if debounce is None:
         return None
-    seconds = _seconds_up_to(debounce, "debounce", MAX_TTL)
-    if seconds <= 0:
-        raise InvalidRequest(f"debounce must be positive, not {debounce!r}.")
-    return seconds
+    return _seconds_up_to(debounce, "debounce", MAX_TTL, positive=True)
 
 
 def validate_time_budget(time_budget: Any) -> float | None:
@@ -296,10 +288,11 @@ def _seconds(value: Any, what: str) -> float:
         return math.inf if value > 0 else -math.inf
 
 
-def _seconds_up_to(value: Any, what: str, most: float) -> float:
+def _seconds_up_to(value: Any, what: str, most: float, *, positive: bool = False) -> float:
     seconds = _seconds(value, what)
-    if seconds < 0:
-        raise InvalidRequest(f"{what} must not be negative, not {value!r}.")
+    if seconds <= 0 if positive else seconds < 0:
+        least = "positive" if positive else "0 or more"
+        raise InvalidRequest(f"{what} must be {least}, not {value!r}.")
     if seconds > most:
         raise InvalidRequest(f"{what} must be at most {most:.0f} seconds, not {value!r}.")
     return seconds
