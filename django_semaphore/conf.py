@@ -160,12 +160,8 @@ class Settings:
             raise ImproperlyConfigured(" ".join(problems))
         return value
 
-    @property
-    def DATABASE(self) -> str | None:
-        """The alias configured; ``routing.current_alias()`` says which to use."""
-        configured = self._get("DATABASE")
-        return None if configured is None else str(configured)
-
+    # The alias configured; ``routing.current_alias()`` says which to use.
+    DATABASE: _Setting[str | None] = _Setting(lambda alias: alias)
     SHARDS = _Setting(dict[str, str])
     LOCK_WAIT_TIMEOUT = _Setting(float)
     RETRY_ATTEMPTS = _Setting(int)
@@ -177,12 +173,9 @@ class Settings:
     LIVENESS_CHECKERS = _Setting(list[str])
     VIEW_STATUS_CODE = _Setting(int)
 
-    @property
-    def REFUSED_VIEW(self) -> Callable[..., Any]:
-        """The view that answers a refused request, imported at each read (so
-        ``override_settings`` works, and nothing is imported before it is used)."""
-        return import_string(self._get("REFUSED_VIEW"))  # type: ignore[no-any-return]
-
+    # The view that answers a refused request, imported at each read (so
+    # ``override_settings`` works, and nothing is imported before it is used).
+    REFUSED_VIEW: _Setting[Callable[..., Any]] = _Setting(import_string)
     SEMAPHORES = _Setting(dict[str, Any])
     MEMBER_IDLE_LIMIT = _Setting(_duration)
     PARK_TASKS = _Setting(bool)
@@ -210,18 +203,8 @@ def setting_problems(key: str, value: Any) -> list[str]:
     checks fails with the same words instead of a bare ``ValueError`` (or a
     driver's error, for a value out of the database's range).
     """
-    if key == "SHARDS":
-        return _shard_problems(value)
-    if key == "LIVENESS_CHECKERS":
-        return _checker_problems(value)
-    if key == "REFUSED_VIEW":
-        return _refused_view_problems(value)
-    if key == "SEMAPHORES":
-        return _declared_problems(value)
-    if key == "METRICS_PER_MEMBER":
-        return _per_member_problems(value)
-    if key == "LISTEN_DATABASES":
-        return _listen_problems(value)
+    if key in _COMPOUND_RULES:
+        return _COMPOUND_RULES[key](value)
     sound, expects = _SCALAR_RULES[key]
     return [] if sound(value) else [f"DJANGO_SEMAPHORE[{key!r}] must be {expects}, not {value!r}."]
 
@@ -363,6 +346,16 @@ def _per_member_problems(value: Any) -> list[str]:
         if not isinstance(pattern, str) or pattern not in families
     ]
 
+
+# The keys whose value holds several parts: each rule lists every problem.
+_COMPOUND_RULES: dict[str, Callable[[Any], list[str]]] = {
+    "SHARDS": _shard_problems,
+    "LIVENESS_CHECKERS": _checker_problems,
+    "REFUSED_VIEW": _refused_view_problems,
+    "SEMAPHORES": _declared_problems,
+    "METRICS_PER_MEMBER": _per_member_problems,
+    "LISTEN_DATABASES": _listen_problems,
+}
 
 # --- families: the patterns SEMAPHORES declares ----------------------------------------
 
