@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,35 +228,31 @@ def bounded_lock_wait(connection: BaseDatabaseWrapper, seconds: float) -> Iterat
     Wraps the whole ``atomic()`` block. PostgreSQL is bounded from inside the
     transaction instead (see :func:`start_bounded_transaction`).
     """
-    vendor = connection.vendor
-    if vendor == "mysql":
-        # Integer seconds, at least 1. The old value is kept server-side in a
-        # user variable so the bound costs no extra round trip to read it.
-        with connection.cursor() as cursor:
+    if connection.vendor not in ("mysql", "sqlite"):
+        yield
+        return
+    with connection.cursor() as cursor:
+        if connection.vendor == "mysql":
+            # Integer seconds, at least 1. The old value is kept server-side in a
+            # user variable so the bound costs no extra round trip to read it.
             cursor.execute(
                 "SET @django_semaphore_lock_wait = @@SESSION.innodb_lock_wait_timeout,"
                 " SESSION innodb_lock_wait_timeout = %s",
                 [max(1, math.ceil(seconds))],
             )
-        try:
-            yield
-        finally:
-            _restore_quietly(
-                connection,
-                "SET SESSION innodb_lock_wait_timeout = @django_semaphore_lock_wait",
-            )
-    elif vendor == "sqlite":
-        # The busy timeout is what BEGIN IMMEDIATE waits for the write lock.
-        with connection.cursor() as cursor:
+            restore = "SET SESSION innodb_lock_wait_timeout = @django_semaphore_lock_wait"
+        else:
+            # The busy timeout is what BEGIN IMMEDIATE waits for the write lock.
             cursor.execute("PRAGMA busy_timeout")
-            previous = cursor.fetchone()[0]
+            restore = f"PRAGMA busy_timeout = {int(cursor.fetchone()[0])}"
             cursor.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
-        try:
-            yield
-        finally:
-            _restore_quietly(connection, f"PRAGMA busy_timeout = {int(previous)}")
-    else:
+    try:
         yield
+    finally:
+        # If the connection died mid-transaction there is nothing left to
+        # restore: the session that carried the setting is gone with it.
+        with suppress(Error), connection.cursor() as cursor:
+            cursor.execute(restore)
 
 
 def bounds_each_statement(connection: BaseDatabaseWrapper) -> bool:
@@ -306,16 +302,6 @@ def bounded_transaction(
     with session, transaction.atomic(using=connection.alias, durable=durable):
         start_bounded_transaction(connection, seconds)
         yield
-
-
-def _restore_quietly(connection: BaseDatabaseWrapper, sql: str) -> None:
-    # If the connection died mid-transaction there is nothing left to restore:
-    # the session that carried the setting is gone with it.
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(sql)
-    except Error:
-        pass
 
 
 @dataclass(frozen=True)
