@@ -84,4 +84,3 @@ def run_with_retries(
             f"Database unavailable after {attempts} attempts: {cause}"
         ) from cause
     raise LockContention(f"Gave up after {attempts} attempts: {cause}") from cause
-
