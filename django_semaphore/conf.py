@@ -144,11 +144,9 @@ class Settings:
         return user
 
     def _get(self, key: str) -> Any:
-        try:
-            return self._checked[key]
-        except KeyError:
-            value = self._checked[key] = self._check(key)
-            return value
+        if key not in self._checked:
+            self._checked[key] = self._check(key)
+        return self._checked[key]
 
     def _check(self, key: str) -> Any:
         user = self.user_settings
