@@ -225,15 +225,12 @@ def _refuse_task_object(func: Any) -> None:
 
 @functools.cache
 def _task_classes() -> tuple[type, ...]:
-    classes: list[type] = []
     try:
         from celery import Task
         from celery.local import Proxy
     except ImportError:
-        pass
-    else:
-        classes += [Task, Proxy]
-    return (*classes, *django_tasks.task_classes())
+        return tuple(django_tasks.task_classes())
+    return (Task, Proxy, *django_tasks.task_classes())
 
 
 def _running_task_of(body: Callable[..., Any]) -> Any:
