@@ -50,7 +50,6 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import Family, app_settings, families, family_of, is_family_default
 from django_semaphore.exceptions import FamilyFull, InvalidRequest, SemaphoreNotFound
 from django_semaphore.guards import engine_writes
-from django_semaphore.managers import SemaphoreQuerySet
 from django_semaphore.models import CapacityChange, Semaphore
 from django_semaphore.models.semaphore import close_every_slot
 
@@ -206,8 +205,10 @@ def _follow_batch(alias: str, pattern: str, changed_by_id: Any, reason: str) -> 
         if default is None:
             return 0
         capacity, window = default
+        # The members that follow the family default (not changed on their own).
         batch = list(
-            followers(alias, pattern)
+            Semaphore.objects.using(alias)
+            .filter(family=pattern, own_capacity=False)
             .exclude(capacity=capacity, window=window)
             .locked()
             .values_list("pk", "capacity", "window")[: app_settings.CLEANUP_BATCH_SIZE]
@@ -233,8 +234,3 @@ def _follow_batch(alias: str, pattern: str, changed_by_id: Any, reason: str) -> 
                 capacity=capacity, window=window
             )
         return len(batch)
-
-
-def followers(alias: str, pattern: str) -> SemaphoreQuerySet[Semaphore]:
-    """The members of ``pattern`` whose capacity and window are the family default's."""
-    return Semaphore.objects.using(alias).filter(family=pattern, own_capacity=False)
