@@ -112,9 +112,7 @@ def validate_owner(owner: Any, field: str = "owner") -> str:
 
 def validate_ttl(ttl: Any) -> int | None:
     """Whole seconds (fractions round up, so a TTL is never shortened)."""
-    if ttl is None:
-        return None
-    return math.ceil(_seconds_up_to(ttl, "ttl", MAX_TTL, positive=True))
+    return None if ttl is None else math.ceil(_seconds_up_to(ttl, "ttl", MAX_TTL, positive=True))
 
 
 def validate_timeout(timeout: Any) -> float:
@@ -130,9 +128,7 @@ def validate_debounce(debounce: Any) -> float | None:
 
 def validate_time_budget(time_budget: Any) -> float | None:
     """Seconds after which a sweep starts no new batch; ``None``: no limit."""
-    if time_budget is None:
-        return None
-    return _seconds_up_to(time_budget, "time_budget", math.inf)
+    return None if time_budget is None else _seconds_up_to(time_budget, "time_budget", math.inf)
 
 
 def validate_batch_size(batch_size: Any) -> int | None:
