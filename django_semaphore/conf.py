@@ -145,18 +145,11 @@ class Settings:
 
     def _get(self, key: str) -> Any:
         if key not in self._checked:
-            self._checked[key] = self._check(key)
+            user = self.user_settings  # a default is the app's own: not checked
+            if key in user and (problems := setting_problems(key, user[key])):
+                raise ImproperlyConfigured(" ".join(problems))
+            self._checked[key] = user.get(key, DEFAULTS[key])
         return self._checked[key]
-
-    def _check(self, key: str) -> Any:
-        user = self.user_settings
-        if key not in user:
-            return DEFAULTS[key]
-        value = user[key]
-        problems = setting_problems(key, value)
-        if problems:
-            raise ImproperlyConfigured(" ".join(problems))
-        return value
 
     # The alias configured; ``routing.current_alias()`` says which to use.
     DATABASE: _Setting[str | None] = _Setting(lambda alias: alias)
