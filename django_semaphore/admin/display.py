@@ -27,14 +27,13 @@ def usage_bar(in_use: int, capacity: int) -> SafeString:
     Full is amber; over capacity (after capacity was lowered below what is
     held) is red, filled to the end and labelled with the excess.
     """
-    over = in_use > capacity
     if capacity:
         percent = in_use * 100 / capacity
         label = f"{percent:.0f}%"
     else:
         percent = 100.0 if in_use else 0.0
         label = "" if in_use else gettext("closed")
-    if over:
+    if in_use > capacity:
         color, state = RED, "over-capacity"
         excess = gettext("over by %(count)d") % {"count": in_use - capacity}
         label = f"{label} · {excess}" if label else excess
