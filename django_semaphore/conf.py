@@ -200,15 +200,10 @@ def setting_problems(key: str, value: Any) -> list[str]:
     return [] if sound(value) else [f"DJANGO_SEMAPHORE[{key!r}] must be {expects}, not {value!r}."]
 
 
-def _is_number(value: Any) -> bool:
-    # An int is finite however large; math.isfinite() cannot take a huge one.
-    return (isinstance(value, int) and not isinstance(value, bool)) or (
-        isinstance(value, float) and math.isfinite(value)
-    )
-
-
 def _is_seconds(value: Any, most: float) -> bool:
-    return _is_number(value) and 0 < value <= most
+    # An int is finite however large; math.isfinite() cannot take a huge one.
+    finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+    return finite and not isinstance(value, bool) and 0 < value <= most
 
 
 def _is_duration(value: Any) -> bool:
