@@ -47,7 +47,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.conf import Family, app_settings, families, family_of, is_family_default
+from django_semaphore.conf import Family, app_settings, family_of, is_family_default
 from django_semaphore.exceptions import FamilyFull, InvalidRequest, SemaphoreNotFound
 from django_semaphore.guards import engine_writes
 from django_semaphore.models import CapacityChange, Semaphore
@@ -80,22 +80,22 @@ def create_members(
         SemaphoreNotFound: a name no family matches (nothing is created).
         FamilyFull: a family would exceed its ``max_members``.
     """
-    wanted: dict[str, list[str]] = {}
+    wanted: dict[Family, list[str]] = {}
     unknown: list[str] = []
     for name in missing:
         family = family_of(name)
         if family is None:
             unknown.append(name)
         else:
-            wanted.setdefault(family.pattern, []).append(name)
+            wanted.setdefault(family, []).append(name)
     if unknown:
         raise SemaphoreNotFound(unknown)
-    declared = {family.pattern: family for family in families()}
+    in_order = sorted(wanted, key=lambda family: family.pattern)
     alias = connection.alias
     with backends.bounded_transaction(connection, lock_wait, durable=True):
-        templates = _lock_templates(alias, [declared[pattern] for pattern in sorted(wanted)])
-        for pattern in sorted(wanted):
-            _create(alias, declared[pattern], templates[pattern], wanted[pattern])
+        templates = _lock_templates(alias, in_order)
+        for family in in_order:
+            _create(alias, family, templates[family.pattern], wanted[family])
 
 
 @dataclass(frozen=True)
