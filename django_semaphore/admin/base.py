@@ -104,14 +104,18 @@ def _rendered(response: HttpResponse) -> HttpResponse:
     return response
 
 
-class ReadOnly:
-    """Viewable, never added, changed or deleted here."""
+class Unchanged:
+    """Never added or changed here (deleted with the delete permission)."""
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+class ReadOnly(Unchanged):
+    """Viewable, never added, changed or deleted here."""
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False

@@ -18,14 +18,14 @@ from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_semaphore import parking, routing
-from django_semaphore.admin.base import OperatorAdmin
+from django_semaphore.admin.base import OperatorAdmin, Unchanged
 from django_semaphore.admin.display import demand
 from django_semaphore.blockers import Waiting, why_waiting
 from django_semaphore.models import ParkedTask, Ticket
 
 
 @admin.register(ParkedTask)
-class ParkedTaskAdmin(OperatorAdmin):
+class ParkedTaskAdmin(Unchanged, OperatorAdmin):
     """Parked tasks, oldest first: the order they are woken in."""
 
     list_display = [
@@ -55,12 +55,6 @@ class ParkedTaskAdmin(OperatorAdmin):
         actions = super().get_actions(request)
         actions.pop("delete_selected", None)
         return actions
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     def delete_model(self, request: HttpRequest, obj: ParkedTask) -> None:
         parking.cancel([obj.task_id])
