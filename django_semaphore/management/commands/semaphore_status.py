@@ -14,7 +14,6 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import QuerySet
 
 from django_semaphore import parking, routing, sweep
-from django_semaphore.backends import DatabaseNow
 from django_semaphore.blockers import why_waiting
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.models import Semaphore, Ticket
@@ -103,25 +102,26 @@ class Command(BaseCommand):
             self.stdout.write(line)
 
     def _queue(self, semaphore: Semaphore) -> None:
+        # Live tickets, in their order (Ticket's: by id).
         tickets = (
             Ticket.objects.using(semaphore._state.db)
-            .filter(semaphore=semaphore, expires_at__gt=DatabaseNow())
+            .live()
+            .filter(semaphore=semaphore)
             .select_related("parked")
-            .order_by("id")
         )
         self.stdout.write(f"\nWaiting in line on {_shown(semaphore.name)}, first served first:")
         rows = [("place", "owner", "key", "count", "waiting since", "gives up at")]
-        for place, ticket in enumerate(tickets[:QUEUE_SHOWN], start=1):
-            rows.append(
-                (
-                    str(place),
-                    ticket.waiter or "-",
-                    ticket.external_id,
-                    str(ticket.count),
-                    ticket.created_at.isoformat(timespec="seconds"),
-                    ticket.expires_at.isoformat(timespec="seconds"),
-                )
+        rows += [
+            (
+                str(place),
+                ticket.waiter or "-",
+                ticket.external_id,
+                str(ticket.count),
+                ticket.created_at.isoformat(timespec="seconds"),
+                ticket.expires_at.isoformat(timespec="seconds"),
             )
+            for place, ticket in enumerate(tickets[:QUEUE_SHOWN], start=1)
+        ]
         self._table(rows)
 
     def _table(self, rows: Sequence[tuple[str, ...]]) -> None:
