@@ -150,9 +150,7 @@ def inline_backends() -> tuple[type, ...]:
 def running_result_of(body: Callable[..., Any]) -> Any:
     """The task result whose body ``body`` is, if a backend is running it now."""
     result = _running.get()
-    if result is None or getattr(result.task, "func", None) is not body:
-        return None
-    return result
+    return result if result is not None and getattr(result.task, "func", None) is body else None
 
 
 def own_arguments(result: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
