@@ -231,13 +231,10 @@ def validate_declared(name: Any, value: Any) -> Declared:
     where = f"DJANGO_SEMAPHORE['SEMAPHORES'][{name!r}]"
     if not isinstance(name, str) or not 0 < len(name) <= MAX_LENGTH:
         raise InvalidRequest(f"{where}: a name is a str of 1 to {MAX_LENGTH} characters.")
-    if not isinstance(value, Mapping):
-        try:
-            return Declared(validate_capacity(value))
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"{where}: {exc}") from None
     keys = {"capacity", "window", "rate"} | ({"max_members"} if is_pattern(name) else set())
     try:
+        if not isinstance(value, Mapping):
+            return Declared(validate_capacity(value))
         if not set(value) <= keys or ("rate" in value) == ("capacity" in value):
             raise InvalidRequest(
                 f"give a capacity (with an optional window) or a rate, and only "
