@@ -26,17 +26,15 @@ if TYPE_CHECKING:
 
 # Name -> the module that defines it.
 _HOMES = {
+    **dict.fromkeys(
+        ("acquire", "force_release", "release", "renew", "set_capacity", "set_window"),
+        "django_semaphore.api",
+    ),
     "PermitTask": "django_semaphore.integrations.permit_task",
     "ReleaseOutcome": "django_semaphore.states",
-    "acquire": "django_semaphore.api",
-    "force_release": "django_semaphore.api",
     "holds_permit": "django_semaphore.integrations.decorators",
     "permit": "django_semaphore.integrations.context",
     "permit_task_class": "django_semaphore.integrations.task_class",
-    "release": "django_semaphore.api",
-    "renew": "django_semaphore.api",
-    "set_capacity": "django_semaphore.api",
-    "set_window": "django_semaphore.api",
 }
 __all__ = sorted(_HOMES)
 

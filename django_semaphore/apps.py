@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from contextlib import suppress
+
 from django.apps import AppConfig
 from django.core.exceptions import ImproperlyConfigured
 from django.db.models.signals import post_migrate, pre_delete
@@ -36,17 +38,14 @@ class DjangoSemaphoreConfig(AppConfig):
                 guard, sender=model, dispatch_uid=f"django_semaphore.{guard.__name__}"
             )
         django_tasks.connect()
-        try:
-            parks = app_settings.PARK_TASKS
-        except ImproperlyConfigured:
-            # Start-up goes on, so that manage.py check reports the settings
-            # (E001, E020) rather than a traceback here.
-            parks = False
-        if parks:
-            # Parking is the default: a release in any process (a web
-            # request's permit() too) wakes the tasks parked for its room,
-            # Celery's and Django's own.
-            parking.enable()
+        # A malformed setting: start-up goes on, so that manage.py check
+        # reports the settings (E001, E020) rather than a traceback here.
+        with suppress(ImproperlyConfigured):
+            if app_settings.PARK_TASKS:
+                # Parking is the default: a release in any process (a web
+                # request's permit() too) wakes the tasks parked for its room,
+                # Celery's and Django's own.
+                parking.enable()
         try:
             from celery.signals import before_task_publish, task_postrun, task_revoked
         except ImportError:  # Celery is optional

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,13 +89,12 @@ MYSQL_DISCONNECT = frozenset(
 # PostgreSQL SQLSTATEs: deadlock, lock_not_available, serialization_failure,
 # query_canceled (statement_timeout).
 POSTGRES_CONTENTION = frozenset({"40P01", "55P03", "40001", "57014"})
-# A routine that is not there, or not with these arguments:
+# MySQL's error numbers and PostgreSQL's SQLSTATEs (ints and strs: never
+# equal) of a routine that is not there, or not with these arguments:
 # ER_SP_DOES_NOT_EXIST, ER_SP_WRONG_NO_OF_ARGS; undefined_function.
-MYSQL_NO_ROUTINE = frozenset({1305, 1318})
-POSTGRES_NO_ROUTINE = "42883"
+NO_ROUTINE = frozenset({1305, 1318, "42883"})
 # The user may not run a routine: ER_PROCACCESS_DENIED_ERROR; insufficient_privilege.
-MYSQL_DENIED = 1370
-POSTGRES_DENIED = "42501"
+DENIED = frozenset({1370, "42501"})
 # Class 08 is "connection exception"; 57P0x are shutdowns and crashes; 25006
 # (read_only_sql_transaction) is a standby, e.g. the old primary after a
 # failover: a new connection (libpq target_session_attrs=read-write, or the
@@ -106,7 +105,9 @@ POSTGRES_DISCONNECT_PREFIXES = ("08", "57P01", "57P02", "57P03", "25006")
 def classify(connection: BaseDatabaseWrapper, exc: Error) -> Failure | None:
     """Whether ``exc`` is worth retrying, and how; ``None`` means surface it."""
     vendor, code = connection.vendor, _error_code(connection, exc)
-    if _routine_missing(connection, exc):
+    if code in NO_ROUTINE and "django_semaphore_" in str(exc):
+        # One of the app's routines is not installed, or not in the version
+        # called: the code is newer than the migrations.
         return Failure.ROUTINE_MISSING
     if isinstance(exc, InterfaceError):
         # A server's connection the driver gave up on. SQLite has none to
@@ -131,17 +132,16 @@ def classify(connection: BaseDatabaseWrapper, exc: Error) -> Failure | None:
 
 # A table or column of the app is missing: its migrations are not applied.
 # ER_NO_SUCH_TABLE, ER_BAD_FIELD_ERROR, ER_SP_DOES_NOT_EXIST (a routine,
-# engine/statements/routines.py).
-MYSQL_SCHEMA = frozenset({1146, 1054, 1305})
-# undefined_table, undefined_column, undefined_function (a routine)
-POSTGRES_SCHEMA = frozenset({"42P01", "42703", "42883"})
-SQLITE_SCHEMA = ("no such table", "no such column")
+# engine/statements/routines.py); undefined_table, undefined_column,
+# undefined_function (a routine).
+NO_SCHEMA = frozenset({1146, 1054, 1305, "42P01", "42703", "42883"})
+SQLITE_NO_SCHEMA = ("no such table", "no such column")
 
 
 def translate(connection: BaseDatabaseWrapper, exc: Error) -> SemaphoreError:
     """A database error not worth retrying (``classify`` said ``None``), as
     the ``SemaphoreError`` that tells the caller what to do about it."""
-    alias = connection.alias
+    alias, code = connection.alias, _error_code(connection, exc)
     if isinstance(exc, IntegrityError):
         # The grant's own inserts collide only with rows the engine did not
         # write: a fencing counter lowered below a token already issued (a
@@ -152,13 +152,15 @@ def translate(connection: BaseDatabaseWrapper, exc: Error) -> SemaphoreError:
             "Run manage.py semaphore_sweep --orphans (sweep.release_orphans()) to repair "
             "them; manage.py check --database lists what it finds."
         )
-    if _error_code(connection, exc) in (MYSQL_DENIED, POSTGRES_DENIED):
+    if code in DENIED:
         return MissingPrivilege(
             f"The user of database {alias!r} may not run the app's routines ({exc}). "
             "Run, as their owner: GRANT EXECUTE ON <database>.* TO <user> (MariaDB), or "
             "GRANT EXECUTE ON ALL ROUTINES IN SCHEMA <schema> TO <user> (PostgreSQL)."
         )
-    if _schema_missing(connection, exc):
+    if code in NO_SCHEMA or (
+        connection.vendor == "sqlite" and str(exc).startswith(SQLITE_NO_SCHEMA)
+    ):
         return SchemaOutOfDate(
             f"The semaphore tables on database {alias!r} are missing or out of date "
             f"({exc}). Run manage.py migrate django_semaphore --database {alias}."
@@ -176,14 +178,6 @@ def _error_code(connection: BaseDatabaseWrapper, exc: Error) -> int | str | None
     if connection.vendor == "postgresql":
         return getattr(exc.__cause__, "sqlstate", None)
     return None
-
-
-def _routine_missing(connection: BaseDatabaseWrapper, exc: Error) -> bool:
-    """One of the app's routines (``django_semaphore_*``) is not installed, or
-    not in the version called: the code is newer than the migrations."""
-    code = _error_code(connection, exc)
-    ours = code in MYSQL_NO_ROUTINE or code == POSTGRES_NO_ROUTINE
-    return ours and "django_semaphore_" in str(exc)
 
 
 # Alias -> when to call the routines again, in this process: a migration may
@@ -214,13 +208,6 @@ def note_routines_missing(connection: BaseDatabaseWrapper, exc: Error) -> None:
     _without_routines[connection.alias] = time.monotonic() + ROUTINES_RECHECK
 
 
-def _schema_missing(connection: BaseDatabaseWrapper, exc: Error) -> bool:
-    code = _error_code(connection, exc)
-    if code in MYSQL_SCHEMA or code in POSTGRES_SCHEMA:
-        return True
-    return connection.vendor == "sqlite" and str(exc).startswith(SQLITE_SCHEMA)
-
-
 @contextmanager
 def bounded_lock_wait(connection: BaseDatabaseWrapper, seconds: float) -> Iterator[None]:
     """Bound how long the next transaction waits for a row lock, then restore.
@@ -228,35 +215,31 @@ def bounded_lock_wait(connection: BaseDatabaseWrapper, seconds: float) -> Iterat
     Wraps the whole ``atomic()`` block. PostgreSQL is bounded from inside the
     transaction instead (see :func:`start_bounded_transaction`).
     """
-    vendor = connection.vendor
-    if vendor == "mysql":
-        # Integer seconds, at least 1. The old value is kept server-side in a
-        # user variable so the bound costs no extra round trip to read it.
-        with connection.cursor() as cursor:
+    if connection.vendor not in ("mysql", "sqlite"):
+        yield
+        return
+    with connection.cursor() as cursor:
+        if connection.vendor == "mysql":
+            # Integer seconds, at least 1. The old value is kept server-side in a
+            # user variable so the bound costs no extra round trip to read it.
             cursor.execute(
                 "SET @django_semaphore_lock_wait = @@SESSION.innodb_lock_wait_timeout,"
                 " SESSION innodb_lock_wait_timeout = %s",
                 [max(1, math.ceil(seconds))],
             )
-        try:
-            yield
-        finally:
-            _restore_quietly(
-                connection,
-                "SET SESSION innodb_lock_wait_timeout = @django_semaphore_lock_wait",
-            )
-    elif vendor == "sqlite":
-        # The busy timeout is what BEGIN IMMEDIATE waits for the write lock.
-        with connection.cursor() as cursor:
+            restore = "SET SESSION innodb_lock_wait_timeout = @django_semaphore_lock_wait"
+        else:
+            # The busy timeout is what BEGIN IMMEDIATE waits for the write lock.
             cursor.execute("PRAGMA busy_timeout")
-            previous = cursor.fetchone()[0]
+            restore = f"PRAGMA busy_timeout = {int(cursor.fetchone()[0])}"
             cursor.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
-        try:
-            yield
-        finally:
-            _restore_quietly(connection, f"PRAGMA busy_timeout = {int(previous)}")
-    else:
+    try:
         yield
+    finally:
+        # If the connection died mid-transaction there is nothing left to
+        # restore: the session that carried the setting is gone with it.
+        with suppress(Error), connection.cursor() as cursor:
+            cursor.execute(restore)
 
 
 def bounds_each_statement(connection: BaseDatabaseWrapper) -> bool:
@@ -306,16 +289,6 @@ def bounded_transaction(
     with session, transaction.atomic(using=connection.alias, durable=durable):
         start_bounded_transaction(connection, seconds)
         yield
-
-
-def _restore_quietly(connection: BaseDatabaseWrapper, sql: str) -> None:
-    # If the connection died mid-transaction there is nothing left to restore:
-    # the session that carried the setting is gone with it.
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(sql)
-    except Error:
-        pass
 
 
 @dataclass(frozen=True)

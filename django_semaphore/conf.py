@@ -150,28 +150,15 @@ class Settings:
         return user
 
     def _get(self, key: str) -> Any:
-        try:
-            return self._checked[key]
-        except KeyError:
-            value = self._checked[key] = self._check(key)
-            return value
+        if key not in self._checked:
+            user = self.user_settings  # a default is the app's own: not checked
+            if key in user and (problems := setting_problems(key, user[key])):
+                raise ImproperlyConfigured(" ".join(problems))
+            self._checked[key] = user.get(key, DEFAULTS[key])
+        return self._checked[key]
 
-    def _check(self, key: str) -> Any:
-        user = self.user_settings
-        if key not in user:
-            return DEFAULTS[key]
-        value = user[key]
-        problems = setting_problems(key, value)
-        if problems:
-            raise ImproperlyConfigured(" ".join(problems))
-        return value
-
-    @property
-    def DATABASE(self) -> str | None:
-        """The alias configured; ``routing.current_alias()`` says which to use."""
-        configured = self._get("DATABASE")
-        return None if configured is None else str(configured)
-
+    # The alias configured; ``routing.current_alias()`` says which to use.
+    DATABASE: _Setting[str | None] = _Setting(lambda alias: alias)
     SHARDS = _Setting(dict[str, str])
     LOCK_WAIT_TIMEOUT = _Setting(float)
     RETRY_ATTEMPTS = _Setting(int)
@@ -183,12 +170,9 @@ class Settings:
     LIVENESS_CHECKERS = _Setting(list[str])
     VIEW_STATUS_CODE = _Setting(int)
 
-    @property
-    def REFUSED_VIEW(self) -> Callable[..., Any]:
-        """The view that answers a refused request, imported at each read (so
-        ``override_settings`` works, and nothing is imported before it is used)."""
-        return import_string(self._get("REFUSED_VIEW"))  # type: ignore[no-any-return]
-
+    # The view that answers a refused request, imported at each read (so
+    # ``override_settings`` works, and nothing is imported before it is used).
+    REFUSED_VIEW: _Setting[Callable[..., Any]] = _Setting(import_string)
     SEMAPHORES = _Setting(dict[str, Any])
     MEMBER_IDLE_LIMIT = _Setting(_duration)
     PARK_TASKS = _Setting(bool)
@@ -217,31 +201,16 @@ def setting_problems(key: str, value: Any) -> list[str]:
     checks fails with the same words instead of a bare ``ValueError`` (or a
     driver's error, for a value out of the database's range).
     """
-    if key == "SHARDS":
-        return _shard_problems(value)
-    if key == "LIVENESS_CHECKERS":
-        return _checker_problems(value)
-    if key == "REFUSED_VIEW":
-        return _refused_view_problems(value)
-    if key == "SEMAPHORES":
-        return _declared_problems(value)
-    if key == "METRICS_PER_MEMBER":
-        return _per_member_problems(value)
-    if key == "LISTEN_DATABASES":
-        return _listen_problems(value)
+    if key in _COMPOUND_RULES:
+        return _COMPOUND_RULES[key](value)
     sound, expects = _SCALAR_RULES[key]
     return [] if sound(value) else [f"DJANGO_SEMAPHORE[{key!r}] must be {expects}, not {value!r}."]
 
 
-def _is_number(value: Any) -> bool:
-    # An int is finite however large; math.isfinite() cannot take a huge one.
-    return (isinstance(value, int) and not isinstance(value, bool)) or (
-        isinstance(value, float) and math.isfinite(value)
-    )
-
-
 def _is_seconds(value: Any, most: float) -> bool:
-    return _is_number(value) and 0 < value <= most
+    # An int is finite however large; math.isfinite() cannot take a huge one.
+    finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+    return finite and not isinstance(value, bool) and 0 < value <= most
 
 
 def _is_duration(value: Any) -> bool:
@@ -375,6 +344,16 @@ def _per_member_problems(value: Any) -> list[str]:
         if not isinstance(pattern, str) or pattern not in families
     ]
 
+
+# The keys whose value holds several parts: each rule lists every problem.
+_COMPOUND_RULES: dict[str, Callable[[Any], list[str]]] = {
+    "SHARDS": _shard_problems,
+    "LIVENESS_CHECKERS": _checker_problems,
+    "REFUSED_VIEW": _refused_view_problems,
+    "SEMAPHORES": _declared_problems,
+    "METRICS_PER_MEMBER": _per_member_problems,
+    "LISTEN_DATABASES": _listen_problems,
+}
 
 # --- families: the patterns SEMAPHORES declares ----------------------------------------
 

@@ -89,14 +89,11 @@ def drift(using: str, *, missing: bool = True) -> list[Drift]:
         .filter(name__in=declared)
         .values_list("name", "capacity", "window")
     }
-    found = []
-    for name, limits in sorted(declared.items()):
-        row = stored.get(name)
-        if row is None and not missing:
-            continue
-        if row != limits.limit:
-            found.append(Drift(name, using, limits, row))
-    return found
+    return [
+        Drift(name, using, limits, stored.get(name))
+        for name, limits in sorted(declared.items())
+        if (missing or name in stored) and stored.get(name) != limits.limit
+    ]
 
 
 def create_declared_semaphores(

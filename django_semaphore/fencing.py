@@ -9,7 +9,7 @@ the write commit together.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import suppress
 
 from django.conf import settings
 from django.db import IntegrityError, connections, transaction
@@ -18,7 +18,7 @@ from django_semaphore import routing
 from django_semaphore.exceptions import InvalidRequest, StaleFencingToken
 from django_semaphore.models import FencingMark
 from django_semaphore.retry import run_with_retries
-from django_semaphore.validation import MAX_LENGTH, validate_storable, validate_token
+from django_semaphore.validation import validate_text, validate_token
 
 
 def advance(resource: str, token: int, *, using: str | None = None) -> None:
@@ -39,7 +39,12 @@ def advance(resource: str, token: int, *, using: str | None = None) -> None:
             database), or ``using`` that is not a ``DATABASES`` alias; nothing
             is written.
     """
-    _validate(resource, token, using)
+    if resource == "":
+        raise InvalidRequest("The fencing resource must be a non-empty str.")
+    validate_text(resource, "fencing resource", blank=True)  # "  " is a resource
+    validate_token(token)
+    if using is not None and not (isinstance(using, str) and using in settings.DATABASES):
+        raise InvalidRequest(f"using must be a DATABASES alias, not {using!r}.")
     connection = connections[using or routing.current_alias()]
     run_with_retries(connection, lambda: _advance(connection.alias, resource, token))
 
@@ -48,25 +53,12 @@ def _advance(alias: str, resource: str, token: int) -> None:
     marks = FencingMark.objects.using(alias)
     if marks.filter(resource=resource, token__lte=token).update(token=token):
         return
-    try:
-        # Savepoint: a duplicate insert must not spoil the caller's transaction.
-        with transaction.atomic(using=alias):
-            marks.create(resource=resource, token=token)
+    # Savepoint: a duplicate insert must not spoil the caller's transaction;
+    # one means another writer recorded the resource first: compare with it.
+    with suppress(IntegrityError), transaction.atomic(using=alias):
+        marks.create(resource=resource, token=token)
         return
-    except IntegrityError:
-        pass  # another writer recorded the resource first: compare with it
     if marks.filter(resource=resource, token__lte=token).update(token=token):
         return
     highest = marks.values_list("token", flat=True).get(resource=resource)
     raise StaleFencingToken(resource, token, highest)
-
-
-def _validate(resource: Any, token: Any, using: Any) -> None:
-    if not isinstance(resource, str) or not resource:
-        raise InvalidRequest("The fencing resource must be a non-empty str.")
-    if len(resource) > MAX_LENGTH:
-        raise InvalidRequest(f"The fencing resource must be at most {MAX_LENGTH} characters.")
-    validate_storable(resource, "fencing resource")
-    validate_token(token)
-    if using is not None and not (isinstance(using, str) and using in settings.DATABASES):
-        raise InvalidRequest(f"using must be a DATABASES alias, not {using!r}.")

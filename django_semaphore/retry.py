@@ -71,22 +71,16 @@ def run_with_retries(
                 connection.close()
         if attempt == attempts:
             break
-        _send_database_retry(connection, failure, attempt, cause)
+        signals.database_retry.send_robust(
+            sender=PermitRequest,
+            kind=failure.value,
+            attempt=attempt,
+            error=cause,
+            using=connection.alias,
+        )
         time.sleep(random.uniform(0.01, 0.05) * attempt)
     if failure is Failure.DISCONNECT:
         raise DatabaseUnavailable(
             f"Database unavailable after {attempts} attempts: {cause}"
         ) from cause
     raise LockContention(f"Gave up after {attempts} attempts: {cause}") from cause
-
-
-def _send_database_retry(
-    connection: BaseDatabaseWrapper, failure: Failure, attempt: int, error: Exception
-) -> None:
-    signals.database_retry.send_robust(
-        sender=PermitRequest,
-        kind=failure.value,
-        attempt=attempt,
-        error=error,
-        using=connection.alias,
-    )

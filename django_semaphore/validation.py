@@ -52,7 +52,10 @@ def validate_demand(names: Any) -> Demand:
     if isinstance(names, str):
         counts = {validate_name(names): 1}
     elif isinstance(names, Mapping):
-        counts = {validate_name(name): _count(name, count) for name, count in names.items()}
+        counts = {
+            validate_name(name): validate_int(count, f"The count for {name!r}", 1, MAX_COUNT)
+            for name, count in names.items()
+        }
     elif isinstance(names, Iterable) and not isinstance(names, bytes | bytearray):
         listed = [validate_name(name) for name in names]
         if len(set(listed)) != len(listed):
@@ -71,30 +74,20 @@ def validate_demand(names: Any) -> Demand:
 
 
 def validate_name(name: Any) -> str:
-    return _text(name, "semaphore name")
+    return validate_text(name, "semaphore name")
 
 
-def _count(name: str, count: Any) -> int:
-    if not isinstance(count, int) or isinstance(count, bool):
-        raise InvalidRequest(f"The count for {name!r} must be an int, not {type(count).__name__}.")
-    if not 1 <= count <= MAX_COUNT:
-        raise InvalidRequest(f"The count for {name!r} must be at least 1, not {count}.")
-    return count
-
-
-def _text(value: Any, what: str) -> str:
+def validate_text(value: Any, what: str, *, blank: bool = False) -> str:
+    """A str of at most ``MAX_LENGTH`` characters, empty or blank only if
+    ``blank``. What some database cannot store is refused before the driver
+    fails on it: NUL (PostgreSQL text refuses it) and lone surrogates (not
+    UTF-8 at all)."""
     if not isinstance(value, str):
         raise InvalidRequest(f"The {what} must be a str, not {type(value).__name__}.")
-    if not value.strip():
+    if not blank and not value.strip():
         raise InvalidRequest(f"The {what} must not be empty.")
     if len(value) > MAX_LENGTH:
         raise InvalidRequest(f"The {what} must be at most {MAX_LENGTH} characters.")
-    return validate_storable(value, what)
-
-
-def validate_storable(value: str, what: str) -> str:
-    """Refuse what some database cannot store, before the driver fails on it:
-    NUL (PostgreSQL text refuses it) and lone surrogates (not UTF-8 at all)."""
     if "\x00" in value:
         raise InvalidRequest(f"The {what} must not contain NUL characters.")
     try:
@@ -110,27 +103,16 @@ def is_pattern(name: str) -> bool:
 
 
 def validate_key(external_id: Any) -> str:
-    return _text(external_id, "external_id")
+    return validate_text(external_id, "external_id")
 
 
 def validate_owner(owner: Any, field: str = "owner") -> str:
-    if not isinstance(owner, str):
-        raise InvalidRequest(f"The {field} must be a str, not {type(owner).__name__}.")
-    if len(owner) > MAX_LENGTH:
-        raise InvalidRequest(f"The {field} must be at most {MAX_LENGTH} characters.")
-    return validate_storable(owner, field)
+    return validate_text(owner, field, blank=True)
 
 
 def validate_ttl(ttl: Any) -> int | None:
     """Whole seconds (fractions round up, so a TTL is never shortened)."""
-    if ttl is None:
-        return None
-    seconds = _seconds(ttl, "ttl")
-    if seconds <= 0:
-        raise InvalidRequest(f"ttl must be positive, not {ttl!r}.")
-    if seconds > MAX_TTL:
-        raise InvalidRequest(f"ttl must be at most {MAX_TTL} seconds.")
-    return math.ceil(seconds)
+    return None if ttl is None else math.ceil(_seconds_up_to(ttl, "ttl", MAX_TTL, positive=True))
 
 
 def validate_timeout(timeout: Any) -> float:
@@ -141,30 +123,19 @@ def validate_debounce(debounce: Any) -> float | None:
     """Seconds a debounced send waits for the sends that follow it."""
     if debounce is None:
         return None
-    seconds = _seconds_up_to(debounce, "debounce", MAX_TTL)
-    if seconds <= 0:
-        raise InvalidRequest(f"debounce must be positive, not {debounce!r}.")
-    return seconds
+    return _seconds_up_to(debounce, "debounce", MAX_TTL, positive=True)
 
 
 def validate_time_budget(time_budget: Any) -> float | None:
     """Seconds after which a sweep starts no new batch; ``None``: no limit."""
-    if time_budget is None:
-        return None
-    return _seconds_up_to(time_budget, "time_budget", math.inf)
+    return None if time_budget is None else _seconds_up_to(time_budget, "time_budget", math.inf)
 
 
 def validate_batch_size(batch_size: Any) -> int | None:
     """Rows per batch of a sweep; ``None``: the ``CLEANUP_BATCH_SIZE`` setting.
     Zero or less would be no batch at all (a negative one, a slice that
     Django refuses)."""
-    if batch_size is None:
-        return None
-    if not is_int(batch_size, 1, MAX_COUNT):
-        raise InvalidRequest(
-            f"batch_size must be an int from 1 to {MAX_COUNT}, not {batch_size!r}."
-        )
-    return batch_size
+    return None if batch_size is None else validate_int(batch_size, "batch_size", 1, MAX_COUNT)
 
 
 def validate_keys(keys: Any, what: str = "external_id") -> list[str]:
@@ -172,7 +143,7 @@ def validate_keys(keys: Any, what: str = "external_id") -> list[str]:
     str is refused rather than taken as its characters."""
     if isinstance(keys, str | bytes) or not isinstance(keys, Iterable):
         raise InvalidRequest(f"Pass a list of {what} values, not {type(keys).__name__}.")
-    return [_text(key, what) for key in keys]
+    return [validate_text(key, what) for key in keys]
 
 
 def validate_flag(value: Any, what: str) -> bool:
@@ -185,11 +156,7 @@ def validate_flag(value: Any, what: str) -> bool:
 
 def validate_token(token: Any) -> int:
     """A fencing token as its column can hold it, on every database."""
-    if not is_int(token, 0, MAX_TOKEN):
-        raise InvalidRequest(
-            f"A fencing token must be an int from 0 to {MAX_TOKEN}, not {token!r}."
-        )
-    return token
+    return validate_int(token, "A fencing token", 0, MAX_TOKEN)
 
 
 def is_int(value: Any, least: int, most: int) -> TypeGuard[int]:
@@ -197,12 +164,15 @@ def is_int(value: Any, least: int, most: int) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and least <= value <= most
 
 
+def validate_int(value: Any, what: str, least: int, most: int) -> int:
+    """``value`` if :func:`is_int` says so; else ``InvalidRequest`` naming ``what``."""
+    if not is_int(value, least, most):
+        raise InvalidRequest(f"{what} must be an int from {least} to {most}, not {value!r}.")
+    return value
+
+
 def validate_capacity(capacity: Any) -> int:
-    if not isinstance(capacity, int) or isinstance(capacity, bool):
-        raise InvalidRequest(f"capacity must be an int, not {type(capacity).__name__}.")
-    if not 0 <= capacity <= MAX_COUNT:
-        raise InvalidRequest(f"capacity must be between 0 and {MAX_COUNT}, not {capacity}.")
-    return capacity
+    return validate_int(capacity, "capacity", 0, MAX_COUNT)
 
 
 def validate_window(window: Any) -> int | None:
@@ -261,13 +231,10 @@ def validate_declared(name: Any, value: Any) -> Declared:
     where = f"DJANGO_SEMAPHORE['SEMAPHORES'][{name!r}]"
     if not isinstance(name, str) or not 0 < len(name) <= MAX_LENGTH:
         raise InvalidRequest(f"{where}: a name is a str of 1 to {MAX_LENGTH} characters.")
-    if not isinstance(value, Mapping):
-        try:
-            return Declared(validate_capacity(value))
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"{where}: {exc}") from None
     keys = {"capacity", "window", "rate"} | ({"max_members"} if is_pattern(name) else set())
     try:
+        if not isinstance(value, Mapping):
+            return Declared(validate_capacity(value))
         if not set(value) <= keys or ("rate" in value) == ("capacity" in value):
             raise InvalidRequest(
                 f"give a capacity (with an optional window) or a rate, and only "
@@ -282,8 +249,8 @@ def validate_declared(name: Any, value: Any) -> Declared:
             capacity = validate_capacity(value["capacity"])
             window = validate_window(value.get("window"))
         bound = value.get("max_members")
-        if bound is not None and not is_int(bound, 1, MAX_COUNT):
-            raise InvalidRequest(f"max_members must be an int from 1 to {MAX_COUNT}.")
+        if bound is not None:
+            validate_int(bound, "max_members", 1, MAX_COUNT)
     except InvalidRequest as exc:
         raise InvalidRequest(f"{where}: {exc}") from None
     return Declared(capacity, window, bound)
@@ -314,10 +281,11 @@ def _seconds(value: Any, what: str) -> float:
         return math.inf if value > 0 else -math.inf
 
 
-def _seconds_up_to(value: Any, what: str, most: float) -> float:
+def _seconds_up_to(value: Any, what: str, most: float, *, positive: bool = False) -> float:
     seconds = _seconds(value, what)
-    if seconds < 0:
-        raise InvalidRequest(f"{what} must not be negative, not {value!r}.")
+    if seconds <= 0 if positive else seconds < 0:
+        least = "positive" if positive else "0 or more"
+        raise InvalidRequest(f"{what} must be {least}, not {value!r}.")
     if seconds > most:
         raise InvalidRequest(f"{what} must be at most {most:.0f} seconds, not {value!r}.")
     return seconds

@@ -17,7 +17,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from django_semaphore import acquire, release, set_capacity
-from django_semaphore.admin import usage_bar
+from django_semaphore.admin.display import usage_bar
 from django_semaphore.models import CapacityChange, Permit, PermitRequest, Semaphore
 from django_semaphore.states import ReleaseReason, State
 from tests.conftest import unique

@@ -19,54 +19,15 @@ annotated query and its filter), ``sections`` (what a semaphore's page shows
 below its form), ``semaphores``, ``requests``, ``parked`` and
 ``history`` (one ModelAdmin each, registered when imported here). This module
 only imports them, so that Django's admin autodiscovery registers them, and
-keeps the names importable from ``django_semaphore.admin``.
+keeps the ModelAdmins importable from ``django_semaphore.admin`` (to subclass
+or unregister); the helpers live in their own modules.
 """
 
 from __future__ import annotations
 
-from django_semaphore.admin.base import (
-    ALIAS_PARAMETER,
-    ALIAS_SESSION_KEY,
-    OperatorAdmin,
-    ReadOnlyAdmin,
-)
-from django_semaphore.admin.display import BAR_FULL, BAR_IN_USE, BAR_OVER, duration, usage_bar
 from django_semaphore.admin.history import CapacityChangeAdmin
 from django_semaphore.admin.parked import ParkedTaskAdmin
-from django_semaphore.admin.requests import ExpiredFilter, PermitInline, PermitRequestAdmin
-from django_semaphore.admin.sections import HISTORY_SHOWN, HOLDERS_SHOWN
-from django_semaphore.admin.semaphores import FamilyFilter, SemaphoreAdmin, SemaphoreForm
-from django_semaphore.admin.usage import (
-    INFINITE_UTILIZATION,
-    UsageFilter,
-    annotated,
-    held_permits,
-    with_changelist_columns,
-)
+from django_semaphore.admin.requests import PermitRequestAdmin
+from django_semaphore.admin.semaphores import SemaphoreAdmin
 
-__all__ = [
-    "ALIAS_PARAMETER",
-    "ALIAS_SESSION_KEY",
-    "BAR_FULL",
-    "BAR_IN_USE",
-    "BAR_OVER",
-    "HISTORY_SHOWN",
-    "HOLDERS_SHOWN",
-    "INFINITE_UTILIZATION",
-    "CapacityChangeAdmin",
-    "ExpiredFilter",
-    "FamilyFilter",
-    "OperatorAdmin",
-    "ParkedTaskAdmin",
-    "PermitInline",
-    "PermitRequestAdmin",
-    "ReadOnlyAdmin",
-    "SemaphoreAdmin",
-    "SemaphoreForm",
-    "UsageFilter",
-    "annotated",
-    "duration",
-    "held_permits",
-    "usage_bar",
-    "with_changelist_columns",
-]
+__all__ = ["CapacityChangeAdmin", "ParkedTaskAdmin", "PermitRequestAdmin", "SemaphoreAdmin"]

@@ -14,7 +14,7 @@ from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.translation import gettext
 
 from django_semaphore import routing
@@ -79,10 +79,8 @@ class OperatorAdmin(admin.ModelAdmin):
         if len(aliases) == 1:
             return
         shown = routing.current_alias()
-        others = format_html(
-            ", ".join(['<a href="?{}={}">{}</a>'] * (len(aliases) - 1)),
-            *(part for a in aliases if a != shown for part in (ALIAS_PARAMETER, a, a)),
-        )
+        links = ((ALIAS_PARAMETER, alias, alias) for alias in aliases if alias != shown)
+        others = format_html_join(", ", '<a href="?{}={}">{}</a>', links)
         messages.info(request, format_html(gettext("Showing database {}; also: {}"), shown, others))
 
     def admin_url(self, model: type[Model], view: str, *args: Any, **query: Any) -> str:
@@ -106,14 +104,18 @@ def _rendered(response: HttpResponse) -> HttpResponse:
     return response
 
 
-class ReadOnly:
-    """Viewable, never added, changed or deleted here."""
+class Unchanged:
+    """Never added or changed here (deleted with the delete permission)."""
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+class ReadOnly(Unchanged):
+    """Viewable, never added, changed or deleted here."""
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False

@@ -15,17 +15,15 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
+from django_semaphore.admin.display import AMBER, BLUE, RED
 from django_semaphore.utilization import CapacityMark, Utilization
 
 WIDTH = 760
 HEIGHT = 240
 LEFT, RIGHT, TOP, BOTTOM = 44, 12, 12, 52  # the bottom margin holds axis labels and the legend
-# Colors that read on the admin's light and dark themes alike; text and grid
-# use currentColor so they follow the theme.
-IN_USE = "#79aec8"
-OVER = "#ba2121"
+# The capacity line's color; the others are the usage bar's (display.py). Text
+# and grid use currentColor so they follow the theme.
 CAPACITY = "#417690"
-CHANGE = "#e09e00"
 
 
 @dataclass(frozen=True)
@@ -122,7 +120,7 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
                 "y": scale.y(s.in_use),
                 "width": _number(max(float(scale.x(s.end)) - float(scale.x(s.start)), 1.0)),
                 "height": _number(float(scale.y(s.capacity)) - float(scale.y(s.in_use))),
-                "color": OVER,
+                "color": RED,
                 "text": _("%(in_use)d %(counted)s, capacity %(capacity)d")
                 % {"in_use": s.in_use, "counted": _counted(utilization), "capacity": s.capacity},
             }
@@ -142,7 +140,7 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
                 "x": scale.x(change.at),
                 "top": TOP,
                 "bottom": baseline,
-                "color": CHANGE,
+                "color": AMBER,
             }
             for change in utilization.changes
         ),
@@ -175,7 +173,7 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
         grid=grid,
         hours=hours,
         area=" ".join(area),
-        in_use=IN_USE,
+        in_use=BLUE,
         over=over,
         capacity_line=" ".join(capacity_line),
         capacity=CAPACITY,
@@ -184,9 +182,9 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
         legend_y=HEIGHT - 12,
         in_use_label=_("in window") if utilization.windowed else _("in use"),
         capacity_label=_("capacity"),
-        over_color=OVER,
+        over_color=RED,
         over_label=_("over capacity"),
-        change=CHANGE,
+        change=AMBER,
         change_label=_("capacity change"),
     )
 

@@ -14,10 +14,11 @@ from django.utils.translation import gettext, ngettext
 if TYPE_CHECKING:
     from django_semaphore.models import CapacityChange, Permit, Ticket
 
-# Bar colors, the admin's own palette: readable on its light and dark themes.
-BAR_IN_USE = "#79aec8"
-BAR_FULL = "#e09e00"
-BAR_OVER = "#ba2121"
+# The admin's own palette, readable on its light and dark themes; the bar's
+# colors (in use, full, over capacity), which the chart (chart.py) shares.
+BLUE = "#79aec8"
+AMBER = "#e09e00"
+RED = "#ba2121"
 
 
 def usage_bar(in_use: int, capacity: int) -> SafeString:
@@ -26,21 +27,20 @@ def usage_bar(in_use: int, capacity: int) -> SafeString:
     Full is amber; over capacity (after capacity was lowered below what is
     held) is red, filled to the end and labelled with the excess.
     """
-    over = in_use > capacity
     if capacity:
         percent = in_use * 100 / capacity
         label = f"{percent:.0f}%"
     else:
         percent = 100.0 if in_use else 0.0
         label = "" if in_use else gettext("closed")
-    if over:
-        color, state = BAR_OVER, "over-capacity"
+    if in_use > capacity:
+        color, state = RED, "over-capacity"
         excess = gettext("over by %(count)d") % {"count": in_use - capacity}
         label = f"{label} · {excess}" if label else excess
     elif capacity and in_use == capacity:
-        color, state = BAR_FULL, "full"
+        color, state = AMBER, "full"
     else:
-        color, state = BAR_IN_USE, "in-use" if in_use else "idle"
+        color, state = BLUE, "in-use" if in_use else "idle"
     title = gettext("%(in_use)d in use of %(capacity)d") % {
         "in_use": in_use,
         "capacity": capacity,

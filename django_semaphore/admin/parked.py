@@ -18,14 +18,14 @@ from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_semaphore import parking, routing
-from django_semaphore.admin.base import OperatorAdmin
+from django_semaphore.admin.base import OperatorAdmin, Unchanged
 from django_semaphore.admin.display import demand
 from django_semaphore.blockers import Waiting, why_waiting
 from django_semaphore.models import ParkedTask, Ticket
 
 
 @admin.register(ParkedTask)
-class ParkedTaskAdmin(OperatorAdmin):
+class ParkedTaskAdmin(Unchanged, OperatorAdmin):
     """Parked tasks, oldest first: the order they are woken in."""
 
     list_display = [
@@ -56,12 +56,6 @@ class ParkedTaskAdmin(OperatorAdmin):
         actions.pop("delete_selected", None)
         return actions
 
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
     def delete_model(self, request: HttpRequest, obj: ParkedTask) -> None:
         parking.cancel([obj.task_id])
 
@@ -77,14 +71,14 @@ class ParkedTaskAdmin(OperatorAdmin):
         if waiting is None:
             return gettext("It no longer waits in line: its run has started, or it expired.")
         if waiting.woken:
-            woken = gettext("Woken: room is kept for it until its run takes it.")
-            return format_html("<p>{}</p>{}", woken, _explained(waiting))
-        if waiting.not_before is not None:
-            debounced = gettext("Debounced: not woken before %(moment)s.") % {
+            note = gettext("Woken: room is kept for it until its run takes it.")
+        elif waiting.not_before is not None:
+            note = gettext("Debounced: not woken before %(moment)s.") % {
                 "moment": waiting.not_before.isoformat(timespec="seconds")
             }
-            return format_html("<p>{}</p>{}", debounced, _explained(waiting))
-        return _explained(waiting)
+        else:
+            return _explained(waiting)
+        return format_html("<p>{}</p>{}", note, _explained(waiting))
 
     @admin.action(permissions=["delete"], description=_("Drop selected parked tasks"))
     def drop(self, request: HttpRequest, queryset: QuerySet[ParkedTask]) -> None:

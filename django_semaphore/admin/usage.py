@@ -36,11 +36,6 @@ def annotated(obj: Model, name: str) -> int:
     return int(getattr(obj, name))
 
 
-def held_permits() -> QuerySet[Permit]:
-    """The held permits of the semaphore in the enclosing query."""
-    return Permit.objects.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED).order_by()
-
-
 def with_changelist_columns(queryset: SemaphoreQuerySet) -> SemaphoreQuerySet:
     """The changelist's columns, all in the one query that lists rows: the
     manager's ``with_usage()``, the last capacity change, and two aliases
@@ -82,9 +77,9 @@ class UsageFilter(admin.SimpleListFilter):
         match self.value():
             case "idle":
                 # A rate limit is idle when its window holds no grant, released or not.
+                held = Permit.objects.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)
                 return queryset.filter(
-                    Q(window__isnull=True) & ~Exists(held_permits())
-                    | Q(window__isnull=False, in_use=0)
+                    Q(window__isnull=True) & ~Exists(held) | Q(window__isnull=False, in_use=0)
                 )
             case "room":
                 return queryset.filter(in_use__gt=0, available__gt=0)

@@ -47,10 +47,9 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
 from django_semaphore.backends import DatabaseNow
-from django_semaphore.conf import Family, app_settings, families, family_of, is_family_default
+from django_semaphore.conf import Family, app_settings, family_of, is_family_default
 from django_semaphore.exceptions import FamilyFull, InvalidRequest, SemaphoreNotFound
 from django_semaphore.guards import engine_writes
-from django_semaphore.managers import SemaphoreQuerySet
 from django_semaphore.models import CapacityChange, Semaphore
 from django_semaphore.models.semaphore import close_every_slot
 
@@ -81,22 +80,22 @@ def create_members(
         SemaphoreNotFound: a name no family matches (nothing is created).
         FamilyFull: a family would exceed its ``max_members``.
     """
-    wanted: dict[str, list[str]] = {}
+    wanted: dict[Family, list[str]] = {}
     unknown: list[str] = []
     for name in missing:
         family = family_of(name)
         if family is None:
             unknown.append(name)
         else:
-            wanted.setdefault(family.pattern, []).append(name)
+            wanted.setdefault(family, []).append(name)
     if unknown:
         raise SemaphoreNotFound(unknown)
-    declared = {family.pattern: family for family in families()}
+    in_order = sorted(wanted, key=lambda family: family.pattern)
     alias = connection.alias
     with backends.bounded_transaction(connection, lock_wait, durable=True):
-        templates = _lock_templates(alias, [declared[pattern] for pattern in sorted(wanted)])
-        for pattern in sorted(wanted):
-            _create(alias, declared[pattern], templates[pattern], wanted[pattern])
+        templates = _lock_templates(alias, in_order)
+        for family in in_order:
+            _create(alias, family, templates[family.pattern], wanted[family])
 
 
 @dataclass(frozen=True)
@@ -206,8 +205,10 @@ def _follow_batch(alias: str, pattern: str, changed_by_id: Any, reason: str) -> 
         if default is None:
             return 0
         capacity, window = default
+        # The members that follow the family default (not changed on their own).
         batch = list(
-            followers(alias, pattern)
+            Semaphore.objects.using(alias)
+            .filter(family=pattern, own_capacity=False)
             .exclude(capacity=capacity, window=window)
             .locked()
             .values_list("pk", "capacity", "window")[: app_settings.CLEANUP_BATCH_SIZE]
@@ -233,8 +234,3 @@ def _follow_batch(alias: str, pattern: str, changed_by_id: Any, reason: str) -> 
                 capacity=capacity, window=window
             )
         return len(batch)
-
-
-def followers(alias: str, pattern: str) -> SemaphoreQuerySet[Semaphore]:
-    """The members of ``pattern`` whose capacity and window are the family default's."""
-    return Semaphore.objects.using(alias).filter(family=pattern, own_capacity=False)

@@ -17,10 +17,11 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Max, Sum
+from django.db.models import Aggregate, Max, QuerySet, Sum
 from django.db.models.functions import Coalesce
 
 from django_semaphore import backends, routing, signals
@@ -89,13 +90,11 @@ def _verify_batch(
             .locked()
             .values_list("semaphore_id", "released")
         )
-        held = dict(
-            Permit.objects.using(alias)
-            .filter(semaphore_id__in=semaphore_ids, state=State.ACQUIRED)
-            .order_by()
-            .values("semaphore_id")
-            .annotate(total=Sum("count"))
-            .values_list("semaphore_id", "total")
+        held = _per_semaphore(
+            Permit.objects.using(alias).filter(
+                semaphore_id__in=semaphore_ids, state=State.ACQUIRED
+            ),
+            Sum("count"),
         )
         drifts: dict[int, signals.Drift] = {}
         for id, (name, counted, folded) in recorded.items():
@@ -177,16 +176,17 @@ def raise_fencing_counters(alias: str, semaphore_ids: list[int]) -> list[int]:
         .locked()
         .values_list("pk", "fencing_counter")
     )
-    highest = dict(
-        Permit.objects.using(alias)
-        .filter(semaphore_id__in=semaphore_ids)
-        .order_by()
-        .values("semaphore_id")
-        .annotate(highest=Max("fencing_token"))
-        .values_list("semaphore_id", "highest")
+    highest = _per_semaphore(
+        Permit.objects.using(alias).filter(semaphore_id__in=semaphore_ids), Max("fencing_token")
     )
     raised = [pk for pk, counter in locked if counter < highest.get(pk, 0)]
     with engine_writes():
         for pk in raised:
             Semaphore.objects.using(alias).filter(pk=pk).update(fencing_counter=highest[pk])
     return raised
+
+
+def _per_semaphore(permits: QuerySet[Permit], aggregate: Aggregate) -> dict[int, Any]:
+    """``aggregate`` over these permits, by semaphore id (in one grouped query)."""
+    grouped = permits.order_by().values("semaphore_id").annotate(value=aggregate)
+    return dict(grouped.values_list("semaphore_id", "value"))

@@ -138,9 +138,13 @@ def _retry(task: Any, exc: SemaphoreExhausted) -> Exception:
 def _claim_or_stand_by(task: Any, options: Options) -> str:
     """The run's permit key: claimed at once or, when a parking task finds
     no room, standing by in this worker for a release (``standby.stand_by``).
-    Raises as ``claim``."""
+    Raises as ``task_keys.claim``."""
     claim_within = functools.partial(
-        claim, task, options.demand, options.lease, rerun_finished=not options.parks
+        task_keys.claim,
+        current_owner(task),
+        options.demand,
+        options.lease,
+        rerun_finished=not options.parks,
     )
     try:
         return claim_within()
@@ -189,20 +193,6 @@ def _forget_parked(task: Any, options: Options) -> None:
         # The row stays; the sweep may publish it again, and that copy is
         # dropped (TaskAlreadyRan) or deferred as a live duplicate.
         logger.exception("Could not delete the parked row of task %s", task.request.id)
-
-
-def claim(
-    task: Any,
-    demand: Any,
-    ttl: int | None,
-    timeout: float = 0,
-    *,
-    fair: bool = False,
-    rerun_finished: bool = True,
-) -> str:
-    """Acquire (or re-attach to) this task id's permit (``task_keys.claim``)."""
-    me = current_owner(task)
-    return task_keys.claim(me, demand, ttl, timeout, fair=fair, rerun_finished=rerun_finished)
 
 
 def current_owner(task: Any, pid: int | None = None) -> TaskOwner:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import uuid
 from datetime import timedelta
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
@@ -91,12 +90,7 @@ class HeldPermit:
         self._acquire()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self._release()
         self._raise_if_lost()
 
@@ -104,12 +98,7 @@ class HeldPermit:
         await sync_to_async(self._acquire)()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await sync_to_async(self._release)()
         self._raise_if_lost()
 

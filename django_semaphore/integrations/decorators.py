@@ -34,9 +34,9 @@ from django_semaphore.parking.admission import ON_CONFLICT
 from django_semaphore.validation import (
     MAX_COUNT,
     MAX_TTL,
-    is_int,
     validate_debounce,
     validate_flag,
+    validate_int,
     validate_timeout,
     validate_ttl,
 )
@@ -140,8 +140,7 @@ def holds_permit(
     # Every argument is checked now, so a typo fails at import rather than
     # on the first request.
     names_of: Callable[..., Any] | None = None
-    if not is_int(count, 1, MAX_COUNT):
-        raise InvalidRequest(f"count must be an int from 1 to {MAX_COUNT}, not {count!r}.")
+    validate_int(count, "count", 1, MAX_COUNT)
     if callable(names) and not isinstance(names, str | Mapping):
         names_of, demand = names, {}
     else:
@@ -151,16 +150,11 @@ def holds_permit(
     # The LEASE setting is read at each call (override_settings works).
     lease = ttl if ttl is LEASE else validate_ttl(ttl)
     validate_timeout(timeout)
-    if not is_int(retry_after, 0, MAX_TTL):
-        # The Retry-After header takes whole seconds.
-        raise InvalidRequest(
-            f"retry_after must be an int of seconds from 0 to {MAX_TTL}, not {retry_after!r}."
-        )
+    # The Retry-After header takes whole seconds.
+    validate_int(retry_after, "retry_after (seconds)", 0, MAX_TTL)
     validate_flag(fair, "fair")
-    if max_waiting is not None and not is_int(max_waiting, 1, MAX_COUNT):
-        raise InvalidRequest(
-            f"max_waiting must be None or an int from 1 to {MAX_COUNT}, not {max_waiting!r}."
-        )
+    if max_waiting is not None:
+        validate_int(max_waiting, "max_waiting", 1, MAX_COUNT)
     for flag, name in ((park, "park"), (view, "view")):
         if flag is not None:
             validate_flag(flag, name)
@@ -240,15 +234,12 @@ def _refuse_task_object(func: Any) -> None:
 
 @functools.cache
 def _task_classes() -> tuple[type, ...]:
-    classes: list[type] = []
     try:
         from celery import Task
         from celery.local import Proxy
     except ImportError:
-        pass
-    else:
-        classes += [Task, Proxy]
-    return (*classes, *django_tasks.task_classes())
+        return tuple(django_tasks.task_classes())
+    return (Task, Proxy, *django_tasks.task_classes())
 
 
 def _running_task_of(body: Callable[..., Any]) -> Any:

@@ -94,10 +94,9 @@ def connect() -> None:
         signals.task_started.connect(on_task_started, dispatch_uid=f"{uid}.started")
         signals.task_finished.connect(on_task_finished, dispatch_uid=f"{uid}.finished")
         # The framework's logger, which records every failed run's end as an
-        # error with its traceback (error trackers pick those up).
-        framework_logger = logging.getLogger(tasks.__name__)
-        if deferred_runs not in framework_logger.filters:
-            framework_logger.addFilter(deferred_runs)
+        # error with its traceback (error trackers pick those up). addFilter
+        # adds a filter once, however often this runs.
+        logging.getLogger(tasks.__name__).addFilter(deferred_runs)
 
 
 def deferred_runs(record: logging.LogRecord) -> bool:
@@ -150,9 +149,7 @@ def inline_backends() -> tuple[type, ...]:
 def running_result_of(body: Callable[..., Any]) -> Any:
     """The task result whose body ``body`` is, if a backend is running it now."""
     result = _running.get()
-    if result is None or getattr(result.task, "func", None) is not body:
-        return None
-    return result
+    return result if result is not None and getattr(result.task, "func", None) is body else None
 
 
 def own_arguments(result: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -74,8 +74,7 @@ class Options:
         """Whether a deciding class (``PermitTask``, ``permit_task_class``)
         decides, when the task is sent, whether it is sent, waits or is
         discarded (``parking.admission``)."""
-        policies = (self.on_conflict, self.max_waiting, self.debounce)
-        return any(policy is not None for policy in policies)
+        return self.needs_a_deciding_class or self.max_waiting is not None
 
     def hold_lease(self, key: str) -> Lease | None:
         """Have the process heartbeat renew the run's permit under ``key``

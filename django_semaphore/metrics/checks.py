@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+from importlib.util import find_spec
 from typing import Any
 
 from django.core.checks import CheckMessage, Error, Tags, register
@@ -13,11 +13,7 @@ INSTALL_HINT = (
 
 
 def prometheus_client_installed() -> bool:
-    try:
-        importlib.import_module("prometheus_client")
-    except ImportError:
-        return False
-    return True
+    return find_spec("prometheus_client") is not None
 
 
 @register(Tags.compatibility)

@@ -210,11 +210,9 @@ class Semaphore(GuardedModel):
                 super().save(force_insert=True, using=using)
                 ReleaseCounter.objects.using(using).create(semaphore=self)
             self.in_use = self.in_use_counter
-            self._remember_loaded()
             return
         if engine_is_writing():
             super().save(force_update=force_update, using=using, update_fields=update_fields)
-            self._remember_loaded()
             return
         using = using or router.db_for_write(Semaphore, instance=self)
         names = self._writable_fields(update_fields)

@@ -6,7 +6,7 @@ waiters and parked tasks, then the queue of each semaphore that fair waiters wai
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -14,13 +14,25 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import QuerySet
 
 from django_semaphore import parking, routing, sweep
-from django_semaphore.backends import DatabaseNow
 from django_semaphore.blockers import why_waiting
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.models import Semaphore, Ticket
 from django_semaphore.validation import validate_keys
 
 QUEUE_SHOWN = 20
+# The semaphores' table: each column's header, and its cell of a semaphore
+# (annotated by with_usage() and with_parked()).
+COLUMNS: tuple[tuple[str, Callable[[Any], str]], ...] = (
+    ("name", lambda s: f"{s.name} (fair)" if s.fair else s.name),
+    ("capacity", lambda s: str(s.limit)),
+    ("in use", lambda s: str(s.in_use)),
+    ("available", lambda s: str(s.capacity - s.in_use) if s.in_use <= s.capacity else "0 (over)"),
+    ("holders", lambda s: str(s.holders)),
+    ("waiters", lambda s: str(s.waiters)),
+    ("longest wait", lambda s: _seconds(s.longest_wait)),
+    ("parked", lambda s: str(s.parked)),
+    ("oldest parked", lambda s: _seconds(s.oldest_parked)),
+)
 
 
 class Command(BaseCommand):
@@ -57,43 +69,15 @@ class Command(BaseCommand):
             return
         if options["verify"]:
             self._verify(names or None)
-        rows = [
-            (
-                "name",
-                "capacity",
-                "in use",
-                "available",
-                "holders",
-                "waiters",
-                "longest wait",
-                "parked",
-                "oldest parked",
-            )
-        ]
+        rows = [tuple(header for header, _ in COLUMNS)]
         queued = []
         # Every alias holding semaphores (sharded by name: see routing.py).
         for s in sorted(
             (s for alias in routing.aliases() for s in self._semaphores(alias, names)),
             key=lambda s: s.name,
         ):
-            in_use = s.in_use
-            available = str(s.capacity - in_use) if in_use <= s.capacity else "0 (over)"
-            waiters: int = s.waiters  # type: ignore[attr-defined]
-            name = f"{s.name} (fair)" if s.fair else s.name
-            rows.append(
-                (
-                    name,
-                    str(s.limit),
-                    str(in_use),
-                    available,
-                    str(s.holders),  # type: ignore[attr-defined]
-                    str(waiters),
-                    _seconds(s.longest_wait),  # type: ignore[attr-defined]
-                    str(s.parked),  # type: ignore[attr-defined]
-                    _seconds(s.oldest_parked),  # type: ignore[attr-defined]
-                )
-            )
-            if waiters or s.parked:  # type: ignore[attr-defined]
+            rows.append(tuple(cell(s) for _, cell in COLUMNS))
+            if s.waiters or s.parked:  # type: ignore[attr-defined]
                 queued.append(s)
         self._table(rows)
         if len(rows) == 1:
@@ -118,25 +102,26 @@ class Command(BaseCommand):
             self.stdout.write(line)
 
     def _queue(self, semaphore: Semaphore) -> None:
+        # Live tickets, in their order (Ticket's: by id).
         tickets = (
             Ticket.objects.using(semaphore._state.db)
-            .filter(semaphore=semaphore, expires_at__gt=DatabaseNow())
+            .live()
+            .filter(semaphore=semaphore)
             .select_related("parked")
-            .order_by("id")
         )
         self.stdout.write(f"\nWaiting in line on {_shown(semaphore.name)}, first served first:")
         rows = [("place", "owner", "key", "count", "waiting since", "expires at")]
-        for place, ticket in enumerate(tickets[:QUEUE_SHOWN], start=1):
-            rows.append(
-                (
-                    str(place),
-                    ticket.waiter or "-",
-                    ticket.external_id,
-                    str(ticket.count),
-                    ticket.created_at.isoformat(timespec="seconds"),
-                    ticket.expires_at.isoformat(timespec="seconds"),
-                )
+        rows += [
+            (
+                str(place),
+                ticket.waiter or "-",
+                ticket.external_id,
+                str(ticket.count),
+                ticket.created_at.isoformat(timespec="seconds"),
+                ticket.expires_at.isoformat(timespec="seconds"),
             )
+            for place, ticket in enumerate(tickets[:QUEUE_SHOWN], start=1)
+        ]
         self._table(rows)
 
     def _table(self, rows: Sequence[tuple[str, ...]]) -> None:

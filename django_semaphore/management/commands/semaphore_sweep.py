@@ -78,8 +78,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         self.verbosity = int(options["verbosity"])
-        asked = ("orphans", "cleanup", "history", "parked")
-        everything = not any(options[name] for name in asked)
+        everything = not any(options[name] for name in ("orphans", "cleanup", "history", "parked"))
         try:  # again: call_command(batch_size=...) does not go through argparse
             size = validate_batch_size(options["batch_size"])
             budget = validate_time_budget(options["time_budget"]) or None
