@@ -52,6 +52,7 @@ from django_semaphore.validation import (
     validate_ttl,
     validate_window,
 )
+from django_semaphore.waiting.waiters import WAITERS
 
 if TYPE_CHECKING:
     from django.contrib.auth.base_user import AbstractBaseUser
@@ -161,7 +162,7 @@ def _acquire_or_wait(
     keep the order)."""
     names = ask.demand.names
     standing = fairness.Standing()
-    if wait and not ask.fair and waiting.queued_here(connection.alias, names):
+    if wait and not ask.fair and WAITERS.wanted(connection.alias, names):
         refused = SemaphoreExhausted(names, "Waiting behind this process's waiters")
     else:
         outcome = attempt(ask, standing)

@@ -141,20 +141,16 @@ def why_waiting(key: str) -> Waiting | None:
     """What the waiter under ``key`` (a ticket's key, or a parked task's
     id) waits for; ``None`` when nobody waits under it."""
     for alias in routing.aliases():
+        # ``key``, or the key of the task parked under the task id ``key``.
+        parked = ParkedTask.objects.using(alias).filter(task_id=key).values_list("key", flat=True)
         tickets = list(
             Ticket.objects.using(alias)
-            .filter(external_id=_ticket_key(alias, key), expires_at__gt=DatabaseNow())
+            .filter(external_id=next(iter(parked), None) or key, expires_at__gt=DatabaseNow())
             .select_related("parked")
         )
         if tickets:
             return _waiting(alias, tickets)
     return None
-
-
-def _ticket_key(alias: str, key: str) -> str:
-    """``key``, or the key of the task parked under the task id ``key``."""
-    parked = ParkedTask.objects.using(alias).filter(task_id=key).values_list("key", flat=True)
-    return next(iter(parked), None) or key
 
 
 def _waiting(alias: str, tickets: list[Ticket]) -> Waiting:

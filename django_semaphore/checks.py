@@ -88,6 +88,10 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
 
 
 def _shadowed_families(declared: Mapping[str, Any]) -> list[CheckMessage]:
+    """Each pattern that an earlier pattern matches by its own text: a
+    heuristic (hence a warning) for the usual mistake, a broad pattern such
+    as ``"export:*"`` declared before ``"export:customer:*"``."""
+    patterns = [name for name in declared if is_pattern(name)]
     return [
         Warning(
             f"Family {pattern!r} may never create a member: {earlier!r}, declared "
@@ -95,16 +99,6 @@ def _shadowed_families(declared: Mapping[str, Any]) -> list[CheckMessage]:
             hint="Declare the narrower pattern first: the first matching pattern wins.",
             id="django_semaphore.W006",
         )
-        for pattern, earlier in _shadowed([name for name in declared if is_pattern(name)])
-    ]
-
-
-def _shadowed(patterns: list[str]) -> list[tuple[str, str]]:
-    """(pattern, an earlier pattern that matches the pattern's own text): a
-    heuristic (hence a warning) for the usual mistake, a broad pattern such
-    as ``"export:*"`` declared before ``"export:customer:*"``."""
-    return [
-        (pattern, earlier)
         for i, pattern in enumerate(patterns)
         for earlier in patterns[:i]
         if fnmatchcase(pattern, earlier)

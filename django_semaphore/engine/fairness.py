@@ -70,7 +70,7 @@ from django.db.models.functions import Greatest
 from django_semaphore import backends
 from django_semaphore.conf import app_settings
 from django_semaphore.engine import line
-from django_semaphore.engine.statements.one_trip import Line, Refused
+from django_semaphore.engine.statements.one_trip import Refused
 from django_semaphore.engine.statements.rows import LockedSemaphore
 from django_semaphore.engine.statements.tickets import ticket_statements
 from django_semaphore.exceptions import SemaphoreExhausted
@@ -197,11 +197,6 @@ def renew(alias: str, keys: Collection[str], lacked: Collection[int]) -> int:
         for id in sorted(lacked):
             queues.filter(id=id).update(queued_until=until)
     return found
-
-
-def one_trip_line(ask: Ask, standing: Standing) -> Line:
-    """Where the call stands, as the one-trip grant that may refuse it takes it."""
-    return Line(standing.ticketed, bool(standing.lacked), ask.fair, ticket_life(ask))
 
 
 def refused_in_one_trip(ask: Ask, standing: Standing, refused: Refused) -> Refusal:

@@ -49,7 +49,7 @@ from django_semaphore.engine import fairness, families, prelock
 from django_semaphore.engine.line import fits, lacking_room
 from django_semaphore.engine.releasing import reclaim_expired, release_requests
 from django_semaphore.engine.statements import Statements, queue, statements
-from django_semaphore.engine.statements.one_trip import Refused, one_trip_statements
+from django_semaphore.engine.statements.one_trip import Line, Refused, one_trip_statements
 from django_semaphore.engine.statements.rows import LockedSemaphore
 from django_semaphore.exceptions import (
     CapacityExceeded,
@@ -256,9 +256,9 @@ def grant_in_one_trip(
     if not sql.applies():
         return None
     key, owner = ask.key, ask.owner
-    granted = sql.grant(
-        ask.demand.counts, key, owner, ttl, lock_wait, fairness.one_trip_line(ask, standing)
-    )
+    # Where the call stands, as the one-trip grant that may refuse it takes it.
+    line = Line(standing.ticketed, bool(standing.lacked), ask.fair, fairness.ticket_life(ask))
+    granted = sql.grant(ask.demand.counts, key, owner, ttl, lock_wait, line)
     if granted is None:
         return None
     if isinstance(granted, Refused):

@@ -252,9 +252,8 @@ def on_task_revoked(request: Any = None, **kwargs: Any) -> None:
     revoked or expired while woken is dropped and gives its room back. One
     indexed read per revoked task that was not parked."""
     task_id = getattr(request, "id", None)
-    if task_id is None:
-        return
-    cancel([task_id])
+    if task_id is not None:
+        cancel([task_id])
 
 
 def cancel(task_ids: Iterable[str]) -> int:

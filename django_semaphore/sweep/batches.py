@@ -20,6 +20,7 @@ from django_semaphore import backends, routing
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import LockContention
+from django_semaphore.parking.rows import raw_delete
 from django_semaphore.retry import run_with_retries
 from django_semaphore.sweep.reports import CleanupReport, OrphanReport
 from django_semaphore.validation import validate_batch_size, validate_time_budget
@@ -81,7 +82,8 @@ def _delete_in_batches(
         if not ids:
             return 0, 0, 0
         dependents = before(ids) if before is not None else 0
-        deleted = _raw_delete(old.model._default_manager.using(old.db).filter(pk__in=ids))
+        # The permits of these requests are deleted just before (``before``).
+        deleted = raw_delete(old.model._default_manager.using(old.db).filter(pk__in=ids))
         return len(ids), deleted, dependents
 
     report.finished = False
@@ -97,12 +99,6 @@ def _delete_in_batches(
     if report.deleted:
         logger.info("%s", report)
     return report
-
-
-def _raw_delete(queryset: QuerySet[Model]) -> int:
-    # One DELETE ... WHERE id IN (...), without Django's collector fetching
-    # every row first: the permits of these requests are deleted just before.
-    return queryset._raw_delete(queryset.db)
 
 
 def _ago(delta: timedelta) -> ExpressionWrapper[CombinedExpression]:

@@ -23,6 +23,7 @@ from django_semaphore.models import (
     Semaphore,
     Ticket,
 )
+from django_semaphore.parking.rows import raw_delete
 from django_semaphore.states import State
 from django_semaphore.sweep.batches import (
     DEFAULT_TIME_BUDGET,
@@ -30,7 +31,6 @@ from django_semaphore.sweep.batches import (
     _delete_in_batches,
     _limits,
     _on_every_alias,
-    _raw_delete,
 )
 from django_semaphore.sweep.reports import CleanupReport
 from django_semaphore.validation import MAX_WINDOW
@@ -83,7 +83,7 @@ def clean_released(
         report.permits = Permit.objects.using(alias).filter(request__in=old).count()
 
     def delete_permits(ids: list[int]) -> int:
-        return _raw_delete(Permit.objects.using(alias).filter(request_id__in=ids))
+        return raw_delete(Permit.objects.using(alias).filter(request_id__in=ids))
 
     return _delete_in_batches(
         old.order_by("released_at"),
@@ -155,8 +155,8 @@ def clean_idle_members(
         # released permits only (nothing is held), dead tickets, the
         # history and the release counter.
         for model in (Ticket, CapacityChange, ReleaseCounter):
-            _raw_delete(model.objects.using(alias).filter(semaphore_id__in=ids))
-        return _raw_delete(Permit.objects.using(alias).filter(semaphore_id__in=ids))
+            raw_delete(model.objects.using(alias).filter(semaphore_id__in=ids))
+        return raw_delete(Permit.objects.using(alias).filter(semaphore_id__in=ids))
 
     return _delete_in_batches(
         idle.order_by("family", "updated_at"),

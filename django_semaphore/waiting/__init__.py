@@ -187,14 +187,6 @@ def wait_for_room(
             raise
 
 
-def queued_here(alias: str, names: Iterable[str]) -> bool:
-    """Whether waiters of this process without a ticket want one of
-    ``names``: a newcomer with a timeout queues behind them instead of
-    passing them. Where one has a ticket the newcomer attempts: tickets keep
-    the order (it takes its own on a fair semaphore, or is refused)."""
-    return WAITERS.wanted(alias, names)
-
-
 def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> None:
     """Wait between two attempts of a poller: until it is woken, its probe
     finds room for it beside the tickets ahead of it, or its interval

@@ -116,7 +116,10 @@ class Waiters(process.State):
             self.changed.notify_all()
 
     def wanted(self, alias: str, names: Iterable[str]) -> bool:
-        """Whether waiters want one of ``names``, none of them ticketed."""
+        """Whether waiters want one of ``names``, none of them ticketed: a
+        newcomer with a timeout queues behind them instead of passing them.
+        Where one has a ticket the newcomer attempts: tickets keep the order
+        (it takes its own on a fair semaphore, or is refused)."""
         with self.changed:
             wanting = [
                 waiter
