@@ -108,7 +108,8 @@ def acquire(
         SemaphoreNotFound: a name has no semaphore, and no family's pattern
             matches it (a name one matches is created on first use).
         FamilyFull: creating a member would exceed its family's ``max_members``.
-        CapacityExceeded: a count larger than the semaphore's capacity.
+        CapacityExceeded: a count larger than the capacity settings declare
+            (beyond a capacity lowered since, or 0, it is refused for now).
         SemaphoreExhausted: no room now (``AcquireTimeout`` once ``timeout`` ran out);
             its ``retry_after`` says when a rate limit's next slot frees.
         IdempotencyConflict: the key was used with other names or counts.

@@ -51,11 +51,13 @@ if "NAME" in _shard_test:
 DATABASES["shard"] = {**_default, "NAME": f"{_default['NAME']}_shard", "TEST": _shard_test}
 
 # SQLite beside any server: the differential test runs one history on both
-# (tests/test_differential.py). Created only when a test asks for it.
+# (tests/test_differential.py). A file of each pass's own (passes run side
+# by side); created only when a test asks for it.
+_beside = _sqlite_dir / f"beside-{Path(str(_default['NAME'])).name}.sqlite3"
 DATABASES["sqlite"] = {
     "ENGINE": "django.db.backends.sqlite3",
-    "NAME": str(_sqlite_dir / "beside.sqlite3"),
-    "TEST": {"NAME": str(_sqlite_dir / "beside.sqlite3.test")},
+    "NAME": str(_beside),
+    "TEST": {"NAME": f"{_beside}.test"},
 }
 
 INSTALLED_APPS = [
