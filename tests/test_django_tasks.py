@@ -591,5 +591,6 @@ def test_an_rq_run_killed_holding_its_permit_is_requeued_and_takes_it_over(limit
     request = PermitRequest.objects.get()  # the one permit, under the result's id
     assert (request.external_id, request.state) == (result.id, State.RELEASED)
     # Taken over by the re-run, whose process (and so its start) is gone now.
-    assert request.owner.startswith(owner_in(second.pid, result) + " started ")
+    holder = TaskOwner(result.id, "tests.own_tasks.holding", socket.gethostname(), second.pid)
+    assert request.owner.startswith(f"{holder} started ")
     assert Semaphore.objects.get(pk=limited.pk).in_use == 0
