@@ -23,7 +23,10 @@ from django_semaphore.exceptions import SemaphoreError
 from django_semaphore.models import PermitRequest, Semaphore
 from tests.conftest import unique
 
-pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite"])
+pytestmark = [
+    pytest.mark.django_db(transaction=True, databases=["default", "sqlite"]),
+    pytest.mark.differential,
+]
 
 CAPACITIES = (1, 2, 3)  # of the history's semaphores, by index
 KEYS = [f"k{i}" for i in range(6)]
