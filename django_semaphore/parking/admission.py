@@ -8,6 +8,8 @@ task's tickets and its ``ParkedTask`` row, woken (its tickets keep the
 room for its run, so the next send finds none) or waiting in line; a
 Django task's result is written in it too. A Celery task's message is
 published once that committed, as a woken task's is (``wake.publish``).
+Where the caller holds a transaction open, the decision is made aside
+and commits at once; the caller's transaction confirms the row (``aside``).
 So two sends at once never both pass, and a crash between the decision
 and the publish loses nothing: the beat sweep publishes a woken row whose
 run never started (``PARKED_REPUBLISH_AFTER``), and a copy that arrives
@@ -35,6 +37,7 @@ from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from django.db import IntegrityError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -48,7 +51,8 @@ from django_semaphore.engine import families, wakeups
 from django_semaphore.exceptions import SemaphoreExhausted, SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.owners import TaskOwner
-from django_semaphore.parking import deferred, refuse_a_full_line, wake
+from django_semaphore.parking import aside, deferred, refuse_a_full_line, wake
+from django_semaphore.parking.aside import SENDING
 from django_semaphore.parking.rows import Row, raw_delete, write
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import State
@@ -100,7 +104,8 @@ def enqueue(
 ) -> Admission:
     """Decide, under the demand's row locks, whether the task is sent now,
     waits parked, or is discarded; publish it once that committed (when the
-    caller's transaction commits, if it has one: an outbox).
+    caller's transaction commits, if it has one: an outbox, whose decision
+    is made aside so that its locks are as short as a grant's: ``aside``).
 
     ``row_of`` makes the task's row inside the decision's transaction: a
     Django task's backend writes its result there, rolled back with it when
@@ -116,10 +121,11 @@ def enqueue(
     """
     alias = routing.alias_for_names(list(demand))
     connection = connections[alias]
-    admit = functools.partial(_admit, connection, row_of, dict(demand), policy)
+    held_open = aside.needed(connection)
+    decide = _decide_aside if held_open else _decide
     for _ in range(DECISIONS):
         try:
-            lined, parked, replaced = _decide(connection, admit, also)
+            lined, parked, replaced = decide(connection, row_of, dict(demand), policy, also)
         except _Discarded as discarded:
             if discarded.existing:
                 return Admission(existing=discarded.existing)
@@ -136,21 +142,30 @@ def enqueue(
     elif policy.debounce is not None and not parked.backend:
         # A Django task's result runs when its debounce ends (deferred.park).
         wake.wake_later(alias, set(lined.ids.values()), policy.debounce)
-    elif lined.rate_limits:
-        wake.schedule_slots(alias, lined.rate_limits)
+    else:
+        if held_open:
+            # Wake-ups passed it over while its sender's transaction was open.
+            ids = set(lined.ids.values())
+            transaction.on_commit(functools.partial(wake.wake, alias, ids), using=alias)
+        if lined.rate_limits:
+            wake.schedule_slots(alias, lined.rate_limits)
     return Admission(replaced=replaced, waits=parked.woken_at is None)
 
 
 def _decide(
     connection: BaseDatabaseWrapper,
-    admit: Callable[[], tuple[wakeups.Lined, ParkedTask, list[str]]],
+    row_of: Callable[[], Row],
+    demand: dict[str, int],
+    policy: Policy,
     also: str | None,
+    sending: bool = False,
 ) -> tuple[wakeups.Lined, ParkedTask, list[str]]:
-    """``admit``, retried as its database says; with ``also``'s writes in
-    one transaction of that alias around it. A family's member is created
-    on first use, as a grant creates it: in a transaction of its own, then
-    the send decides again."""
-    both = transaction.atomic(using=also) if also not in (None, connection.alias) else nullcontext()
+    """The decision's transaction (``_admit``), retried as its database
+    says; with ``also``'s writes in one transaction of that alias around
+    it. A family's member is created on first use, as a grant creates it: in
+    a transaction of its own, then the send decides again."""
+    admit = functools.partial(_admit, connection, row_of, demand, policy, sending)
+    both = _atomic_beside(also, connection.alias)
     try:
         with both:
             return run_with_retries(connection, admit)
@@ -160,14 +175,69 @@ def _decide(
         return run_with_retries(connection, admit)
 
 
+def _decide_aside(
+    connection: BaseDatabaseWrapper,
+    row_of: Callable[[], Row],
+    demand: dict[str, int],
+    policy: Policy,
+    also: str | None,
+) -> tuple[wakeups.Lined, ParkedTask, list[str]]:
+    """The decision made aside (``aside``: the caller holds a transaction
+    open on the semaphores' alias), committed at once with the task's row
+    ``SENDING``; in a savepoint of the caller's transaction, the task's own
+    writes (``row_of``: a Django task's result) and the row's confirmation,
+    which commit or roll back with the caller's."""
+    alias = connection.alias
+    with transaction.atomic(using=alias), _atomic_beside(also, alias):
+        row = row_of()
+        alone = functools.partial(_decide_alone, alias, row, demand, policy)
+        lined, parked, replaced = aside.decide(alone)
+        sending = ParkedTask.objects.using(alias).filter(pk=parked.pk, not_before=SENDING)
+        if not sending.update(not_before=_not_before(policy)):
+            # Swept as abandoned, its sender stalled that long: decide again.
+            raise _Discarded([], sorted(demand))
+        if row.backend and parked.woken_at is None:
+            _defer(row, policy)
+    return lined, parked, replaced
+
+
+def _decide_alone(
+    alias: str, row: Row, demand: dict[str, int], policy: Policy
+) -> tuple[wakeups.Lined, ParkedTask, list[str]]:
+    """The decision on this thread's own connection, committed at once."""
+    return _decide(connections[alias], lambda: row, demand, policy, None, sending=True)
+
+
+def _atomic_beside(also: str | None, alias: str) -> Any:
+    """A transaction of ``also``'s around the decision, where that is
+    another alias than the semaphores'."""
+    return transaction.atomic(using=also) if also not in (None, alias) else nullcontext()
+
+
+def _not_before(policy: Policy) -> Any:
+    """When a debounced send's delay ends (by the database's clock); ``None``."""
+    if policy.debounce is None:
+        return None
+    return DatabaseNow() + timedelta(seconds=policy.debounce)
+
+
+def _defer(row: Row, policy: Policy) -> None:
+    """A Django task's result waits parked (``deferred.park``), in the
+    transaction that wrote it."""
+    debounce = policy.debounce
+    deferred.park(row.task_id, None if debounce is None else timedelta(seconds=debounce))
+
+
 def _admit(
     connection: BaseDatabaseWrapper,
     row_of: Callable[[], Row],
     demand: dict[str, int],
     policy: Policy,
+    sending: bool,
 ) -> tuple[wakeups.Lined, ParkedTask, list[str]]:
     """The decision's transaction: where the task's tickets were taken, its
-    row, and the task ids it replaced."""
+    row (``SENDING``, made aside, until its sender's transaction confirms
+    it), and the task ids it replaced."""
     alias = connection.alias
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
         row = row_of()
@@ -177,11 +247,15 @@ def _admit(
         if policy.debounce is not None and alike:
             raise _Discarded(list(alike.values()), sorted(demand))
         replaced = _drop(alias, alike) if policy.on_conflict == REPLACE else []
-        not_before = None
-        if policy.debounce is not None:
-            not_before = DatabaseNow() + timedelta(seconds=policy.debounce)
+        not_before = _not_before(policy)
         woken = not_before is None
         lined = wakeups.line_up(connection, row.key, demand, row.expires_at, woken=woken)
+        if lined.short:
+            dropped, freed = aside.drop_abandoned(alias, lined.short)
+            if dropped:
+                # Rolled-back sends kept that room: line up again without them.
+                transaction.on_commit(functools.partial(wake.wake, alias, freed), using=alias)
+                lined = wakeups.line_up(connection, row.key, demand, row.expires_at, woken=woken)
         if lined.short:
             if policy.on_conflict == DISCARD:
                 names = sorted(name for name, id in lined.ids.items() if id in lined.short)
@@ -191,25 +265,27 @@ def _admit(
         woken = woken and not lined.short
         try:
             woken_at = timezone.now() if woken else None
+            not_before = SENDING if sending else not_before
             parked = write(alias, row, woken_at=woken_at, not_before=not_before)
         except IntegrityError:
             # This task id was sent before: that one is the existing task.
             raise _Discarded([row.task_id], sorted(demand)) from None
-        if row.backend and not woken:
-            debounce = policy.debounce
-            deferred.park(row.task_id, None if debounce is None else timedelta(seconds=debounce))
+        if row.backend and not woken and not sending:
+            _defer(row, policy)
     return lined, parked, replaced
 
 
 def _waiting_alike(alias: str, task_name: str, demand: Mapping[str, int]) -> dict[str, str]:
     """The tasks named ``task_name`` waiting (not woken) on each of these
-    semaphores, locked first: key -> task id, oldest first."""
+    semaphores, locked first: key -> task id, oldest first. Not those of
+    other senders' open transactions (``SENDING``): they may roll back."""
     locked = Semaphore.objects.using(alias).filter(name__in=demand).locked()
     ids = list(locked.values_list("id", flat=True))
     keys = (
         Ticket.objects.using(alias)
         .filter(semaphore_id__in=ids)
         .filter(parked__task_name=task_name, parked__woken_at__isnull=True)
+        .exclude(parked__not_before=SENDING)
         .values("external_id")
         .annotate(n=Count("id"))
         .filter(n=len(ids))

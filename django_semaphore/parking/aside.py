@@ -1,0 +1,118 @@
+"""A send's decision made aside, when its caller holds a transaction open.
+
+The decision locks its semaphores' rows, and a lock taken inside the
+caller's transaction is held until the caller commits: a view under
+``ATOMIC_REQUESTS`` that sends, then works, would hold every grant,
+release and send on those semaphores for the rest of its request. So the
+decision runs on a connection of its own (a thread of this process, whose
+Django connection it is), commits at once, and leaves the task's row
+marked ``SENDING``; the caller's transaction then confirms it
+(``admission``), and the message is published once that committed. Rolled
+back, the confirmation is undone with it: the row stays ``SENDING``,
+unlocked, and the next send that finds no room on its semaphores drops it
+(``drop_abandoned``), or the parked sweep does.
+
+SQLite is left alone (one writer at a time: a second connection would wait
+for the caller's), and so is a test case's transaction, whose rows another
+connection cannot see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from typing import TypeVar
+
+from django.db import close_old_connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import DateTimeField, DurationField, ExpressionWrapper, Value
+
+from django_semaphore import process
+from django_semaphore.backends import DatabaseNow
+from django_semaphore.models import ParkedTask, Ticket
+from django_semaphore.parking.rows import raw_delete
+
+T = TypeVar("T")
+
+# The ``not_before`` of a row its sender's transaction has not confirmed
+# yet: no wake-up reaches it meanwhile.
+SENDING = datetime(9000, 1, 1, tzinfo=UTC)
+
+# A row still SENDING this long after it was written, and not locked by its
+# sender's transaction (which confirms it first thing, and holds that lock
+# until it ends), is a rolled-back send's. A sender that stalled longer
+# between the two finds its row gone, and decides again.
+ABANDONED_AFTER = timedelta(seconds=1)
+
+# Decisions a process makes aside at once; more sends wait their turn (each
+# is one short transaction).
+DECIDERS = 4
+
+
+class _Deciders(process.State):
+    """The threads whose connections decide aside."""
+
+    def reset(self) -> None:
+        self.pool = ThreadPoolExecutor(DECIDERS, thread_name_prefix="django-semaphore-send")
+
+
+_DECIDERS = _Deciders()
+
+
+def needed(connection: BaseDatabaseWrapper) -> bool:
+    """Whether a decision on ``connection`` must be made aside: its caller
+    holds a transaction of its own open there."""
+    return (
+        connection.vendor != "sqlite"
+        and connection.in_atomic_block
+        # Django marks a test case's own atomic blocks so (TestCase, pytest-django's db).
+        and not any(getattr(block, "_from_testcase", False) for block in connection.atomic_blocks)
+    )
+
+
+def decide(operation: Callable[[], T]) -> T:
+    """Run ``operation`` on a thread of its own, with that thread's
+    connections; its answer, or its exception."""
+    return _DECIDERS.pool.submit(_on_fresh_connections, operation).result()
+
+
+def _on_fresh_connections(operation: Callable[[], T]) -> T:
+    """``operation``, with this thread's connections treated as a request's
+    are: closed after it unless ``CONN_MAX_AGE`` keeps them, and replaced
+    before it when broken or past their age."""
+    close_old_connections()
+    try:
+        return operation()
+    finally:
+        close_old_connections()
+
+
+def drop_abandoned(
+    alias: str, semaphore_ids: Collection[int] | None = None
+) -> tuple[int, set[int]]:
+    """In the caller's transaction: drop the rows and tickets of the sends
+    whose transaction rolled back (those waiting on these semaphores, or
+    all); how many, and the semaphores whose room they kept."""
+    tickets = Ticket.objects.using(alias).filter(parked__not_before=SENDING)
+    if semaphore_ids is not None:
+        tickets = tickets.filter(semaphore_id__in=semaphore_ids)
+    keys = set(tickets.values_list("external_id", flat=True))
+    if not keys:
+        return 0, set()
+    written_before = ExpressionWrapper(
+        DatabaseNow() - Value(ABANDONED_AFTER, output_field=DurationField()),
+        output_field=DateTimeField(),
+    )
+    abandoned = (
+        ParkedTask.objects.using(alias)
+        .filter(key__in=keys, not_before=SENDING, parked_at__lt=written_before)
+        .select_for_update(skip_locked=True)
+    )
+    keys = set(abandoned.values_list("key", flat=True))
+    if not keys:
+        return 0, set()
+    tickets = Ticket.objects.using(alias).filter(external_id__in=keys)
+    freed = set(tickets.values_list("semaphore_id", flat=True))
+    raw_delete(tickets)
+    return raw_delete(ParkedTask.objects.using(alias).filter(key__in=keys)), freed
