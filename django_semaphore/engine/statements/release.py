@@ -18,7 +18,6 @@ from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
-from django.db.models import Q
 
 from django_semaphore import backends
 from django_semaphore.engine.statements import SQL, built, placeholders, routine, with_arguments
@@ -369,23 +368,20 @@ class ReleaseStatements(SQL):
 
     def _lock_by_id(self, count: int) -> str:
         """The locking read of ``count`` semaphores' release counters, compiled once."""
-        sql = self.locks_by_id.get(count)
-        if sql is None:
-            ids = list(range(count))
-            sql, params = self.locking_read(ReleaseCounter, Q(semaphore_id__in=ids), "semaphore_id")
-            if params != ids:  # pragma: no cover - a Django change would show here
-                raise AssertionError(f"Unexpected parameters in the locking read: {params!r}")
-            self.locks_by_id[count] = sql
-        return sql
+        if count not in self.locks_by_id:
+            self.locks_by_id[count] = self.locking_read(
+                ReleaseCounter, "semaphore_id", list(range(count)), "semaphore_id"
+            )
+        return self.locks_by_id[count]
 
     def _lock_released_on_sql(self) -> str:
         """The locking read of the release counters of the permits the
         statement released (its "p"): the manager's, its one id placeholder
         made a read of "p" (with neither RawSQL nor values in the text)."""
-        sql, params = self.locking_read(ReleaseCounter, Q(semaphore_id__in=[0]), "semaphore_id")
+        sql = self.locking_read(ReleaseCounter, "semaphore_id", [0], "semaphore_id")
         one_id = f"IN ({placeholders(1)})"
-        if params != [0] or sql.count(one_id) != 1:  # pragma: no cover - a Django change
-            raise AssertionError(f"Unexpected locking read: {sql!r} {params!r}")
+        if sql.count(one_id) != 1:  # pragma: no cover - a Django change would show here
+            raise AssertionError(f"Unexpected locking read: {sql!r}")
         return sql.replace(one_id, f"IN (SELECT {self.q('semaphore_id')} FROM p)")
 
     def _add_released(self, cursor: CursorWrapper, freed: dict[int, int]) -> None:
