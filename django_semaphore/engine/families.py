@@ -117,10 +117,7 @@ def _lock_templates(alias: str, wanted: list[Family]) -> dict[str, _Template]:
         .annotate(db_now=DatabaseNow())
         .values_list("name", "capacity", "window", "fair", "db_now")
     )
-    locked = {
-        name: _Template(capacity, window, fair, now)
-        for name, capacity, window, fair, now in locking
-    }
+    locked = {name: _Template(*values) for name, *values in locking}
     absent = [family for family in wanted if family.pattern not in locked]
     if absent:
         Semaphore.objects.using(alias).bulk_create(
@@ -131,10 +128,7 @@ def _lock_templates(alias: str, wanted: list[Family]) -> dict[str, _Template]:
             ignore_conflicts=True,
         )
         # Again, not from the first read's cache: every template exists now.
-        locked = {
-            name: _Template(capacity, window, fair, now)
-            for name, capacity, window, fair, now in locking.all()
-        }
+        locked = {name: _Template(*values) for name, *values in locking.all()}
     return locked
 
 

@@ -363,7 +363,13 @@ class ReleaseStatements(SQL):
             [self.released, *ids, self.acquired],
         )
         released = int(cursor.rowcount)
-        self._add_released(cursor, freed)
+        # Under the locks taken above: what was freed, on the release counters.
+        cursor.execute(
+            self.add_released_sql.format(
+                cases=" ".join([self.add_case_sql] * len(freed)), ids=placeholders(len(freed))
+            ),
+            [*(v for item in freed.items() for v in item), *freed],
+        )
         return released, freed
 
     def _lock_by_id(self, count: int) -> str:
@@ -383,16 +389,6 @@ class ReleaseStatements(SQL):
         if sql.count(one_id) != 1:  # pragma: no cover - a Django change would show here
             raise AssertionError(f"Unexpected locking read: {sql!r}")
         return sql.replace(one_id, f"IN (SELECT {self.q('semaphore_id')} FROM p)")
-
-    def _add_released(self, cursor: CursorWrapper, freed: dict[int, int]) -> None:
-        """Add ``freed`` (semaphore id -> count) to the release counters this
-        transaction holds locked."""
-        cursor.execute(
-            self.add_released_sql.format(
-                cases=" ".join([self.add_case_sql] * len(freed)), ids=placeholders(len(freed))
-            ),
-            [*(v for item in freed.items() for v in item), *freed],
-        )
 
 
 def release_statements(connection: BaseDatabaseWrapper) -> ReleaseStatements:
