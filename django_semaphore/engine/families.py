@@ -38,9 +38,8 @@ name no pattern matches still raises ``SemaphoreNotFound``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -98,8 +97,9 @@ def create_members(
             _create(alias, family, templates[family.pattern], wanted[family])
 
 
-@dataclass(frozen=True)
-class _Template:
+class _Template(NamedTuple):
+    """A family's template row, as its locking read returns it."""
+
     capacity: int
     window: int | None
     fair: bool
@@ -117,10 +117,7 @@ def _lock_templates(alias: str, wanted: list[Family]) -> dict[str, _Template]:
         .annotate(db_now=DatabaseNow())
         .values_list("name", "capacity", "window", "fair", "db_now")
     )
-    locked = {
-        name: _Template(capacity, window, fair, now)
-        for name, capacity, window, fair, now in locking
-    }
+    locked = {name: _Template._make(values) for name, *values in locking}
     absent = [family for family in wanted if family.pattern not in locked]
     if absent:
         Semaphore.objects.using(alias).bulk_create(
@@ -131,10 +128,7 @@ def _lock_templates(alias: str, wanted: list[Family]) -> dict[str, _Template]:
             ignore_conflicts=True,
         )
         # Again, not from the first read's cache: every template exists now.
-        locked = {
-            name: _Template(capacity, window, fair, now)
-            for name, capacity, window, fair, now in locking.all()
-        }
+        locked = {name: _Template._make(values) for name, *values in locking.all()}
     return locked
 
 

@@ -54,6 +54,8 @@ ROUTINES_VERSION = 2
 # change an indexed column each time (no HOT update on PostgreSQL, a
 # secondary index entry rewritten on InnoDB, on the hottest row there is).
 MARKED_EVERY = timedelta(minutes=1)
+# The models whose manager has the app's row lock (``locked()``).
+Lockable = type[Semaphore | ReleaseCounter]
 
 
 def routine(name: str) -> str:
@@ -85,15 +87,16 @@ class SQL:
         return backends.bound_statement(self.connection, sql, lock_wait)
 
     def locking_read(
-        self, model: type[Semaphore | ReleaseCounter], rows: Q, *columns: str, **annotations: Any
-    ) -> tuple[str, list[Any]]:
+        self, model: Lockable, field: str, values: list[Any], *columns: str, **annotations: Any
+    ) -> str:
         """The manager's row lock (``locked()``: semaphores in name order,
-        release counters in semaphore id order) of the rows ``rows``
-        selects, as SQL text and its parameters: the statements that run it
-        raw (compiled once, reused) keep the app's lock orders."""
+        release counters in semaphore id order) of the rows whose ``field``
+        is one of ``values``, as SQL text: the statements that run it raw
+        (compiled once, reused with as many other values) keep the app's
+        lock orders."""
         queryset = (
             model._default_manager.using(self.connection.alias)
-            .filter(rows)
+            .filter(**{f"{field}__in": values})
             .locked()
             .annotate(**annotations)
             .values_list(*columns)
@@ -103,7 +106,10 @@ class SQL:
         # one. Nothing runs in it: it only lets the compiler through.
         with transaction.atomic(using=self.connection.alias, savepoint=False):
             sql, params = queryset.query.get_compiler(connection=self.connection).as_sql()
-        return str(sql), list(params)
+        # Reused with other values: these must be its only parameters.
+        if list(params) != values:  # pragma: no cover - a Django change would show here
+            raise AssertionError(f"Unexpected parameters in the locking read: {params!r}")
+        return str(sql)
 
 
 class Statements(SQL):
@@ -226,30 +232,22 @@ class Statements(SQL):
 
     def lock_sql(self, count: int) -> str:
         """The locking read of ``count`` names, compiled once."""
-        sql = self.locks.get(count)
-        if sql is None:
-            sql = self.locks[count] = self._compile_lock(count)
-        return sql
-
-    def _compile_lock(self, count: int) -> str:
-        names = [f"name-{i}" for i in range(count)]
-        released = self._released_with_the_lock()
-        sql, params = self.locking_read(
-            Semaphore,
-            Q(name__in=names),
-            *LOCKED_COLUMNS,
-            *released,
-            # The clock may be read before the wait for the lock: a queue
-            # then looks live a little longer, never shorter.
-            queue_live=ExpressionWrapper(
-                Q(queued_until__gt=DatabaseNow()), output_field=BooleanField()
-            ),
-            **released,
-        )
-        # Reused with other names: the names must be its only parameters.
-        if params != names:  # pragma: no cover - a Django change would show here
-            raise AssertionError(f"Unexpected parameters in the locking read: {params!r}")
-        return sql
+        if count not in self.locks:
+            released = self._released_with_the_lock()
+            self.locks[count] = self.locking_read(
+                Semaphore,
+                "name",
+                [f"name-{i}" for i in range(count)],
+                *LOCKED_COLUMNS,
+                *released,
+                # The clock may be read before the wait for the lock: a queue
+                # then looks live a little longer, never shorter.
+                queue_live=ExpressionWrapper(
+                    Q(queued_until__gt=DatabaseNow()), output_field=BooleanField()
+                ),
+                **released,
+            )
+        return self.locks[count]
 
     def _released_with_the_lock(self) -> dict[str, Subquery]:
         """The release total, read by the locking read where that is safe.

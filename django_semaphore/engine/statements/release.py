@@ -18,7 +18,6 @@ from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
-from django.db.models import Q
 
 from django_semaphore import backends
 from django_semaphore.engine.statements import SQL, built, placeholders, routine, with_arguments
@@ -364,39 +363,32 @@ class ReleaseStatements(SQL):
             [self.released, *ids, self.acquired],
         )
         released = int(cursor.rowcount)
-        self._add_released(cursor, freed)
-        return released, freed
-
-    def _lock_by_id(self, count: int) -> str:
-        """The locking read of ``count`` semaphores' release counters, compiled once."""
-        sql = self.locks_by_id.get(count)
-        if sql is None:
-            ids = list(range(count))
-            sql, params = self.locking_read(ReleaseCounter, Q(semaphore_id__in=ids), "semaphore_id")
-            if params != ids:  # pragma: no cover - a Django change would show here
-                raise AssertionError(f"Unexpected parameters in the locking read: {params!r}")
-            self.locks_by_id[count] = sql
-        return sql
-
-    def _lock_released_on_sql(self) -> str:
-        """The locking read of the release counters of the permits the
-        statement released (its "p"): the manager's, its one id placeholder
-        made a read of "p" (with neither RawSQL nor values in the text)."""
-        sql, params = self.locking_read(ReleaseCounter, Q(semaphore_id__in=[0]), "semaphore_id")
-        one_id = f"IN ({placeholders(1)})"
-        if params != [0] or sql.count(one_id) != 1:  # pragma: no cover - a Django change
-            raise AssertionError(f"Unexpected locking read: {sql!r} {params!r}")
-        return sql.replace(one_id, f"IN (SELECT {self.q('semaphore_id')} FROM p)")
-
-    def _add_released(self, cursor: CursorWrapper, freed: dict[int, int]) -> None:
-        """Add ``freed`` (semaphore id -> count) to the release counters this
-        transaction holds locked."""
+        # Under the locks taken above: what was freed, on the release counters.
         cursor.execute(
             self.add_released_sql.format(
                 cases=" ".join([self.add_case_sql] * len(freed)), ids=placeholders(len(freed))
             ),
             [*(v for item in freed.items() for v in item), *freed],
         )
+        return released, freed
+
+    def _lock_by_id(self, count: int) -> str:
+        """The locking read of ``count`` semaphores' release counters, compiled once."""
+        if count not in self.locks_by_id:
+            self.locks_by_id[count] = self.locking_read(
+                ReleaseCounter, "semaphore_id", list(range(count)), "semaphore_id"
+            )
+        return self.locks_by_id[count]
+
+    def _lock_released_on_sql(self) -> str:
+        """The locking read of the release counters of the permits the
+        statement released (its "p"): the manager's, its one id placeholder
+        made a read of "p" (with neither RawSQL nor values in the text)."""
+        sql = self.locking_read(ReleaseCounter, "semaphore_id", [0], "semaphore_id")
+        one_id = f"IN ({placeholders(1)})"
+        if sql.count(one_id) != 1:  # pragma: no cover - a Django change would show here
+            raise AssertionError(f"Unexpected locking read: {sql!r}")
+        return sql.replace(one_id, f"IN (SELECT {self.q('semaphore_id')} FROM p)")
 
 
 def release_statements(connection: BaseDatabaseWrapper) -> ReleaseStatements:
