@@ -22,6 +22,7 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.engine.line import fits, room
 from django_semaphore.limits import Limit
 from django_semaphore.models import ParkedTask, Permit, Semaphore, Ticket
+from django_semaphore.models.parked import SENDING
 from django_semaphore.states import State
 
 # Holders and older waiters named on each semaphore; the rest are counted.
@@ -109,6 +110,7 @@ class Waiting:
     woken: bool  # a parked task woken and on its way to run
     blockers: list[Blocker]
     not_before: datetime | None = None  # a debounced send waits until then
+    sending: bool = False  # its sender's transaction has not committed yet
 
     def explained(self) -> list[str]:
         """In words, as ``semaphore_status --why`` says it: who waits, since
@@ -119,7 +121,9 @@ class Waiting:
         ]
         if self.woken:
             lines.append("  Woken: room is kept for it until its run takes it.")
-        if self.not_before is not None:
+        if self.sending:
+            lines.append("  Being sent: its sender's transaction has not committed yet.")
+        elif self.not_before is not None:
             lines.append(f"  Debounced: not woken before {_moment(self.not_before)}.")
         for blocker in self.blockers:
             summary, *details = blocker.explained()
@@ -170,6 +174,7 @@ def _waiting(alias: str, tickets: list[Ticket]) -> Waiting:
             key=lambda blocker: blocker.semaphore,
         ),
         not_before=parked.not_before if parked is not None else None,
+        sending=parked is not None and parked.not_before == SENDING,
     )
 
 

@@ -17,10 +17,11 @@ import pytest
 from django.db import connection, connections, transaction
 
 from django_semaphore import acquire, release, sweep
+from django_semaphore.blockers import why_waiting
 from django_semaphore.exceptions import SemaphoreExhausted
 from django_semaphore.models import ParkedTask, Semaphore, Ticket
+from django_semaphore.models.parked import SENDING
 from django_semaphore.parking import aside
-from django_semaphore.parking.aside import SENDING
 from tests import own_tasks, tasks
 from tests.conftest import ago, unique
 from tests.test_policies import result_rows
@@ -92,6 +93,10 @@ def test_the_task_is_published_once_the_caller_commits(servers_only, published):
         # Its room is kept, for everybody, from the send on.
         with pytest.raises(SemaphoreExhausted):
             _acquire_elsewhere(tasks.ONCE)
+        # Seen from elsewhere, it is being sent (not debounced until 9000).
+        told = "\n".join(_in_a_thread(lambda: why_waiting(sent.id)).explained())
+        assert "Being sent: its sender's transaction has not committed yet." in told
+        assert "Debounced" not in told
 
     assert published == [sent.id]
     parked = ParkedTask.objects.get(task_id=sent.id)
@@ -185,12 +190,14 @@ def _acquire_elsewhere(name: str) -> None:
     _in_a_thread(lambda: acquire(name, external_id=unique("elsewhere")))
 
 
-def _in_a_thread(call: Any) -> None:
+def _in_a_thread(call: Any) -> Any:
+    """``call()`` on another connection (a thread's): its answer, or its error."""
+    answered: list[Any] = []
     failed: list[BaseException] = []
 
     def run() -> None:
         try:
-            call()
+            answered.append(call())
         except BaseException as error:
             failed.append(error)
         finally:
@@ -202,3 +209,4 @@ def _in_a_thread(call: Any) -> None:
     assert not thread.is_alive()
     if failed:
         raise failed[0]
+    return answered[0]

@@ -70,7 +70,9 @@ class ParkedTaskAdmin(Unchanged, OperatorAdmin):
         waiting = why_waiting(obj.key)
         if waiting is None:
             return gettext("It no longer waits in line: its run has started, or it expired.")
-        if waiting.woken:
+        if waiting.sending:
+            note = gettext("Being sent: its sender's transaction has not committed yet.")
+        elif waiting.woken:
             note = gettext("Woken: room is kept for it until its run takes it.")
         elif waiting.not_before is not None:
             note = gettext("Debounced: not woken before %(moment)s.") % {

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
 from django_semaphore.validation import MAX_LENGTH
+
+# The ``not_before`` of a row its sender's transaction has not confirmed
+# yet (``parking.aside``): no wake-up reaches it meanwhile.
+SENDING = datetime(9000, 1, 1, tzinfo=UTC)
 
 
 class ParkedTask(models.Model):

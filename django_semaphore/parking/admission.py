@@ -50,9 +50,9 @@ from django_semaphore.conf import app_settings
 from django_semaphore.engine import families, wakeups
 from django_semaphore.exceptions import SemaphoreExhausted, SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
+from django_semaphore.models.parked import SENDING
 from django_semaphore.owners import TaskOwner
 from django_semaphore.parking import aside, deferred, refuse_a_full_line, wake
-from django_semaphore.parking.aside import SENDING
 from django_semaphore.parking.rows import Row, raw_delete, write
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import State

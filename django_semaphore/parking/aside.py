@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import TypeVar
 
 from django.db import close_old_connections
@@ -31,13 +31,10 @@ from django.db.models import DateTimeField, DurationField, ExpressionWrapper, Va
 from django_semaphore import process
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.models import ParkedTask, Ticket
+from django_semaphore.models.parked import SENDING
 from django_semaphore.parking.rows import raw_delete
 
 T = TypeVar("T")
-
-# The ``not_before`` of a row its sender's transaction has not confirmed
-# yet: no wake-up reaches it meanwhile.
-SENDING = datetime(9000, 1, 1, tzinfo=UTC)
 
 # A row still SENDING this long after it was written, and not locked by its
 # sender's transaction (which confirms it first thing, and holds that lock

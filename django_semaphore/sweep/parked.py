@@ -13,8 +13,8 @@ from django_semaphore import routing
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Ticket
+from django_semaphore.models.parked import SENDING
 from django_semaphore.parking import aside, deferred, wake
-from django_semaphore.parking.aside import SENDING
 from django_semaphore.parking.rows import raw_delete
 
 logger = logging.getLogger("django_semaphore")
