@@ -132,8 +132,8 @@ def tenant_demand(tenant: str, enqueued: float) -> dict[str, int]:
 @app.task(bind=True)
 @holds_permit(tenant_demand, park=True)
 def export(self: Any, tenant: str, enqueued: float) -> None:
-    """Records the delay from its enqueueing to its start (one machine)."""
-    counts.rpush(STARTS, f"{tenant} {time.time() - enqueued}")
+    """Records when it was enqueued and when it started (one machine)."""
+    counts.rpush(STARTS, f"{tenant} {enqueued} {time.time()}")
     time.sleep(HOLD)
 
 

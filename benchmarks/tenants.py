@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks.parked import ROOT, _quantile, add_server_arguments, worker
+from benchmarks.parked import FAMILY, ROOT, _quantile, add_server_arguments, worker
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         BENCH_DATABASE_URL=args.database_url,
         BENCH_REDIS_URL=args.redis_url,
         BENCH_HOLD=str(args.hold),
+        BENCH_FAMILY=FAMILY,
         BENCH_QUEUE=f"bench-tenants-{uuid.uuid4().hex[:8]}",
     )
     from django.core.management import call_command
@@ -113,8 +114,15 @@ def _until(check: Any, timeout: float, what: str) -> None:
 
 
 def _delays(counts: Any, parked_app: Any, tenant: str) -> list[float]:
+    return [started - enqueued for started, enqueued in _starts(counts, parked_app, tenant)]
+
+
+def _starts(counts: Any, parked_app: Any, tenant: str) -> list[tuple[float, float]]:
+    """(start, enqueued) of each of ``tenant``'s runs, wall clock, by start."""
     rows = (row.decode().split() for row in counts.lrange(parked_app.STARTS, 0, -1))
-    return [float(delay) for who, delay in rows if who == tenant]
+    return sorted(
+        (float(started), float(enqueued)) for who, enqueued, started in rows if who == tenant
+    )
 
 
 def format_result(r: dict[str, Any]) -> str:

@@ -1,0 +1,122 @@
+"""One tenant's burst against another's on one shared semaphore, with a real
+prefork worker on Redis.
+
+``python -m benchmarks.starvation``: customer A sends ``--backlog`` (1,000)
+tasks holding ``bench-exports`` (capacity ``--capacity``, 4) for ``--hold``
+(20 ms) each, then customer B sends ``--tasks`` (10). The customers' own
+caps (``bench-export:customer:*``) are as large as the backlog: only the
+shared semaphore binds. Reported: when B's last task finished after B's
+first send, in A's rounds (a round: ``--capacity`` of A's tasks side by
+side, measured as A's drain time over its rounds), and how many of A's
+tasks started before B's last one. Served first come, first served, B
+waits behind A's whole burst; shared fairly, within a few rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from benchmarks.parked import FAMILY, ROOT, add_server_arguments, worker
+from benchmarks.tenants import _starts, _until
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.starvation", description=__doc__)
+    add_server_arguments(parser)
+    parser.add_argument("--backlog", type=int, default=1000)
+    parser.add_argument("--tasks", type=int, default=10)
+    parser.add_argument("--capacity", type=int, default=4)
+    parser.add_argument("--hold", type=float, default=0.02)
+    parser.add_argument("--concurrency", type=int, default=8, help="worker processes")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    from benchmarks.db import Target, ensure_database
+
+    ensure_database(Target.parse(args.database_url))
+    os.environ.update(
+        BENCH_DATABASE_URL=args.database_url,
+        BENCH_REDIS_URL=args.redis_url,
+        BENCH_HOLD=str(args.hold),
+        BENCH_FAMILY=FAMILY,
+        BENCH_QUEUE=f"bench-starvation-{uuid.uuid4().hex[:8]}",
+    )
+    from django.core.management import call_command
+
+    from benchmarks import parked_app
+
+    call_command("migrate", verbosity=0, interactive=False)
+    result = run(args, parked_app)
+    print(format_result(result), flush=True)
+    if args.json:
+        config = vars(args) | {"json": None}
+        args.json.write_text(json.dumps({"config": config, "result": result}, indent=1))
+    return 0
+
+
+def run(args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
+    from django_semaphore.guards import engine_writes
+    from django_semaphore.models import ParkedTask, PermitRequest, Semaphore
+
+    counts = parked_app.counts
+    parked_app.app.conf.task_default_queue = os.environ["BENCH_QUEUE"]
+    counts.delete(parked_app.STARTS)
+    own = args.backlog + args.tasks
+    names = {
+        parked_app.EXPORTS: args.capacity,
+        "bench-export:customer:A": own,
+        "bench-export:customer:B": own,
+    }
+    with engine_writes():  # a wholesale reset of the benchmark's database
+        ParkedTask.objects.all().delete()
+        PermitRequest.objects.all().delete()
+        Semaphore.objects.filter(name__in=names).delete()
+    for name, capacity in names.items():
+        Semaphore.objects.create(name=name, capacity=capacity)
+    log = ROOT / ".runtime" / "benchmarks" / "starvation-worker.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with worker(args.concurrency, log, parked_app):
+        for _ in range(args.backlog):
+            parked_app.export.delay("A", time.time())
+        for _ in range(args.tasks):
+            parked_app.export.delay("B", time.time())
+        every = args.backlog + args.tasks
+        _until(lambda: counts.llen(parked_app.STARTS) >= every, args.timeout, "every task ran")
+        time.sleep(args.hold)  # the last ones end
+    a, b = _starts(counts, parked_app, "A"), _starts(counts, parked_app, "B")
+    rounds = args.backlog / args.capacity
+    a_round = (a[-1][0] + args.hold - a[0][0]) / rounds
+    b_sent = min(enqueued for _, enqueued in b)
+    b_done = b[-1][0] + args.hold - b_sent
+    return {
+        "backlog": args.backlog,
+        "tasks": args.tasks,
+        "a_round_ms": round(a_round * 1000, 1),
+        "b_done_after_s": round(b_done, 2),
+        "b_done_in_a_rounds": round(b_done / a_round, 1),
+        "a_started_before_b_last": sum(1 for started, _ in a if started < b[-1][0]),
+        "a_drained_s": round(a[-1][0] + args.hold - a[0][0], 2),
+    }
+
+
+def format_result(r: dict[str, Any]) -> str:
+    return (
+        f"B's {r['tasks']} tasks behind A's {r['backlog']}: all done {r['b_done_after_s']} s "
+        f"after B's first send = {r['b_done_in_a_rounds']} of A's rounds "
+        f"({r['a_round_ms']} ms each); {r['a_started_before_b_last']} of A's tasks started "
+        f"before B's last; A drained in {r['a_drained_s']} s"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
