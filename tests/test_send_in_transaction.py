@@ -112,9 +112,32 @@ def test_a_rolled_back_send_is_never_published_and_its_room_comes_back(servers_o
     with pytest.raises(RuntimeError), transaction.atomic():
         tasks.once.delay("a", 0)
         raise RuntimeError("the view failed")
+    rolled_back = time.monotonic()
 
     assert published == []
     assert list(ParkedTask.objects.values_list("not_before", flat=True)) == [SENDING]
+    # No send, no sweep: the sending process sees its transaction gone.
+    while True:
+        try:
+            _acquire_elsewhere(tasks.ONCE)
+            break
+        except SemaphoreExhausted:
+            assert time.monotonic() - rolled_back < 3 * aside.ABANDONED_AFTER.total_seconds()
+            time.sleep(0.05)
+    assert not ParkedTask.objects.exists()
+    assert published == []
+
+
+def test_the_sweep_drops_a_rolled_back_send_whose_process_died(
+    servers_only, published, monkeypatch
+):
+    Semaphore.objects.create(name=tasks.ONCE, capacity=1)
+    monkeypatch.setattr(aside, "watch", lambda alias, parked_id: None)  # died before it looked
+
+    with pytest.raises(RuntimeError), transaction.atomic():
+        tasks.once.delay("a", 0)
+        raise RuntimeError("the view failed")
+
     # Just written, the row may still be its sender's (not locked yet).
     assert sweep.sweep_parked().unsent == 0
     ParkedTask.objects.update(parked_at=ago(seconds=60))

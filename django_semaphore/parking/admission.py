@@ -198,6 +198,7 @@ def _decide_aside(
             raise _Discarded([], sorted(demand))
         if row.backend and parked.woken_at is None:
             _defer(row, policy)
+    aside.watch(alias, parked.pk)
     return lined, parked, replaced
 
 
