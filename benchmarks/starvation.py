@@ -15,17 +15,13 @@ waits behind A's whole burst; shared fairly, within a few rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks.parked import FAMILY, ROOT, add_server_arguments, worker
-from benchmarks.tenants import _starts, _until
+from benchmarks.parked import ROOT, add_server_arguments, worker
+from benchmarks.tenants import _starts, _until, measure
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,29 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-
-    from benchmarks.db import Target, ensure_database
-
-    ensure_database(Target.parse(args.database_url))
-    os.environ.update(
-        BENCH_DATABASE_URL=args.database_url,
-        BENCH_REDIS_URL=args.redis_url,
-        BENCH_HOLD=str(args.hold),
-        BENCH_FAMILY=FAMILY,
-        BENCH_QUEUE=f"bench-starvation-{uuid.uuid4().hex[:8]}",
-    )
-    from django.core.management import call_command
-
-    from benchmarks import parked_app
-
-    call_command("migrate", verbosity=0, interactive=False)
-    result = run(args, parked_app)
-    print(format_result(result), flush=True)
-    if args.json:
-        config = vars(args) | {"json": None}
-        args.json.write_text(json.dumps({"config": config, "result": result}, indent=1))
-    return 0
+    return measure(args, "starvation", run, format_result)
 
 
 def run(args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:

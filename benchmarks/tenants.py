@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    return measure(args, "tenants", run, format_result)
+
+
+def measure(
+    args: argparse.Namespace,
+    kind: str,
+    run: Callable[[argparse.Namespace, Any], dict[str, Any]],
+    format_result: Callable[[dict[str, Any]], str],
+) -> int:
+    """Set the benchmark's database and Celery app up (``parked_app``), run
+    it, print its result and write it to ``--json``."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from benchmarks.db import Target, ensure_database
@@ -50,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         BENCH_REDIS_URL=args.redis_url,
         BENCH_HOLD=str(args.hold),
         BENCH_FAMILY=FAMILY,
-        BENCH_QUEUE=f"bench-tenants-{uuid.uuid4().hex[:8]}",
+        BENCH_QUEUE=f"bench-{kind}-{uuid.uuid4().hex[:8]}",
     )
     from django.core.management import call_command
 
