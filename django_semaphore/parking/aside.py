@@ -20,6 +20,7 @@ connection cannot see.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -39,6 +40,8 @@ from django_semaphore.parking import wake
 from django_semaphore.parking.rows import raw_delete
 
 T = TypeVar("T")
+
+logger = logging.getLogger("django_semaphore")
 
 # A row still SENDING this long after it was written, and not locked by its
 # sender's transaction (which confirms it first thing, and holds that lock
@@ -120,6 +123,7 @@ def _watching() -> None:
             try:
                 ended = _on_fresh_connections(lambda: _look(alias, ids))  # noqa: B023 (called now)
             except Exception:  # the database's errors: the next look, or the sweep, drops it
+                logger.warning("Could not look at the sends of %s", alias, exc_info=True)
                 continue
             with _DECIDERS.lock:
                 _DECIDERS.sending -= {(alias, id) for id in ended}
