@@ -33,6 +33,7 @@ def seed() -> None:
     from django.utils import timezone
 
     from django_semaphore import acquire, release, set_capacity
+    from django_semaphore.guards import engine_writes
     from django_semaphore.models import CapacityChange, PermitRequest, Semaphore, Ticket
 
     random.seed(7)
@@ -81,7 +82,7 @@ def seed() -> None:
     exports = Semaphore.objects.get(name="exports")  # declared in settings: 3
     backups = Semaphore.objects.get(name="backups")  # 1
     network = Semaphore.objects.get(name="network")  # 2
-    reports = Semaphore.objects.create(name="reports", capacity=5)
+    reports = Semaphore.objects.get(name="reports")  # 2
     imports = Semaphore.objects.create(name="imports", capacity=4)
 
     # exports: raised to 5 for the quarter-end run 14 h ago, back to 3 at 6 h.
@@ -109,7 +110,8 @@ def seed() -> None:
 
     # exports is fair: a big rebuild waits in line ahead of a smaller job
     # (tickets as a waiting acquire(..., fair=True) leaves them).
-    Semaphore.objects.filter(pk=exports.pk).update(fair=True, queued_until=now + 2 * hour)
+    with engine_writes():  # the line's state, as the waiting acquires would leave it
+        Semaphore.objects.filter(pk=exports.pk).update(fair=True, queued_until=now + 2 * hour)
     for count, owner, waited, key in [
         (3, "celery@worker-2 pid 6021", 7, "exports-quarter-end-rebuild"),
         (1, "web-2 pid 3141", 2, "exports-csv-9f2c41"),
