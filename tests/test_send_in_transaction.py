@@ -24,6 +24,7 @@ from django_semaphore.models.parked import SENDING
 from django_semaphore.parking import aside
 from tests import own_tasks, tasks
 from tests.conftest import ago, unique
+from tests.test_closed import in_a_thread
 from tests.test_policies import result_rows
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -152,24 +153,13 @@ def test_the_sweep_drops_a_rolled_back_send_whose_process_died(
 
 def test_the_sweep_leaves_the_row_of_a_transaction_still_open(servers_only, published):
     Semaphore.objects.create(name=tasks.ONCE, capacity=1)
-    swept: list[Any] = []
-
-    def sweep_elsewhere() -> None:
-        try:
-            swept.append(sweep.sweep_parked())
-        finally:
-            connections.close_all()
-
     with transaction.atomic():
         sent = tasks.once.delay("a", 0)
         # Past the sender's stall allowed: only its lock says it is live.
         time.sleep(aside.ABANDONED_AFTER.total_seconds() * 1.5)
-        thread = threading.Thread(target=sweep_elsewhere, daemon=True)
-        thread.start()
-        thread.join(timeout=30)
-        assert not thread.is_alive()
+        swept = _in_a_thread(sweep.sweep_parked)
 
-    assert swept[0].unsent == 0
+    assert swept.unsent == 0
     assert published == [sent.id]
 
 
@@ -215,21 +205,9 @@ def _acquire_elsewhere(name: str) -> None:
 
 def _in_a_thread(call: Any) -> Any:
     """``call()`` on another connection (a thread's): its answer, or its error."""
-    answered: list[Any] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            answered.append(call())
-        except BaseException as error:
-            failed.append(error)
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, outcome = in_a_thread(call)
     thread.join(timeout=30)
     assert not thread.is_alive()
-    if failed:
-        raise failed[0]
-    return answered[0]
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
