@@ -30,9 +30,7 @@ from typing import Any
 WARM_UP, WARM_UP_PER_THREAD = 3.0, 0.08
 
 
-def measure_waiting(
-    name: str, threads: int, seconds: float, *, fair: bool, lines: bool
-) -> dict[str, Any]:
+def measure_waiting(name: str, threads: int, seconds: float, *, lines: bool) -> dict[str, Any]:
     """``threads`` waiters on ``name`` (capacity 1): statements and attempts
     per second once all of them wait, for about ``seconds``."""
     from django.db import connection, connections
@@ -59,7 +57,7 @@ def measure_waiting(
         connection.execute_wrappers.append(count)
         try:
             ready.wait()
-            acquire(name, external_id=uuid.uuid4().hex, timeout=warm_up + seconds, fair=fair)
+            acquire(name, external_id=uuid.uuid4().hex, timeout=warm_up + seconds)
             errors.append("granted a permit that was never free")
         except AcquireTimeout:
             pass

@@ -10,7 +10,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.util import find_spec
 from typing import Any
 
 from benchmarks import cpu, db, systems
@@ -124,12 +123,6 @@ class Bench:
         }
         try:
             import django_semaphore
-
-            # Fair mode is ``acquire(fair=True)`` (engine/fairness.py since engine v2).
-            if find_spec("django_semaphore.engine.fairness") or find_spec(
-                "django_semaphore.fairness"
-            ):
-                found.add(systems.APP_FAIR)
 
             if hasattr(django_semaphore, "permit"):
                 found.add(systems.APP_PERMIT)
@@ -256,7 +249,6 @@ class Bench:
                 systems.SEED,
                 systems.APP,
                 systems.APP_PERMIT,
-                systems.APP_FAIR,
             ]:
                 self.fresh(["hot"], HOT_CAPACITY)
                 self.measure("1 hot", system, clients, lambda i: ["hot"], HOT_CAPACITY)
@@ -266,14 +258,14 @@ class Bench:
     def hot_waiting(self) -> None:
         """(1, waiting) The most clients of scenario 1 on a quarter of their
         number of permits, each holding its permit 10 ms and waiting
-        (``timeout=``) when there is no room: not fair against fair mode, and
-        the seed's SQL with the same holds, retrying at once when refused
-        (what this machine's clients and server make of the ideal)."""
+        (``timeout=``, in line) when there is no room, against the seed's SQL
+        with the same holds, retrying at once when refused (what this
+        machine's clients and server make of the ideal)."""
         most = max(self.options.clients)
         if most <= 1:
             return
         capacity = max(1, most // 4)
-        for system in [systems.SEED, systems.APP, systems.APP_FAIR]:
+        for system in [systems.SEED, systems.APP]:
             self.fresh(["hot"], capacity)
             self.measure(
                 "1 hot, waiting",
@@ -287,24 +279,17 @@ class Bench:
 
     def queued(self) -> None:
         """(7) Threads of one process waiting on a semaphore that stays full:
-        the database statements they issue per second."""
+        the database statements they issue per second, with this process's
+        one poller per semaphore and with every waiter polling ("lines off")."""
         from benchmarks.queued import measure_waiting
 
         seconds = max(self.options.duration, 1.0)
-        for system, lines in [
-            (systems.APP, True),
-            (systems.APP_FAIR, True),
-            (systems.APP, False),
-        ]:
+        for lines in [True, False]:
             self.fresh(["queued"], 1)
             threads = self.options.waiting_threads
             layout = f"1 proc x {threads} threads" + ("" if lines else ", lines off")
-            cell = Cell("7 queued", system, threads, layout, 1)
-            cell.extra.update(
-                measure_waiting(
-                    "queued", threads, seconds, fair=system == systems.APP_FAIR, lines=lines
-                )
-            )
+            cell = Cell("7 queued", systems.APP, threads, layout, 1)
+            cell.extra.update(measure_waiting("queued", threads, seconds, lines=lines))
             cell.errors = len(cell.extra["errors"])
             self.cells.append(cell)
             self.say(_line(cell))

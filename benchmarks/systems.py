@@ -21,7 +21,6 @@ SEED = "seed design (raw SQL)"
 APP = "app acquire/release"
 APP_PERMIT = "app permit()"
 APP_NO_PRELOCK = "app, pre-lock off"
-APP_FAIR = "app, fair mode"
 DB_MUTEX = "django-db-mutex"
 GET_LOCK = "GET_LOCK (not durable)"
 REDIS = "redis-py Lock (not durable)"
@@ -32,12 +31,11 @@ SYSTEMS = [
     APP,
     APP_PERMIT,
     APP_NO_PRELOCK,
-    APP_FAIR,
     DB_MUTEX,
     GET_LOCK,
     REDIS,
 ]
-APP_SYSTEMS = {APP, APP_PERMIT, APP_NO_PRELOCK, APP_FAIR}
+APP_SYSTEMS = {APP, APP_PERMIT, APP_NO_PRELOCK}
 
 
 @dataclass
@@ -250,7 +248,6 @@ class App(DjangoClient):
 
         self._acquire, self._release, self.exhausted = acquire, release, SemaphoreExhausted
         self.demand = dict.fromkeys(self.spec.names, 1)
-        self.options: dict[str, Any] = {}
 
     def acquire(self) -> bool:
         self.key = uuid.uuid4().hex
@@ -260,7 +257,6 @@ class App(DjangoClient):
                 external_id=self.key,
                 owner="bench",
                 timeout=self.spec.timeout,
-                **self.options,
             )
         except self.exhausted:
             return False
@@ -270,14 +266,6 @@ class App(DjangoClient):
         if self.spec.hold:
             time.sleep(self.spec.hold)
         self._release(self.key)
-
-
-class AppFair(App):
-    """The same calls with ``fair=True``: first come, first served."""
-
-    def setup(self) -> None:
-        super().setup()
-        self.options = {"fair": True}
 
 
 class AppPermit(App):
@@ -331,7 +319,6 @@ CLIENTS: dict[str, type[Client]] = {
     APP: App,
     APP_PERMIT: AppPermit,
     APP_NO_PRELOCK: App,
-    APP_FAIR: AppFair,
     DB_MUTEX: DbMutex,
     GET_LOCK: GetLock,
     REDIS: RedisLock,

@@ -43,7 +43,6 @@ from django_semaphore.validation import (
     Demand,
     validate_capacity,
     validate_demand,
-    validate_flag,
     validate_key,
     validate_keys,
     validate_name,
@@ -51,8 +50,8 @@ from django_semaphore.validation import (
     validate_timeout,
     validate_ttl,
     validate_window,
+    warn_fair,
 )
-from django_semaphore.waiting.waiters import WAITERS
 
 if TYPE_CHECKING:
     from django.contrib.auth.base_user import AbstractBaseUser
@@ -74,7 +73,7 @@ def acquire(
     owner: str = "",
     ttl: int | float | timedelta | None = None,
     timeout: int | float | timedelta = 0,
-    fair: bool = False,
+    fair: bool | None = None,
 ) -> PermitRequest:
     """Grant permits on every named semaphore, or on none of them.
 
@@ -92,10 +91,11 @@ def acquire(
             reclaimed unless renewed; ``None`` never expires. Nothing renews
             it: hand the request to ``leases.hold`` to have this process's
             heartbeat do so, or use ``permit()``, which holds a lease itself.
-        timeout: seconds to keep trying while there is no room; 0 fails fast.
-        fair: wait in first-come, first-served order (as on a semaphore whose
-            ``fair`` is set): a waiter takes a ticket, and nobody is granted
-            ahead of an older live ticket on any of its semaphores.
+        timeout: seconds to wait for room; 0 fails fast. A caller that waits
+            waits in line, first come, first served: it takes a ticket, and
+            nobody is granted ahead of an older live ticket on any of its
+            semaphores (docs/fairness.md).
+        fair: deprecated, ignored: every call that waits waits in line.
 
     Returns:
         The ACQUIRED ``PermitRequest``; ``fencing_tokens`` maps each name to
@@ -125,12 +125,12 @@ def acquire(
     owner = validate_owner(owner) or caller_owner()
     ttl_seconds = validate_ttl(ttl)
     wait = validate_timeout(timeout)
-    fair = validate_flag(fair, "fair")
+    warn_fair(fair)
     connection = connections[routing.alias_for_names(demand.names)]
     _refuse_outer_transaction(connection)
 
     deadline = time.monotonic() + wait
-    ask = fairness.Ask(key, owner, demand, fair=fair, deadline=deadline if wait else None)
+    ask = fairness.Ask(key, owner, demand, deadline=deadline if wait else None)
 
     def attempt(ask: fairness.Ask, standing: fairness.Standing) -> PermitRequest | fairness.Refusal:
         lock_wait = app_settings.LOCK_WAIT_TIMEOUT
@@ -157,22 +157,16 @@ def _acquire_or_wait(
     wait: float,
     deadline: float,
 ) -> PermitRequest:
-    """One attempt, then, with a timeout, wait for room (``waiting``). A
-    newcomer that would pass this process's own waiters on its semaphores
-    queues behind them instead (a fair one takes its ticket first: tickets
-    keep the order)."""
-    names = ask.demand.names
-    standing = fairness.Standing()
-    if wait and not ask.fair and WAITERS.wanted(connection.alias, names):
-        refused = SemaphoreExhausted(names, "Waiting behind this process's waiters")
-    else:
-        outcome = attempt(ask, standing)
-        if not isinstance(outcome, fairness.Refusal):
-            return outcome
-        if not wait:
-            raise outcome.error
-        refused, standing = outcome.error, outcome.standing
-    return waiting.wait_for_room(connection, attempt, ask, standing, wait, deadline, refused)
+    """One attempt, then, with a timeout, wait for room (``waiting``): its
+    tickets, taken by the refusal, keep its place."""
+    outcome = attempt(ask, fairness.Standing())
+    if not isinstance(outcome, fairness.Refusal):
+        return outcome
+    if not wait:
+        raise outcome.error
+    return waiting.wait_for_room(
+        connection, attempt, ask, outcome.standing, wait, deadline, outcome.error
+    )
 
 
 @contextmanager

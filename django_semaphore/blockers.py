@@ -2,10 +2,9 @@
 room there, who holds that room (and since when), which older waiters keep
 some of it, and, on a rate limit, when the next slot opens.
 
-A waiter here is one that holds tickets (``Ticket``): a fair waiter, whose
+A waiter here is one that holds tickets (``Ticket``): a waiting call, whose
 ticket's key is its acquire's key, or a parked task (its key, or its task
-id). A waiter that is not fair polls without a ticket, and leaves nothing
-to explain in the database. Every read is a short, indexed query, with no
+id). Every read is a short, indexed query, with no
 lock taken: the answer is a snapshot, a moment old when it is shown.
 """
 
@@ -101,10 +100,10 @@ class Waiting:
     """A waiter and what keeps it waiting."""
 
     key: str
-    waiter: str  # a fair waiter's owner, or "parked <task name>"
-    task_id: str  # the parked task's id; "" for a fair waiter
+    waiter: str  # a waiter's owner, or "parked <task name>"
+    task_id: str  # the parked task's id; "" for a waiter
     since: datetime
-    # When its place lapses: a fair waiter's lease (renewed while it
+    # When its place lapses: a waiter's lease (renewed while it
     # waits), a parked task's expiry.
     expires_at: datetime
     woken: bool  # a parked task woken and on its way to run

@@ -371,7 +371,7 @@ def _server_warnings(alias: str, server: backends.ServerSettings) -> list[CheckM
                 f"The semaphore database {alias!r} runs at {server.isolation.upper()}: the "
                 "grant is designed for READ COMMITTED (it reads the permits committed "
                 "before its row lock); other levels cost retried serialization failures, "
-                "refusals for permits never committed, and a fair line's hand-off at the "
+                "refusals for permits never committed, and the line's hand-off at the "
                 "head (the first waiter does not wait there for a release it would not see).",
                 hint=f"Leave DATABASES[{alias!r}]['OPTIONS']['isolation_level'] unset, or "
                 "give the app its own alias at READ COMMITTED.",

@@ -75,7 +75,7 @@ DEFAULTS: dict[str, Any] = {
     # unless it says otherwise: renewed by the process's heartbeat, it runs
     # out this long after the holder dies.
     "LEASE": timedelta(seconds=60),
-    # A fair waiter's ticket (its place in line) lives this long unless its
+    # A waiter's ticket (its place in line) lives this long unless its
     # waiter, still waiting, renews it: a crashed waiter keeps room for
     # others at most this long. A parked task's tickets live by its row.
     "TICKET_LEASE": timedelta(seconds=10),

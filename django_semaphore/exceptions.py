@@ -152,7 +152,7 @@ class PermitHeld(UnsafeWrite):
 
 
 class WaitersInLine(UnsafeWrite):
-    """A delete of a semaphore that fair waiters or parked tasks wait on:
+    """A delete of a semaphore that waiters or parked tasks wait on:
     they would wait for a semaphore that is gone."""
 
 

@@ -1,6 +1,6 @@
 """What Django's ORM may write to the app's rows, and what it is refused.
 
-The engine (``engine/``: grants, releases, fair mode, repairs) writes
+The engine (``engine/``: grants, releases, the line, repairs) writes
 permits, request states and the semaphore's engine-owned columns with its
 own statements, in the transactions that keep them consistent. Ordinary ORM calls made on the
 models by a project (a shell, a data migration, a script) go through here:
@@ -11,7 +11,7 @@ models by a project (a shell, a data migration, a script) go through here:
 - ``bulk_create()`` of requests or permits raises :class:`UnsafeWrite`:
   only ``acquire()`` creates them.
 - ``delete()`` of a held semaphore, request or permit raises
-  :class:`PermitHeld`, and of a semaphore fair waiters or parked tasks wait
+  :class:`PermitHeld`, and of a semaphore waiters or parked tasks wait
   on :class:`WaitersInLine` (``pre_delete`` receivers beside each model, so
   it covers instances, querysets, cascades and the admin alike).
 - ``save()`` is guarded by ``GuardedModel`` (and ``Semaphore.save()``).
@@ -41,7 +41,7 @@ _engine_writing: ContextVar[bool] = ContextVar("django_semaphore_engine_writing"
 @contextmanager
 def engine_writes() -> Iterator[None]:
     """Mark the engine's own ORM writes (the capacity change under its row
-    lock, fair mode's ``queued_until``): the guards let them through. Also
+    lock, the line's ``queued_until``): the guards let them through. Also
     for tools that reset the tables wholesale (the benchmarks' fixtures).
 
     A context variable, so it holds for this thread (or task) only: another

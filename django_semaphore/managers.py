@@ -114,7 +114,7 @@ class SemaphoreQuerySet(GuardedQuerySet[M]):
     def with_usage(self) -> Self:
         """Annotate what holds and waits on each semaphore (what is held is
         the ``in_use`` column itself): ``holders``, the requests holding
-        permits; ``waiters``, the live tickets of fair waiters (queued in
+        permits; ``waiters``, the live tickets of waiters (queued in
         their processes; parked tasks are ``parking.with_parked``'s);
         ``waiting_since``, when the oldest of them queued, and
         ``longest_wait``, how long ago that was (a ``timedelta``; both

@@ -16,7 +16,7 @@ from django_semaphore.parking import wake
 @shared_task(name="django_semaphore.release_orphans", ignore_result=True)  # type: ignore[untyped-decorator]
 def release_orphans() -> None:
     """Release expired, stale and dead-owner requests; repair half-released
-    ones; delete fair-mode tickets that expired."""
+    ones; delete waiters' tickets that expired."""
     sweep.release_orphans()
     sweep.clean_tickets()
 

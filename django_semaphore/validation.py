@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -152,6 +153,21 @@ def validate_flag(value: Any, what: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidRequest(f"{what} must be True or False, not {value!r}.")
     return value
+
+
+def warn_fair(fair: Any) -> None:
+    """``fair=`` is deprecated: every call that waits waits in line (it
+    took no ticket without it, and was passed by newcomers). Still taken
+    (a bool, as before), and ignored, for a release; ``stacklevel`` names
+    the caller of the public function that was given it."""
+    if fair is not None:
+        validate_flag(fair, "fair")
+        warnings.warn(
+            "fair= is deprecated and has no effect: every call that waits waits in line, "
+            "first come, first served. Remove the argument.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
 
 
 def validate_token(token: Any) -> int:

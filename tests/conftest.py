@@ -215,8 +215,8 @@ def leftovers(make_semaphore) -> tuple[PermitRequest, PermitRequest]:
 
 @pytest.fixture
 def make_semaphore(db) -> Callable[..., Semaphore]:
-    def make(capacity: int = 1, name: str | None = None, fair: bool = False) -> Semaphore:
-        return Semaphore.objects.create(name=name or unique(), capacity=capacity, fair=fair)
+    def make(capacity: int = 1, name: str | None = None) -> Semaphore:
+        return Semaphore.objects.create(name=name or unique(), capacity=capacity)
 
     return make
 

@@ -128,7 +128,7 @@ def fair_traffic(
         while time.monotonic() < stop_at:
             demand = random.choice(demands)
             key = uuid.uuid4().hex
-            request = acquire(demand, external_id=key, owner="fifo", timeout=30, fair=True)
+            request = acquire(demand, external_id=key, owner="fifo", timeout=30)
             for name in demand:
                 history.put(("grant", key, ids[name], request.token(name), None, None))
             time.sleep(random.uniform(0.005, 0.02))

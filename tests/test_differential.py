@@ -1,5 +1,5 @@
 """The routines and the general grant are one rule: the same random
-histories -- acquires with and without keys taken, fair and not, of one
+histories -- acquires with and without keys taken, of one
 name and several, releases, renewals, expiries, capacity changes -- run
 through the routines (MariaDB, PostgreSQL) and through the general grant
 alone, and through SQLite, give the same grants, refusals, fencing tokens
@@ -35,7 +35,7 @@ demands = st.dictionaries(
     st.sampled_from(range(len(CAPACITIES))), st.integers(1, 3), min_size=1, max_size=3
 )
 steps = st.one_of(
-    st.tuples(st.just("acquire"), demands, st.sampled_from(KEYS), st.booleans()),
+    st.tuples(st.just("acquire"), demands, st.sampled_from(KEYS)),
     st.tuples(st.just("release"), st.sampled_from(KEYS)),
     st.tuples(st.just("renew"), st.sampled_from(KEYS)),
     st.tuples(st.just("expire"), st.sampled_from(KEYS)),
@@ -67,10 +67,9 @@ def answer(step: tuple[Any, ...], names: list[str], keys: dict[str, str], alias:
     kind, *args = step
     try:
         if kind == "acquire":
-            demand, key, fair = args
-            request = acquire(
-                {names[i]: n for i, n in demand.items()}, external_id=keys[key], ttl=60, fair=fair
-            )
+            demand, key = args
+            demand = {names[i]: n for i, n in demand.items()}
+            request = acquire(demand, external_id=keys[key], ttl=60)
             tokens = request.fencing_tokens
             return sorted((names.index(name), token) for name, token in tokens.items())
         if kind == "release":

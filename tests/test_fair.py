@@ -1,4 +1,4 @@
-"""Fair mode: tickets, first come first served, no barging, the queue's cost."""
+"""The line: every waiter's tickets, first come first served, no barging, the queue's cost."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ class Waiter(threading.Thread):
 
 
 def test_a_waiter_takes_a_ticket_and_drops_it_when_granted(make_semaphore):
-    semaphore = make_semaphore(1, fair=True)
+    semaphore = make_semaphore(1)
     holder = key()
     acquire(semaphore.name, external_id=holder)
     order: list[str] = []
@@ -99,10 +99,10 @@ def test_waiters_are_granted_in_arrival_order_even_when_a_later_one_fits(make_se
     for k in held:
         acquire(semaphore.name, external_id=k)
     order: list[str] = []
-    big = Waiter({semaphore.name: 2}, order, timeout=20, fair=True)
+    big = Waiter({semaphore.name: 2}, order, timeout=20)
     big.start()
     wait_for_tickets(semaphore.name, 1)
-    small = Waiter({semaphore.name: 1}, order, timeout=20, fair=True)
+    small = Waiter({semaphore.name: 1}, order, timeout=20)
     small.start()
     wait_for_tickets(semaphore.name, 2)
     release(held[0])  # room for the small one, not for the big one
@@ -124,7 +124,7 @@ def test_fail_fast_does_not_barge_past_a_queue(make_semaphore):
     for k in held:
         acquire(semaphore.name, external_id=k)
     order: list[str] = []
-    big = Waiter({semaphore.name: 2}, order, timeout=20, fair=True)
+    big = Waiter({semaphore.name: 2}, order, timeout=20)
     big.start()
     wait_for_tickets(semaphore.name, 1)
     release(held[0])
@@ -132,7 +132,7 @@ def test_fail_fast_does_not_barge_past_a_queue(make_semaphore):
     with pytest.raises(SemaphoreExhausted):
         acquire(semaphore.name, external_id=key())
     with pytest.raises(SemaphoreExhausted):
-        acquire(semaphore.name, external_id=key(), fair=True)
+        acquire(semaphore.name, external_id=key())
     release(held[1])
     big.finish()
     assert big.error is None
@@ -144,13 +144,13 @@ def test_a_waiter_that_times_out_stops_blocking(make_semaphore):
     holder = key()
     acquire(semaphore.name, external_id=holder)
     with pytest.raises(AcquireTimeout):
-        acquire(semaphore.name, external_id=key(), timeout=0.3, fair=True)
+        acquire(semaphore.name, external_id=key(), timeout=0.3)
     release(holder)
     acquire(semaphore.name, external_id=key())
 
 
 def test_a_retry_with_the_same_key_keeps_its_place(make_semaphore):
-    semaphore = make_semaphore(1, fair=True)
+    semaphore = make_semaphore(1)
     holder = key()
     acquire(semaphore.name, external_id=holder)
     order: list[str] = []
@@ -178,12 +178,12 @@ def test_a_retry_with_the_same_key_keeps_its_place(make_semaphore):
     assert isinstance(again.error, PermitAlreadyReleased)
 
 
-def test_a_non_fair_acquire_pays_nothing_once_the_queue_is_gone(make_semaphore):
+def test_an_acquire_pays_nothing_once_the_queue_is_gone(make_semaphore):
     fair, plain = make_semaphore(1), make_semaphore(1)
     holder = key()
     acquire(fair.name, external_id=holder)
     with pytest.raises(AcquireTimeout):
-        acquire(fair.name, external_id=key(), timeout=0.2, fair=True)
+        acquire(fair.name, external_id=key(), timeout=0.2)
     release(holder)
     # The same history on both: full, then released (the first grant after
     # reads the release counter).
@@ -200,7 +200,7 @@ def test_a_queue_whose_tickets_were_granted_is_over_before_its_deadline(make_sem
     holder = key()
     acquire(fair.name, external_id=holder)
     order: list[str] = []
-    waiter = Waiter({fair.name: 1}, order, timeout=30, fair=True)
+    waiter = Waiter({fair.name: 1}, order, timeout=30)
     waiter.start()
     wait_for_tickets(fair.name, 1)
     release(holder)
@@ -220,10 +220,10 @@ def test_multi_semaphore_waiters_keep_their_order_on_each_semaphore(make_semapho
     holder = key()
     acquire([a.name, b.name], external_id=holder)
     order: list[str] = []
-    both = Waiter([a.name, b.name], order, timeout=20, fair=True)
+    both = Waiter([a.name, b.name], order, timeout=20)
     both.start()
     wait_for_tickets(a.name, 1)
-    only_b = Waiter(b.name, order, timeout=20, fair=True)
+    only_b = Waiter(b.name, order, timeout=20)
     only_b.start()
     wait_for_tickets(b.name, 2)
     release(holder)
@@ -236,31 +236,38 @@ def test_multi_semaphore_waiters_keep_their_order_on_each_semaphore(make_semapho
     assert order == [both.key, only_b.key]
 
 
-def test_permit_and_holds_permit_pass_fair_through(make_semaphore, monkeypatch):
-    from django_semaphore import api, holds_permit, permit
+@pytest.mark.filterwarnings("ignore:fair= is deprecated")  # the waiter's, in its thread
+@pytest.mark.parametrize("fair", [False, True])
+def test_fair_is_deprecated_and_a_waiter_waits_in_line_whatever_it_says(make_semaphore, fair):
+    from django_semaphore import holds_permit, permit
 
     semaphore = make_semaphore(1)
-    seen = []
-    real = api.acquire
-
-    def recording(*args, **kwargs):
-        seen.append(kwargs["fair"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(api, "acquire", recording)
-    with permit(semaphore.name, fair=True):
+    with pytest.warns(DeprecationWarning, match="fair= is deprecated"):
+        release(acquire(semaphore.name, external_id=key(), fair=fair).external_id)
+    with (
+        pytest.warns(DeprecationWarning, match="fair= is deprecated"),
+        permit(semaphore.name, fair=fair),
+    ):
         pass
+    with pytest.warns(DeprecationWarning, match="fair= is deprecated"):
 
-    @holds_permit(semaphore.name, fair=True)
-    def work():
-        return "done"
+        @holds_permit(semaphore.name, fair=fair)
+        def work():
+            return "done"
 
     assert work() == "done"
-    assert seen == [True, True]
+    holder = key()
+    acquire(semaphore.name, external_id=holder)
+    order: list[str] = []
+    waiter = Waiter(semaphore.name, order, timeout=20, fair=fair)
+    waiter.start()
+    wait_for_tickets(semaphore.name, 1)
+    release(holder)
+    waiter.finish()
+    assert order == [waiter.key]
 
 
-@pytest.mark.parametrize("fair", [False, True])
-def test_waiting_threads_of_one_process_share_one_poller(make_semaphore, monkeypatch, fair):
+def test_waiting_threads_of_one_process_share_one_poller(make_semaphore, monkeypatch):
     from django_semaphore.engine import grant
 
     semaphore = make_semaphore(1)
@@ -279,7 +286,7 @@ def test_waiting_threads_of_one_process_share_one_poller(make_semaphore, monkeyp
     def waiter() -> None:
         try:
             with pytest.raises(AcquireTimeout):
-                acquire(semaphore.name, external_id=key(), timeout=wait, fair=fair)
+                acquire(semaphore.name, external_id=key(), timeout=wait)
         except Exception as exc:
             errors.append(exc)
         finally:
@@ -292,10 +299,9 @@ def test_waiting_threads_of_one_process_share_one_poller(make_semaphore, monkeyp
     for worker in workers:
         worker.join(30)
     assert errors == []
-    # At most one first attempt each (a newcomer queues behind this process's
-    # waiters without a ticket without one), then one poller: next in line it
-    # attempts at least every second (probing in between), further back it
-    # backs off; a herd would make 16 x that.
+    # At most one first attempt each (it takes the waiter's tickets), then
+    # one poller: next in line it attempts at least every second (probing in
+    # between), further back it backs off; a herd would make 16 x that.
     within = [t for t in attempts if t - started < wait]
     assert attempts
     assert len(within) <= threads + 2 * wait + 4
@@ -304,11 +310,11 @@ def test_waiting_threads_of_one_process_share_one_poller(make_semaphore, monkeyp
 def test_a_semaphore_fair_waiters_wait_on_is_not_deleted(client, make_semaphore):
     from tests.test_admin import semaphore_url, staff
 
-    free, held = make_semaphore(1, fair=True), make_semaphore(1, fair=True)
+    free, held = make_semaphore(1), make_semaphore(1)
     holder = key()
     acquire(held.name, external_id=holder)
     order: list[str] = []
-    waiter = Waiter({free.name: 1, held.name: 1}, order, timeout=20, fair=True, owner="w")
+    waiter = Waiter({free.name: 1, held.name: 1}, order, timeout=20, owner="w")
     waiter.start()
     try:
         wait_for_tickets(free.name, 1)
@@ -318,7 +324,7 @@ def test_a_semaphore_fair_waiters_wait_on_is_not_deleted(client, make_semaphore)
             Semaphore.objects.filter(pk=free.pk).delete()
         client.force_login(staff("view_semaphore", "delete_semaphore"))
         page = client.post(semaphore_url(free, "delete"), {"post": "yes"})
-        assert page.context["protected"] == [f"Fair waiter: {waiter.key} (w)"]
+        assert page.context["protected"] == [f"Waiter: {waiter.key} (w)"]
         assert Semaphore.objects.filter(pk=free.pk).exists()
     finally:
         release(holder)
@@ -337,7 +343,7 @@ SHORT_LEASE = 3  # the least TICKET_LEASE
 def test_waiting_threads_renew_their_tickets_and_their_queue(make_semaphore):
     """Three waiters of one process, one polling and two asleep, keep
     their tickets and their queue live for three leases, and their order."""
-    semaphore = make_semaphore(1, fair=True)
+    semaphore = make_semaphore(1)
     holder = key()
     acquire(semaphore.name, external_id=holder)
     order: list[str] = []
@@ -361,7 +367,7 @@ def test_waiting_threads_renew_their_tickets_and_their_queue(make_semaphore):
 
 @override_settings(DJANGO_SEMAPHORE={"TICKET_LEASE": SHORT_LEASE})
 def test_a_waiter_whose_lapsed_ticket_was_swept_takes_it_again(make_semaphore):
-    semaphore = make_semaphore(1, fair=True)
+    semaphore = make_semaphore(1)
     holder = key()
     acquire(semaphore.name, external_id=holder)
     waiter = Waiter(semaphore.name, [], timeout=30)

@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 from django.db import connection, connections
 
-from django_semaphore import acquire, release, sweep, waiting
+from django_semaphore import acquire, release, sweep
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
@@ -53,42 +53,27 @@ def timed_big_acquire(name: str, timeout: float, results: dict) -> None:
 
 
 @pytest.mark.slow
-def test_a_big_request_is_granted_in_fair_mode_and_after_its_starving_bound_without(
-    make_semaphore,
-):
-    fair, plain = make_semaphore(5), make_semaphore(5)
-    Semaphore.objects.filter(pk=fair.pk).update(fair=True)
+def test_a_big_request_is_granted_in_a_stream_of_small_ones(make_semaphore):
+    semaphore = make_semaphore(5)
     stop, errors = SPAWN.Event(), Outbox.create()
-    streams = [
-        spawn(stream, name, stop, errors, bound=90)
-        for _ in range(STREAMERS)
-        for name in (fair.name, plain.name)
-    ]
-    # Until both semaphores are full with the stream.
+    streams = [spawn(stream, semaphore.name, stop, errors, bound=90) for _ in range(STREAMERS)]
+    # Until the semaphore is full with the stream.
     deadline = time.monotonic() + 45
-    while Semaphore.objects.with_usage().filter(pk__in=[fair.pk, plain.pk], in_use=5).count() < 2:
-        assert time.monotonic() < deadline, "the stream never filled the semaphores"
+    while not Semaphore.objects.with_usage().filter(pk=semaphore.pk, in_use=5).exists():
+        assert time.monotonic() < deadline, "the stream never filled the semaphore"
         time.sleep(0.05)
     time.sleep(0.5)
 
     file_lock = app_settings.LOCK_WAIT_TIMEOUT if connection.vendor == "sqlite" else 0
     waited: dict[str, float | None] = {}
-    bigs = [
-        *start_threads(timed_big_acquire, (fair.name, 10 + file_lock, waited), 1),
-        *start_threads(timed_big_acquire, (plain.name, 6 + file_lock, waited), 1),
-    ]
-    join(bigs, within=30)
+    join(start_threads(timed_big_acquire, (semaphore.name, 10 + file_lock, waited), 1), within=30)
     stop.set()
     join(streams, within=30)
     assert errors.items() == []
 
-    print(f"\nbig request waited: fair {waited[fair.name]}s, plain {waited[plain.name]}s")
-    assert waited[fair.name] is not None
-    assert waited[fair.name] < FAIR_BOUND + file_lock
-    # Without fair mode the stream passes it until it has waited its starving
-    # bound; then it takes a ticket and the stream queues behind it.
-    assert waited[plain.name] is not None, "the big request starved without fair mode"
-    assert waited[plain.name] < waiting.STARVING_BOUNDS[1] + FAIR_BOUND + file_lock
+    print(f"\nbig request waited: {waited[semaphore.name]}s")
+    assert waited[semaphore.name] is not None, "the big request starved"
+    assert waited[semaphore.name] < FAIR_BOUND + file_lock
 
 
 @pytest.mark.slow
@@ -171,7 +156,6 @@ def _history(
 
 def test_a_killed_waiter_stops_blocking_at_its_deadline(make_semaphore):
     sem = make_semaphore(1)
-    Semaphore.objects.filter(pk=sem.pk).update(fair=True)
     holder = "holder-" + sem.name
     acquire(sem.name, external_id=holder)
     doomed = spawn(wait_forever, sem.name, 4.0, bound=60)
@@ -204,7 +188,6 @@ def test_a_killed_waiter_with_a_long_timeout_stops_blocking_within_its_ticket_le
     ticket, which stops keeping its room within TICKET_LEASE (10 s by
     default) with no sweep run; then the sweep deletes it."""
     sem = make_semaphore(1)
-    Semaphore.objects.filter(pk=sem.pk).update(fair=True)
     holder = "holder-" + sem.name
     acquire(sem.name, external_id=holder)
     doomed = spawn(wait_forever, sem.name, 600.0, bound=120)

@@ -10,7 +10,6 @@ import pytest
 from django.core.management import call_command
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
-from django.urls import reverse
 from django.utils import timezone
 
 from django_semaphore import sweep
@@ -88,28 +87,14 @@ def test_change_page_lists_the_queue_in_order(operator, make_semaphore):
     assert "dead-" not in html
 
 
-def test_fair_mode_is_switched_in_the_admin_without_touching_capacity(operator, make_semaphore):
-    sem = make_semaphore(3)
-    response = operator.post(semaphore_url(sem), {"capacity": "3", "fair": "on", "reason": ""})
-    assert response.status_code == 302
-    sem.refresh_from_db()
-    assert sem.fair
-    assert not sem.capacity_changes.exists()
-    operator.post(semaphore_url(sem), {"capacity": "4", "reason": "more"})
-    sem.refresh_from_db()
-    assert (sem.fair, sem.capacity) == (False, 4)
-    assert reverse("admin:django_semaphore_semaphore_changelist")
-
-
 def test_status_prints_waiters_and_each_queue(make_semaphore):
     sem = make_semaphore(1)
-    Semaphore.objects.filter(pk=sem.pk).update(fair=True)
     first, second = queue(sem, 42, 1, dead=1)
     out = StringIO()
     call_command("semaphore_status", sem.name, stdout=out)
     lines = out.getvalue().splitlines()
     row = lines[1].split()
-    assert row[:2] == [sem.name, "(fair)"]
+    assert row[0] == sem.name
     # ... waiters, longest wait, parked tasks, oldest parked
     assert row[-4] == "2"
     assert 42 <= float(row[-3].rstrip("s")) < 60

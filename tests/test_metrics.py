@@ -140,7 +140,7 @@ def test_a_fair_waiter_shows_in_the_gauges_until_granted(client, make_semaphore)
 
     def wait_fairly() -> None:
         try:
-            acquire(sem.name, external_id=unique(), fair=True, timeout=30)
+            acquire(sem.name, external_id=unique(), timeout=30)
             granted.set()
         finally:
             connections.close_all()

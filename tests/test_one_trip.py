@@ -141,26 +141,21 @@ def test_declines_without_writing_and_the_general_grant_refuses(make_semaphore, 
     assert sem.in_use == 0
 
 
-@pytest.mark.parametrize(
-    ("timeout", "fair", "one_call"),
-    [(None, False, True), (None, True, True), (60, True, True), (60, False, False)],
-    ids=["fails fast", "fails fast, fair", "waits, fair", "waits, not fair"],
-)
-def test_a_refusal_without_more_to_do_is_one_statement(make_semaphore, timeout, fair, one_call):
+@pytest.mark.parametrize("timeout", [None, 60], ids=["fails fast", "waits"])
+def test_a_refusal_without_more_to_do_is_one_statement(make_semaphore, timeout):
     """No room, nothing expired to reclaim, the key free: the routine's
-    refusal is final for a caller that fails fast or waits in a fair line
-    (its ticket taken). A caller that waits outside a fair line is refused
-    by the general grant (measured faster under load: see one_trip.py)."""
+    refusal is final for a caller that fails fast or waits in line (its
+    ticket taken)."""
     sem = make_semaphore(capacity=1)
     acquire(sem.name, external_id="holder")
-    ask = ask_for(sem.name, "late", timeout=timeout, fair=fair)
+    ask = ask_for(sem.name, "late", timeout=timeout)
 
     refused, sent = statements_of(attempt, ask)
 
     assert isinstance(refused, fairness.Refusal)
     assert refused.error.names == [sem.name]
-    assert refused.standing.ticketed == (fair and timeout is not None)
-    assert (len(sent) == 1) is one_call
+    assert refused.standing.ticketed == (timeout is not None)
+    assert len(sent) == 1
     assert not PermitRequest.objects.filter(external_id="late").exists()
 
 
@@ -225,13 +220,11 @@ def test_declines_without_writing_and_the_general_grant_grants(make_semaphore, c
     assert PermitRequest.objects.filter(external_id="k").count() == 1
 
 
-def ask_for(
-    name: str | list[str], key: str, timeout: float | None = 60, fair: bool = False
-) -> fairness.Ask:
+def ask_for(name: str | list[str], key: str, timeout: float | None = 60) -> fairness.Ask:
     """An acquire of ``name`` with a timeout (``None``: failing fast), as the
     engine is asked it."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    return fairness.Ask(key, "me", validate_demand(name), fair, deadline)
+    return fairness.Ask(key, "me", validate_demand(name), deadline)
 
 
 def attempt(
@@ -246,7 +239,7 @@ def test_a_fair_line_of_one_name_is_served_in_one_statement(make_semaphore):
     """The routine for one name serves a fair line as the general grant
     does: a waiter's refusal takes its ticket, a newcomer is refused the
     room the ticket lacks, and the waiter's grant deletes its ticket."""
-    sem = make_semaphore(capacity=1, fair=True)
+    sem = make_semaphore(capacity=1)
     acquire(sem.name, external_id="holder")
     ask = ask_for(sem.name, "waiter")
 
@@ -270,7 +263,7 @@ def test_a_fair_line_of_one_name_is_served_in_one_statement(make_semaphore):
     release("holder")
     with pytest.raises(SemaphoreExhausted):  # room, but the older ticket's
         acquire(sem.name, external_id="newcomer")
-    later = ask_for(sem.name, "later", fair=True)
+    later = ask_for(sem.name, "later")
     behind = attempt(later)
     assert isinstance(behind, fairness.Refusal)
     assert behind.standing.ticketed
@@ -338,7 +331,7 @@ def test_the_first_in_a_fair_line_waits_for_a_release_at_the_head(
     up the holder's release (MariaDB's check for expired holders locks
     their requests: it is read after the wait)."""
     head_wait(30)
-    sem = make_semaphore(capacity=1, fair=True)
+    sem = make_semaphore(capacity=1)
     acquire(sem.name, external_id="holder", ttl=holder_ttl)
     ask = ask_for(sem.name, "waiter")
     releaser = start_threads(release_once_waiting_at_the_head, ("holder",), 1)
@@ -354,7 +347,7 @@ def test_the_first_in_a_fair_line_waits_for_a_release_at_the_head(
 
     for wait, timeout in [(0.3, 60), (30, 0.3)]:
         head_wait(wait)
-        ask = ask_for(sem.name, unique(), timeout, fair=True)
+        ask = ask_for(sem.name, unique(), timeout)
         started = time.monotonic()
         refused = attempt(ask)
         assert isinstance(refused, fairness.Refusal)
@@ -373,7 +366,7 @@ def test_the_head_waits_only_at_read_committed(make_semaphore, head_wait, level)
     SERIALIZABLE every release would wait behind it: refused at once, its
     ticket taken, where at READ COMMITTED it would wait for the release."""
     head_wait(30)
-    sem = make_semaphore(capacity=1, fair=True)
+    sem = make_semaphore(capacity=1)
     acquire(sem.name, external_id="holder", ttl=60)
     set_level = (
         "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL"
@@ -384,16 +377,14 @@ def test_the_head_waits_only_at_read_committed(make_semaphore, head_wait, level)
         cursor.execute(f"{set_level} {level}")
     try:
         started = time.monotonic()
-        refused = attempt(ask_for(sem.name, "waiter", fair=True))
+        refused = attempt(ask_for(sem.name, "waiter"))
         assert time.monotonic() - started < 10
     finally:
         connection.close()  # the next session at the project's level again
     assert isinstance(refused, fairness.Refusal)
     assert refused.standing.ticketed
     release("holder")
-    assert isinstance(
-        attempt(ask_for(sem.name, "waiter", fair=True), refused.standing), PermitRequest
-    )
+    assert isinstance(attempt(ask_for(sem.name, "waiter"), refused.standing), PermitRequest)
 
 
 def test_a_taken_key_answers_as_a_repeated_call(make_semaphore):

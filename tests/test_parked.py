@@ -498,7 +498,7 @@ def test_a_semaphore_parked_tasks_wait_on_is_not_deleted(client):
     s = semaphore(1)
     task_id = park_row({s.name: 1})
 
-    with pytest.raises(WaitersInLine, match="1 fair waiter"):
+    with pytest.raises(WaitersInLine, match="1 waiter"):
         s.delete()
     with pytest.raises(WaitersInLine):
         Semaphore.objects.filter(pk=s.pk).delete()
@@ -591,8 +591,8 @@ def test_the_one_statement_release_wakes_the_task_parked_on_its_room(published):
 
 
 def claimer(name: str, key: str) -> standby.Claim:
-    def claim(timeout: float, *, fair: bool) -> str:
-        acquire(name, external_id=key, timeout=timeout, fair=fair)
+    def claim(timeout: float) -> str:
+        acquire(name, external_id=key, timeout=timeout)
         return key
 
     return claim

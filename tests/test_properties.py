@@ -324,12 +324,9 @@ flags = st.one_of(st.booleans(), st.none(), st.integers(0, 1), st.sampled_from([
     ttl=durations,
     timeout=durations,
     retry_after=st.one_of(st.integers(), junk),
-    fair=flags,
     park=flags,
 )
-def test_holds_permit_decorates_or_refuses_at_once(
-    names, count, ttl, timeout, retry_after, fair, park
-):
+def test_holds_permit_decorates_or_refuses_at_once(names, count, ttl, timeout, retry_after, park):
     """Pure: refused when decorating (never on the first call), nothing else."""
     decorate, error = call(
         holds_permit,
@@ -338,14 +335,12 @@ def test_holds_permit_decorates_or_refuses_at_once(
         ttl=ttl,
         timeout=timeout,
         retry_after=retry_after,
-        fair=fair,
         park=park,
     )
     if error is None:
         assert callable(decorate)
         assert is_int_from(count, 1, MAX_COUNT)
         assert is_int_from(retry_after, 0, 2**31 - 1)
-        assert isinstance(fair, bool)
         assert park is None or isinstance(park, bool)
     else:
         assert isinstance(error, InvalidRequest)

@@ -165,17 +165,14 @@ def test_a_timeout_shorter_than_the_next_slot_says_when_it_comes():
     assert 55 < caught.value.retry_after <= 60
 
 
-def test_a_fair_waiter_on_a_rate_limit_is_granted_in_order():
+def test_waiters_on_a_rate_limit_are_granted_in_order():
     stripe = rate_limit(1, window=1)
-    stripe_fair = Semaphore.objects.get(pk=stripe.pk)
-    stripe_fair.fair = True
-    stripe_fair.save()
     acquire(stripe.name, external_id=unique())
     order: list[str] = []
 
     def wait(key: str) -> None:
         try:
-            acquire(stripe.name, external_id=key, timeout=5, fair=True)
+            acquire(stripe.name, external_id=key, timeout=5)
             order.append(key)
         finally:
             connections.close_all()

@@ -86,8 +86,8 @@ def test_a_fresh_task_stands_by_rather_than_park_behind_another_tenants_cap(hold
     holds[exports.name] = 0.05
     releaser = release_later("fill", 0.3)
 
-    def claim(timeout: float, *, fair: bool) -> str:
-        acquire({exports.name: 1, b.name: 1}, external_id="b-new", timeout=timeout, fair=fair)
+    def claim(timeout: float) -> str:
+        acquire({exports.name: 1, b.name: 1}, external_id="b-new", timeout=timeout)
         return "b-new"
 
     got = standby.stand_by("b-new", {exports.name: 1, b.name: 1}, claim)
@@ -215,8 +215,8 @@ def test_one_tenants_backlog_leaves_worker_processes_to_another_tenant(celery_wo
 
 
 def test_a_fair_tenant_at_its_cap_never_holds_back_another(make_semaphore):
-    exports = make_semaphore(10, fair=True)
-    a, b = make_semaphore(1, fair=True), make_semaphore(1, fair=True)
+    exports = make_semaphore(10)
+    a, b = make_semaphore(1), make_semaphore(1)
     holder = key()
     acquire({exports.name: 1, a.name: 1}, external_id=holder)
     order: list[str] = []
@@ -230,7 +230,7 @@ def test_a_fair_tenant_at_its_cap_never_holds_back_another(make_semaphore):
         assert Semaphore.objects.get(pk=exports.pk).queued_until is None
 
         started = time.monotonic()
-        acquire({exports.name: 1, b.name: 1}, external_id=key(), fair=True, timeout=3)
+        acquire({exports.name: 1, b.name: 1}, external_id=key(), timeout=3)
         assert time.monotonic() - started < 1.0
         assert order == []  # A's waiters still wait for A's cap
 
@@ -260,7 +260,7 @@ class Stream(threading.Thread):
         try:
             while not self.stop.is_set():
                 k = key()
-                acquire({self.semaphore: 1}, external_id=k, fair=True, timeout=20)
+                acquire({self.semaphore: 1}, external_id=k, timeout=20)
                 time.sleep(self.hold)
                 release(k)
         except Exception as exc:
@@ -273,12 +273,12 @@ def test_a_fair_two_semaphore_demand_is_granted_within_the_bound_in_a_stream(mak
     """T = {x, y} arrives with both full and two fair single-semaphore
     streams waiting on each: once it lacked room there, only the waiters
     older than it on a semaphore (two each) are granted there before it."""
-    x, y = make_semaphore(1, fair=True), make_semaphore(1, fair=True)
+    x, y = make_semaphore(1), make_semaphore(1)
     held_x, held_y = key(), key()
     acquire(x.name, external_id=held_x)
     acquire(y.name, external_id=held_y)
     streams = [Stream(s.name, 0.02) for s in (x, y) for _ in range(2)]
-    both = Waiter({x.name: 1, y.name: 1}, [], fair=True, timeout=30)
+    both = Waiter({x.name: 1, y.name: 1}, [], timeout=30)
     try:
         for stream in streams:
             stream.start()

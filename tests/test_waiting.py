@@ -27,9 +27,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 # Far below SLOW: only a wake-up grants a waiter this soon.
 WOKEN_WITHIN = 10.0
-# The longest wait of a not-fair waiter that is passed by others: its
-# starving bound (0.5 s at most) and the queue then ahead of it, with room
-# for a loaded machine.
+# The longest wait of a waiter in a busy line: the queue ahead of it, with
+# room for a loaded machine.
 STARVED = 5.0
 
 
@@ -40,7 +39,7 @@ def key() -> str:
 @pytest.fixture
 def slow_probes(monkeypatch, holds):
     """Probes and attempts ``SLOW`` apart in this process."""
-    for constant in ("PROBE_EVERY", "UNTICKETED_PROBE", "NEXT_IN_LINE_ATTEMPT", "POLL_CAP"):
+    for constant in ("PROBE_EVERY", "NEXT_IN_LINE_ATTEMPT", "POLL_CAP"):
         monkeypatch.setattr(waiting, constant, SLOW)
     monkeypatch.setattr(waiting, "PROBE_BOUNDS", (SLOW, SLOW))
 
@@ -57,16 +56,16 @@ class Waiter(threading.Thread):
     """acquire() with a timeout in a thread; appends its key to ``order``
     when granted, then holds until ``release_at`` is set."""
 
-    def __init__(self, names, order: list[str], fair: bool = False) -> None:
+    def __init__(self, names, order: list[str]) -> None:
         super().__init__(daemon=True)
-        self.names, self.order, self.fair = names, order, fair
+        self.names, self.order = names, order
         self.key = key()
         self.error: Exception | None = None
         self.granted_at: float | None = None
 
     def run(self) -> None:
         try:
-            acquire(self.names, external_id=self.key, timeout=WOKEN_WITHIN * 2, fair=self.fair)
+            acquire(self.names, external_id=self.key, timeout=WOKEN_WITHIN * 2)
             self.granted_at = time.monotonic()
             self.order.append(self.key)
         except Exception as exc:
@@ -80,12 +79,11 @@ class Waiter(threading.Thread):
         assert self.error is None
 
 
-@pytest.mark.parametrize("fair", [False, True])
-def test_a_release_in_the_same_process_hands_over_at_once(make_semaphore, slow_probes, fair):
+def test_a_release_in_the_same_process_hands_over_at_once(make_semaphore, slow_probes):
     semaphore = make_semaphore(1)
     holder = key()
     acquire(semaphore.name, external_id=holder)
-    waiter = Waiter(semaphore.name, [], fair=fair)
+    waiter = Waiter(semaphore.name, [])
     waiter.start()
     queued(1)
     time.sleep(0.1)  # in its pause, SLOW long
@@ -137,10 +135,7 @@ def test_a_newcomer_with_a_timeout_queues_behind_this_process_waiters(make_semap
     release(first.key)
 
 
-@pytest.mark.parametrize("fair", [False, True])
-def test_one_poller_per_process_and_semaphore_whatever_the_demands(
-    make_semaphore, monkeypatch, fair
-):
+def test_one_poller_per_process_and_semaphore_whatever_the_demands(make_semaphore, monkeypatch):
     semaphore, other = make_semaphore(3), make_semaphore(3)
     acquire({semaphore.name: 3}, external_id=key())
     polling: list[int] = []
@@ -165,7 +160,7 @@ def test_one_poller_per_process_and_semaphore_whatever_the_demands(
     def wait(demand) -> None:
         try:
             with pytest.raises(AcquireTimeout):
-                acquire(demand, external_id=key(), timeout=1.5, fair=fair)
+                acquire(demand, external_id=key(), timeout=1.5)
         except Exception as exc:
             errors.append(exc)
         finally:
@@ -183,7 +178,7 @@ def test_one_poller_per_process_and_semaphore_whatever_the_demands(
 
 @pytest.mark.slow
 def test_no_process_starves(make_semaphore):
-    """8 processes, capacity 2, 20 ms holds, not fair: every process gets
+    """8 processes, capacity 2, 20 ms holds: every process gets
     grants and no acquire waits anywhere near its timeout (before: some got
     1 or 2 in 5 s, and with ``timeout=5`` 4-6 timed out)."""
     semaphore = make_semaphore(2)
@@ -195,8 +190,7 @@ def test_no_process_starves(make_semaphore):
     assert len(reports) == 8
     assert [timeouts for _, timeouts, _ in reports] == [0] * 8
     assert all(granted for granted, _, _ in reports), "a process starved"
-    # The starving bound and the queue behind it: well under a second; the
-    # timeout (10 s) is never near.
+    # The queue ahead: well under a second; the timeout (10 s) is never near.
     assert max(longest for _, _, longest in reports) < STARVED
 
 

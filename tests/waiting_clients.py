@@ -18,7 +18,7 @@ SLOW = 60.0
 
 
 def cycle(name: str, start: Any, seconds: float, hold: float, grants: Outbox) -> None:
-    """Acquire (not fair, waiting), hold, release, again, for ``seconds``
+    """Acquire (waiting), hold, release, again, for ``seconds``
     from when every client is ready (``start``, a barrier); report
     (grants, timeouts, the longest wait) of this process."""
     start.wait(timeout=60)
@@ -47,7 +47,7 @@ def cycle(name: str, start: Any, seconds: float, hold: float, grants: Outbox) ->
 def wait_slowly(name: str, ready: Any, waited: Outbox) -> None:
     """Wait for ``name`` with probes and attempts ``SLOW`` apart, so that
     only a notification can grant it in time; report how long it waited."""
-    for constant in ("PROBE_EVERY", "UNTICKETED_PROBE", "NEXT_IN_LINE_ATTEMPT", "POLL_CAP"):
+    for constant in ("PROBE_EVERY", "NEXT_IN_LINE_ATTEMPT", "POLL_CAP"):
         setattr(waiting, constant, SLOW)
     waiting.PROBE_BOUNDS = (SLOW, SLOW)
     key = uuid.uuid4().hex

@@ -1,9 +1,9 @@
 """The operator's console: who holds what, how full it is, who changed it and when.
 
 - Semaphores: usage and waiters from one annotated query, a utilization bar,
-  a 24-hour chart, current holders, the queue of fair waiters and capacity
+  a 24-hour chart, current holders, the line of waiters and capacity
   history; capacity is edited through the same capacity API as code (row
-  lock + ``CapacityChange`` with the user), and fair mode switched on or off.
+  lock + ``CapacityChange`` with the user).
 - Permit requests: read-only, with a force-release action guarded by its own
   permission and recorded in the admin's history (``LogEntry``) with the user.
 - Capacity history: read-only.

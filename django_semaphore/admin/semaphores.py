@@ -1,8 +1,7 @@
 """Semaphores: the list with usage and waiters, and the change page, where
 capacity and a rate limit's window are edited through the same API as code
-(row lock + ``CapacityChange`` with the user) and fair mode switched on or
-off; below the form, the 24-hour chart, current holders, the queue of fair
-waiters and capacity history."""
+(row lock + ``CapacityChange`` with the user); below the form, the 24-hour
+chart, current holders, the line of waiters and capacity history."""
 
 from __future__ import annotations
 
@@ -93,7 +92,7 @@ class SemaphoreForm(forms.ModelForm):
 
     class Meta:
         model = Semaphore
-        fields = ["name", "capacity", "window", "fair"]
+        fields = ["name", "capacity", "window"]
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}
@@ -122,7 +121,7 @@ class SemaphoreAdmin(OperatorAdmin):
         "parked",
         "oldest_parked",
     ]
-    list_filter = [UsageFilter, "fair", FamilyFilter]
+    list_filter = [UsageFilter, FamilyFilter]
     search_fields = ["name"]
     ordering = ["name"]
     readonly_fields = ["rate", "family_role", *USAGE_NOW, *BOOKKEEPING]
@@ -132,7 +131,7 @@ class SemaphoreAdmin(OperatorAdmin):
         return parking.with_parked(with_changelist_columns(queryset))
 
     def get_fieldsets(self, request: HttpRequest, obj: Semaphore | None = None) -> Any:
-        settings = ["name", "capacity", "window", "fair"]
+        settings = ["name", "capacity", "window"]
         if obj is None:
             return [(None, {"fields": settings})]
         if self.has_change_permission(request, obj):
@@ -279,11 +278,6 @@ class SemaphoreAdmin(OperatorAdmin):
         if not change:
             obj.save(using=routing.current_alias())
             return
-        if "fair" in form.changed_data:
-            # Read by every grant's locking read: no lock needed to switch it.
-            Semaphore.objects.using(routing.current_alias()).filter(pk=obj.pk).update(
-                fair=obj.fair, updated_at=timezone.now()
-            )
         # The same path as code: under the row lock, recorded with the user;
         # what the form did not change is not written back (someone else's
         # change since the form was opened stays), and both changed are one
@@ -308,7 +302,7 @@ class SemaphoreAdmin(OperatorAdmin):
         perms_needed.discard(CapacityChange._meta.verbose_name)
         # Deleting a held semaphore would end its holders' permits behind
         # their backs, and one waited on would leave its parked tasks and
-        # fair waiters waiting for nothing: they are shown as protected, and
+        # waiters waiting for nothing: they are shown as protected, and
         # block it (the model's delete refuses it too).
         alias = routing.current_alias()
         semaphores = list(objs)
@@ -330,7 +324,7 @@ class SemaphoreAdmin(OperatorAdmin):
                 for each in found
             )
         protected.extend(
-            format_html("{}: {} ({})", gettext("Fair waiter"), ticket.external_id, ticket.owner)
+            format_html("{}: {} ({})", gettext("Waiter"), ticket.external_id, ticket.owner)
             for ticket in waiting.filter(parked__id__isnull=True)
         )
         return to_delete, counts, perms_needed, protected

@@ -1,8 +1,8 @@
-"""Fair mode: a durable first-come, first-served queue -- the one line of
-waiters, which parked tasks stand in too (``engine/wakeups``).
+"""The line: a durable first-come, first-served queue of every waiter --
+acquires that wait, and parked tasks (``engine/wakeups``).
 
-**Tickets.** An acquire that must wait on a fair semaphore (``Semaphore.fair``,
-or ``acquire(..., fair=True)``) leaves a ``Ticket`` per semaphore in the same
+**Tickets.** An acquire that must wait (a ``timeout``) leaves a ``Ticket``
+per semaphore in the same
 transaction whose attempt found no room, while it holds those rows' locks. So
 on each semaphore ticket ids are in the order of its grant transactions: a
 ticket with a lower id was committed before any grant that could see a higher
@@ -26,7 +26,7 @@ A ticket that lacked room keeps holding back until its waiter is granted or
 leaves, so its semaphores cannot take turns at denying it
 (``docs/fairness.md`` states the bound).
 
-A fair waiter's ticket lives by a lease (``TICKET_LEASE``), which its
+A waiter's ticket lives by a lease (``TICKET_LEASE``), which its
 waiter renews while it waits (``renew``), and stops blocking at
 ``expires_at`` whatever became of the waiter: granted (its ticket is
 deleted in the grant transaction), gone (it deletes it on the way out), or
@@ -39,9 +39,8 @@ that.
 renewals too). The grant's
 locking read returns it: while it is in the past no ticket that holds back
 can be live, so no statement is added. While it
-is in the future every acquire on that semaphore, fair or not, respects the
-queue: a caller that did not ask for fairness may not barge past those who
-did.
+is in the future every acquire on that semaphore respects the queue: a
+caller that fails fast may not barge past those who wait.
 
 **Waiting.** This module only says, under the row locks, whether a call is
 granted and where it stands; the waits between its attempts (one poller
@@ -88,7 +87,6 @@ class Ask:
     key: str
     owner: str
     demand: Demand
-    fair: bool  # the call asked for fair mode
     deadline: float | None  # monotonic; None: fails fast, never takes a ticket
 
 
@@ -153,8 +151,7 @@ def admit(
         if over := line.ended_queues(live, ahead, standing.ticketed):
             tickets.end_queues(cursor, over, now)
         return [], standing
-    queues = ask.fair or any(s.fair for s in locked)
-    takes = line.takes_tickets(queues, standing.ticketed, short, standing.lacked)
+    takes = line.takes_tickets(standing.ticketed, short, standing.lacked)
     life = ticket_life(ask) if takes else None
     if life is not None:
         # On all of its semaphores, marked where it lacks room; a key's

@@ -102,7 +102,6 @@ class _Template(NamedTuple):
 
     capacity: int
     window: int | None
-    fair: bool
     now: datetime  # the database's clock, read with the lock
 
 
@@ -115,7 +114,7 @@ def _lock_templates(alias: str, wanted: list[Family]) -> dict[str, _Template]:
         .filter(name__in=patterns)
         .locked()
         .annotate(db_now=DatabaseNow())
-        .values_list("name", "capacity", "window", "fair", "db_now")
+        .values_list("name", "capacity", "window", "db_now")
     )
     locked = {name: _Template._make(values) for name, *values in locking}
     absent = [family for family in wanted if family.pattern not in locked]
@@ -156,7 +155,6 @@ def _create(alias: str, family: Family, template: _Template, names: list[str]) -
                 name=name,
                 capacity=template.capacity,
                 window=template.window,
-                fair=template.fair,
                 family=family.pattern,
                 fencing_counter=start,
             )

@@ -15,8 +15,8 @@ semaphore, or on none.
    ``slots_open``: every grant of the window, released or not.
 3. Only if some semaphore lacks room: close the rate limits' slots that
    ended (one index range of ``Permit.slot_ends``, never past windows),
-   reclaim expired permits holding the concurrency limits, and let a fair
-   queue say whether this call must wait behind older tickets. A refusal
+   reclaim expired permits holding the concurrency limits, and let the
+   line say whether this call must wait behind older tickets. A refusal
    says when a rate limit's next slot frees.
 4. Insert the request (its unique key settles repeated and concurrent first
    calls), raise the counters and advance the fencing counters in one
@@ -204,7 +204,7 @@ def grant(
             # a second row (MariaDB) or not be read at all (PostgreSQL): read
             # them again before saying no.
             sql.read_released(cursor, locked)
-        # While a fair queue is live on one of these semaphores, the queue
+        # While a line is live on one of these semaphores, the line
         # decides too (see refusal): nobody is granted past an older ticket.
         if lacking_room(locked, demand.counts) or any(s.queue_live for s in locked):
             refused = refusal(connection, sql, cursor, locked, lock_wait, ask, standing)
@@ -246,10 +246,10 @@ def grant_in_one_trip(
 ) -> PermitRequest | fairness.Refusal | None:
     """The common grant -- room on every semaphore, nobody queued -- in one
     round trip and its own transaction, where the database can
-    (``statements/one_trip.py``); for one name, a fair line's grants and
+    (``statements/one_trip.py``); for one name, the line's grants and
     refusals too. ``None``, nothing written, when the call needs the general
-    grant: no room outside a fair line, expired permits to reclaim, a rate
-    limit, a fair queue on several names, a missing name."""
+    grant: expired permits to reclaim, a rate limit, a live line on several
+    names, a missing name."""
     if connection.in_atomic_block:
         return None
     sql = one_trip_statements(connection)
@@ -257,7 +257,7 @@ def grant_in_one_trip(
         return None
     key, owner = ask.key, ask.owner
     # Where the call stands, as the one-trip grant that may refuse it takes it.
-    line = Line(standing.ticketed, bool(standing.lacked), ask.fair, fairness.ticket_life(ask))
+    line = Line(standing.ticketed, bool(standing.lacked), fairness.ticket_life(ask))
     granted = sql.grant(ask.demand.counts, key, owner, ttl, lock_wait, line)
     if granted is None:
         return None
@@ -315,8 +315,8 @@ def refusal(
     standing: fairness.Standing,
 ) -> fairness.Refusal | KeyTaken | None:
     """Why this call may not insert: no room even after reclaiming expired
-    permits on the semaphores that lack it, or older tickets waiting (fair
-    mode takes this call's tickets then). ``None``: it may."""
+    permits on the semaphores that lack it, or older tickets waiting (a call
+    that waits takes its tickets then). ``None``: it may."""
     demand = ask.demand
     ids = [s.id for s in locked]
     usage = sql.usage(cursor, ask.key, ids)
@@ -325,7 +325,7 @@ def refusal(
         return KeyTaken()
     for s in locked:
         if s.limit.is_rate:
-            # Exact before anything is decided: the fair queue reads it too.
+            # Exact before anything is decided: the line reads it too.
             sql.close_slots(cursor, s, usage.now)
     # Expired holders free room on concurrency limits only: a rate limit's
     # slots end with their window, released or not.

@@ -1,4 +1,4 @@
-"""The fair line's rule, stated once in Python: a request fits where the
+"""The line's rule, stated once in Python: a request fits where the
 permits held, its count and what the older tickets that lacked room ask for
 (``kept``: their room is kept for them) stay within the capacity.
 
@@ -57,11 +57,11 @@ def lacking_room(
     return [s for s in rows if not fits(s.in_use, counts[s.name], s.capacity, kept.get(s.id, 0))]
 
 
-def takes_tickets(queues: bool, ticketed: bool, short: Set[int], lacked: Set[int]) -> bool:
-    """Whether a refused call takes its tickets (or marks where they lack
-    room): where it queues, unless its tickets lack room on every semaphore
-    it is short of already."""
-    return queues and not (ticketed and short <= lacked)
+def takes_tickets(ticketed: bool, short: Set[int], lacked: Set[int]) -> bool:
+    """Whether a refused call that waits takes its tickets (or marks where
+    they lack room): unless its tickets lack room on every semaphore it is
+    short of already."""
+    return not (ticketed and short <= lacked)
 
 
 def deletes_tickets(ticketed: bool, queue_live: bool) -> bool:

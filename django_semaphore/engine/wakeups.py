@@ -2,10 +2,10 @@
 them a release (or a capacity raise) wakes.
 
 **One line.** A parked task waits in each of its semaphores' lines as a
-fair waiter does: by a ``Ticket`` per semaphore, keyed by its task id and
-taken under the rows' locks, and under fair mode's one rule
+waiter does: by a ``Ticket`` per semaphore, keyed by its task id and
+taken under the rows' locks, and under the line's one rule
 (``engine/line``): an older ticket that lacked room keeps the room it
-asks for, and a younger waiter -- a parked task, a fair waiter, any grant
+asks for, and a younger waiter -- a parked task, a waiter, any grant
 -- fits only beside it. A task that does not fit lacks room there from
 then on and holds back younger ones in turn, so a release elsewhere cannot
 snatch that room from it again and again; where it has room it holds back

@@ -13,7 +13,7 @@ from django_semaphore import api
 from django_semaphore.exceptions import PermitLost, PermitNotEntered
 from django_semaphore.integrations.leases import LEASE, DefaultLease, Lease, hold, lease_seconds
 from django_semaphore.owners import caller_owner
-from django_semaphore.validation import validate_flag, validate_key
+from django_semaphore.validation import validate_flag, validate_key, warn_fair
 
 if TYPE_CHECKING:
     from django_semaphore.models import PermitRequest
@@ -32,7 +32,6 @@ class HeldPermit:
         ttl: int | float | timedelta | DefaultLease | None,
         timeout: int | float | timedelta,
         heartbeat: bool,
-        fair: bool = False,
     ) -> None:
         self._acquire_args: dict[str, Any] = {
             "names": names,
@@ -40,7 +39,6 @@ class HeldPermit:
             "owner": owner,
             "ttl": lease_seconds(ttl),
             "timeout": timeout,
-            "fair": fair,
         }
         self._renews = validate_flag(heartbeat, "heartbeat")
         self._lease: Lease | None = None
@@ -111,7 +109,7 @@ def permit(
     ttl: int | float | timedelta | DefaultLease | None = LEASE,
     timeout: int | float | timedelta = 0,
     heartbeat: bool = True,
-    fair: bool = False,
+    fair: bool | None = None,
 ) -> HeldPermit:
     """Hold permits for a ``with`` (or ``async with``) block.
 
@@ -122,7 +120,7 @@ def permit(
     process killed mid-block gives them back when the lease runs out. If the
     permit is lost meanwhile, leaving the block raises ``PermitLost``.
 
-    ``names``, ``owner``, ``ttl``, ``timeout`` and ``fair`` are as for
+    ``names``, ``owner``, ``ttl`` and ``timeout`` are as for
     [`acquire`][django_semaphore.acquire], and so is every error raised on entry
     (the block does not run then).
 
@@ -136,7 +134,7 @@ def permit(
             never expires.
         timeout: how long to wait for room on entry.
         heartbeat: renew the TTL while the block runs.
-        fair: wait in line, first come first served.
+        fair: deprecated, ignored: every call that waits waits in line.
 
     Returns:
         A [`HeldPermit`][django_semaphore.integrations.context.HeldPermit], entered by ``with``.
@@ -144,6 +142,7 @@ def permit(
     Raises:
         PermitLost: on exit, when the permit was lost while the block ran.
     """
+    warn_fair(fair)
     return HeldPermit(
         names,
         external_id=external_id,
@@ -151,5 +150,4 @@ def permit(
         ttl=ttl,
         timeout=timeout,
         heartbeat=heartbeat,
-        fair=fair,
     )

@@ -39,6 +39,7 @@ from django_semaphore.validation import (
     validate_int,
     validate_timeout,
     validate_ttl,
+    warn_fair,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -51,7 +52,7 @@ def holds_permit(
     ttl: int | float | timedelta | DefaultLease | None = LEASE,
     timeout: int | float | timedelta = 0,
     retry_after: int = 1,
-    fair: bool = False,
+    fair: bool | None = None,
     park: bool | None = None,
     max_waiting: int | None = None,
     on_conflict: str | None = None,
@@ -103,8 +104,7 @@ def holds_permit(
             default), seconds or a ``timedelta``; ``None`` never expires.
         timeout: seconds to wait for room before giving up (views, functions).
         retry_after: seconds a refused client is told to wait.
-        fair: wait in first-come, first-served order (see ``acquire``); a
-            task, which never waits, is refused while older waiters queue.
+        fair: deprecated, ignored: every call that waits waits in line.
         park: tasks only: whether a task that finds no room is parked
             (``True``) or retried (``False``; a Django task waits in its
             worker); ``None``: ``DJANGO_SEMAPHORE["PARK_TASKS"]``, on by default.
@@ -152,7 +152,7 @@ def holds_permit(
     validate_timeout(timeout)
     # The Retry-After header takes whole seconds.
     validate_int(retry_after, "retry_after (seconds)", 0, MAX_TTL)
-    validate_flag(fair, "fair")
+    warn_fair(fair)
     if max_waiting is not None:
         validate_int(max_waiting, "max_waiting", 1, MAX_COUNT)
     for flag, name in ((park, "park"), (view, "view")):
@@ -173,7 +173,7 @@ def holds_permit(
     def decorate(func: F) -> F:
         _refuse_task_object(func)
         options = Options(
-            demand, lease, timeout, retry_after, _label(func), fair, park, count, names_of,
+            demand, lease, timeout, retry_after, _label(func), park, count, names_of,
             max_waiting, on_conflict, debounce_seconds,
         )  # fmt: skip
         request_at = _request_position(func, view)
@@ -264,7 +264,7 @@ def _running_task_of(body: Callable[..., Any]) -> Any:
 def _permit(call: Options) -> HeldPermit:
     """A plain function's permit, held for the call with a fresh key."""
     owner = process_owner(call.label)
-    return permit(call.demand, owner=owner, ttl=call.lease, timeout=call.timeout, fair=call.fair)
+    return permit(call.demand, owner=owner, ttl=call.lease, timeout=call.timeout)
 
 
 def _sync_wrapper(func: F, options: Options, request_at: int | None) -> Callable[..., Any]:

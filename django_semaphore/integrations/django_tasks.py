@@ -14,7 +14,7 @@ Celery task does (``standby``), then is *deferred*: it ends with
 ``TaskDeferred``, which its worker records as the run's end, and once that
 is recorded its result is ``READY`` again, parked (``parking.defer``,
 ``parking.deferred``) until a release makes room for it -- first in line
-with the fair waiters and parked Celery tasks -- and then run again under
+with the waiters and parked Celery tasks -- and then run again under
 the same result id; a run refused by rate limits alone is deferred to
 their next slot. Elsewhere (the immediate backend, any other) it waits in
 its worker until room comes, as ``acquire(timeout=...)`` waits. Either
@@ -273,10 +273,8 @@ def _claim_or_defer(result: Any, options: Options) -> str:
     return key
 
 
-def _claim(
-    me: TaskOwner, options: Options, timeout: float | timedelta, *, fair: bool = False
-) -> str:
-    return task_keys.claim(me, options.demand, options.lease, timeout, fair=options.fair or fair)
+def _claim(me: TaskOwner, options: Options, timeout: float | timedelta) -> str:
+    return task_keys.claim(me, options.demand, options.lease, timeout)
 
 
 def _settle(result: Any, key: str, lease: Lease | None) -> None:

@@ -37,7 +37,6 @@ class Options:
     timeout: int | float | timedelta
     retry_after: int
     label: str  # module.qualname of the decorated function, for owners and logs
-    fair: bool
     park: bool | None  # None: the PARK_TASKS setting decides, when the task runs
 
     @property

@@ -129,7 +129,6 @@ def _acquire_for_view(options: Options, request: HttpRequest) -> PermitRequest |
             owner=_view_owner(options, request),
             ttl=options.lease,
             timeout=options.timeout,
-            fair=options.fair,
         )
     except SemaphoreExhausted as exc:
         logger.info("%s refused: %s", options.label, exc)

@@ -40,11 +40,11 @@ GAUGES = (
         "Permits held now, or on a rate limit granted in its current window "
         "(above capacity after capacity was lowered).",
     ),
-    ("waiters", "django_semaphore_waiters", "Fair-mode waiters queued (live tickets)."),
+    ("waiters", "django_semaphore_waiters", "Waiters queued (live tickets)."),
     (
         "longest_wait",
         "django_semaphore_longest_wait_seconds",
-        "How long the oldest queued fair-mode waiter has waited; 0 when none.",
+        "How long the oldest queued waiter has waited; 0 when none.",
     ),
     (
         "parked",
@@ -60,7 +60,7 @@ GAUGES = (
 
 
 class SemaphoreCollector(Collector):
-    """Capacity, a rate limit's window, permits in use, fair-mode waiters,
+    """Capacity, a rate limit's window, permits in use, waiters,
     the longest wait, parked tasks and the oldest of them, of every semaphore (a family's members
     together, see ``series``), and whether the database answered."""
 

@@ -24,7 +24,7 @@ class ParkedTask(models.Model):
     priority, headers, expiry). A Django task's names its ``backend``
     instead, where its result waits, deferred, to be run again. What it
     waits for, and its place in each semaphore's line, are its ``Ticket``
-    rows, under its ``key`` as a fair waiter's are under its own.
+    rows, under its ``key`` as a waiter's are under its own.
     """
 
     task_id = models.CharField(_("task id"), max_length=MAX_LENGTH, unique=True)

@@ -13,7 +13,7 @@ from django_semaphore.validation import MAX_LENGTH
 
 
 class Ticket(models.Model):
-    """A waiter's place in the line of one semaphore: a fair-mode acquire's
+    """A waiter's place in the line of one semaphore: a waiting acquire's
     or a parked task's, under the key its permit is (to be) claimed with.
 
     Taken under the semaphore's row lock, so on each semaphore ticket ids
@@ -21,7 +21,7 @@ class Ticket(models.Model):
     ``lacked``: the waiter lacked room on this semaphore (then, at a later
     attempt, or when a wake-up passed it over) or was woken to take it;
     only then does it hold back younger waiters here, by keeping the room it
-    asks for. It stops holding back at ``expires_at``: a fair waiter's
+    asks for. It stops holding back at ``expires_at``: a waiter's
     lease (``TICKET_LEASE``, renewed while it waits), a parked task's expiry.
     """
 
@@ -35,7 +35,7 @@ class Ticket(models.Model):
     expires_at = models.DateTimeField(_("expires at"))
     lacked = models.BooleanField(_("lacked room here"), default=True)
     # The parked task whose ticket this is, by key (no column of its own):
-    # none for a fair waiter's.
+    # none for a waiter's.
     parked = models.ForeignObject(
         "django_semaphore.ParkedTask",
         on_delete=models.DO_NOTHING,
@@ -70,7 +70,7 @@ class Ticket(models.Model):
 
     @property
     def waiter(self) -> str:
-        """Who waits: a fair waiter's owner, or the parked task (select the
+        """Who waits: a waiter's owner, or the parked task (select the
         ``parked`` relation with the tickets)."""
         if self.parked is not None:
             return _("parked %(task)s") % {"task": self.parked.task_name}

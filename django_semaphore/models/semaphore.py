@@ -51,8 +51,8 @@ class Semaphore(GuardedModel):
     """One counting semaphore; acquire locks this row to serialize its grants.
 
     Safe to use with the ORM: ``objects.create()`` (or ``save()`` of a new
-    instance) creates one; ``save()`` of a loaded one writes back ``name``,
-    ``fair`` and a changed ``capacity`` or ``window`` (recorded as
+    instance) creates one; ``save()`` of a loaded one writes back ``name``
+    (and the deprecated ``fair``) and a changed ``capacity`` or ``window`` (recorded as
     ``set_capacity`` and ``set_window`` do),
     never the engine-owned columns. Bulk writes of those columns or of
     ``capacity`` are refused (``UnsafeWrite``), and so is deleting a held
@@ -126,6 +126,9 @@ class Semaphore(GuardedModel):
     slots_closed_until = models.DateTimeField(
         _("slots closed until"), null=True, blank=True, editable=False
     )
+    # Deprecated, read by nothing: every call that waits waits in line. Kept
+    # while version 1 of the routines, which reads it, may still be called
+    # (a deploy of this release); dropped with them.
     fair = models.BooleanField(
         _("fair (first come, first served)"),
         default=False,
@@ -377,7 +380,7 @@ def refuse_deleting_a_semaphore_in_use(
     sender: type[Semaphore], instance: Semaphore, using: str, **kwargs: Any
 ) -> None:
     """Deleting a held semaphore would end its holders' permits silently;
-    one that fair waiters or parked tasks wait on would leave them waiting
+    one that waiters or parked tasks wait on would leave them waiting
     for a semaphore that is gone."""
     if engine_is_writing():
         return
@@ -399,8 +402,8 @@ def refuse_deleting_a_semaphore_in_use(
         )
     if waiters := instance.tickets.using(using).live().count():
         raise WaitersInLine(
-            f"Semaphore {instance.name!r} has {waiters} fair waiter(s) or parked task(s) "
+            f"Semaphore {instance.name!r} has {waiters} waiter(s) or parked task(s) "
             f"in line and cannot be deleted: let them be served, or drop the parked tasks "
-            f"(the admin's action, parking.cancel(task_ids)); a fair waiter's place ends "
+            f"(the admin's action, parking.cancel(task_ids)); a waiter's place ends "
             f"when it gives up."
         )

@@ -7,7 +7,7 @@ same way, and is resumed there.
 ``park=False`` retries instead) whose run is refused writes a ``ParkedTask``
 row -- its message as the task's serializer encodes it, the same one
 ``Task.retry`` would publish, minus the countdown -- and takes its place in
-line: a ``Ticket`` per semaphore, keyed by its task id, as a fair waiter's
+line: a ``Ticket`` per semaphore, keyed by its task id, as a waiter's
 (``engine/wakeups``), then ends in the ``PARKED`` state
 (``celery.exceptions.Ignore``: no failure, no retry counted). Once that is
 committed it looks for room once more (``wake``): a release that committed

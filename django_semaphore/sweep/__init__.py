@@ -12,7 +12,7 @@ command and the admin run.
   deletes family members idle past ``MEMBER_IDLE_LIMIT``;
   :func:`clean_history` deletes ``CapacityChange`` rows older than
   ``HISTORY_RETENTION``;
-  :func:`clean_tickets` deletes fair-mode tickets that expired.
+  :func:`clean_tickets` deletes waiters' tickets that expired.
 - :func:`sweep_parked` is the backstop of parked tasks' wake-ups.
 
 Every decision about time uses the database's clock (``DatabaseNow``), never

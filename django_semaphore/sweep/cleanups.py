@@ -2,7 +2,7 @@
 time budget -- requests released longer ago than ``RELEASED_RETENTION``
 (with their permits), ``CapacityChange`` rows older than
 ``HISTORY_RETENTION``, family members idle past ``MEMBER_IDLE_LIMIT``,
-fair-mode tickets that expired."""
+waiters' tickets that expired."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def clean_idle_members(
     progress: Callable[[CleanupReport], None] | None = None,
 ) -> CleanupReport:
     """Delete family members (semaphores created on first use) that hold
-    nothing, have no live fair waiter nor parked task and were not granted for
+    nothing, have no live waiter nor parked task and were not granted for
     ``MEMBER_IDLE_LIMIT``, with their released permits, dead tickets and
     capacity history, in batches; arguments as for :func:`clean_released`.
 
@@ -172,7 +172,7 @@ def clean_idle_members(
 def clean_tickets(
     *, batch_size: int | None = None, time_budget: float | None = None, dry_run: bool = False
 ) -> CleanupReport:
-    """Delete fair-mode tickets that expired, in batches.
+    """Delete waiters' tickets that expired, in batches.
 
     They block nobody already (a ticket stops counting at its ``expires_at``):
     their waiters were granted, gave up or died. This only keeps the table

@@ -11,15 +11,15 @@ attempts is here:
 
 Every sleep here is taken with no transaction open and no row locked. The
 one wait inside an attempt is the database's: on MariaDB and PostgreSQL the
-first waiter of a fair line on one name waits there for a release, at most
+first waiter in the line on one name waits there for a release, at most
 50 ms, the next in line queued behind it in the database
 (``engine/statements/grant_routine.py``).
 
-**One poller per process and semaphore.** This process's waiters on a
-semaphore form its queue (``waiters``), first come first served; the one
-whose turn it is polls, the others sleep until their turn. A newcomer with
-a timeout that finds this process's waiters wanting its semaphores queues
-behind them instead of passing them.
+**One poller per process and semaphore.** Every waiter waits in line: its
+refused attempt took its tickets (``engine/fairness.py``), which keep its
+place among every process's waiters. This process's waiters on a
+semaphore form its queue (``waiters``), in their tickets' order; the one
+whose turn it is polls, the others sleep until their turn.
 
 **Woken at once.** A release in this process (``released``: ``release()``,
 ``permit()``'s exit, a task's or a view's end) wakes the poller of each
@@ -34,15 +34,13 @@ connection no listener).
 
 **The pace of probes** is learned from the holds this process observed
 (``granted`` then ``released``, as a parking task's are through
-``standby.learn_hold``).
-A ticketed poller probes its room (one plain read, no lock: what is
-free, the grants made, and what the tickets ahead of it ask for) every
-``PROBES_PER_HOLD``-th of a hold, within ``PROBE_BOUNDS`` (once a hold while
-it listens for notifications), and attempts when
-the grant would say yes: room for it beside those tickets. Further back it
-waits as many holds as the capacity takes to release what it and those
-ahead need. A waiter without a ticket probes once a hold. While the
-counters show no grant for two holds the pace doubles, up to ``POLL_CAP``;
+``standby.learn_hold``). A poller probes its room (one plain read, no
+lock: what is free, the grants made, and what the tickets ahead of it ask
+for) every ``PROBES_PER_HOLD``-th of a hold, within ``PROBE_BOUNDS`` (once
+a hold while it listens for notifications), and attempts when the grant
+would say yes: room for it beside those tickets. Further back it waits as
+many holds as the capacity takes to release what it and those ahead need.
+While the counters show no grant for two holds the pace doubles, up to ``POLL_CAP``;
 an attempt comes at least every ``NEXT_IN_LINE_ATTEMPT`` or pace (a reclaim
 of expired permits needs one).
 
@@ -55,15 +53,6 @@ nothing, and its waiters' room is back when their leases run out.
 **Rate limits.** A rate limit (a windowed semaphore) gains room when a
 slot's window ends, not at a release: a poller whose probe finds it lacks
 room on one sleeps until its next slot ends, then attempts.
-
-**No starvation without fair mode.** A waiter that did not ask for fair mode
-may be passed by newcomers (the client that just released asks again at
-once). Once others were granted while it waited ``STARVING_HOLDS`` holds
-(within ``STARVING_BOUNDS``) it takes a ticket at its next attempt, as a
-fair waiter does, and newcomers queue behind it (Go's ``sync.Mutex``
-starvation mode does the same): not-fair mode bounds a wait, fair mode
-orders every waiter from its first refusal. A semaphore that merely stays
-full (nobody granted) never makes a waiter take one.
 """
 
 from __future__ import annotations
@@ -90,22 +79,15 @@ from django_semaphore.waiting.listening import LISTENER, listen_alias, notify
 from django_semaphore.waiting.standby import learn_hold, learned_holds
 from django_semaphore.waiting.waiters import WAITERS, Waiter
 
-# Seconds. A ticketed poller probes PROBES_PER_HOLD times a hold it learned,
-# within PROBE_BOUNDS (every PROBE_EVERY while it knows none; one without a
-# ticket once a hold, or every UNTICKETED_PROBE), slows down (doubling up to
-# POLL_CAP) once two holds passed with no grant, and attempts at least every
-# NEXT_IN_LINE_ATTEMPT or pace; each interval takes a jitter of x0.5-1.
+# Seconds. A poller probes PROBES_PER_HOLD times a hold it learned, within
+# PROBE_BOUNDS (every PROBE_EVERY while it knows none), slows down (doubling
+# up to POLL_CAP) once two holds passed with no grant, and attempts at least
+# every NEXT_IN_LINE_ATTEMPT or pace; each interval takes a jitter of x0.5-1.
 PROBE_EVERY = 0.02
 PROBES_PER_HOLD = 4
 PROBE_BOUNDS = (0.002, 0.25)
 NEXT_IN_LINE_ATTEMPT = 1.0
-UNTICKETED_PROBE = 0.5  # a waiter without a ticket that knows no hold
-NOTIFY_SPREAD = 0.01  # a not-fair poller that heard a release probes within this
 POLL_CAP = 2.0
-# A waiter without a ticket takes one after STARVING_HOLDS holds, within
-# STARVING_BOUNDS (the upper bound while this process knows no hold).
-STARVING_HOLDS = 20
-STARVING_BOUNDS = (0.05, 0.5)
 # The tickets of this process's waiters are renewed together so many times
 # a TICKET_LEASE (the waiters' loops come by every second or two).
 RENEWALS_PER_LEASE = 3
@@ -173,14 +155,10 @@ def wait_for_room(
                     # The last attempt may come at the deadline, never after it.
                     pause(waiter, connection, deadline)
                 waiter.woken.clear()
-                if _starving(waiter):
-                    # Takes a ticket at this attempt: see the module's docstring.
-                    waiter.ask = replace(waiter.ask, fair=True)
                 outcome = attempt(waiter.ask, waiter.standing)
                 if not isinstance(outcome, Refusal):
                     return outcome
                 refused, waiter.standing = outcome.error, outcome.standing
-                waiter.passed |= woken or waiter.expected_room
                 WAITERS.refused(waiter, refused.names)
         except BaseException:
             leave(alias, waiter.ask, waiter.standing)
@@ -210,9 +188,6 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
             return
     low, high = PROBE_BOUNDS
     base = min(max(hold / PROBES_PER_HOLD, low), high) if hold else PROBE_EVERY
-    if not waiter.standing.ticketed:
-        # Newcomers may pass it: probing fast would mostly see room taken.
-        base = min(hold, POLL_CAP) if hold else UNTICKETED_PROBE
     if hold and LISTENER.listening(waiter.alias):
         # A release anywhere notifies: probes are only the fallback.
         base = max(base, min(hold, POLL_CAP))
@@ -231,10 +206,6 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
                 every = base
                 if not WAITERS.notified(waiter):
                     return
-                if not waiter.standing.ticketed:
-                    # Every process's poller heard it: spread their probes,
-                    # the first to see the room takes it.
-                    time.sleep(random.uniform(0, min(NOTIFY_SPREAD, until - now)))
             _renew_tickets(connection)
             found = _probe(connection, waiter)
             if found is None or not (lacking := _lacking(waiter, found)):
@@ -252,7 +223,6 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
                 return
             grants = sum(c.grants for c in found.values())
             if grants != waiter.grants:  # others are granted: keep alert
-                waiter.passed |= waiter.grants is not None
                 waiter.grants, waiter.changed, every = grants, now, base
             elif now > waiter.changed + slower_after:
                 every = min(2 * every, POLL_CAP)
@@ -325,17 +295,6 @@ def _rounds(waiter: Waiter, found: dict[int, Room]) -> int:
         rounds(counts[name], capacity, found[id].ahead) if id in found else 0
         for id, name, capacity in waiter.standing.semaphores
     )
-
-
-def _starving(waiter: Waiter) -> bool:
-    """Whether a waiter without a ticket was passed by others for longer
-    than ``STARVING_HOLDS`` holds (within ``STARVING_BOUNDS``)."""
-    if waiter.ask.fair or not waiter.passed:
-        return False
-    hold = _learned_hold(waiter.ask.demand.names)
-    low, high = STARVING_BOUNDS
-    after = min(max(STARVING_HOLDS * hold, low), high) if hold else high
-    return time.monotonic() - waiter.since >= after
 
 
 def _learned_hold(names: Iterable[str]) -> float | None:

@@ -35,7 +35,7 @@ _holds: dict[str, float] = {}
 class Claim(Protocol):
     """A task's claim of its permit, waiting up to ``timeout`` seconds."""
 
-    def __call__(self, timeout: float, *, fair: bool) -> str: ...
+    def __call__(self, timeout: float) -> str: ...
 
 
 class Standbys(process.State):
@@ -72,10 +72,10 @@ def learned_holds(demand: Mapping[str, int]) -> list[float]:
 
 
 def stand_by(task_id: str, demand: Mapping[str, int], claim: Claim) -> str | None:
-    """A task that found no room: wait in this worker for room, as a fair
-    waiter with a timeout waits (``waiting``'s poller, in the semaphores'
+    """A task that found no room: wait in this worker for room, as a
+    call with a timeout waits (``waiting``'s poller, in the semaphores'
     one line, where parked tasks stand too), and return the key
-    ``claim(timeout, fair=True)`` took. None when it is to park (at once, or
+    ``claim(timeout)`` took. None when it is to park (at once, or
     after ``STANDBY_WAIT``; a woken task keeps its place).
 
     It stands by unless this process knows its semaphores to be held long,
@@ -105,7 +105,7 @@ def stand_by(task_id: str, demand: Mapping[str, int], claim: Claim) -> str | Non
         if not standing:
             return None
         try:
-            return claim(STANDBY_WAIT, fair=True)
+            return claim(STANDBY_WAIT)
         except AcquireTimeout:
             pass
     if not holds:

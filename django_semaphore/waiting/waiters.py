@@ -1,9 +1,8 @@
 """This process's waiters for room, in one queue per alias and semaphore:
 whose turn it is to poll, and whom a release wakes.
 
-A process's waiters on a semaphore are first come, first served: ticketed
-waiters first, in their tickets' order (their tickets hold the others back
-anyway), then the others in the order they came. A waiter wants the
+A process's waiters on a semaphore are first come, first served: in their
+tickets' order (every waiter's refusal took its tickets). A waiter wants the
 semaphores its last refusal named and holds back the waiters behind it only
 on those, so one short on its own tenant's cap never keeps a neighbour from
 a shared semaphore that has room. A waiter whose turn it is (nobody ahead of
@@ -13,7 +12,6 @@ sleep until their turn. No database here: only memory and a condition.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -32,9 +30,7 @@ class Waiter:
     ask: Ask
     # Where its last attempt (or probe) left it in its semaphores' lines.
     standing: Standing
-    came: int  # this process's arrival order
     wants: set[str]  # the names its last refusal named
-    since: float = field(default_factory=time.monotonic)
     # Set to attempt at once: a release made room, or its poller left; with
     # ``probe_now``, to probe at once: a release in another process (NOTIFY).
     woken: threading.Event = field(default_factory=threading.Event)
@@ -42,19 +38,15 @@ class Waiter:
     # Its last attempt came because a probe saw room for it (and the tickets
     # ahead of it): refused all the same, it does not probe again at once.
     expected_room: bool = False
-    # Others were granted while it waited, or took room it saw (or was woken
-    # for): one never passed (nothing granted) has no reason to take a ticket.
-    passed: bool = False
     every: float | None = None  # its probes' interval, kept between pauses
     grants: int | None = None  # the grants its last probe counted
     changed: float = field(default_factory=time.monotonic)  # when that last changed
     renewed: float = field(default_factory=time.monotonic)  # its tickets, last
 
-    def order(self) -> tuple[int, int]:
-        """Its place in the queues: ticketed first, in their tickets' order
-        (``Standing.seq`` is taken with a ticket), then by arrival."""
-        standing = self.standing
-        return (0, standing.seq) if standing.ticketed else (1, self.came)
+    def order(self) -> int:
+        """Its place in the queues: its tickets' (``Standing.seq`` is taken
+        with them, in their transaction)."""
+        return self.standing.seq
 
 
 class Waiters(process.State):
@@ -64,7 +56,6 @@ class Waiters(process.State):
         """Forget every waiter: in a forked child, the parent's are not its own."""
         self.changed = threading.Condition()
         self.queues: dict[tuple[str, str], list[Waiter]] = {}
-        self._came = itertools.count(1)
 
     @contextmanager
     def queued(
@@ -72,7 +63,7 @@ class Waiters(process.State):
     ) -> Iterator[Waiter]:
         """The call's waiter in the queue of each of its semaphores."""
         with self.changed:
-            waiter = Waiter(alias, ask, standing, next(self._came), set(wants))
+            waiter = Waiter(alias, ask, standing, set(wants))
             for name in ask.demand.names:
                 self.queues.setdefault((alias, name), []).append(waiter)
             self.changed.notify_all()
@@ -115,20 +106,6 @@ class Waiters(process.State):
             waiter.wants = set(names) & set(waiter.ask.demand.names) or waiter.wants
             self.changed.notify_all()
 
-    def wanted(self, alias: str, names: Iterable[str]) -> bool:
-        """Whether waiters want one of ``names``, none of them ticketed: a
-        newcomer with a timeout queues behind them instead of passing them.
-        Where one has a ticket the newcomer attempts: tickets keep the order
-        (it takes its own on a fair semaphore, or is refused)."""
-        with self.changed:
-            wanting = [
-                waiter
-                for name in names
-                for waiter in self.queues.get((alias, name), ())
-                if name in waiter.wants
-            ]
-        return bool(wanting) and not any(waiter.standing.ticketed for waiter in wanting)
-
     def renewals_due(self, alias: str, every: float) -> list[Waiter]:
         """The ticketed waiters on ``alias``, all renewed now, when one of
         them was renewed ``every`` seconds ago or more (else none): one
@@ -157,8 +134,7 @@ class Waiters(process.State):
         this process (``here``: its poller attempts at once), or in another
         (a notification: its poller probes, unless it has tickets a
         capacity's worth ahead -- every process hears it, and those would
-        only add a herd of reads; one without a ticket after a random part
-        of its pace, so that they do not all attempt together)."""
+        only add a herd of reads)."""
         with self.changed:
             self._wake_pollers(alias, names, here=here)
 

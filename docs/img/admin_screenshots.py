@@ -109,9 +109,9 @@ def seed() -> None:
     change(backups, 1, alice, "Storage array degraded", timedelta(minutes=10))
 
     # exports is fair: a big rebuild waits in line ahead of a smaller job
-    # (tickets as a waiting acquire(..., fair=True) leaves them).
+    # (tickets as a waiting acquire(...) leaves them).
     with engine_writes():  # the line's state, as the waiting acquires would leave it
-        Semaphore.objects.filter(pk=exports.pk).update(fair=True, queued_until=now + 2 * hour)
+        Semaphore.objects.filter(pk=exports.pk).update(queued_until=now + 2 * hour)
     for count, owner, waited, key in [
         (3, "celery@worker-2 pid 6021", 7, "exports-quarter-end-rebuild"),
         (1, "web-2 pid 3141", 2, "exports-csv-9f2c41"),

@@ -9,7 +9,7 @@ are short, fixed SQL on the models' own table and column names.
 
 Nothing here decides anything: ``grant.py`` and ``releasing.py`` say which
 statement runs when. This module has the grant's (and the verifier's);
-``release.py`` has release's, ``tickets.py`` fair mode's, ``probes.py``
+``release.py`` has release's, ``tickets.py`` the line's, ``probes.py``
 the waiters' probe; ``rows.py`` what the grant's reads return;
 ``one_trip.py`` calls the grant as one routine, whose text
 ``grant_routine.py`` renders from these.

@@ -3,7 +3,7 @@ in the database -- PostgreSQL's functions (for one name, for several),
 MariaDB's procedure (one name) and block (several) -- made of the general
 grant's own statements: its locking read, its request insert, counter
 update and permits insert (``statements/__init__.py``), and the ticket
-statements of a fair line (``tickets.py``).
+statements of the line (``tickets.py``).
 
 The decision for one name (``GrantRoutine.decide``) is written once, in the
 procedural SQL both servers share (``IF ... THEN ... END IF``), with each
@@ -11,7 +11,7 @@ server's spelling of an assignment, a loop, a sleep and an answer
 (``_Server``); the room check of every routine is ``_short``: a request
 fits where the permits held, plus its count, plus what the older tickets
 that lacked room ask for, stay within the capacity -- the rule
-``engine/line.py`` states in Python. The decision serves a fair line: a
+``engine/line.py`` states in Python. The decision serves the line: a
 waiter's refusal (its ticket taken), a grant behind a live queue; the first
 waiter in line waits in it, at most ``HEAD_WAIT_MS``, for a release, the
 next in line queued behind it -- in the names' queue on PostgreSQL, on the
@@ -35,14 +35,14 @@ from django_semaphore.engine.statements import (
 from django_semaphore.engine.statements.rows import LOCKED_COLUMNS
 from django_semaphore.engine.statements.tickets import ticket_statements
 
-# The first waiter in a fair line of one name waits for a release in its
+# The first waiter in the line of one name waits for a release in its
 # call for at most HEAD_WAIT_MS milliseconds, reading the release total every
 # HEAD_POLL_US microseconds, before it is refused; any other call that finds
 # no room, with nobody ahead in the line, for at most BRIEF_WAIT_US: callers
 # that retry at once then wait their turn asleep behind it, on the row's
 # lock, instead of taking the processor from the holders that release, and
 # a release meanwhile is handed over in the same call. Waits of callers
-# outside a fair line may stack (each thinks itself first): hence brief.
+# that fail fast may stack (each thinks itself first): hence brief.
 HEAD_WAIT_MS, HEAD_POLL_US, BRIEF_WAIT_US = 50, 500, 2000
 # The one-name routine's answer, a row: granted, or refused (the last four).
 ANSWER: tuple[str, ...] = ("granted_request", "granted_at", "granted_expires_at", "granted_name")
@@ -119,7 +119,6 @@ class _Row:
     count: str
     name: str = ""
     fencing_counter: str = ""
-    fair: str = ""
     queued_until: str = ""
 
     @classmethod
@@ -135,7 +134,7 @@ def _short(row: _Row, kept: str = "") -> str:
 
 @dataclass(frozen=True)
 class LineStatements:
-    """A fair line's statements (``tickets.py``, the grant's reads) as a
+    """The line's statements (``tickets.py``, the grant's reads) as a
     routine runs them on one semaphore, its values named."""
 
     ahead_sql: str  # the older tickets that lacked room into (v_ahead, v_reserved)
@@ -164,13 +163,13 @@ class GrantRoutine(SQL):
         answers; declined, the general grant's turn. Behind a live queue it
         fits only beside what the older tickets that lacked room ask for. A
         caller that finds no room with nobody ahead waits here for a
-        release (``HEAD_WAIT_MS`` in a fair line, ``BRIEF_WAIT_US`` else);
-        a fair waiter is refused with its ticket taken, a caller that fails
-        fast plainly. A waiter outside a fair line, a taken key's request
-        and a reclaim of expired permits are left to the general grant
+        release (``HEAD_WAIT_MS`` for a waiter, ``BRIEF_WAIT_US`` for a
+        caller that fails fast); a waiter is refused with its ticket taken,
+        a caller that fails fast plainly. A taken key's request and a
+        reclaim of expired permits are left to the general grant
         (``one_trip.py`` says why)."""
         let, steps = server.let, self._line_statements(row.id, row.count, server.bound)
-        in_line = f"p_life IS NOT NULL AND (p_fair OR {row.fair})"
+        in_line = "p_life IS NOT NULL"
         head_wait = f"CASE WHEN {in_line} THEN {HEAD_WAIT_MS * 1000} ELSE {BRIEF_WAIT_US} END"
         life = "ROUND(p_life * 1000000)"
         catch_up = (
@@ -194,8 +193,7 @@ class GrantRoutine(SQL):
             # What the older tickets that lacked room ask for stays theirs.
             f" IF v_live THEN {steps.ahead_sql}; END IF;"
             f" IF {_short(row, 'v_reserved')} THEN"
-            f" IF p_life IS NOT NULL AND NOT (v_live OR p_ticketed OR p_fair OR {row.fair})"
-            f" OR {steps.key_taken_sql} THEN {server.decline} END IF;"
+            f" IF {steps.key_taken_sql} THEN {server.decline} END IF;"
             # Where its ticket, if it takes one, expires: a lease (the
             # waiter renews it), at most its deadline; no wait runs past it.
             f" {let('v_deadline', server.after('v_now', life, 'MICROSECOND'))};"
@@ -283,7 +281,7 @@ class GrantRoutine(SQL):
         )
 
     def _line_statements(self, id_sql: str, count_sql: str, bound: str) -> LineStatements:
-        """The fair line's statements on the semaphore ``id_sql`` for
+        """The line's statements on the semaphore ``id_sql`` for
         ``count_sql`` permits, in a routine whose key, owner, clock and
         deadline are ``p_key``, ``p_owner``, ``v_now`` and ``v_deadline``;
         the writes that may wait for a lock prefixed with ``bound``."""

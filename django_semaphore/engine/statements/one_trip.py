@@ -1,5 +1,5 @@
 """The grant in one round trip: the common case -- every semaphore named
-has room, no fair queue is live, no rate window -- decided and written by
+has room, no line is live, no rate window -- decided and written by
 the database in a single call, in one transaction of its own.
 
 The migrations install it as a routine (``ROUTINE``), which the server
@@ -16,18 +16,15 @@ permits' insert, in semaphore id order.
 
 The routines also refuse, in the same call: a caller that fails fast (for
 one name after waiting briefly at the head for a release, nobody ahead of
-it), and, for one name, a waiter of a fair line (its ticket taken; the
-first in line waits at the head for a release, the next queued behind it;
-see ``grant_routine.py``). A caller that waits outside a fair line is
-refused the general way: refused here, 64 such waiters on PostgreSQL ran
-at a third to a half of their cycles, each refusal ending sooner and
-sending them back to the names' queue sooner.
+it), and, for one name, a caller that waits (its ticket taken: every
+waiter waits in line; the first in line waits at the head for a release,
+the next queued behind it; see ``grant_routine.py``).
 
 Anything else answers "not here" without writing anything, and the grant
 goes the general way (``grant.grant``): a refusal that needs more (a
 reclaim of expired permits, a taken key's request), a waiter's refusal on
-several names, a missing name (a family's member is created there), a fair
-queue on several names, a rate limit, a count above the capacity.
+several names, a missing name (a family's member is created there), a live
+line on several names, a rate limit, a count above the capacity.
 """
 
 from __future__ import annotations
@@ -80,7 +77,6 @@ class Line:
 
     ticketed: bool  # it holds tickets (only the general grant deletes them elsewhere)
     lacked: bool  # its ticket lacked room
-    fair: bool  # it asked for fair mode
     ticket_life: float | None  # seconds a ticket it takes lives; None: it takes none
 
 
@@ -106,7 +102,7 @@ class OneTripStatements(SQL):
         line: Line,
     ) -> Granted | Refused | None:
         """Grant ``counts`` (name -> permits) to ``key``, committed, or refuse
-        a caller that fails fast or waits in a fair line; ``None``: not in
+        a caller that fails fast or waits in line; ``None``: not in
         one trip (nothing written).
         Outside any transaction."""
         names = sorted(counts)
@@ -119,10 +115,10 @@ class OneTripStatements(SQL):
             return None  # MariaDB's block of several names is no routine
         params: list[Any]
         wait = max(1, math.ceil(lock_wait))
-        in_line = [line.ticketed, line.lacked, line.fair, line.ticket_life]
+        in_line = [line.ticketed, line.lacked, line.ticket_life]
         fails_fast = line.ticket_life is None
         if one_name and self.vendor == "postgresql":
-            sql = f"SELECT * FROM {ONE_NAME_ROUTINE}(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+            sql = f"SELECT * FROM {ONE_NAME_ROUTINE}(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
             params = [names[0], counts[names[0]], key, owner, ttl, queue.lock_timeout(lock_wait)]
             params += in_line
         elif self.vendor == "postgresql":
@@ -130,7 +126,7 @@ class OneTripStatements(SQL):
             params = [names, [counts[n] for n in names], key, owner, ttl]
             params += [queue.lock_timeout(lock_wait), fails_fast]
         elif one_name:
-            sql = f"CALL {ROUTINE}(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+            sql = f"CALL {ROUTINE}(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
             params = [names[0], counts[names[0]], ttl, key, owner, wait, *in_line]
         else:
             sql = grant_routine(self.connection).block(len(names), wait)

@@ -19,7 +19,6 @@ class LockedSemaphore:
     in_use_counter: int
     released_folded: int
     fencing_counter: int
-    fair: bool
     queued_until: Any  # as the driver returns it; fairness converts it if it is set
     queue_live: Any  # queued_until is ahead of the database's clock (true, false or NULL)
     window: int | None  # seconds: a rate limit (see ``limit``)
@@ -67,7 +66,6 @@ LOCKED_COLUMNS = (
     "in_use_counter",
     "released_folded",
     "fencing_counter",
-    "fair",
     "queued_until",
     "queue_live",
     "window",

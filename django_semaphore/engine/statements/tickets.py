@@ -1,4 +1,4 @@
-"""Fair mode's statements on the ticket table, inside the grant's
+"""The line's statements on the ticket table, inside the grant's
 transaction (``engine/fairness.py`` says when they run)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``manage.py semaphore_status``: every semaphore's capacity, use, holders,
-waiters and parked tasks, then the queue of each semaphore that fair waiters wait on.
+waiters and parked tasks, then the line of each semaphore that callers wait on.
 ``--verify`` first checks every in-use counter against the permits it counts
 (``sweep.verify_counters``), corrects any difference and reports it.
 ``--why KEY`` says why one waiter waits instead (``blockers.why_waiting``)."""
@@ -23,7 +23,7 @@ QUEUE_SHOWN = 20
 # The semaphores' table: each column's header, and its cell of a semaphore
 # (annotated by with_usage() and with_parked()).
 COLUMNS: tuple[tuple[str, Callable[[Any], str]], ...] = (
-    ("name", lambda s: f"{s.name} (fair)" if s.fair else s.name),
+    ("name", lambda s: s.name),
     ("capacity", lambda s: str(s.limit)),
     ("in use", lambda s: str(s.in_use)),
     ("available", lambda s: str(s.capacity - s.in_use) if s.in_use <= s.capacity else "0 (over)"),
@@ -40,7 +40,7 @@ class Command(BaseCommand):
         "Show each semaphore: capacity (a rate limit's rate), in use (its grants in "
         "the window), available, holders, waiters, the "
         "longest wait, parked tasks and how long the first of them has waited; then "
-        "who waits in line on each (fair mode)."
+        "who waits in line on each."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -54,7 +54,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--why",
             metavar="KEY",
-            help="Only say why the waiter under KEY waits (a fair waiter's key, a parked "
+            help="Only say why the waiter under KEY waits (a waiter's key, a parked "
             "task's id): which semaphore lacks room, who holds it and since when, which "
             "older waiters keep some, and a rate limit's next slot.",
         )
@@ -95,9 +95,7 @@ class Command(BaseCommand):
     def _why(self, key: str) -> None:
         waiting = why_waiting(key)
         if waiting is None:
-            raise CommandError(
-                f"Nobody waits under {key!r} (a fair waiter's key, a parked task's id)."
-            )
+            raise CommandError(f"Nobody waits under {key!r} (a waiter's key, a parked task's id).")
         for line in waiting.explained():
             self.stdout.write(line)
 

@@ -39,7 +39,7 @@ def _checked(validate: Callable[[Any], T], value: Any) -> T:
 class Command(BaseCommand):
     help = (
         "Release orphaned permits (expired, stale, dead owners; repair half-released; "
-        "delete dead fair-mode tickets) "
+        "delete dead waiters' tickets) "
         "and delete old released requests and capacity history. With no option, all three."
     )
 
