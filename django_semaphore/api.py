@@ -47,6 +47,7 @@ from django_semaphore.validation import (
     validate_keys,
     validate_name,
     validate_owner,
+    validate_priority,
     validate_timeout,
     validate_ttl,
     validate_window,
@@ -73,6 +74,7 @@ def acquire(
     owner: str = "",
     ttl: int | float | timedelta | None = None,
     timeout: int | float | timedelta = 0,
+    priority: int = 0,
     fair: bool | None = None,
 ) -> PermitRequest:
     """Grant permits on every named semaphore, or on none of them.
@@ -95,6 +97,9 @@ def acquire(
             waits in line, first come, first served: it takes a ticket, and
             nobody is granted ahead of an older live ticket on any of its
             semaphores (docs/fairness.md).
+        priority: where a caller that waits stands in line: -100 to 100,
+            higher first (Django's tasks' convention); a head start of
+            ``PRIORITY_STEP`` per point over those that came before it.
         fair: deprecated, ignored: every call that waits waits in line.
 
     Returns:
@@ -125,12 +130,13 @@ def acquire(
     owner = validate_owner(owner) or caller_owner()
     ttl_seconds = validate_ttl(ttl)
     wait = validate_timeout(timeout)
+    priority = validate_priority(priority)
     warn_fair(fair)
     connection = connections[routing.alias_for_names(demand.names)]
     _refuse_outer_transaction(connection)
 
     deadline = time.monotonic() + wait
-    ask = fairness.Ask(key, owner, demand, deadline=deadline if wait else None)
+    ask = fairness.Ask(key, owner, demand, deadline if wait else None, priority)
 
     def attempt(ask: fairness.Ask, standing: fairness.Standing) -> PermitRequest | fairness.Refusal:
         lock_wait = app_settings.LOCK_WAIT_TIMEOUT

@@ -42,8 +42,9 @@ class Failure(enum.Enum):
 
     CONTENTION = "contention"  # deadlock, lock wait timeout, busy: retry
     DISCONNECT = "disconnect"  # connection lost or server restarting: reconnect, retry
-    # A routine of the app's version is not installed (``routines_installed``):
-    # the next attempt takes the general path.
+    # A routine of the app's version is not installed (``routines_installed``),
+    # or the tickets' ranking columns (``tickets_ranked``): the code is newer
+    # than the migrations, and the next attempt does without them.
     ROUTINE_MISSING = "routine_missing"
 
 
@@ -105,9 +106,10 @@ POSTGRES_DISCONNECT_PREFIXES = ("08", "57P01", "57P02", "57P03", "25006")
 def classify(connection: BaseDatabaseWrapper, exc: Error) -> Failure | None:
     """Whether ``exc`` is worth retrying, and how; ``None`` means surface it."""
     vendor, code = connection.vendor, _error_code(connection, exc)
-    if code in NO_ROUTINE and "django_semaphore_" in str(exc):
+    if (code in NO_ROUTINE and "django_semaphore_" in str(exc)) or _unranked_tickets(code, exc):
         # One of the app's routines is not installed, or not in the version
-        # called: the code is newer than the migrations.
+        # called, or the tickets' ranking is not: the code is newer than the
+        # migrations.
         return Failure.ROUTINE_MISSING
     if isinstance(exc, InterfaceError):
         # A server's connection the driver gave up on. SQLite has none to
@@ -186,6 +188,26 @@ _without_routines: dict[str, float] = {}
 ROUTINES_RECHECK = 60.0
 
 
+# Alias -> when to rank tickets again (``Ticket.ranked_at``, ``priority``),
+# in this process: until their migration is applied, waiters are served by
+# arrival alone.
+_without_ranks: dict[str, float] = {}
+RANKS = ("priority", "ranked_at")
+
+
+def _unranked_tickets(code: int | str | None, exc: Error) -> bool:
+    # ER_BAD_FIELD_ERROR, undefined_column, naming a ranking column.
+    return code in (1054, "42703") and any(column in str(exc) for column in RANKS)
+
+
+def tickets_ranked(connection: BaseDatabaseWrapper) -> bool:
+    """Whether the tickets on ``connection`` carry their ranking: yes unless
+    a statement found its columns missing less than ``ROUTINES_RECHECK``
+    seconds ago."""
+    again_at = _without_ranks.get(connection.alias)
+    return again_at is None or time.monotonic() >= again_at
+
+
 def routines_installed(connection: BaseDatabaseWrapper) -> bool:
     """Whether to call this version's routines on ``connection``: yes unless
     a call found them missing less than ``ROUTINES_RECHECK`` seconds ago."""
@@ -198,7 +220,7 @@ def note_routines_missing(connection: BaseDatabaseWrapper, exc: Error) -> None:
     logged once per alias and process."""
     if connection.alias not in _without_routines:
         logger.warning(
-            "django_semaphore: database %r lacks the routines of this version (%s); "
+            "django_semaphore: database %r lacks the routines or columns of this version (%s); "
             "granting and releasing the general way until they are installed "
             "(manage.py migrate django_semaphore; manage.py check --database %s says more).",
             connection.alias,
@@ -206,6 +228,8 @@ def note_routines_missing(connection: BaseDatabaseWrapper, exc: Error) -> None:
             connection.alias,
         )
     _without_routines[connection.alias] = time.monotonic() + ROUTINES_RECHECK
+    if _unranked_tickets(_error_code(connection, exc), exc):
+        _without_ranks[connection.alias] = time.monotonic() + ROUTINES_RECHECK
 
 
 @contextmanager

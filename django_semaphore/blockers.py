@@ -53,12 +53,13 @@ class Blocker:
     wants: int
     limit: Limit
     in_use: int
-    kept: int  # permits older waiters that lacked room keep from it
+    kept: int  # permits the waiters ahead of it that lacked room keep from it
     older: int  # how many such waiters there are
     older_named: list[str]  # the first of them (their waiter)
     holders: list[Holder]  # the first of them, oldest first
     held_by: int  # how many requests hold permits here
     next_slot: datetime | None  # a rate limit's: when its oldest counted grant stops counting
+    by_priority: int = 0  # of the waiters ahead, those that came after it
 
     @property
     def room(self) -> int:
@@ -76,12 +77,14 @@ class Blocker:
         verdict = "lacks room" if self.lacks_room else "has room"
         lines = [
             f"{self.semaphore}: {verdict}: wants {self.wants}, {self.in_use} of {self.limit} "
-            f"in use, {self.kept} kept for {self.older} older waiter(s), {self.room} free for it"
+            f"in use, {self.kept} kept for {self.older} waiter(s) ahead"
+            + (f" ({self.by_priority} by priority)" if self.by_priority else "")
+            + f", {self.room} free for it"
         ]
         if self.older_named:
             more = self.older - len(self.older_named)
             named = ", ".join(self.older_named) + (f" and {more} more" if more else "")
-            lines.append(f"older waiters: {named}")
+            lines.append(f"waiters ahead: {named}")
         for holder in self.holders:
             until = "never" if holder.expires_at is None else _moment(holder.expires_at)
             lines.append(
@@ -108,6 +111,7 @@ class Waiting:
     expires_at: datetime
     woken: bool  # a parked task woken and on its way to run
     blockers: list[Blocker]
+    priority: int = 0  # where it stands in line (``engine/line.py``)
     not_before: datetime | None = None  # a debounced send waits until then
     sending: bool = False  # its sender's transaction has not committed yet
 
@@ -117,6 +121,7 @@ class Waiting:
         lines = [
             f"{self.key} waits: {self.waiter or '-'}, since {_moment(self.since)}, "
             f"expires at {_moment(self.expires_at)}"
+            + (f", priority {self.priority}" if self.priority else "")
         ]
         if self.woken:
             lines.append("  Woken: room is kept for it until its run takes it.")
@@ -172,14 +177,18 @@ def _waiting(alias: str, tickets: list[Ticket]) -> Waiting:
             (_blocker(alias, ticket, semaphores[ticket.semaphore_id]) for ticket in tickets),
             key=lambda blocker: blocker.semaphore,
         ),
+        priority=first.priority,
         not_before=parked.not_before if parked is not None else None,
         sending=parked is not None and parked.not_before == SENDING,
     )
 
 
 def _blocker(alias: str, ticket: Ticket, semaphore: Semaphore) -> Blocker:
-    older = Ticket.objects.using(alias).filter(
-        semaphore=semaphore, lacked=True, id__lt=ticket.pk, expires_at__gt=DatabaseNow()
+    older = (
+        Ticket.objects.using(alias)
+        .holding_back()
+        .filter(semaphore=semaphore)
+        .ahead_of(ticket.ranked_at, ticket.pk)
     )
     kept = older.aggregate(n=Count("pk"), kept=Coalesce(Sum("count"), 0))
     held = Permit.objects.using(alias).filter(semaphore=semaphore, state=State.ACQUIRED)
@@ -209,7 +218,8 @@ def _blocker(alias: str, ticket: Ticket, semaphore: Semaphore) -> Blocker:
         in_use=semaphore.in_use,
         kept=kept["kept"],
         older=kept["n"],
-        older_named=[t.waiter for t in older.select_related("parked").order_by("id")[:NAMED]],
+        older_named=[t.waiter for t in older.select_related("parked").in_line()[:NAMED]],
+        by_priority=older.filter(created_at__gt=ticket.created_at).count(),
         holders=holders,
         held_by=held.count() if len(holders) == NAMED else len(holders),
         next_slot=next_slot,

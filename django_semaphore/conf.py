@@ -79,6 +79,11 @@ DEFAULTS: dict[str, Any] = {
     # waiter, still waiting, renews it: a crashed waiter keeps room for
     # others at most this long. A parked task's tickets live by its row.
     "TICKET_LEASE": timedelta(seconds=10),
+    # A waiter's priority is a head start in line: it is served as if it had
+    # come this much earlier per point (Django's -100..100): priority 100
+    # goes ahead of priority-0 waiters that came up to 100 steps before it,
+    # and a waiter is passed by none that came 200 steps after it.
+    "PRIORITY_STEP": timedelta(seconds=1),
     # Families (patterns in SEMAPHORES) whose members the Prometheus metrics
     # label one by one; any other family's members are one series, labelled
     # with its pattern (metrics/series.py).
@@ -106,6 +111,7 @@ DURATION_KEYS = frozenset(
 # no bound at all); MySQL's is at most 2**30 seconds: one range for every backend.
 MIN_LOCK_WAIT, MAX_LOCK_WAIT = 0.001, (2**31 - 1) // 1000
 MIN_TICKET_LEASE = timedelta(seconds=3)
+MAX_PRIORITY_STEP = 86_400
 
 
 T = TypeVar("T")
@@ -179,6 +185,7 @@ class Settings:
     PARKED_REPUBLISH_AFTER = _Setting(_duration)
     LEASE = _Setting(_duration)
     TICKET_LEASE = _Setting(_duration)
+    PRIORITY_STEP = _Setting(_duration)
     METRICS_PER_MEMBER = _Setting(frozenset[str])
     LISTEN_DATABASES = _Setting(dict[str, str | None])
 
@@ -245,6 +252,11 @@ _SCALAR_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "TICKET_LEASE": (
         lambda value: _is_duration(value) and _duration(value) >= MIN_TICKET_LEASE,
         f"seconds or a timedelta, from {MIN_TICKET_LEASE.seconds} to {MAX_TTL} seconds",
+    ),
+    # 200 steps back from now stays a date every database holds.
+    "PRIORITY_STEP": (
+        lambda value: _is_duration(value) and _duration(value).total_seconds() <= MAX_PRIORITY_STEP,
+        f"positive seconds or a timedelta, at most {MAX_PRIORITY_STEP} seconds",
     ),
     "VIEW_STATUS_CODE": (lambda value: is_int(value, 400, 599), "a 4xx or 5xx status"),
     "PARK_TASKS": (lambda value: isinstance(value, bool), "True or False"),

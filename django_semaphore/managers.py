@@ -5,6 +5,7 @@ calls them, so the models sit below everything that does."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any, Self, TypeVar, cast
 
 from django.db import models
@@ -17,6 +18,7 @@ from django.db.models import (
     F,
     Min,
     OuterRef,
+    Q,
     Subquery,
     Sum,
     When,
@@ -305,6 +307,14 @@ class TicketQuerySet(models.QuerySet[M]):
         """Live tickets that lacked room: each keeps the room it asks for
         from younger waiters (``engine/fairness.py``)."""
         return self.filter(lacked=True, expires_at__gt=DatabaseNow())
+
+    def in_line(self) -> Self:
+        """In their places in line: ``ranked_at``, then ``id`` (``engine/line.py``)."""
+        return self.order_by("ranked_at", "id")
+
+    def ahead_of(self, ranked_at: datetime, id: int) -> Self:
+        """The tickets ahead of the place ``(ranked_at, id)`` (``engine/line.py``)."""
+        return self.filter(Q(ranked_at__lt=ranked_at) | Q(ranked_at=ranked_at, id__lt=id))
 
     def of_parked(self) -> Self:
         """Live tickets of parked tasks not woken yet."""

@@ -39,7 +39,7 @@ def run_with_retries(
     attempts = (
         1 if connection.in_atomic_block else max(1, app_settings.RETRY_ATTEMPTS * persistence)
     )
-    attempt, fell_back = 0, False
+    attempt, fallbacks = 0, 0
     while attempt < attempts:
         attempt += 1
         try:
@@ -56,12 +56,13 @@ def run_with_retries(
             ):
                 raise backends.translate(connection, exc) from exc
             failure, cause = failure_or_none, exc
-        if failure is Failure.ROUTINE_MISSING and not fell_back:
+        if failure is Failure.ROUTINE_MISSING and fallbacks < 2:
             # Code newer than the database's migrations (a deploy in
             # progress): the attempt wrote nothing, and the next one, not
-            # counted, takes the general path.
+            # counted, takes the general path (and, where the tickets'
+            # ranking is missing too, a second does without it).
             backends.note_routines_missing(connection, cause)  # type: ignore[arg-type]
-            attempt, fell_back = attempt - 1, True
+            attempt, fallbacks = attempt - 1, fallbacks + 1
             continue
         if failure is Failure.DISCONNECT and not connection.in_atomic_block:
             # The next statement reconnects. Closing a connection the driver

@@ -170,6 +170,12 @@ def warn_fair(fair: Any) -> None:
         )
 
 
+def validate_priority(priority: Any) -> int:
+    """Django's convention for a task's priority: an int, -100 to 100,
+    higher first."""
+    return validate_int(priority, "priority", -100, 100)
+
+
 def validate_token(token: Any) -> int:
     """A fencing token as its column can hold it, on every database."""
     return validate_int(token, "A fencing token", 0, MAX_TOKEN)

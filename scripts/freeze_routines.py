@@ -1,8 +1,8 @@
 """Freeze this code's routines into a migration's SQL files.
 
-    scripts/freeze_routines.py 0018_routines_v2
+    scripts/freeze_routines.py 0019_routines_v2
 
-writes ``django_semaphore/migrations/sql/0018_routines_v2.{mariadb,postgresql}.sql``
+writes ``django_semaphore/migrations/sql/0019_routines_v2.{mariadb,postgresql}.sql``
 from ``engine/statements/routines.creates``, rendered on the private test
 servers (``scripts/servers.py start mariadb postgres`` prints their URLs:
 ``eval`` them first). A migration installs the files with

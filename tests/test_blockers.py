@@ -120,8 +120,9 @@ def test_the_status_command_says_why(full):
 
     text = out.getvalue()
     assert text.startswith("mine waits: waiter mine, since ")
-    assert f"  {full.name}: lacks room: wants 1, 2 of 2 in use, 1 kept for 1 older" in text
-    assert "    older waiters: waiter older\n" in text
+    summary = f"  {full.name}: lacks room: wants 1, 2 of 2 in use, 1 kept for 1 waiter(s) ahead"
+    assert summary in text
+    assert "    waiters ahead: waiter older\n" in text
     assert "    held by web-1 (holder-1): 1 since " in text
     assert "held by web-2 (holder-2): 1 since " in text
     assert "lease until never" in text

@@ -382,6 +382,19 @@ def test_a_django_task_that_waits_is_deferred_until_woken(django_once, published
     assert published == [result.id]
 
 
+def test_a_waiting_django_task_stands_in_line_at_its_own_priority(django_once, published):
+    from tests.test_parked import park_row
+
+    acquire(own_tasks.ONCE, external_id="held-by-the-test")
+    low = park_row({own_tasks.ONCE: 1})
+    urgent = own_tasks.latest.using(priority=60).enqueue("urgent")
+
+    assert dict(Ticket.objects.values_list("external_id", "priority")) == {low: 0, urgent.id: 60}
+    release("held-by-the-test")
+    wake.wake("default", [django_once.pk])
+    assert published == [urgent.id]
+
+
 def test_replace_fails_the_waiting_django_tasks(django_once, published):
     acquire(own_tasks.ONCE, external_id="held-by-the-test")
     sent = [own_tasks.latest.enqueue(label) for label in ("a", "b", "c")]

@@ -36,8 +36,10 @@ connection = connections["default"]  # the wrapper itself: the engine keeps stat
 REPOSITORY = Path(__file__).resolve().parent.parent
 # The previous release: its code calls version 1 of the routines.
 PREVIOUS_RELEASE = "ca0014a"
-NEWEST = "0018_routines_v2"
+NEWEST = "0019_routines_v2"
+# The previous release's last migration: its routines, and tickets not ranked.
 BEFORE_NEWEST = "0017_routines_v1"
+BEFORE_ROUTINES = "0018_ticket_priority"
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +53,7 @@ def fresh_routines(monkeypatch):
     """The test migrates the app back and forth; it ends with this version's
     routines installed again, and this process calling them."""
     monkeypatch.setattr(backends, "_without_routines", {})
+    monkeypatch.setattr(backends, "_without_ranks", {})
     yield
     call_command("migrate", "django_semaphore", BEFORE_NEWEST, verbosity=0)
     call_command("migrate", "django_semaphore", verbosity=0)
@@ -177,6 +180,7 @@ def test_without_its_version_the_code_takes_the_general_path(
     call_command("migrate", "django_semaphore", NEWEST, verbosity=0)
     assert checks.check_routines(databases=["default"]) == []
     backends._without_routines.clear()  # as ROUTINES_RECHECK seconds later
+    backends._without_ranks.clear()
     with CaptureQueriesContext(connection) as sent:
         acquire(other.name, external_id="one-trip")
     assert len(sent) == 1
@@ -353,7 +357,7 @@ def test_a_user_without_create_routine_migrates_and_is_served(
     if connection.vendor != "mysql":
         pytest.skip("PostgreSQL's CREATE on the schema covers tables and routines alike")
     name = make_semaphore(capacity=1).name
-    call_command("migrate", "django_semaphore", BEFORE_NEWEST, verbosity=0)
+    call_command("migrate", "django_semaphore", BEFORE_ROUTINES, verbosity=0)
     app_user(execute=True)
     with caplog.at_level(logging.WARNING, logger="django_semaphore"):
         call_command("migrate", "django_semaphore", NEWEST, verbosity=0)

@@ -44,7 +44,7 @@ def sections(page: OperatorAdmin, request: HttpRequest, obj: Semaphore) -> dict[
     )
     history = CapacityChange.objects.using(using).filter(semaphore=obj)
     queue = Ticket.objects.using(using).filter(semaphore=obj, expires_at__gt=now)
-    waiting = list(queue.select_related("parked").order_by("id")[:HOLDERS_SHOWN])
+    waiting = list(queue.select_related("parked").in_line()[:HOLDERS_SHOWN])
     can_view_requests = page.can_view(request, PermitRequest)
     return {
         "utilization_summary": describe(utilization),
@@ -124,6 +124,7 @@ def _queue(
                     else ""
                 ),
                 "count": ticket.count,
+                "priority": ticket.priority,
                 "free": free,
                 "lacks": ticket.count > free,
                 "waiting": duration(ticket.created_at, now),

@@ -88,6 +88,7 @@ class Ask:
     owner: str
     demand: Demand
     deadline: float | None  # monotonic; None: fails fast, never takes a ticket
+    priority: int = 0  # where its tickets rank (``line.ranked``)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,9 @@ def admit(
         # pushes their expiry).
         expires_at = now + timedelta(seconds=life)
         asks = {s.id: counts[s.name] for s in locked}
-        tickets.take(cursor, ask.key, ask.owner, asks, now, expires_at, short, lock_wait)
+        tickets.take(
+            cursor, ask.key, ask.owner, asks, now, expires_at, short, lock_wait, ask.priority
+        )
     standing = _placed(standing, short, ticketed=life is not None)
     return sorted(s.name for s in locked if s.id in short), standing
 

@@ -1,6 +1,12 @@
 """The line's rule, stated once in Python: a request fits where the
-permits held, its count and what the older tickets that lacked room ask for
-(``kept``: their room is kept for them) stay within the capacity.
+permits held, its count and what the tickets ahead of it that lacked room
+ask for (``kept``: their room is kept for them) stay within the capacity.
+
+A ticket's place in line is ``(ranked_at, id)``: when its waiter came,
+moved earlier by its priority's head start (``ranked``), then the ticket's
+id (the order of the grant transactions that took them). One order on
+every semaphore: all of a waiter's tickets have one ``ranked_at``, and
+take their ids in one transaction under all of its rows' locks.
 
 The general grant (``grant``, ``fairness.admit``), parking's wake-up
 (``wakeups``), the probes and the waiter that reads them (``waiting``) and
@@ -12,7 +18,19 @@ SQL routines state the same rule in their one template
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Set
+from datetime import datetime, timedelta
 from typing import Protocol, TypeVar
+
+# Django's range of task priorities: higher first.
+PRIORITIES = range(-100, 101)
+
+
+def ranked(now: datetime, priority: int, step: timedelta) -> datetime:
+    """Where a waiter that comes ``now`` stands in line: ``step`` earlier
+    per point of priority (``PRIORITY_STEP``). A head start, not a class:
+    a waiter is passed only by those that came within their priorities'
+    difference of steps after it, so none waits forever."""
+    return now - priority * step
 
 
 def room(held: int, capacity: int, kept: int = 0) -> int:

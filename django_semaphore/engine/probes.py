@@ -49,7 +49,9 @@ def probe(
     sql = built(ProbeStatements, connection)
     with connection.cursor() as cursor:
         cursor.execute(
-            sql.probe_sql.format(ids=placeholders(len(semaphore_ids))),
+            sql.probe_sql[backends.tickets_ranked(connection)].format(
+                ids=placeholders(len(semaphore_ids))
+            ),
             [True, key, key, *semaphore_ids],
         )
         rows = cursor.fetchall()

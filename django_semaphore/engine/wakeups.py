@@ -63,13 +63,14 @@ def line_up(
     expires_at: datetime | None,
     *,
     woken: bool = False,
+    priority: int = 0,
 ) -> Lined:
     """In the caller's transaction: lock these semaphores' rows and take
     the task's tickets, lacking room where it does not fit beside the older
-    tickets that lacked it (expired holders reclaimed first). A task parked
-    again keeps its tickets, and so its place. ``woken``: a task that fits
-    everywhere takes its tickets lacking room everywhere, which keeps the
-    room for its run (as a wake-up does).
+    tickets that lacked it (expired holders reclaimed first), ranked by
+    ``priority``. A task parked again keeps its tickets, and so its place.
+    ``woken``: a task that fits everywhere takes its tickets lacking room
+    everywhere, which keeps the room for its run (as a wake-up does).
 
     Raises:
         SemaphoreNotFound: a semaphore of the demand does not exist.
@@ -97,7 +98,7 @@ def line_up(
             queued = [row.queued_until for row in rows if row.queued_until is not None]
             until = max([until, *queued]) + timedelta(microseconds=1)
         counts = {ids[name]: count for name, count in demand.items()}
-        statements.take(cursor, key, "", counts, now, until, lacking, lock_wait)
+        statements.take(cursor, key, "", counts, now, until, lacking, lock_wait, priority)
     return Lined(ids, {row.id for row in rows if row.limit.is_rate}, short)
 
 
@@ -148,7 +149,7 @@ def _candidates(alias: str, freed: set[int]) -> list[str]:
     candidates: set[str] = set()
     for id, capacity, in_use in semaphores.values_list("id", "capacity", F("in_use")):
         if (free := room(in_use, capacity)) > 0:
-            line = Ticket.objects.using(alias).of_parked().filter(semaphore_id=id).order_by("id")
+            line = Ticket.objects.using(alias).of_parked().filter(semaphore_id=id).in_line()
             for kind in (Q(lacked=True), Q(lacked=False) & ~Exists(lacking)):
                 oldest = line.filter(kind).values_list("external_id", flat=True)
                 candidates.update(oldest[: min(free, CANDIDATES_READ)])
@@ -176,13 +177,15 @@ def next_slots(alias: str, semaphore_ids: set[int]) -> dict[int, float]:
     }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class _Place:
-    """One ticket: its id (its place in its semaphore's line), key, count."""
+    """One ticket: its place in its semaphore's line (``ranked_at``, then
+    ``id``: ``engine/line.py``), key, count."""
 
+    ranked_at: datetime
     id: int
-    key: str
-    count: int
+    key: str = field(compare=False)
+    count: int = field(compare=False)
 
 
 @dataclass
@@ -197,12 +200,12 @@ class _Line:
 
     def fits(self, place: _Place) -> bool:
         """Whether ``place`` fits beside the older tickets that hold back."""
-        kept = sum(p.count for p in self.holding_back if p.id < place.id and p.key != place.key)
+        kept = sum(p.count for p in self.holding_back if p < place and p.key != place.key)
         return fits(self.in_use, place.count, self.capacity, kept)
 
     def hold_back(self, place: _Place) -> None:
         self.holding_back.append(place)
-        self.holding_back.sort(key=lambda p: p.id)
+        self.holding_back.sort()
 
 
 def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
@@ -233,9 +236,10 @@ def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
         }
         for id, line in lines.items():
             if (free := room(line.in_use, line.capacity)) > 0:
-                oldest = tickets.holding_back().filter(semaphore_id=id).order_by("id")
+                first = tickets.holding_back().filter(semaphore_id=id).in_line()
                 line.holding_back = [
-                    _Place(*row) for row in oldest.values_list("id", "external_id", "count")[:free]
+                    _Place(*row)
+                    for row in first.values_list("ranked_at", "id", "external_id", "count")[:free]
                 ]
         waiting = dict(
             ParkedTask.objects.using(alias)
@@ -244,10 +248,10 @@ def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
             .values_list("key", "id")
         )
         places: dict[str, dict[int, tuple[_Place, bool]]] = defaultdict(dict)
-        for id, key, semaphore_id, count, lacked in tickets.filter(
+        for ranked_at, id, key, semaphore_id, count, lacked in tickets.filter(
             external_id__in=list(waiting), semaphore_id__in=list(lines)
-        ).values_list("id", "external_id", "semaphore_id", "count", "lacked"):
-            places[key][semaphore_id] = (_Place(id, key, count), lacked)
+        ).values_list("ranked_at", "id", "external_id", "semaphore_id", "count", "lacked"):
+            places[key][semaphore_id] = (_Place(ranked_at, id, key, count), lacked)
         choice = _choose(places, lines)
         _hold_back(connection, choice.lacking)
         woken = [waiting[key] for key in choice.woken]
@@ -268,12 +272,12 @@ class Choice:
 def _choose(
     places: Mapping[str, Mapping[int, tuple[_Place, bool]]], lines: Mapping[int, _Line]
 ) -> Choice:
-    """The tasks to wake, oldest first (by their first ticket): one that
-    fits beside the older tickets holding back on each of its semaphores is
-    woken and holds back there; one that does not lacks room where it does
-    not fit, and holds back younger ones there."""
+    """The tasks to wake, first in line first (by their first ticket): one
+    that fits beside the tickets ahead of it holding back on each of its
+    semaphores is woken and holds back there; one that does not lacks room
+    where it does not fit, and holds back those behind it there."""
     choice = Choice()
-    for key in sorted(places, key=lambda key: min(p.id for p, _ in places[key].values())):
+    for key in sorted(places, key=lambda key: min(p for p, _ in places[key].values())):
         asks = places[key]
         short = {s for s, (place, _) in asks.items() if not lines[s].fits(place)}
         for s, (place, lacked) in asks.items():

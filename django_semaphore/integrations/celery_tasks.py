@@ -144,6 +144,7 @@ def _claim_or_stand_by(task: Any, options: Options) -> str:
         current_owner(task),
         options.demand,
         options.lease,
+        priority=options.priority_or(0),
         rerun_finished=not options.parks,
     )
     try:
@@ -170,7 +171,13 @@ def _park_task(task: Any, options: Options) -> None:
     Any other error (a semaphore deleted meanwhile) fails the run, as the
     claim would have."""
     try:
-        parking.park(task, options.demand, task_keys.next_key(task.request.id), options.max_waiting)
+        parking.park(
+            task,
+            options.demand,
+            task_keys.next_key(task.request.id),
+            options.max_waiting,
+            options.priority_or(0),
+        )
     except SemaphoreError as exc:
         if not _database_failed(exc):
             raise

@@ -32,6 +32,7 @@ class HeldPermit:
         ttl: int | float | timedelta | DefaultLease | None,
         timeout: int | float | timedelta,
         heartbeat: bool,
+        priority: int = 0,
     ) -> None:
         self._acquire_args: dict[str, Any] = {
             "names": names,
@@ -39,6 +40,7 @@ class HeldPermit:
             "owner": owner,
             "ttl": lease_seconds(ttl),
             "timeout": timeout,
+            "priority": priority,
         }
         self._renews = validate_flag(heartbeat, "heartbeat")
         self._lease: Lease | None = None
@@ -109,6 +111,7 @@ def permit(
     ttl: int | float | timedelta | DefaultLease | None = LEASE,
     timeout: int | float | timedelta = 0,
     heartbeat: bool = True,
+    priority: int = 0,
     fair: bool | None = None,
 ) -> HeldPermit:
     """Hold permits for a ``with`` (or ``async with``) block.
@@ -120,7 +123,7 @@ def permit(
     process killed mid-block gives them back when the lease runs out. If the
     permit is lost meanwhile, leaving the block raises ``PermitLost``.
 
-    ``names``, ``owner``, ``ttl`` and ``timeout`` are as for
+    ``names``, ``owner``, ``ttl``, ``timeout`` and ``priority`` are as for
     [`acquire`][django_semaphore.acquire], and so is every error raised on entry
     (the block does not run then).
 
@@ -134,6 +137,7 @@ def permit(
             never expires.
         timeout: how long to wait for room on entry.
         heartbeat: renew the TTL while the block runs.
+        priority: where it stands in line while it waits, -100 to 100.
         fair: deprecated, ignored: every call that waits waits in line.
 
     Returns:
@@ -150,4 +154,5 @@ def permit(
         ttl=ttl,
         timeout=timeout,
         heartbeat=heartbeat,
+        priority=priority,
     )

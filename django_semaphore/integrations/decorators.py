@@ -37,6 +37,7 @@ from django_semaphore.validation import (
     validate_debounce,
     validate_flag,
     validate_int,
+    validate_priority,
     validate_timeout,
     validate_ttl,
     warn_fair,
@@ -52,6 +53,7 @@ def holds_permit(
     ttl: int | float | timedelta | DefaultLease | None = LEASE,
     timeout: int | float | timedelta = 0,
     retry_after: int = 1,
+    priority: int | Callable[..., int] | None = None,
     fair: bool | None = None,
     park: bool | None = None,
     max_waiting: int | None = None,
@@ -104,6 +106,11 @@ def holds_permit(
             default), seconds or a ``timedelta``; ``None`` never expires.
         timeout: seconds to wait for room before giving up (views, functions).
         retry_after: seconds a refused client is told to wait.
+        priority: where a call stands in line while it waits: -100 to 100,
+            higher first, or a callable of the call's arguments that returns
+            it (as ``names``). ``None``: a Django task's own priority, 0 for
+            anything else (a Celery message's priority is its broker's, in
+            its broker's order: not read).
         fair: deprecated, ignored: every call that waits waits in line.
         park: tasks only: whether a task that finds no room is parked
             (``True``) or retried (``False``; a Django task waits in its
@@ -152,6 +159,8 @@ def holds_permit(
     validate_timeout(timeout)
     # The Retry-After header takes whole seconds.
     validate_int(retry_after, "retry_after (seconds)", 0, MAX_TTL)
+    if not callable(priority) and priority is not None:
+        validate_priority(priority)
     warn_fair(fair)
     if max_waiting is not None:
         validate_int(max_waiting, "max_waiting", 1, MAX_COUNT)
@@ -174,7 +183,7 @@ def holds_permit(
         _refuse_task_object(func)
         options = Options(
             demand, lease, timeout, retry_after, _label(func), park, count, names_of,
-            max_waiting, on_conflict, debounce_seconds,
+            max_waiting, on_conflict, debounce_seconds, priority,
         )  # fmt: skip
         request_at = _request_position(func, view)
         if inspect.iscoroutinefunction(func):
@@ -264,7 +273,9 @@ def _running_task_of(body: Callable[..., Any]) -> Any:
 def _permit(call: Options) -> HeldPermit:
     """A plain function's permit, held for the call with a fresh key."""
     owner = process_owner(call.label)
-    return permit(call.demand, owner=owner, ttl=call.lease, timeout=call.timeout)
+    return permit(
+        call.demand, owner=owner, ttl=call.lease, timeout=call.timeout, priority=call.priority_or(0)
+    )
 
 
 def _sync_wrapper(func: F, options: Options, request_at: int | None) -> Callable[..., Any]:

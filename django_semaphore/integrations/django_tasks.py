@@ -38,6 +38,7 @@ import logging
 from collections.abc import Callable
 from contextlib import suppress
 from contextvars import ContextVar
+from dataclasses import replace
 from datetime import datetime, timedelta
 from importlib.util import find_spec
 from types import ModuleType
@@ -189,7 +190,8 @@ def send(task: Any, enqueue: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     def row_of() -> Row:
         sent.append(enqueue(task, *args, **kwargs))  # again on a retried transaction
         result = sent[-1]
-        return Row.of_django(result.id, result.id, task.module_path, result.backend)
+        priority = call.priority_or(task.priority)
+        return Row.of_django(result.id, result.id, task.module_path, result.backend, priority)
 
     admitted = admission.enqueue(row_of, call.demand, call.policy, also=deferred.alias())
     if admitted.existing:
@@ -218,6 +220,7 @@ def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwar
             task class does not (``permit_task_class``).
     """
     _refuse_undecided(result, options)
+    options = replace(options, priority=options.priority_or(result.task.priority))
     key = _claim_or_defer(result, options)
     lease = options.hold_lease(key)
     try:
@@ -231,6 +234,7 @@ async def run_async(
 ) -> Any:
     """``run`` for an ``async def`` task: it waits for room, never deferred."""
     _refuse_undecided(result, options)
+    options = replace(options, priority=options.priority_or(result.task.priority))
     key = await sync_to_async(_claim)(_owner(result), options, options.timeout or MAX_TTL)
     lease = options.hold_lease(key)
     try:
@@ -266,7 +270,7 @@ def _claim_or_defer(result: Any, options: Options) -> str:
         if (stood_by := standby.stand_by(result.id, options.demand, claim)) is None:
             key = task_keys.next_key(result.id)
             task = (result.id, key, result.task.module_path, result.backend)
-            parking.defer(*task, options.demand, options.max_waiting)
+            parking.defer(*task, options.demand, options.max_waiting, options.priority_or(0))
             _defer(result, options, None)
         key = stood_by
     parking.started(result.id, options.demand)
@@ -274,7 +278,9 @@ def _claim_or_defer(result: Any, options: Options) -> str:
 
 
 def _claim(me: TaskOwner, options: Options, timeout: float | timedelta) -> str:
-    return task_keys.claim(me, options.demand, options.lease, timeout)
+    return task_keys.claim(
+        me, options.demand, options.lease, timeout, priority=options.priority_or(0)
+    )
 
 
 def _settle(result: Any, key: str, lease: Lease | None) -> None:

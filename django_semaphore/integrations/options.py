@@ -11,14 +11,14 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from django_semaphore import routing
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.integrations.leases import HEARTBEAT, DefaultLease, Lease, lease_seconds
 from django_semaphore.parking.admission import Policy
-from django_semaphore.validation import validate_demand
+from django_semaphore.validation import validate_demand, validate_priority
 
 # Attribute of a decorated function that carries its options (a task's body:
 # what PermitTask reads when the task is sent).
@@ -55,6 +55,9 @@ class Options:
     max_waiting: int | None = None  # parked tasks each semaphore may have waiting
     on_conflict: str | None = None  # "discard" or "replace": decided when sent (PermitTask)
     debounce: float | None = None  # seconds a send waits for the ones that follow it
+    # Where a call stands in line: an int, one computed from each call's
+    # arguments, or None: a Django task's own priority (0 elsewhere).
+    priority: int | Callable[..., Any] | None = None
 
     @property
     def policy(self) -> Policy:
@@ -84,22 +87,36 @@ class Options:
         return HEARTBEAT.hold(key, ttl, routing.alias_for_names(self.demand))
 
     def for_call(self, *args: Any, **kwargs: Any) -> Options:
-        """The options of one call: its demand computed from its arguments,
-        when the decorator was given a callable."""
-        if self.names_of is None:
-            return self
+        """The options of one call: its demand and its priority computed
+        from its arguments, where the decorator was given callables."""
+        call = self
+        if self.names_of is not None:
+            names = _called(self.names_of, "names semaphores", args, kwargs)
+            call = replace(call, demand=demand_of(names, self.count))
+        if callable(self.priority):
+            priority = _called(self.priority, "gives the priority", args, kwargs)
+            call = replace(call, priority=validate_priority(priority))
+        return call
+
+    def priority_or(self, default: int) -> int:
+        """The call's priority (``for_call``'s), or ``default`` where none was given."""
+        return default if self.priority is None else cast(int, self.priority)
+
+
+def _called(func: Callable[..., Any], does: str, args: Any, kwargs: Any) -> Any:
+    """``func`` called with a call's arguments; one that cannot take them
+    is the decorator's mistake, said as such."""
+    try:
+        return func(*args, **kwargs)
+    except TypeError as exc:
         try:
-            names = self.names_of(*args, **kwargs)
-        except TypeError as exc:
-            try:
-                inspect.signature(self.names_of).bind(*args, **kwargs)
-            except (TypeError, ValueError):  # they do not fit (or it has no signature)
-                raise InvalidRequest(
-                    f"The names callable {self.names_of!r} cannot take the arguments of the "
-                    f"call it names semaphores for ({exc}): give it the same parameters."
-                ) from exc
-            raise  # raised inside it: its own error
-        return replace(self, demand=demand_of(names, self.count))
+            inspect.signature(func).bind(*args, **kwargs)
+        except (TypeError, ValueError):  # they do not fit (or it has no signature)
+            raise InvalidRequest(
+                f"The callable {func!r} that {does} cannot take the arguments of the "
+                f"call ({exc}): give it the same parameters."
+            ) from exc
+        raise  # raised inside it: its own error
 
 
 def demand_of(names: Any, count: int) -> dict[str, int]:

@@ -77,7 +77,7 @@ class PermitTask(Task):  # type: ignore[misc]
             args, kwargs, task_id=task_id, link=link, link_error=link_error, shadow=shadow,
             **options,
         )  # fmt: skip
-        row_of = functools.partial(Row.of_celery, self, signature)
+        row_of = functools.partial(Row.of_celery, self, signature, priority=call.priority_or(0))
         admitted = admission.enqueue(row_of, call.demand, call.policy)
         if admitted.existing:
             existing = admitted.existing[0]

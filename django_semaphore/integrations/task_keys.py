@@ -43,6 +43,7 @@ def claim(
     ttl: int | None,
     timeout: float | timedelta = 0,
     *,
+    priority: int = 0,
     rerun_finished: bool = True,
 ) -> str:
     """Acquire (or re-attach to) the permit of ``me``'s task id, waiting up
@@ -59,7 +60,9 @@ def claim(
     """
     for key in keys(me.task_id):
         try:
-            request = api.acquire(demand, external_id=key, owner=str(me), ttl=ttl, timeout=timeout)
+            request = api.acquire(
+                demand, external_id=key, owner=str(me), ttl=ttl, timeout=timeout, priority=priority
+            )
         except PermitAlreadyReleased:
             if not rerun_finished and key == me.task_id and parking.finished_before(key):
                 raise TaskAlreadyRan(f"Task {key} already ran; this copy is dropped.") from None

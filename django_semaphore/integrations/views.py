@@ -129,6 +129,7 @@ def _acquire_for_view(options: Options, request: HttpRequest) -> PermitRequest |
             owner=_view_owner(options, request),
             ttl=options.lease,
             timeout=options.timeout,
+            priority=options.priority_or(0),
         )
     except SemaphoreExhausted as exc:
         logger.info("%s refused: %s", options.label, exc)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
+from django.db.models.functions import Now
+from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
 from django_semaphore.limits import Limit
@@ -18,6 +20,8 @@ class Ticket(models.Model):
 
     Taken under the semaphore's row lock, so on each semaphore ticket ids
     follow the order of its grant transactions (see ``engine/fairness.py``).
+    Its place is ``(ranked_at, id)``: when it came, moved earlier by its
+    priority's head start (``engine/line.py``), then its id.
     ``lacked``: the waiter lacked room on this semaphore (then, at a later
     attempt, or when a wake-up passed it over) or was woken to take it;
     only then does it hold back younger waiters here, by keeping the room it
@@ -34,6 +38,10 @@ class Ticket(models.Model):
     created_at = models.DateTimeField(_("waiting since"))
     expires_at = models.DateTimeField(_("expires at"))
     lacked = models.BooleanField(_("lacked room here"), default=True)
+    priority = models.SmallIntegerField(_("priority"), default=0, db_default=0)
+    # Database defaults: a ticket taken by code that predates these columns
+    # (a deploy under way) is in line from when it came, at priority 0.
+    ranked_at = models.DateTimeField(_("in line from"), default=timezone.now, db_default=Now())
     # The parked task whose ticket this is, by key (no column of its own):
     # none for a waiter's.
     parked = models.ForeignObject(
@@ -50,7 +58,7 @@ class Ticket(models.Model):
     class Meta:
         verbose_name = _("ticket")
         verbose_name_plural = _("tickets")
-        ordering = ["id"]
+        ordering = ["ranked_at", "id"]
         constraints = [
             # One place per key and semaphore: a retried acquire keeps its
             # place. Key first: a parked task's tickets are found by its id.

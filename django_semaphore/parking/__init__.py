@@ -100,10 +100,17 @@ not failed, not pending on the broker; ``info`` says what it waits for."""
 # --- park ------------------------------------------------------------------------
 
 
-def park(task: Any, demand: Mapping[str, int], key: str, max_waiting: int | None = None) -> None:
+def park(
+    task: Any,
+    demand: Mapping[str, int],
+    key: str,
+    max_waiting: int | None = None,
+    priority: int = 0,
+) -> None:
     """Write the running task's message to a ``ParkedTask`` row (once per
     task id: a woken task parked again keeps its place), its tickets under
-    ``key``, the key its next run claims its permit with; then look for room.
+    ``key``, the key its next run claims its permit with, ranked by
+    ``priority``; then look for room.
 
     Raises:
         LineFull: ``max_waiting`` tasks already wait parked on one of its
@@ -113,7 +120,7 @@ def park(task: Any, demand: Mapping[str, int], key: str, max_waiting: int | None
     """
     request = task.request
     signature = task.signature_from_request(request, request.args, request.kwargs)
-    row = Row.of_celery(task, signature, key)
+    row = Row.of_celery(task, signature, key, priority=priority)
     alias, lined = _park(row, demand, max_waiting)
     set_state(task, demand)
     wake.wake(alias, lined.ids.values())
@@ -129,6 +136,7 @@ def defer(
     backend: str,
     demand: Mapping[str, int],
     max_waiting: int | None = None,
+    priority: int = 0,
 ) -> None:
     """Park the running Django task of this result, deferred in its task
     ``backend`` (``deferred.hold``, once its run has ended), then look for
@@ -139,7 +147,7 @@ def defer(
         LineFull: as for ``park``.
         SemaphoreError: the row could not be written.
     """
-    row = Row.of_django(result_id, key, task_name, backend)
+    row = Row.of_django(result_id, key, task_name, backend, priority)
     alias, lined = _park(row, demand, max_waiting)
     wake.wake(alias, lined.ids.values())
 
@@ -164,7 +172,7 @@ def _insert(
     counted under their row locks (``line_up``'s), so never more."""
     alias = connection.alias
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
-        lined = wakeups.line_up(connection, row.key, demand, row.expires_at)
+        lined = wakeups.line_up(connection, row.key, demand, row.expires_at, priority=row.priority)
         parked_before = ParkedTask.objects.using(alias).filter(task_id=row.task_id)
         before = parked_before.values_list("key", flat=True).first()
         if before is None and max_waiting is not None:
@@ -332,13 +340,13 @@ def with_parked(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
     ``semaphore_status`` and the metrics, in the same query.
 
     Correlated subqueries on the line's index: the first in line is the
-    parked task with the lowest ticket there, then its ``parked_at`` by its
-    unique key.
+    parked task whose ticket there is first in line, then its
+    ``parked_at`` by its unique key.
     """
     tickets = Ticket.objects.filter(parked__id__isnull=False).order_by()
     line = tickets.filter(semaphore=OuterRef("pk")).values("semaphore")
     first_in_line = (
-        tickets.filter(semaphore=OuterRef(OuterRef("pk"))).order_by("id").values("external_id")[:1]
+        tickets.filter(semaphore=OuterRef(OuterRef("pk"))).in_line().values("external_id")[:1]
     )
     return queryset.annotate(
         parked=Coalesce(

@@ -27,19 +27,25 @@ class Row:
     encoding: str
     expires_at: datetime | None
     backend: str = ""
+    priority: int = 0  # where its tickets rank in line (not a column of the row)
 
     @classmethod
-    def of_celery(cls, task: Any, signature: Any, key: str | None = None) -> Row:
+    def of_celery(
+        cls, task: Any, signature: Any, key: str | None = None, *, priority: int = 0
+    ) -> Row:
         """A Celery task's row: its ``signature`` (with its ``task_id`` and
         ``expires``) as its serializer encodes it; ``key``: the task id's."""
         task_id = signature.options["task_id"]
         expires = _expiry(signature.options.get("expires"))
-        return cls(task_id, key or task_id, task.name, *_encode(task, signature), expires)
+        encoded = _encode(task, signature)
+        return cls(task_id, key or task_id, task.name, *encoded, expires, priority=priority)
 
     @classmethod
-    def of_django(cls, result_id: str, key: str, task_name: str, backend: str) -> Row:
+    def of_django(
+        cls, result_id: str, key: str, task_name: str, backend: str, priority: int = 0
+    ) -> Row:
         """A Django task's row: its result waits in its ``backend``."""
-        return cls(result_id, key, task_name, b"", "", "", None, backend)
+        return cls(result_id, key, task_name, b"", "", "", None, backend, priority)
 
 
 def _encode(task: Any, signature: Any) -> tuple[bytes, str, str]:

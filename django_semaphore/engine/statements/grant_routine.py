@@ -168,7 +168,7 @@ class GrantRoutine(SQL):
         a caller that fails fast plainly. A taken key's request and a
         reclaim of expired permits are left to the general grant
         (``one_trip.py`` says why)."""
-        let, steps = server.let, self._line_statements(row.id, row.count, server.bound)
+        let, steps = server.let, self._line_statements(row.id, row.count, server)
         in_line = "p_life IS NOT NULL"
         head_wait = f"CASE WHEN {in_line} THEN {HEAD_WAIT_MS * 1000} ELSE {BRIEF_WAIT_US} END"
         life = "ROUND(p_life * 1000000)"
@@ -280,18 +280,21 @@ class GrantRoutine(SQL):
             f" WHERE c.{self.q('semaphore_id')} = {row.id}"
         )
 
-    def _line_statements(self, id_sql: str, count_sql: str, bound: str) -> LineStatements:
+    def _line_statements(self, id_sql: str, count_sql: str, server: _Server) -> LineStatements:
         """The line's statements on the semaphore ``id_sql`` for
-        ``count_sql`` permits, in a routine whose key, owner, clock and
-        deadline are ``p_key``, ``p_owner``, ``v_now`` and ``v_deadline``;
-        the writes that may wait for a lock prefixed with ``bound``."""
-        tickets = ticket_statements(self.connection)
+        ``count_sql`` permits, in a routine whose key, owner, priority (and
+        its head start, seconds), clock and deadline are ``p_key``,
+        ``p_owner``, ``p_priority``, ``p_head_start``, ``v_now`` and
+        ``v_deadline``; the writes that may wait for a lock bounded."""
+        tickets, bound = ticket_statements(self.connection), server.bound
+        ranked = server.after("v_now", "-ROUND(p_head_start * 1000000)", "MICROSECOND")
         older_sql = with_arguments(
-            tickets.older_sql.format(ids="%s"), id_sql, "TRUE", "v_now", "p_key", "p_key"
+            tickets.older_sql[True].format(ids="%s"), id_sql, "TRUE", "v_now", "p_key", "p_key"
         )
         take_sql = with_arguments(
-            tickets.insert_sql.format(rows="(%s, %s, %s, %s, %s, %s, %s)"),
+            tickets.insert_sql[True].format(rows="(%s, %s, %s, %s, %s, %s, %s, %s, %s)"),
             *(id_sql, "p_key", "p_owner", count_sql, "v_now", "v_deadline", "TRUE"),
+            *("p_priority", ranked),
         )
         delete_sql = with_arguments(tickets.delete_sql.format(ids="%s"), "p_key", id_sql)
         return LineStatements(

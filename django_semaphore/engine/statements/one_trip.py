@@ -37,7 +37,8 @@ from typing import Any
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
-from django_semaphore.engine.statements import SQL, built, queue, routine
+from django_semaphore.conf import app_settings
+from django_semaphore.engine.statements import SQL, built, placeholders, queue, routine
 from django_semaphore.engine.statements.grant_routine import grant_routine
 
 # A function on PostgreSQL, a procedure on MariaDB (routines.py renders it, a
@@ -78,6 +79,7 @@ class Line:
     ticketed: bool  # it holds tickets (only the general grant deletes them elsewhere)
     lacked: bool  # its ticket lacked room
     ticket_life: float | None  # seconds a ticket it takes lives; None: it takes none
+    priority: int  # where a ticket it takes ranks (``line.ranked``)
 
 
 class OneTripStatements(SQL):
@@ -115,10 +117,11 @@ class OneTripStatements(SQL):
             return None  # MariaDB's block of several names is no routine
         params: list[Any]
         wait = max(1, math.ceil(lock_wait))
-        in_line = [line.ticketed, line.lacked, line.ticket_life]
+        head_start = line.priority * app_settings.PRIORITY_STEP.total_seconds()
+        in_line = [line.ticketed, line.lacked, line.ticket_life, line.priority, head_start]
         fails_fast = line.ticket_life is None
         if one_name and self.vendor == "postgresql":
-            sql = f"SELECT * FROM {ONE_NAME_ROUTINE}(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+            sql = f"SELECT * FROM {ONE_NAME_ROUTINE}({placeholders(11)})"
             params = [names[0], counts[names[0]], key, owner, ttl, queue.lock_timeout(lock_wait)]
             params += in_line
         elif self.vendor == "postgresql":
@@ -126,7 +129,7 @@ class OneTripStatements(SQL):
             params = [names, [counts[n] for n in names], key, owner, ttl]
             params += [queue.lock_timeout(lock_wait), fails_fast]
         elif one_name:
-            sql = f"CALL {ROUTINE}(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+            sql = f"CALL {ROUTINE}({placeholders(11)})"
             params = [names[0], counts[names[0]], ttl, key, owner, wait, *in_line]
         else:
             sql = grant_routine(self.connection).block(len(names), wait)

@@ -76,7 +76,8 @@ def creates(connection: BaseDatabaseWrapper) -> list[str]:
             f" AS $grant${grant.function_body()}$grant$",
             f"CREATE OR REPLACE FUNCTION {one_trip.ONE_NAME_ROUTINE}(p_name text, p_count integer,"
             " p_key text, p_owner text, p_ttl integer, p_lock_wait text, p_ticketed boolean,"
-            " p_lacked boolean, p_life double precision)"
+            " p_lacked boolean, p_life double precision, p_priority integer,"
+            " p_head_start double precision)"
             f" RETURNS TABLE ({granted}, refused_id bigint, refused_capacity bigint,"
             " refused_rounds bigint, refused_ticket boolean) LANGUAGE plpgsql VOLATILE"
             f" AS $grant${grant.one_name_function_body()}$grant$",
@@ -97,7 +98,7 @@ def creates(connection: BaseDatabaseWrapper) -> list[str]:
     return [
         f"CREATE OR REPLACE PROCEDURE {one_trip.ROUTINE}(p_name {name}, p_count INT,"
         f" p_ttl INT, p_key {key}, p_owner {owner}, p_wait INT, p_ticketed BOOL,"
-        " p_lacked BOOL, p_life DOUBLE)"
+        " p_lacked BOOL, p_life DOUBLE, p_priority INT, p_head_start DOUBLE)"
         f" SQL SECURITY INVOKER {grant.procedure_body()}",
         f"CREATE OR REPLACE PROCEDURE {release.ROUTINE}(p_key {key}, p_reason {reason},"
         " p_wait INT, p_read VARCHAR(6))"

@@ -8,6 +8,9 @@ from datetime import datetime, timedelta
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
+from django_semaphore import backends
+from django_semaphore.conf import app_settings
+from django_semaphore.engine import line
 from django_semaphore.engine.statements import SQL, built, placeholders
 from django_semaphore.models import Ticket
 
@@ -45,23 +48,23 @@ class TicketStatements(SQL):
         super().__init__(connection)
         q = self.q
         table = q(Ticket._meta.db_table)
-        # Per semaphore: the live tickets of other keys that lacked room there
-        # (only those hold back), older than this key's own ticket there (all
-        # of them when it has none), and what they ask.
-        self.older_sql = (
-            f"SELECT t.{q('semaphore_id')}, COUNT(*) AS n, SUM(t.{q('count')}) AS permits"
-            f" FROM {table} t"
-            f" WHERE t.{q('semaphore_id')} IN ({{ids}}) AND t.{q('lacked')} = %s"
-            f" AND t.{q('expires_at')} > %s AND t.{q('external_id')} <> %s"
-            f" AND NOT EXISTS (SELECT 1 FROM {table} m"
-            f" WHERE m.{q('semaphore_id')} = t.{q('semaphore_id')}"
-            f" AND m.{q('external_id')} = %s AND m.{q('id')} < t.{q('id')})"
-            f" GROUP BY t.{q('semaphore_id')}"
-        )
+        # By whether the tickets are ranked (``backends.tickets_ranked``):
+        # until their migration, by id alone.
+        self.older_sql = {
+            ranked: f"SELECT t.{q('semaphore_id')}, COUNT(*) AS n, SUM(t.{q('count')}) AS permits"
+            f" FROM {table} t WHERE t.{q('semaphore_id')} IN ({{ids}})"
+            f" AND {self.holding_back('%s', ranked)} GROUP BY t.{q('semaphore_id')}"
+            for ranked in (True, False)
+        }
         upsert, new = _UPSERTS[connection.vendor]
-        self.insert_sql = (
-            f"INSERT INTO {table} ({q('semaphore_id')}, {q('external_id')}, {q('owner')},"
-            f" {q('count')}, {q('created_at')}, {q('expires_at')}, {q('lacked')}) VALUES {{rows}}"
+        # Retried, a key keeps its place: neither its priority nor where it
+        # ranks is written again.
+        columns = ["semaphore_id", "external_id", "owner", "count", "created_at", "expires_at"]
+        columns.append("lacked")
+        self.insert_sql = {
+            ranked: f"INSERT INTO {table}"
+            f" ({', '.join(map(q, [*columns, *(backends.RANKS if ranked else ())]))})"
+            " VALUES {rows}"
             + upsert.format(
                 table=table,
                 semaphore=q("semaphore_id"),
@@ -71,7 +74,8 @@ class TicketStatements(SQL):
                 new_expires=new.format(q("expires_at")),
                 new_lacked=new.format(q("lacked")),
             )
-        )
+            for ranked in (True, False)
+        }
         # The latest deadline queued where a ticket lacks room: the grant's
         # locking read tells from it whether a queue is live.
         self.queued_until_sql = (
@@ -93,6 +97,24 @@ class TicketStatements(SQL):
             f" AND t.{q('expires_at')} > %s)"
         )
 
+    def holding_back(self, now: str, ranked: bool = True) -> str:
+        """Whether the ticket ``t`` (of semaphore ``t.semaphore_id``) holds
+        back the key given twice as parameters after ``TRUE``: live at
+        ``now`` (SQL), it lacked room there, and it is ahead of that key's
+        own ticket there -- by place, ``(ranked_at, id)`` (``engine/line.py``;
+        by id alone where the tickets are not ``ranked`` yet) -- or that key
+        has none. The one statement of the rule, for the grant, the routines
+        and the probe."""
+        q, table = self.q, self.q(Ticket._meta.db_table)
+        at, id = q("ranked_at"), q("id")
+        before = f"m.{at} < t.{at} OR m.{at} = t.{at} AND m.{id} < t.{id}" if ranked else ""
+        return (
+            f"t.{q('lacked')} = %s AND t.{q('expires_at')} > {now} AND t.{q('external_id')} <> %s"
+            f" AND NOT EXISTS (SELECT 1 FROM {table} m"
+            f" WHERE m.{q('semaphore_id')} = t.{q('semaphore_id')} AND m.{q('external_id')} = %s"
+            f" AND ({before or f'm.{id} < t.{id}'}))"
+        )
+
     def older(
         self,
         cursor: CursorWrapper,
@@ -104,7 +126,12 @@ class TicketStatements(SQL):
         """Semaphore id -> (tickets, permits they ask for) ahead of ``key``
         and holding it back; semaphores without any are left out."""
         cursor.execute(
-            self.bounded(self.older_sql.format(ids=placeholders(len(semaphore_ids))), lock_wait),
+            self.bounded(
+                self.older_sql[backends.tickets_ranked(self.connection)].format(
+                    ids=placeholders(len(semaphore_ids))
+                ),
+                lock_wait,
+            ),
             [*semaphore_ids, True, self.connection.ops.adapt_datetimefield_value(now), key, key],
         )
         return {int(id): (int(n), int(units)) for id, n, units in cursor.fetchall()}
@@ -119,21 +146,26 @@ class TicketStatements(SQL):
         expires_at: datetime,
         short: set[int],
         lock_wait: float,
+        priority: int = 0,
     ) -> None:
         """``key``'s tickets on the semaphores of ``counts`` (semaphore id ->
-        permits), on rows this transaction holds locked: new ones, or kept
-        with their place; marked where it lacks room (``short``), where the
-        queue is then live until ``expires_at`` at least."""
+        permits), on rows this transaction holds locked: new ones, ranked by
+        ``priority`` (``line.ranked``), or kept with their place; marked
+        where it lacks room (``short``), where the queue is then live until
+        ``expires_at`` at least."""
         adapt = self.connection.ops.adapt_datetimefield_value
         created, expires = adapt(now), adapt(expires_at)
-        rows = ", ".join(["(%s, %s, %s, %s, %s, %s, %s)"] * len(counts))
+        ranks = [priority, adapt(line.ranked(now, priority, app_settings.PRIORITY_STEP))]
+        if not (ranked := backends.tickets_ranked(self.connection)):
+            ranks = []
+        values = [
+            [id, key, owner, count, created, expires, id in short, *ranks]
+            for id, count in counts.items()
+        ]
+        rows = ", ".join([f"({placeholders(len(values[0]))})"] * len(values))
         cursor.execute(
-            self.bounded(self.insert_sql.format(rows=rows), lock_wait),
-            [
-                value
-                for id, count in counts.items()
-                for value in (id, key, owner, count, created, expires, id in short)
-            ],
+            self.bounded(self.insert_sql[ranked].format(rows=rows), lock_wait),
+            [value for row in values for value in row],
         )
         if short:
             self.queue_until(cursor, sorted(short), expires_at)

@@ -100,15 +100,16 @@ class Command(BaseCommand):
             self.stdout.write(line)
 
     def _queue(self, semaphore: Semaphore) -> None:
-        # Live tickets, in their order (Ticket's: by id).
+        # Live tickets, in their places in line.
         tickets = (
             Ticket.objects.using(semaphore._state.db)
             .live()
             .filter(semaphore=semaphore)
             .select_related("parked")
+            .in_line()
         )
         self.stdout.write(f"\nWaiting in line on {_shown(semaphore.name)}, first served first:")
-        rows = [("place", "owner", "key", "count", "waiting since", "expires at")]
+        rows = [("place", "owner", "key", "count", "waiting since", "expires at", "priority")]
         rows += [
             (
                 str(place),
@@ -117,6 +118,7 @@ class Command(BaseCommand):
                 str(ticket.count),
                 ticket.created_at.isoformat(timespec="seconds"),
                 ticket.expires_at.isoformat(timespec="seconds"),
+                str(ticket.priority),
             )
             for place, ticket in enumerate(tickets[:QUEUE_SHOWN], start=1)
         ]
