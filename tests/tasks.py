@@ -256,6 +256,12 @@ def at_most_two_wait(self: Any, label: str, hold: float) -> int:
     return _work_on(LATEST, label, hold, self)
 
 
+@shared_task(bind=True, base=PermitTask, max_retries=0)
+@holds_permit(LATEST, max_waiting=10, priority=lambda label, urgent: 80 if urgent else 0)
+def urgent_first(self: Any, label: str, urgent: bool) -> int:
+    return _work_on(LATEST, label, 0, self)
+
+
 @shared_task(bind=True, max_retries=0)
 @holds_permit(ONCE, on_conflict="discard")
 def discards_without_its_class(self: Any) -> None:

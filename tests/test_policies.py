@@ -193,6 +193,18 @@ def test_max_waiting_refuses_the_send(latest, published):
     assert len(parked_ids()) == 2
 
 
+def test_a_celery_tasks_computed_priority_puts_it_ahead_in_line(latest, published):
+    acquire(tasks.LATEST, external_id="held-by-the-test")
+    low = [tasks.urgent_first.delay(label, False) for label in "ab"]
+    urgent = tasks.urgent_first.delay("c", True)
+
+    assert Ticket.objects.get(external_id=urgent.id).priority == 80
+    release("held-by-the-test")
+    wake.wake("default", [latest.pk])
+    assert published == [urgent.id]
+    assert parked_ids() == [*(task.id for task in low), urgent.id]
+
+
 def test_max_waiting_counts_the_tasks_that_wait_not_the_one_sent(latest, published):
     sent = tasks.at_most_two_wait.delay("a", 0)  # fits: sent, its room kept until it runs
     waiting = [tasks.at_most_two_wait.delay(label, 0) for label in "bc"]

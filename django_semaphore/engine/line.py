@@ -21,10 +21,6 @@ from collections.abc import Collection, Iterable, Mapping, Set
 from datetime import datetime, timedelta
 from typing import Protocol, TypeVar
 
-# Django's range of task priorities: higher first.
-PRIORITIES = range(-100, 101)
-
-
 def ranked(now: datetime, priority: int, step: timedelta) -> datetime:
     """Where a waiter that comes ``now`` stands in line: ``step`` earlier
     per point of priority (``PRIORITY_STEP``). A head start, not a class:
