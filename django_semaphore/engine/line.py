@@ -21,6 +21,7 @@ from collections.abc import Collection, Iterable, Mapping, Set
 from datetime import datetime, timedelta
 from typing import Protocol, TypeVar
 
+
 def ranked(now: datetime, priority: int, step: timedelta) -> datetime:
     """Where a waiter that comes ``now`` stands in line: ``step`` earlier
     per point of priority (``PRIORITY_STEP``). A head start, not a class:
