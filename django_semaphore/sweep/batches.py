@@ -13,7 +13,7 @@ from dataclasses import fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from django.db import connections, transaction
+from django.db import connections
 from django.db.models import DateTimeField, DurationField, ExpressionWrapper, QuerySet, Value
 
 from django_semaphore import backends, routing
@@ -146,10 +146,5 @@ def _batches(
 
 
 def _in_transaction(connection: BaseDatabaseWrapper, work: Callable[[], T]) -> T:
-    wait = app_settings.LOCK_WAIT_TIMEOUT
-    with (
-        backends.bounded_lock_wait(connection, wait),
-        transaction.atomic(using=connection.alias),
-    ):
-        backends.start_bounded_transaction(connection, wait)
+    with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
         return work()

@@ -5,6 +5,7 @@ check every in-use counter."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 from collections.abc import Collection, Iterable
@@ -80,26 +81,20 @@ def release_orphans(
     # expiring, otherwise it was its holder's own release. Either way the
     # holder no longer has all it was granted, and a request is held all or
     # nothing.
-    report.repaired = _release_matching(
-        half_released & expired, ReleaseReason.EXPIRED, size, deadline, dry_run, "partly_released"
-    ) + _release_matching(
-        half_released & ~expired, ReleaseReason.RELEASED, size, deadline, dry_run, "partly_released"
-    )
+    release = functools.partial(_release_matching, size=size, deadline=deadline, dry_run=dry_run)
+    report.repaired = release(
+        half_released & expired, ReleaseReason.EXPIRED, repair="partly_released"
+    ) + release(half_released & ~expired, ReleaseReason.RELEASED, repair="partly_released")
     # Permits still counted against capacity though nobody holds them.
-    report.stray_permits = _release_permits_matching(
-        _stray_permits(alias), "stray_permits", size, deadline, dry_run
+    release_permits = functools.partial(
+        _release_permits_matching, size=size, deadline=deadline, dry_run=dry_run
     )
-    report.orphan_permits = _release_permits_matching(
-        _orphan_permits(alias), "orphan_permits", size, deadline, dry_run
-    )
+    report.stray_permits = release_permits(_stray_permits(alias), "stray_permits")
+    report.orphan_permits = release_permits(_orphan_permits(alias), "orphan_permits")
     report.fencing_counters = _raise_fencing_counters(dry_run)
-    report.expired = _release_matching(expired, ReleaseReason.EXPIRED, size, deadline, dry_run)
-    report.stale = _release_matching(
-        Q(created_at__lte=_ago(app_settings.STALENESS_LIMIT)),
-        ReleaseReason.STALE,
-        size,
-        deadline,
-        dry_run,
+    report.expired = release(expired, ReleaseReason.EXPIRED)
+    report.stale = release(
+        Q(created_at__lte=_ago(app_settings.STALENESS_LIMIT)), ReleaseReason.STALE
     )
     report.owner_dead = _release_dead_owners(
         liveness.load_checkers() if checkers is None else list(checkers), size, deadline, dry_run

@@ -21,6 +21,7 @@ from django.db.backends.utils import CursorWrapper
 
 from django_semaphore import backends
 from django_semaphore.engine.statements import SQL, built, placeholders, routine, with_arguments
+from django_semaphore.engine.statements.queue import lock_timeout
 from django_semaphore.models import ParkedTask, ReleaseCounter, Ticket
 
 # The release by key as a procedure that also reads what it ended, once
@@ -282,7 +283,7 @@ class ReleaseStatements(SQL):
             with self.connection.cursor() as cursor:
                 cursor.execute(
                     f"CALL {ROUTINE}(%s, %s, %s, %s{', NULL' * (1 + len(POSTGRES_READ))})",
-                    [key, reason, f"{int(lock_wait * 1000)}ms", read.value],
+                    [key, reason, lock_timeout(lock_wait), read.value],
                 )
                 ended, *columns = cursor.fetchone()
             rows = list(zip(*columns, strict=True)) if ended and columns[0] else []
@@ -297,12 +298,10 @@ class ReleaseStatements(SQL):
                     pass
             return ended, self._exactly(key, rows)
         acquired, released = self.acquired, self.released
-        params: list[Any]
         if self.connection.vendor == "mysql":
             params = [acquired, released, released, reason, key, acquired, key]
         else:
-            bound = f"{int(lock_wait * 1000)}ms"
-            params = [released, reason, key, acquired, bound, released, acquired]
+            params = [released, reason, key, acquired, lock_timeout(lock_wait), released, acquired]
         with self.connection.cursor() as cursor:
             cursor.execute(self.bounded(self.by_key_sql, lock_wait), params)
             if self.connection.vendor == "mysql":
@@ -318,7 +317,7 @@ class ReleaseStatements(SQL):
     ) -> tuple[int, dict[int, int]]:
         """Release these requests and their permits, lowering the counters:
         (requests this call released, semaphore id -> permits it freed)."""
-        _, freed = self._free(cursor, self.q("request_id"), request_ids, lock_wait)
+        _, freed = self.release_permits(cursor, request_ids, lock_wait, column="request_id")
         cursor.execute(
             self.release_requests_sql.format(ids=placeholders(len(request_ids))),
             [self.released, reason, *request_ids, self.acquired],
@@ -326,20 +325,14 @@ class ReleaseStatements(SQL):
         return int(cursor.rowcount), freed
 
     def release_permits(
-        self, cursor: CursorWrapper, permit_ids: list[int], lock_wait: float
+        self, cursor: CursorWrapper, ids: list[int], lock_wait: float, column: str = "id"
     ) -> tuple[int, dict[int, int]]:
-        """Release these permits, whatever their requests say, lowering the
-        counters (the sweep's repairs): (permits this call released,
-        semaphore id -> permits it freed)."""
-        return self._free(cursor, self.q("id"), permit_ids, lock_wait)
-
-    def _free(
-        self, cursor: CursorWrapper, column: str, ids: list[int], lock_wait: float
-    ) -> tuple[int, dict[int, int]]:
-        """Release the ACQUIRED permits whose ``column`` is in ``ids`` and lower
-        their semaphores' counters, under those rows' locks taken in name
-        order: (permits released, semaphore id -> count freed)."""
-        listed = placeholders(len(ids))
+        """Release the ACQUIRED permits whose ``column`` is in ``ids`` (by
+        default the permits' own ids: the sweep's repairs, whatever their
+        requests say) and lower their semaphores' counters, under the
+        release counters' locks taken in semaphore id order: (permits this
+        call released, semaphore id -> count freed)."""
+        column, listed = self.q(column), placeholders(len(ids))
         if self.connection.features.has_select_for_update:
             cursor.execute(
                 self.held_on_sql.format(column=column, ids=listed), [*ids, self.acquired]
