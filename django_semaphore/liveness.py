@@ -193,14 +193,11 @@ class CeleryTaskChecker(LivenessChecker):
         return current_app
 
     def check(self, owners: Collection[str]) -> Mapping[str, Liveness]:
-        parsed = {owner: TaskOwner.parse(owner) for owner in owners}
-        tasks = {owner: task for owner, task in parsed.items() if task is not None}
+        tasks = {owner: task for owner in owners if (task := TaskOwner.parse(owner)) is not None}
         answers = dict.fromkeys(owners, Liveness.UNKNOWN)
-        if not tasks:
-            return answers
-        inspection = self._inspect(sorted({task.task_id for task in tasks.values()}))
-        for owner, task in tasks.items():
-            answers[owner] = self._judge(task, inspection)
+        if tasks:
+            inspection = self._inspect(sorted({task.task_id for task in tasks.values()}))
+            answers.update((owner, self._judge(task, inspection)) for owner, task in tasks.items())
         return answers
 
     def _judge(self, task: TaskOwner, inspection: _Inspection) -> Liveness:

@@ -31,6 +31,12 @@ from django_semaphore.validation import validate_flag, validate_name
 M = TypeVar("M", bound=models.Model)
 
 
+def _related_model(model: type[models.Model], name: str) -> type[models.Model]:
+    """The model related to ``model`` by ``name``: by the relation, not by
+    import, as the models import this module."""
+    return cast(type[models.Model], model._meta.get_field(name).related_model)
+
+
 def _validate_fair(fair: Any) -> bool:
     return validate_flag(fair, "fair")
 
@@ -71,7 +77,7 @@ class SemaphoreQuerySet(GuardedQuerySet[M]):
             semaphore.validate_limits()
         # Semaphores, whose fields this generic queryset cannot name.
         created: list[Any] = super().bulk_create(objs, *args, **kwargs)
-        counter = self._related("release_counter").model
+        counter = _related_model(self.model, "release_counter")
         missing = (
             self.model._base_manager.using(self.db)
             .filter(name__in=[s.name for s in created], release_counter__isnull=True)
@@ -127,14 +133,14 @@ class SemaphoreQuerySet(GuardedQuerySet[M]):
         retention.
         """
         held = (
-            self._related("permits")
-            .filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)
+            _related_model(self.model, "permits")
+            ._default_manager.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)
             .order_by()
             .values("semaphore")
         )
         live = (
-            self._related("tickets")
-            .filter(semaphore=OuterRef("pk"), expires_at__gt=DatabaseNow())
+            _related_model(self.model, "tickets")
+            ._default_manager.filter(semaphore=OuterRef("pk"), expires_at__gt=DatabaseNow())
             .filter(parked__id__isnull=True)  # parked tasks are counted apart (parking)
             .order_by()
             .values("semaphore")
@@ -157,12 +163,6 @@ class SemaphoreQuerySet(GuardedQuerySet[M]):
             ),
         )
 
-    def _related(self, name: str) -> models.QuerySet[Any]:
-        """The rows of a model related by ``name``: by the relation, not by
-        import, as the models import this module."""
-        model = cast(type[models.Model], self.model._meta.get_field(name).related_model)
-        return model._default_manager.all()
-
 
 _SemaphoreManager = models.Manager.from_queryset(SemaphoreQuerySet)
 
@@ -178,9 +178,8 @@ class SemaphoreManager(_SemaphoreManager[M]):
 
     def get_queryset(self) -> SemaphoreQuerySet[M]:
         queryset = super().get_queryset()
-        meta = queryset.model._meta
-        counter = cast(type[models.Model], meta.get_field("release_counter").related_model)
-        permit = cast(type[models.Model], meta.get_field("permits").related_model)
+        counter = _related_model(queryset.model, "release_counter")
+        permit = _related_model(queryset.model, "permits")
         # Splatted: the type checker takes the model's declared ``in_use`` as it.
         annotated = queryset.annotate(**{"in_use": in_use(counter, permit)})
         return cast(SemaphoreQuerySet[M], annotated)

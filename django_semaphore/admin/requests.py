@@ -110,8 +110,7 @@ class PermitRequestAdmin(ReadOnlyAdmin):
         return request.user.has_perm(f"{self.opts.app_label}.{codename}")
 
     @admin.action(
-        permissions=["force_release"],
-        description=_("Force-release selected permit requests"),
+        permissions=["force_release"], description=_("Force-release selected permit requests")
     )
     def force_release(self, request: HttpRequest, queryset: QuerySet[PermitRequest]) -> None:
         """End the selected held requests now (``release_reason="admin"``).

@@ -112,8 +112,7 @@ def _lock_templates(alias: str, wanted: list[Family]) -> dict[str, _Template]:
     locking = (
         semaphores.filter(name__in=[family.pattern for family in wanted])
         .locked()
-        .annotate(db_now=DatabaseNow())
-        .values_list("name", "capacity", "window", "db_now")
+        .values_list("name", "capacity", "window", DatabaseNow())
     )
     locked = {name: _Template._make(values) for name, *values in locking}
     absent = [family for family in wanted if family.pattern not in locked]

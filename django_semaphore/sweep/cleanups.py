@@ -86,12 +86,7 @@ def clean_released(
         return raw_delete(Permit.objects.using(alias).filter(request_id__in=ids))
 
     return _delete_in_batches(
-        old.order_by("released_at"),
-        report,
-        size,
-        deadline,
-        progress,
-        before=delete_permits,
+        old.order_by("released_at"), report, size, deadline, progress, before=delete_permits
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from django.db import transaction
-from django.db.models import Exists, F, Max, OuterRef, Q, QuerySet, Subquery
+from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery
 
 from django_semaphore import parking, routing, signals
 from django_semaphore.engine import verifier
@@ -52,20 +52,10 @@ def _lowered_counters(alias: str) -> QuerySet[Semaphore]:
     """Semaphores whose fencing counter is below a token already issued: the
     next grant would re-issue it (the unique index refuses it, until the
     clean-up deletes the permit that had it)."""
-    # MAX over the unique (semaphore, fencing_token) index: one index probe each.
-    highest = (
-        Permit.objects.using(alias)
-        .filter(semaphore=OuterRef("pk"))
-        .order_by()
-        .values("semaphore")
-        .annotate(highest=Max("fencing_token"))
-        .values("highest")
-    )
-    return (
-        Semaphore.objects.using(alias)
-        .annotate(highest=Subquery(highest))
-        .filter(fencing_counter__lt=F("highest"))
-    )
+    # The highest token by the unique (semaphore, fencing_token) index: one probe each.
+    tokens = Permit.objects.filter(semaphore=OuterRef("pk")).order_by("-fencing_token")
+    highest = Subquery(tokens.values("fencing_token")[:1])
+    return Semaphore.objects.using(alias).filter(fencing_counter__lt=highest)
 
 
 def inconsistencies(alias: str) -> dict[str, int]:

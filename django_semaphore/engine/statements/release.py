@@ -75,20 +75,14 @@ class ReleaseStatements(SQL):
         # Permits chosen by a column ("request_id" or "id") in a transaction:
         # their semaphores' release counters, locked in semaphore id order,
         # what they hold read under the locks, then the updates.
-        self.held_on_sql = (
-            f"SELECT DISTINCT {q('semaphore_id')} FROM {permit}"
-            f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
-        )
+        chosen = f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
+        self.held_on_sql = f"SELECT DISTINCT {q('semaphore_id')} FROM {permit}{chosen}"
         self.locks_by_id: dict[int, str] = {}
         self.held_counts_sql = (
-            f"SELECT {q('semaphore_id')}, SUM({q('count')}) FROM {permit}"
-            f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
+            f"SELECT {q('semaphore_id')}, SUM({q('count')}) FROM {permit}{chosen}"
             f" GROUP BY {q('semaphore_id')}"
         )
-        self.release_permits_sql = (
-            f"UPDATE {permit} SET {q('state')} = %s"
-            f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
-        )
+        self.release_permits_sql = f"UPDATE {permit} SET {q('state')} = %s{chosen}"
         self.release_requests_sql = (
             f"UPDATE {request} SET {q('state')} = %s, {q('released_at')} = {now},"
             f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
@@ -235,8 +229,7 @@ class ReleaseStatements(SQL):
         the permits of these requests that ended with ``reason``."""
         with self.connection.cursor() as cursor:
             cursor.execute(
-                self.holds_sql.format(ids=placeholders(len(request_ids))),
-                [*request_ids, reason],
+                self.holds_sql.format(ids=placeholders(len(request_ids))), [*request_ids, reason]
             )
             return list(cursor.fetchall())
 
