@@ -146,22 +146,20 @@ class SemaphoreQuerySet(GuardedQuerySet[M]):
             .values("semaphore")
         )
         return self.annotate(
-            holders=Coalesce(
-                Subquery(held.annotate(n=Count("request_id", distinct=True)).values("n")),
-                0,
-                output_field=BigIntegerField(),
-            ),
-            waiters=Coalesce(
-                Subquery(live.annotate(n=Count("pk")).values("n")),
-                0,
-                output_field=BigIntegerField(),
-            ),
+            holders=_counted(held, Count("request_id", distinct=True)),
+            waiters=_counted(live, Count("pk")),
             waiting_since=Subquery(live.annotate(since=Min("created_at")).values("since")),
         ).annotate(
             longest_wait=ExpressionWrapper(
                 DatabaseNow() - F("waiting_since"), output_field=DurationField()
             ),
         )
+
+
+def _counted(rows: models.QuerySet[Any], count: Count) -> Coalesce:
+    """``count`` of the rows of a correlated subquery, 0 when there are none."""
+    number = Subquery(rows.annotate(n=count).values("n"))
+    return Coalesce(number, 0, output_field=BigIntegerField())
 
 
 _SemaphoreManager = models.Manager.from_queryset(SemaphoreQuerySet)

@@ -106,12 +106,7 @@ def announce_key(
     )
     if signals.hold_ended.has_listeners(PermitRequest):
         spans = [
-            signals.Hold(
-                p.request_id,
-                p.semaphore,
-                p.count,
-                holds.seconds_between(connection, p.granted_at, p.released_at),
-            )
+            holds.hold(connection, p.request_id, p.semaphore, p.count, p.granted_at, p.released_at)
             for p in released
         ]
         signals.hold_ended.send_robust(

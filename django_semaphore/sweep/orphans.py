@@ -116,12 +116,7 @@ def verify_counters(names: Iterable[str] | None = None) -> list[signals.Drift]:
 
 
 def _release_matching(
-    condition: Q,
-    reason: str,
-    size: int,
-    deadline: float | None,
-    dry_run: bool,
-    repair: str | None = None,
+    condition: Q, reason: str, size: int, deadline: float | None, dry_run: bool, repair: str = ""
 ) -> int:
     """Release every ACQUIRED request matching ``condition``, batch by batch;
     ``repair`` names the kind of repair this is, if it is one."""
@@ -139,7 +134,7 @@ def _release_matching(
         )
         released, freed = release_requests(alias, ids, reason)
         parking.room_made(alias, freed)
-        if repair is not None:
+        if repair:
             _announce_repair(alias, repair, ids, released)
         return len(ids), released
 
