@@ -122,7 +122,6 @@ class PermitRequestAdmin(ReadOnlyAdmin):
         held = [key for key, state in selected if state == State.ACQUIRED]
         outcomes = api.force_release(held) if held else {}
         ended = [key for key, outcome in outcomes.items() if outcome is ReleaseOutcome.RELEASED]
-        released = len(ended)
         if ended:
             LogEntry.objects.log_actions(
                 user_id=cast(AbstractBaseUser, request.user).pk,
@@ -137,12 +136,12 @@ class PermitRequestAdmin(ReadOnlyAdmin):
                 ngettext(
                     "%(count)d permit request was force-released.",
                     "%(count)d permit requests were force-released.",
-                    released,
+                    len(ended),
                 )
-                % {"count": released},
+                % {"count": len(ended)},
                 messages.SUCCESS,
             )
-        skipped = len(selected) - released
+        skipped = len(selected) - len(ended)
         if skipped:
             self.message_user(
                 request,

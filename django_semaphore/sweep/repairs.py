@@ -16,7 +16,7 @@ from django_semaphore.engine import verifier
 from django_semaphore.engine.releasing import release_permits
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.states import State
-from django_semaphore.sweep.batches import _batches, _past
+from django_semaphore.sweep.batches import Limits, _batches, _past
 
 logger = logging.getLogger("django_semaphore")
 
@@ -71,18 +71,16 @@ def inconsistencies(alias: str) -> dict[str, int]:
     }
 
 
-def _release_permits_matching(
-    permits: QuerySet[Permit], repair: str, size: int, deadline: float | None, dry_run: bool
-) -> int:
+def _repair_permits(limits: Limits, permits: QuerySet[Permit], repair: str) -> int:
     """Release these ACQUIRED permits (whose requests are not held), batch by batch."""
-    if dry_run:
+    if limits.dry_run:
         return permits.count()
     alias = permits.db
     total = 0
     while True:
         # Read without a lock: release_permits() changes only rows still
         # ACQUIRED, so a second sweeper releasing the same ones is harmless.
-        ids = list(permits.order_by("pk").values_list("pk", flat=True)[:size])
+        ids = list(permits.order_by("pk").values_list("pk", flat=True)[: limits.size])
         if not ids:
             return total
 
@@ -94,7 +92,7 @@ def _release_permits_matching(
 
         done = sum(_batches(batch, None, f"repairing {repair}", once=True))
         total += done
-        if not done or len(ids) < size or _past(deadline):
+        if not done or len(ids) < limits.size or _past(limits.deadline):
             return total
 
 
