@@ -89,11 +89,8 @@ class PermitRequestAdmin(ReadOnlyAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[PermitRequest]:
         # One more query per page for the semaphore names, however many rows.
         permits = Permit.objects.using(routing.current_alias()).select_related("semaphore")
-        return (
-            super()
-            .get_queryset(request)
-            .prefetch_related(Prefetch("permits", queryset=permits.order_by("semaphore__name")))
-        )
+        by_name = Prefetch("permits", queryset=permits.order_by("semaphore__name"))
+        return super().get_queryset(request).prefetch_related(by_name)
 
     @admin.display(description=_("semaphores"))
     def semaphores(self, obj: PermitRequest) -> str:

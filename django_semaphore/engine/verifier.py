@@ -71,10 +71,8 @@ def verify(
 def _verify_batch(
     connection: BaseDatabaseWrapper, semaphore_ids: Sequence[int], correct: bool
 ) -> list[signals.Drift]:
-
     alias = connection.alias
-    wait = app_settings.LOCK_WAIT_TIMEOUT
-    with backends.bounded_transaction(connection, wait):
+    with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
         # The semaphores (no grant now), then their release counters (no
         # release now), each in its lock order.
         recorded = {

@@ -128,7 +128,6 @@ def clean_idle_members(
     """
     limits = _limits(batch_size, time_budget, dry_run)
     alias = routing.current_alias()
-    now = DatabaseNow()
     # The row lock of each batch re-reads these conditions on the latest
     # committed row (InnoDB's locking read; PostgreSQL re-checks a row
     # changed meanwhile), so a member granted since it was listed is kept.
@@ -138,7 +137,7 @@ def clean_idle_members(
         .filter(
             Q(in_use=0), own_capacity=False, updated_at__lte=_ago(app_settings.MEMBER_IDLE_LIMIT)
         )
-        .filter(Q(queued_until__isnull=True) | Q(queued_until__lte=now))
+        .filter(Q(queued_until__isnull=True) | Q(queued_until__lte=DatabaseNow()))
         .filter(~Exists(Permit.objects.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)))
         # A parked task waits for it: deleting it would drop the task's demand.
         .filter(~Exists(Ticket.objects.filter(semaphore=OuterRef("pk"), parked__id__isnull=False)))
