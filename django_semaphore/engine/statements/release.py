@@ -75,14 +75,14 @@ class ReleaseStatements(SQL):
         # Permits chosen by a column ("request_id" or "id") in a transaction:
         # their semaphores' release counters, locked in semaphore id order,
         # what they hold read under the locks, then the updates.
-        chosen = f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
-        self.held_on_sql = f"SELECT DISTINCT {q('semaphore_id')} FROM {permit}{chosen}"
+        chosen_sql = f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
+        self.held_on_sql = f"SELECT DISTINCT {q('semaphore_id')} FROM {permit}{chosen_sql}"
         self.locks_by_id: dict[int, str] = {}
         self.held_counts_sql = (
-            f"SELECT {q('semaphore_id')}, SUM({q('count')}) FROM {permit}{chosen}"
+            f"SELECT {q('semaphore_id')}, SUM({q('count')}) FROM {permit}{chosen_sql}"
             f" GROUP BY {q('semaphore_id')}"
         )
-        self.release_permits_sql = f"UPDATE {permit} SET {q('state')} = %s{chosen}"
+        self.release_permits_sql = f"UPDATE {permit} SET {q('state')} = %s{chosen_sql}"
         self.release_requests_sql = (
             f"UPDATE {request} SET {q('state')} = %s, {q('released_at')} = {now},"
             f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
@@ -325,7 +325,8 @@ class ReleaseStatements(SQL):
         requests say) and lower their semaphores' counters, under the
         release counters' locks taken in semaphore id order: (permits this
         call released, semaphore id -> count freed)."""
-        column, listed = self.q(column), placeholders(len(ids))
+        column = self.q(column)
+        listed = placeholders(len(ids))
         if self.connection.features.has_select_for_update:
             cursor.execute(
                 self.held_on_sql.format(column=column, ids=listed), [*ids, self.acquired]
