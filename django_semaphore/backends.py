@@ -16,13 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db import (
-    Error,
-    IntegrityError,
-    InterfaceError,
-    OperationalError,
-    transaction,
-)
+from django.db import Error, IntegrityError, InterfaceError, OperationalError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.functions import Now
 from django.db.models.sql.compiler import SQLCompiler

@@ -108,10 +108,9 @@ def create_declared_semaphores(
     declared = declared_on(using)
     if not declared:
         return
-    existing = set(
-        Semaphore.objects.using(using).filter(name__in=declared).values_list("name", flat=True)
-    )
-    Semaphore.objects.using(using).bulk_create(
+    semaphores = Semaphore.objects.using(using)
+    existing = set(semaphores.filter(name__in=declared).values_list("name", flat=True))
+    semaphores.bulk_create(
         [
             Semaphore(name=name, capacity=limits.capacity, window=limits.window)
             for name, limits in sorted(declared.items())

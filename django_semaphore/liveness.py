@@ -17,7 +17,6 @@ import enum
 import importlib
 import logging
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
 from importlib.util import find_spec
 from typing import Any
 
@@ -140,13 +139,8 @@ def is_dead(owner: str) -> bool:
 # --- Celery ------------------------------------------------------------------
 
 
-@dataclass
-class _Inspection:
-    """What the workers that answered said about some task ids."""
-
-    answered: set[str] = field(default_factory=set)  # worker node names
-    # task id -> [(node name, state, worker pid)] for every worker that knows it
-    known: dict[str, list[tuple[str, str, int | None]]] = field(default_factory=dict)
+# Task id -> [(node name, state, worker pid)] for every worker that knows it.
+_Known = dict[str, list[tuple[str, str, int | None]]]
 
 
 class CeleryTaskChecker(LivenessChecker):
@@ -193,18 +187,16 @@ class CeleryTaskChecker(LivenessChecker):
         return current_app
 
     def check(self, owners: Collection[str]) -> Mapping[str, Liveness]:
-        parsed = {owner: TaskOwner.parse(owner) for owner in owners}
-        tasks = {owner: task for owner, task in parsed.items() if task is not None}
+        tasks = {owner: task for owner in owners if (task := TaskOwner.parse(owner)) is not None}
         answers = dict.fromkeys(owners, Liveness.UNKNOWN)
-        if not tasks:
-            return answers
-        inspection = self._inspect(sorted({task.task_id for task in tasks.values()}))
-        for owner, task in tasks.items():
-            answers[owner] = self._judge(task, inspection)
+        if tasks:
+            answered, known = self._inspect(sorted({task.task_id for task in tasks.values()}))
+            for owner, task in tasks.items():
+                answers[owner] = self._judge(task, answered, known)
         return answers
 
-    def _judge(self, task: TaskOwner, inspection: _Inspection) -> Liveness:
-        known = inspection.known.get(task.task_id, [])
+    def _judge(self, task: TaskOwner, answered: set[str], known_by_id: _Known) -> Liveness:
+        known = known_by_id.get(task.task_id, [])
         if any(
             node == task.hostname and state == "active" and pid in (task.pid, None)
             for node, state, pid in known
@@ -215,19 +207,19 @@ class CeleryTaskChecker(LivenessChecker):
             return Liveness.UNKNOWN
         if self._is_ready(task.task_id):
             return Liveness.DEAD
-        if task.pid != NO_PROCESS and task.hostname in inspection.answered:
+        if task.pid != NO_PROCESS and task.hostname in answered:
             return Liveness.DEAD
         return Liveness.UNKNOWN
 
-    def _inspect(self, task_ids: list[str]) -> _Inspection:
-        inspection = _Inspection()
+    def _inspect(self, task_ids: list[str]) -> tuple[set[str], _Known]:
+        """The worker nodes that answered, and what they know of these tasks."""
         replies = self.get_app().control.inspect(timeout=self.timeout).query_task(*task_ids) or {}
+        known: _Known = {}
         for node, tasks in replies.items():
-            inspection.answered.add(node)
             for task_id, (state, info) in (tasks or {}).items():
                 pid = info.get("worker_pid") if isinstance(info, Mapping) else None
-                inspection.known.setdefault(task_id, []).append((node, state, pid))
-        return inspection
+                known.setdefault(task_id, []).append((node, state, pid))
+        return set(replies), known
 
     def _is_ready(self, task_id: str) -> bool:
         try:

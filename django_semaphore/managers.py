@@ -33,6 +33,12 @@ from django_semaphore.validation import validate_flag, validate_name
 M = TypeVar("M", bound=models.Model)
 
 
+def _related_model(model: type[models.Model], name: str) -> type[models.Model]:
+    """The model related to ``model`` by ``name``: by the relation, not by
+    import, as the models import this module."""
+    return cast(type[models.Model], model._meta.get_field(name).related_model)
+
+
 def _validate_fair(fair: Any) -> bool:
     return validate_flag(fair, "fair")
 
@@ -73,7 +79,7 @@ class SemaphoreQuerySet(GuardedQuerySet[M]):
             semaphore.validate_limits()
         # Semaphores, whose fields this generic queryset cannot name.
         created: list[Any] = super().bulk_create(objs, *args, **kwargs)
-        counter = self._related("release_counter").model
+        counter = _related_model(self.model, "release_counter")
         missing = (
             self.model._base_manager.using(self.db)
             .filter(name__in=[s.name for s in created], release_counter__isnull=True)
@@ -129,29 +135,21 @@ class SemaphoreQuerySet(GuardedQuerySet[M]):
         retention.
         """
         held = (
-            self._related("permits")
-            .filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)
+            _related_model(self.model, "permits")
+            ._default_manager.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)
             .order_by()
             .values("semaphore")
         )
         live = (
-            self._related("tickets")
-            .filter(semaphore=OuterRef("pk"), expires_at__gt=DatabaseNow())
+            _related_model(self.model, "tickets")
+            ._default_manager.filter(semaphore=OuterRef("pk"), expires_at__gt=DatabaseNow())
             .filter(parked__id__isnull=True)  # parked tasks are counted apart (parking)
             .order_by()
             .values("semaphore")
         )
         return self.annotate(
-            holders=Coalesce(
-                Subquery(held.annotate(n=Count("request_id", distinct=True)).values("n")),
-                0,
-                output_field=BigIntegerField(),
-            ),
-            waiters=Coalesce(
-                Subquery(live.annotate(n=Count("pk")).values("n")),
-                0,
-                output_field=BigIntegerField(),
-            ),
+            holders=_counted(held, Count("request_id", distinct=True)),
+            waiters=_counted(live, Count("pk")),
             waiting_since=Subquery(live.annotate(since=Min("created_at")).values("since")),
         ).annotate(
             longest_wait=ExpressionWrapper(
@@ -159,11 +157,11 @@ class SemaphoreQuerySet(GuardedQuerySet[M]):
             ),
         )
 
-    def _related(self, name: str) -> models.QuerySet[Any]:
-        """The rows of a model related by ``name``: by the relation, not by
-        import, as the models import this module."""
-        model = cast(type[models.Model], self.model._meta.get_field(name).related_model)
-        return model._default_manager.all()
+
+def _counted(rows: models.QuerySet[Any], count: Count) -> Coalesce:
+    """``count`` of the rows of a correlated subquery, 0 when there are none."""
+    number = Subquery(rows.annotate(n=count).values("n"))
+    return Coalesce(number, 0, output_field=BigIntegerField())
 
 
 _SemaphoreManager = models.Manager.from_queryset(SemaphoreQuerySet)
@@ -180,9 +178,8 @@ class SemaphoreManager(_SemaphoreManager[M]):
 
     def get_queryset(self) -> SemaphoreQuerySet[M]:
         queryset = super().get_queryset()
-        meta = queryset.model._meta
-        counter = cast(type[models.Model], meta.get_field("release_counter").related_model)
-        permit = cast(type[models.Model], meta.get_field("permits").related_model)
+        counter = _related_model(queryset.model, "release_counter")
+        permit = _related_model(queryset.model, "permits")
         # Splatted: the type checker takes the model's declared ``in_use`` as it.
         annotated = queryset.annotate(**{"in_use": in_use(counter, permit)})
         return cast(SemaphoreQuerySet[M], annotated)

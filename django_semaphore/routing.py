@@ -46,10 +46,7 @@ def current_alias() -> str:
     routers send the semaphores' writes. Never ``db_for_read``: a router may
     send reads to a replica, and a grant decided on a replica's stale rows
     could over-grant."""
-    pinned = pinned_alias.get()
-    if pinned is not None:
-        return pinned
-    return app_settings.DATABASE or router.db_for_write(Semaphore)
+    return pinned_alias.get() or app_settings.DATABASE or router.db_for_write(Semaphore)
 
 
 def alias_for_name(name: str) -> str:

@@ -205,10 +205,8 @@ def load_utilization(semaphore: Semaphore, *, period: timedelta = PERIOD) -> Uti
     using = routing.current_alias()
     capacity_now, window_now, end = (
         Semaphore.objects.using(using)
-        .filter(pk=semaphore.pk)
-        .annotate(db_now=DatabaseNow())
-        .values_list("capacity", "window", "db_now")
-        .get()
+        .values_list("capacity", "window", DatabaseNow())
+        .get(pk=semaphore.pk)
     )
     start = end - period
     permits = Permit.objects.using(using).filter(semaphore_id=semaphore.pk)
@@ -229,8 +227,7 @@ def load_utilization(semaphore: Semaphore, *, period: timedelta = PERIOD) -> Uti
     slots = permits.filter(slot_ends__gt=start, request__created_at__lt=end).values_list(
         "count", "request__created_at", "slot_ends"
     )
-    grants = [Span(count, created_at, ends) for count, created_at, ends in [*held, *released]]
-    grants += [Span(count, created_at, ends, slot=True) for count, created_at, ends in slots]
+    grants = [Span(*row) for row in [*held, *released]] + [Span(*row, slot=True) for row in slots]
     changes = [
         CapacityMark(
             at=change.changed_at,

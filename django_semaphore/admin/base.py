@@ -92,8 +92,7 @@ class OperatorAdmin(admin.ModelAdmin):
         return f"{url}?{urlencode(query)}" if query else url
 
     def can_view(self, request: HttpRequest, model: type[Model]) -> bool:
-        model_admin = self.admin_site.get_model_admin(model)
-        return model_admin.has_view_or_change_permission(request)
+        return self.admin_site.get_model_admin(model).has_view_or_change_permission(request)
 
 
 def _rendered(response: HttpResponse) -> HttpResponse:

@@ -6,8 +6,10 @@ JavaScript, no extra table."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
@@ -85,42 +87,32 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
         capacity_line.append(f"V{scale.y(segment.capacity)} H{scale.x(segment.end)}")
     area.append(f"V{baseline} Z")
 
-    grid = format_html_join(
-        "",
+    grid = _each(
         '<line x1="{left}" x2="{right}" y1="{y}" y2="{y}" stroke="currentColor" '
         'stroke-opacity=".15"/>'
         '<text x="{label_x}" y="{y}" text-anchor="end" dominant-baseline="middle">{value}</text>',
-        (
-            {"left": left, "right": right, "y": scale.y(t), "label_x": LEFT - 6, "value": t}
-            for t in ticks
-        ),
+        {"left": left, "right": right, "label_x": LEFT - 6},
+        ({"y": scale.y(t), "value": t} for t in ticks),
     )
-    hours = format_html_join(
-        "",
+    hours = _each(
         '<line x1="{x}" x2="{x}" y1="{top}" y2="{bottom}" stroke="currentColor" '
         'stroke-opacity=".08"/><text x="{x}" y="{label_y}" text-anchor="middle">{text}</text>',
+        {"top": TOP, "bottom": baseline, "label_y": _number(float(baseline) + 16)},
         (
-            {
-                "x": scale.x(at),
-                "top": TOP,
-                "bottom": baseline,
-                "label_y": _number(float(baseline) + 16),
-                "text": timezone.localtime(at).strftime("%H:%M"),
-            }
+            {"x": scale.x(at), "text": timezone.localtime(at).strftime("%H:%M")}
             for at in _hour_marks(utilization.start, utilization.end)
         ),
     )
-    over = format_html_join(
-        "",
+    over = _each(
         '<rect class="over-capacity" x="{x}" y="{y}" width="{width}" height="{height}" '
         'fill="{color}"><title>{text}</title></rect>',
+        {"color": RED},
         (
             {
                 "x": scale.x(s.start),
                 "y": scale.y(s.in_use),
                 "width": _number(max(float(scale.x(s.end)) - float(scale.x(s.start)), 1.0)),
                 "height": _number(float(scale.y(s.capacity)) - float(scale.y(s.in_use))),
-                "color": RED,
                 "text": _("%(in_use)d %(counted)s, capacity %(capacity)d")
                 % {"in_use": s.in_use, "counted": _counted(utilization), "capacity": s.capacity},
             }
@@ -128,20 +120,14 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
             if s.over_capacity
         ),
     )
-    markers = format_html_join(
-        "",
+    markers = _each(
         '<g class="capacity-change"><title>{text}</title>'
         '<line x1="{x}" x2="{x}" y1="{top}" y2="{bottom}" stroke="{color}" stroke-width="2"/>'
         '<line x1="{x}" x2="{x}" y1="{top}" y2="{bottom}" stroke="transparent" '
         'stroke-width="10"/><circle cx="{x}" cy="{top}" r="4" fill="{color}"/></g>',
+        {"top": TOP, "bottom": baseline, "color": AMBER},
         (
-            {
-                "text": _describe_change(change),
-                "x": scale.x(change.at),
-                "top": TOP,
-                "bottom": baseline,
-                "color": AMBER,
-            }
+            {"text": _describe_change(change), "x": scale.x(change.at)}
             for change in utilization.changes
         ),
     )
@@ -187,6 +173,11 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
         change=AMBER,
         change_label=_("capacity change"),
     )
+
+
+def _each(template: str, shared: dict[str, Any], rows: Iterable[dict[str, Any]]) -> SafeString:
+    """``template`` filled in once per row, with the row's values and the ``shared`` ones."""
+    return format_html_join("", template, ({**shared, **row} for row in rows))
 
 
 def _hour_marks(start: datetime, end: datetime, every: int = 3) -> list[datetime]:

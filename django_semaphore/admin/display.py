@@ -41,10 +41,7 @@ def usage_bar(in_use: int, capacity: int) -> SafeString:
         color, state = AMBER, "full"
     else:
         color, state = BLUE, "in-use" if in_use else "idle"
-    title = gettext("%(in_use)d in use of %(capacity)d") % {
-        "in_use": in_use,
-        "capacity": capacity,
-    }
+    title = gettext("%(in_use)d in use of %(capacity)d") % {"in_use": in_use, "capacity": capacity}
     return format_html(
         '<span class="semaphore-bar {state}" title="{title}" style="white-space: nowrap">'
         '<svg width="100" height="10" role="img" aria-label="{title}" '

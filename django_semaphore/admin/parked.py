@@ -43,11 +43,8 @@ class ParkedTaskAdmin(Unchanged, OperatorAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ParkedTask]:
         tickets = Ticket.objects.using(routing.current_alias()).select_related("semaphore")
-        return (
-            super()
-            .get_queryset(request)
-            .prefetch_related(Prefetch("tickets", queryset=tickets.order_by("semaphore__name")))
-        )
+        by_name = Prefetch("tickets", queryset=tickets.order_by("semaphore__name"))
+        return super().get_queryset(request).prefetch_related(by_name)
 
     def get_actions(self, request: HttpRequest) -> dict[str, Any]:
         # Django's bulk delete would skip parking.cancel, which offers the

@@ -89,11 +89,8 @@ class PermitRequestAdmin(ReadOnlyAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[PermitRequest]:
         # One more query per page for the semaphore names, however many rows.
         permits = Permit.objects.using(routing.current_alias()).select_related("semaphore")
-        return (
-            super()
-            .get_queryset(request)
-            .prefetch_related(Prefetch("permits", queryset=permits.order_by("semaphore__name")))
-        )
+        by_name = Prefetch("permits", queryset=permits.order_by("semaphore__name"))
+        return super().get_queryset(request).prefetch_related(by_name)
 
     @admin.display(description=_("semaphores"))
     def semaphores(self, obj: PermitRequest) -> str:
@@ -110,8 +107,7 @@ class PermitRequestAdmin(ReadOnlyAdmin):
         return request.user.has_perm(f"{self.opts.app_label}.{codename}")
 
     @admin.action(
-        permissions=["force_release"],
-        description=_("Force-release selected permit requests"),
+        permissions=["force_release"], description=_("Force-release selected permit requests")
     )
     def force_release(self, request: HttpRequest, queryset: QuerySet[PermitRequest]) -> None:
         """End the selected held requests now (``release_reason="admin"``).
@@ -123,7 +119,6 @@ class PermitRequestAdmin(ReadOnlyAdmin):
         held = [key for key, state in selected if state == State.ACQUIRED]
         outcomes = api.force_release(held) if held else {}
         ended = [key for key, outcome in outcomes.items() if outcome is ReleaseOutcome.RELEASED]
-        released = len(ended)
         if ended:
             LogEntry.objects.log_actions(
                 user_id=cast(AbstractBaseUser, request.user).pk,
@@ -138,12 +133,12 @@ class PermitRequestAdmin(ReadOnlyAdmin):
                 ngettext(
                     "%(count)d permit request was force-released.",
                     "%(count)d permit requests were force-released.",
-                    released,
+                    len(ended),
                 )
-                % {"count": released},
+                % {"count": len(ended)},
                 messages.SUCCESS,
             )
-        skipped = len(selected) - released
+        skipped = len(selected) - len(ended)
         if skipped:
             self.message_user(
                 request,

@@ -24,11 +24,7 @@ class Limits(TypedDict, total=False):
 
 
 def change_limits(
-    alias: str,
-    name: str,
-    limits: Limits,
-    changed_by: AbstractBaseUser | None,
-    reason: str,
+    alias: str, name: str, limits: Limits, changed_by: AbstractBaseUser | None, reason: str
 ) -> Semaphore:
     """``set_capacity``'s or ``set_window``'s transaction (or its part of the
     caller's): one change of what ``limits`` gives, capacity and window

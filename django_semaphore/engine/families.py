@@ -108,18 +108,16 @@ class _Template(NamedTuple):
 def _lock_templates(alias: str, wanted: list[Family]) -> dict[str, _Template]:
     """Lock the families' template rows in name order (as grants lock rows),
     creating those that ``migrate`` has not created yet."""
-    patterns = [family.pattern for family in wanted]
+    semaphores = Semaphore.objects.using(alias)
     locking = (
-        Semaphore.objects.using(alias)
-        .filter(name__in=patterns)
+        semaphores.filter(name__in=[family.pattern for family in wanted])
         .locked()
-        .annotate(db_now=DatabaseNow())
-        .values_list("name", "capacity", "window", "db_now")
+        .values_list("name", "capacity", "window", DatabaseNow())
     )
     locked = {name: _Template._make(values) for name, *values in locking}
     absent = [family for family in wanted if family.pattern not in locked]
     if absent:
-        Semaphore.objects.using(alias).bulk_create(
+        semaphores.bulk_create(
             [
                 Semaphore(name=family.pattern, capacity=family.capacity, window=family.window)
                 for family in absent
@@ -186,21 +184,15 @@ def follow_default(alias: str, pattern: str, changed_by_id: Any, reason: str) ->
 
 
 def _follow_batch(alias: str, pattern: str, changed_by_id: Any, reason: str) -> int:
+    semaphores = Semaphore.objects.using(alias)
     with transaction.atomic(using=alias):
-        default = (
-            Semaphore.objects.using(alias)
-            .filter(name=pattern)
-            .locked()
-            .values_list("capacity", "window")
-            .first()
-        )
+        default = semaphores.filter(name=pattern).locked().values_list("capacity", "window").first()
         if default is None:
             return 0
         capacity, window = default
         # The members that follow the family default (not changed on their own).
         batch = list(
-            Semaphore.objects.using(alias)
-            .filter(family=pattern, own_capacity=False)
+            semaphores.filter(family=pattern, own_capacity=False)
             .exclude(capacity=capacity, window=window)
             .locked()
             .values_list("pk", "capacity", "window")[: app_settings.CLEANUP_BATCH_SIZE]
@@ -222,7 +214,6 @@ def _follow_batch(alias: str, pattern: str, changed_by_id: Any, reason: str) -> 
         if window is None:
             close_every_slot(alias, [pk for pk, _, old in batch if old is not None])
         with engine_writes():  # capacity and window, under the rows' locks, recorded above
-            Semaphore.objects.using(alias).filter(pk__in=[pk for pk, *_ in batch]).update(
-                capacity=capacity, window=window
-            )
+            members = semaphores.filter(pk__in=[pk for pk, *_ in batch])
+            members.update(capacity=capacity, window=window)
         return len(batch)

@@ -49,14 +49,14 @@ def released_holds(request_ids: Sequence[int], reason: str, using: str) -> list[
     """
     connection = connections[using]
     rows = release_statements(connection).holds(request_ids, reason)
-    return [
-        signals.Hold(request_id, name, count, seconds_between(connection, created_at, released_at))
-        for request_id, name, count, created_at, released_at in rows
-    ]
+    return [hold(connection, *row) for row in rows]
 
 
-def seconds_between(connection: BaseDatabaseWrapper, start: Any, end: Any) -> float:
-    """Seconds from ``start`` to ``end``, raw values from the database
-    converted as the ORM would (SQLite returns text)."""
+def hold(
+    connection: BaseDatabaseWrapper, request_id: int, name: str, count: int, start: Any, end: Any
+) -> signals.Hold:
+    """``count`` permits of request ``request_id`` on semaphore ``name``,
+    held from ``start`` to ``end``: raw values from the database, converted
+    as the ORM would (SQLite returns text)."""
     elapsed = datetime_from_db(connection, end) - datetime_from_db(connection, start)
-    return max(0.0, float(elapsed.total_seconds()))
+    return signals.Hold(request_id, name, count, max(0.0, float(elapsed.total_seconds())))

@@ -106,12 +106,7 @@ def announce_key(
     )
     if signals.hold_ended.has_listeners(PermitRequest):
         spans = [
-            signals.Hold(
-                p.request_id,
-                p.semaphore,
-                p.count,
-                holds.seconds_between(connection, p.granted_at, p.released_at),
-            )
+            holds.hold(connection, p.request_id, p.semaphore, p.count, p.granted_at, p.released_at)
             for p in released
         ]
         signals.hold_ended.send_robust(
@@ -192,14 +187,12 @@ def _transaction(alias: str) -> Iterator[tuple[CursorWrapper, ReleaseStatements,
     grant's reclaim, a sweep batch)."""
     connection = connections[alias]
     lock_wait = app_settings.LOCK_WAIT_TIMEOUT
-    with (
-        (
-            transaction.atomic(using=alias, savepoint=False)
-            if connection.in_atomic_block
-            else backends.bounded_transaction(connection, lock_wait, statements_bounded=True)
-        ),
-        connection.cursor() as cursor,
-    ):
+    atomic_block = (
+        transaction.atomic(using=alias, savepoint=False)
+        if connection.in_atomic_block
+        else backends.bounded_transaction(connection, lock_wait, statements_bounded=True)
+    )
+    with atomic_block, connection.cursor() as cursor:
         yield cursor, release_statements(connection), lock_wait
 
 
@@ -211,12 +204,14 @@ def announce(alias: str, request_ids: list[int], reason: str) -> None:
     holds.send_hold_ended(PermitRequest, request_ids, reason, alias)
 
 
+# The signals whose receivers are told what a release ended.
+RELEASE_SIGNALS = (signals.permit_released, signals.hold_ended)
+
+
 def read_back(parked: bool) -> ReadBack:
     """What a release by key reads of what it ended: all of it for
     ``permit_released``'s and ``hold_ended``'s receivers; with ``parked``,
     where parked tasks wait, while some do."""
-    if signals.permit_released.has_listeners(PermitRequest) or signals.hold_ended.has_listeners(
-        PermitRequest
-    ):
+    if any(signal.has_listeners(PermitRequest) for signal in RELEASE_SIGNALS):
         return ReadBack.ALWAYS
     return ReadBack.PARKED if parked else ReadBack.NEVER

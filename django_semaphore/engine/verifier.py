@@ -21,7 +21,7 @@ from typing import Any
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Aggregate, Max, QuerySet, Sum
+from django.db.models import Aggregate, Max, Sum
 from django.db.models.functions import Coalesce
 
 from django_semaphore import backends, routing, signals
@@ -71,10 +71,8 @@ def verify(
 def _verify_batch(
     connection: BaseDatabaseWrapper, semaphore_ids: Sequence[int], correct: bool
 ) -> list[signals.Drift]:
-
     alias = connection.alias
-    wait = app_settings.LOCK_WAIT_TIMEOUT
-    with backends.bounded_transaction(connection, wait):
+    with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
         # The semaphores (no grant now), then their release counters (no
         # release now), each in its lock order.
         recorded = {
@@ -84,18 +82,9 @@ def _verify_batch(
             .locked()
             .values_list("id", "name", "in_use_counter", "released_folded")
         }
-        released = dict(
-            ReleaseCounter.objects.using(alias)
-            .filter(semaphore_id__in=semaphore_ids)
-            .locked()
-            .values_list("semaphore_id", "released")
-        )
-        held = _per_semaphore(
-            Permit.objects.using(alias).filter(
-                semaphore_id__in=semaphore_ids, state=State.ACQUIRED
-            ),
-            Sum("count"),
-        )
+        counters = ReleaseCounter.objects.using(alias).filter(semaphore_id__in=semaphore_ids)
+        released = dict(counters.locked().values_list("semaphore_id", "released"))
+        held = _per_semaphore(alias, semaphore_ids, Sum("count"), state=State.ACQUIRED)
         drifts: dict[int, signals.Drift] = {}
         for id, (name, counted, folded) in recorded.items():
             in_use = permits_held(counted, folded, released.get(id, 0))
@@ -104,9 +93,7 @@ def _verify_batch(
         if correct and drifts:
             if missing := [id for id in drifts if id not in released]:
                 # A semaphore inserted behind the engine's back, without one.
-                ReleaseCounter.objects.using(alias).bulk_create(
-                    [ReleaseCounter(semaphore_id=id) for id in missing]
-                )
+                counters.bulk_create([ReleaseCounter(semaphore_id=id) for id in missing])
             with connection.cursor() as cursor:
                 statements(connection).set_counted(
                     cursor,
@@ -124,10 +111,10 @@ def _verify_slots(alias: str, semaphore_ids: Sequence[int], correct: bool) -> li
     slots that ended, as a grant does: a rate limit nobody acquires keeps
     its last close recent, which the clean-up of released requests waits
     for (``sweep.clean_released``)."""
-    now = Semaphore.objects.using(alias).values_list(DatabaseNow(), flat=True)[:1].get()
+    semaphores = Semaphore.objects.using(alias)
+    now = semaphores.values_list(DatabaseNow(), flat=True)[:1].get()
     rows = (
-        Semaphore.objects.using(alias)
-        .rate_limits()
+        semaphores.rate_limits()
         .filter(id__in=semaphore_ids)
         .annotate(
             counted=Coalesce(not_closed(Permit), 0),
@@ -143,9 +130,7 @@ def _verify_slots(alias: str, semaphore_ids: Sequence[int], correct: bool) -> li
             # Some slot ended after the last close: ``now`` is past it.
             closed = {"slots_closed_until": now} if ended else {}
             with engine_writes():
-                Semaphore.objects.using(alias).filter(pk=id).update(
-                    slots_open=actual - ended, **closed
-                )
+                semaphores.filter(pk=id).update(slots_open=actual - ended, **closed)
     return drifts
 
 
@@ -170,23 +155,23 @@ def raise_fencing_counters(alias: str, semaphore_ids: list[int]) -> list[int]:
     be so); returns the ids of those raised."""
     # Locked in the one lock order; the highest token is read again once no
     # grant can add one.
+    semaphores = Semaphore.objects.using(alias)
     locked = list(
-        Semaphore.objects.using(alias)
-        .filter(pk__in=semaphore_ids)
-        .locked()
-        .values_list("pk", "fencing_counter")
+        semaphores.filter(pk__in=semaphore_ids).locked().values_list("pk", "fencing_counter")
     )
-    highest = _per_semaphore(
-        Permit.objects.using(alias).filter(semaphore_id__in=semaphore_ids), Max("fencing_token")
-    )
+    highest = _per_semaphore(alias, semaphore_ids, Max("fencing_token"))
     raised = [pk for pk, counter in locked if counter < highest.get(pk, 0)]
     with engine_writes():
         for pk in raised:
-            Semaphore.objects.using(alias).filter(pk=pk).update(fencing_counter=highest[pk])
+            semaphores.filter(pk=pk).update(fencing_counter=highest[pk])
     return raised
 
 
-def _per_semaphore(permits: QuerySet[Permit], aggregate: Aggregate) -> dict[int, Any]:
-    """``aggregate`` over these permits, by semaphore id (in one grouped query)."""
+def _per_semaphore(
+    alias: str, semaphore_ids: Sequence[int], aggregate: Aggregate, **filters: Any
+) -> dict[int, Any]:
+    """``aggregate`` over the permits of these semaphores (those matching
+    ``filters``), by semaphore id (in one grouped query)."""
+    permits = Permit.objects.using(alias).filter(semaphore_id__in=semaphore_ids, **filters)
     grouped = permits.order_by().values("semaphore_id").annotate(value=aggregate)
     return dict(grouped.values_list("semaphore_id", "value"))

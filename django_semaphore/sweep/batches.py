@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import fields
 from datetime import timedelta
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, ParamSpec, TypeVar
 
-from django.db import connections, transaction
+from django.db import connections
 from django.db.models import DateTimeField, DurationField, ExpressionWrapper, QuerySet, Value
 
 from django_semaphore import backends, routing
@@ -62,8 +62,7 @@ def _on_every_alias(sweep: Callable[P, Report]) -> Callable[P, Report]:
 def _delete_in_batches(
     old: QuerySet[Model],
     report: CleanupReport,
-    size: int,
-    deadline: float | None,
+    limits: Limits,
     progress: Callable[[CleanupReport], None] | None,
     before: Callable[[list[int]], int] | None = None,
 ) -> CleanupReport:
@@ -78,7 +77,9 @@ def _delete_in_batches(
         # Locks only this batch's rows (by the index on the age column, under
         # READ COMMITTED: no gap locks); SKIP LOCKED lets a second clean-up
         # take the next rows instead of waiting for these.
-        ids = list(old.select_for_update(skip_locked=True).values_list("pk", flat=True)[:size])
+        ids = list(
+            old.select_for_update(skip_locked=True).values_list("pk", flat=True)[: limits.size]
+        )
         if not ids:
             return 0, 0, 0
         dependents = before(ids) if before is not None else 0
@@ -87,7 +88,7 @@ def _delete_in_batches(
         return len(ids), deleted, dependents
 
     report.finished = False
-    for found, deleted, dependents in _batches(batch, deadline, f"cleaning {report.what}"):
+    for found, deleted, dependents in _batches(batch, limits.deadline, f"cleaning {report.what}"):
         report.deleted += deleted
         report.permits += dependents
         if not found:  # a short batch may only mean another clean-up holds rows
@@ -108,16 +109,24 @@ def _ago(delta: timedelta) -> ExpressionWrapper[CombinedExpression]:
     )
 
 
-def _limits(batch_size: int | None, time_budget: float | None) -> tuple[int, float | None]:
-    """A run's rows per batch and the moment it starts no new batch, checked
-    before anything is read or written.
+class Limits(NamedTuple):
+    """A run's rows per batch, the moment it starts no new batch, and
+    whether it only counts what it would change."""
+
+    size: int
+    deadline: float | None
+    dry_run: bool
+
+
+def _limits(batch_size: int | None, time_budget: float | None, dry_run: bool) -> Limits:
+    """A run's limits, checked before anything is read or written.
 
     Raises:
         InvalidRequest: a batch size or time budget out of range.
     """
     size = validate_batch_size(batch_size) or app_settings.CLEANUP_BATCH_SIZE
     budget = validate_time_budget(time_budget)
-    return size, None if budget is None else time.monotonic() + budget
+    return Limits(size, None if budget is None else time.monotonic() + budget, dry_run)
 
 
 def _past(deadline: float | None) -> bool:
@@ -146,10 +155,5 @@ def _batches(
 
 
 def _in_transaction(connection: BaseDatabaseWrapper, work: Callable[[], T]) -> T:
-    wait = app_settings.LOCK_WAIT_TIMEOUT
-    with (
-        backends.bounded_lock_wait(connection, wait),
-        transaction.atomic(using=connection.alias),
-    ):
-        backends.start_bounded_transaction(connection, wait)
+    with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
         return work()

@@ -59,7 +59,7 @@ def clean_released(
     Raises:
         InvalidRequest: as for :func:`release_orphans`.
     """
-    size, deadline = _limits(batch_size, time_budget)
+    limits = _limits(batch_size, time_budget, dry_run)
     alias = routing.current_alias()
     old = PermitRequest.objects.using(alias).filter(
         state=State.RELEASED, released_at__lte=_ago(app_settings.RELEASED_RETENTION)
@@ -86,12 +86,7 @@ def clean_released(
         return raw_delete(Permit.objects.using(alias).filter(request_id__in=ids))
 
     return _delete_in_batches(
-        old.order_by("released_at"),
-        report,
-        size,
-        deadline,
-        progress,
-        before=delete_permits,
+        old.order_by("released_at"), report, limits, progress, before=delete_permits
     )
 
 
@@ -105,13 +100,13 @@ def clean_history(
 ) -> CleanupReport:
     """Delete ``CapacityChange`` rows older than ``HISTORY_RETENTION``, in
     batches; arguments as for :func:`clean_released`."""
-    size, deadline = _limits(batch_size, time_budget)
+    limits = _limits(batch_size, time_budget, dry_run)
     alias = routing.current_alias()
     old = CapacityChange.objects.using(alias).filter(
         changed_at__lte=_ago(app_settings.HISTORY_RETENTION)
     )
     report = CleanupReport("capacity history", dry_run=dry_run)
-    return _delete_in_batches(old.order_by("changed_at"), report, size, deadline, progress)
+    return _delete_in_batches(old.order_by("changed_at"), report, limits, progress)
 
 
 @_on_every_alias
@@ -131,9 +126,8 @@ def clean_idle_members(
     changed on their own are never deleted. A member acquired again later
     is created again (its fencing tokens still increase, see ``families``).
     """
-    size, deadline = _limits(batch_size, time_budget)
+    limits = _limits(batch_size, time_budget, dry_run)
     alias = routing.current_alias()
-    now = DatabaseNow()
     # The row lock of each batch re-reads these conditions on the latest
     # committed row (InnoDB's locking read; PostgreSQL re-checks a row
     # changed meanwhile), so a member granted since it was listed is kept.
@@ -143,7 +137,7 @@ def clean_idle_members(
         .filter(
             Q(in_use=0), own_capacity=False, updated_at__lte=_ago(app_settings.MEMBER_IDLE_LIMIT)
         )
-        .filter(Q(queued_until__isnull=True) | Q(queued_until__lte=now))
+        .filter(Q(queued_until__isnull=True) | Q(queued_until__lte=DatabaseNow()))
         .filter(~Exists(Permit.objects.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)))
         # A parked task waits for it: deleting it would drop the task's demand.
         .filter(~Exists(Ticket.objects.filter(semaphore=OuterRef("pk"), parked__id__isnull=False)))
@@ -161,8 +155,7 @@ def clean_idle_members(
     return _delete_in_batches(
         idle.order_by("family", "updated_at"),
         report,
-        size,
-        deadline,
+        limits,
         progress,
         before=delete_dependents,
     )
@@ -178,7 +171,7 @@ def clean_tickets(
     their waiters were granted, gave up or died. This only keeps the table
     small; run with the orphan sweep.
     """
-    size, deadline = _limits(batch_size, time_budget)
+    limits = _limits(batch_size, time_budget, dry_run)
     dead = Ticket.objects.using(routing.current_alias()).filter(expires_at__lte=DatabaseNow())
     report = CleanupReport("dead tickets", dry_run=dry_run)
-    return _delete_in_batches(dead.order_by("expires_at"), report, size, deadline, None)
+    return _delete_in_batches(dead.order_by("expires_at"), report, limits, None)

@@ -18,13 +18,13 @@ from django_semaphore.engine import verifier
 from django_semaphore.engine.releasing import release_requests
 from django_semaphore.models import PermitRequest
 from django_semaphore.states import ReleaseReason, State
-from django_semaphore.sweep.batches import _ago, _batches, _limits, _on_every_alias, _past
+from django_semaphore.sweep.batches import Limits, _ago, _batches, _limits, _on_every_alias, _past
 from django_semaphore.sweep.repairs import (
     _announce_repair,
     _orphan_permits,
     _partly_released,
     _raise_fencing_counters,
-    _release_permits_matching,
+    _repair_permits,
     _stray_permits,
 )
 from django_semaphore.sweep.reports import OrphanReport
@@ -68,11 +68,12 @@ def release_orphans(
             ``time_budget`` negative or not a number of seconds; nothing is
             changed.
     """
-    size, deadline = _limits(batch_size, time_budget)
+    limits = _limits(batch_size, time_budget, dry_run)
     report = OrphanReport(dry_run=dry_run)
     alias = routing.current_alias()
     half_released = _partly_released()
     expired = Q(expires_at__lte=DatabaseNow())
+    stale = Q(created_at__lte=_ago(app_settings.STALENESS_LIMIT))
     # The permits are free (or some of them), only the request still says
     # ACQUIRED: every release is one transaction, so only rows changed from
     # outside (a manual edit, a restore, a crash of a version before 0.1)
@@ -80,32 +81,21 @@ def release_orphans(
     # expiring, otherwise it was its holder's own release. Either way the
     # holder no longer has all it was granted, and a request is held all or
     # nothing.
-    report.repaired = _release_matching(
-        half_released & expired, ReleaseReason.EXPIRED, size, deadline, dry_run, "partly_released"
-    ) + _release_matching(
-        half_released & ~expired, ReleaseReason.RELEASED, size, deadline, dry_run, "partly_released"
+    report.repaired = sum(
+        _release_matching(limits, half_released & ttl, reason, "partly_released")
+        for ttl, reason in ((expired, ReleaseReason.EXPIRED), (~expired, ReleaseReason.RELEASED))
     )
     # Permits still counted against capacity though nobody holds them.
-    report.stray_permits = _release_permits_matching(
-        _stray_permits(alias), "stray_permits", size, deadline, dry_run
-    )
-    report.orphan_permits = _release_permits_matching(
-        _orphan_permits(alias), "orphan_permits", size, deadline, dry_run
-    )
+    report.stray_permits = _repair_permits(limits, _stray_permits(alias), "stray_permits")
+    report.orphan_permits = _repair_permits(limits, _orphan_permits(alias), "orphan_permits")
     report.fencing_counters = _raise_fencing_counters(dry_run)
-    report.expired = _release_matching(expired, ReleaseReason.EXPIRED, size, deadline, dry_run)
-    report.stale = _release_matching(
-        Q(created_at__lte=_ago(app_settings.STALENESS_LIMIT)),
-        ReleaseReason.STALE,
-        size,
-        deadline,
-        dry_run,
-    )
+    report.expired = _release_matching(limits, expired, ReleaseReason.EXPIRED)
+    report.stale = _release_matching(limits, stale, ReleaseReason.STALE)
     report.owner_dead = _release_dead_owners(
-        liveness.load_checkers() if checkers is None else list(checkers), size, deadline, dry_run
+        limits, liveness.load_checkers() if checkers is None else list(checkers)
     )
     # Last: the repairs above changed permits, and kept the counters exact.
-    report.counter_drift = len(verifier.verify(correct=not dry_run, batch_size=size))
+    report.counter_drift = len(verifier.verify(correct=not dry_run, batch_size=limits.size))
     if report.total or report.repairs or report.counter_drift:
         logger.info("%s", report)
     return report
@@ -120,19 +110,12 @@ def verify_counters(names: Iterable[str] | None = None) -> list[signals.Drift]:
     ]
 
 
-def _release_matching(
-    condition: Q,
-    reason: str,
-    size: int,
-    deadline: float | None,
-    dry_run: bool,
-    repair: str | None = None,
-) -> int:
+def _release_matching(limits: Limits, condition: Q, reason: str, repair: str = "") -> int:
     """Release every ACQUIRED request matching ``condition``, batch by batch;
     ``repair`` names the kind of repair this is, if it is one."""
     alias = routing.current_alias()
     held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED).filter(condition)
-    if dry_run:
+    if limits.dry_run:
         return held.count()
 
     def batch() -> tuple[int, int]:
@@ -140,16 +123,16 @@ def _release_matching(
         ids = list(
             held.select_for_update(skip_locked=True)
             .order_by("pk")
-            .values_list("pk", flat=True)[:size]
+            .values_list("pk", flat=True)[: limits.size]
         )
         released, freed = release_requests(alias, ids, reason)
         parking.room_made(alias, freed)
-        if repair is not None:
+        if repair:
             _announce_repair(alias, repair, ids, released)
         return len(ids), released
 
     total = 0
-    for found, released in _batches(batch, deadline, f"releasing {reason} requests"):
+    for found, released in _batches(batch, limits.deadline, f"releasing {reason} requests"):
         total += released
         # Not "found < size": SKIP LOCKED makes a batch short while another
         # sweeper holds rows, and more may wait behind them.
@@ -158,9 +141,7 @@ def _release_matching(
     return total
 
 
-def _release_dead_owners(
-    checkers: list[liveness.LivenessChecker], size: int, deadline: float | None, dry_run: bool
-) -> int:
+def _release_dead_owners(limits: Limits, checkers: list[liveness.LivenessChecker]) -> int:
     alias = routing.current_alias()
     held = PermitRequest.objects.using(alias).filter(state=State.ACQUIRED).exclude(owner="")
     if not checkers:
@@ -168,7 +149,9 @@ def _release_dead_owners(
         held = held.filter(owner__contains=f"{socket.gethostname()} pid ")
     total, last_pk = 0, 0
     while True:
-        page = list(held.filter(pk__gt=last_pk).order_by("pk").values_list("pk", "owner")[:size])
+        page = list(
+            held.filter(pk__gt=last_pk).order_by("pk").values_list("pk", "owner")[: limits.size]
+        )
         if not page:
             return total
         last_pk = page[-1][0]
@@ -176,7 +159,7 @@ def _release_dead_owners(
         # on the network (the Celery checker waits for worker replies).
         dead = liveness.dead_owners({owner for _, owner in page}, checkers)
         judged = {pk: owner for pk, owner in page if owner in dead}
-        if judged and dry_run:
+        if judged and limits.dry_run:
             total += len(judged)
         elif judged:
 
@@ -195,5 +178,5 @@ def _release_dead_owners(
                 return released
 
             total += sum(_batches(batch, None, "releasing requests of dead owners", once=True))
-        if len(page) < size or _past(deadline):
+        if len(page) < limits.size or _past(limits.deadline):
             return total

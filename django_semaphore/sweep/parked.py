@@ -67,12 +67,8 @@ def sweep_parked() -> ParkedReport:
         if overdue:
             tasks.filter(id__in=overdue).update(woken_at=timezone.now())
             report.republished += wake.publish(alias, overdue)
-        semaphore_ids = set(
-            Ticket.objects.using(alias)
-            .of_parked()
-            .values_list("semaphore_id", flat=True)
-            .distinct()
-        )
+        parked_on = Ticket.objects.using(alias).of_parked().values_list("semaphore_id", flat=True)
+        semaphore_ids = set(parked_on.distinct())
         report.woken += wake.wake(alias, semaphore_ids)
         # A rate limit's wake-up at its next slot, published again if lost.
         wake.schedule_slots(alias, semaphore_ids)

@@ -9,14 +9,14 @@ from __future__ import annotations
 import logging
 
 from django.db import transaction
-from django.db.models import Exists, F, Max, OuterRef, Q, QuerySet, Subquery
+from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery
 
 from django_semaphore import parking, routing, signals
 from django_semaphore.engine import verifier
 from django_semaphore.engine.releasing import release_permits
 from django_semaphore.models import Permit, PermitRequest, Semaphore
 from django_semaphore.states import State
-from django_semaphore.sweep.batches import _batches, _past
+from django_semaphore.sweep.batches import Limits, _batches, _past
 
 logger = logging.getLogger("django_semaphore")
 
@@ -52,20 +52,10 @@ def _lowered_counters(alias: str) -> QuerySet[Semaphore]:
     """Semaphores whose fencing counter is below a token already issued: the
     next grant would re-issue it (the unique index refuses it, until the
     clean-up deletes the permit that had it)."""
-    # MAX over the unique (semaphore, fencing_token) index: one index probe each.
-    highest = (
-        Permit.objects.using(alias)
-        .filter(semaphore=OuterRef("pk"))
-        .order_by()
-        .values("semaphore")
-        .annotate(highest=Max("fencing_token"))
-        .values("highest")
-    )
-    return (
-        Semaphore.objects.using(alias)
-        .annotate(highest=Subquery(highest))
-        .filter(fencing_counter__lt=F("highest"))
-    )
+    # The highest token by the unique (semaphore, fencing_token) index: one probe each.
+    tokens = Permit.objects.filter(semaphore=OuterRef("pk")).order_by("-fencing_token")
+    highest = Subquery(tokens.values("fencing_token")[:1])
+    return Semaphore.objects.using(alias).filter(fencing_counter__lt=highest)
 
 
 def inconsistencies(alias: str) -> dict[str, int]:
@@ -81,18 +71,16 @@ def inconsistencies(alias: str) -> dict[str, int]:
     }
 
 
-def _release_permits_matching(
-    permits: QuerySet[Permit], repair: str, size: int, deadline: float | None, dry_run: bool
-) -> int:
+def _repair_permits(limits: Limits, permits: QuerySet[Permit], repair: str) -> int:
     """Release these ACQUIRED permits (whose requests are not held), batch by batch."""
-    if dry_run:
+    if limits.dry_run:
         return permits.count()
     alias = permits.db
     total = 0
     while True:
         # Read without a lock: release_permits() changes only rows still
         # ACQUIRED, so a second sweeper releasing the same ones is harmless.
-        ids = list(permits.order_by("pk").values_list("pk", flat=True)[:size])
+        ids = list(permits.order_by("pk").values_list("pk", flat=True)[: limits.size])
         if not ids:
             return total
 
@@ -104,7 +92,7 @@ def _release_permits_matching(
 
         done = sum(_batches(batch, None, f"repairing {repair}", once=True))
         total += done
-        if not done or len(ids) < size or _past(deadline):
+        if not done or len(ids) < limits.size or _past(limits.deadline):
             return total
 
 

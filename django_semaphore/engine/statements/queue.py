@@ -68,8 +68,7 @@ def waits_for_one_sql(name_sql: str, lock_wait_sql: str) -> str:
 
 def function_body() -> str:
     """The routine's body."""
-    body_sql = waits_sql("p_names", "p_lock_wait")
-    return f"\nBEGIN\n{body_sql}END\n"
+    return f"\nBEGIN\n{waits_sql('p_names', 'p_lock_wait')}END\n"
 
 
 def create_sql() -> str:

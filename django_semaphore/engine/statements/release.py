@@ -21,6 +21,7 @@ from django.db.backends.utils import CursorWrapper
 
 from django_semaphore import backends
 from django_semaphore.engine.statements import SQL, built, placeholders, routine, with_arguments
+from django_semaphore.engine.statements.queue import lock_timeout
 from django_semaphore.models import ParkedTask, ReleaseCounter, Ticket
 
 # The release by key as a procedure that also reads what it ended, once
@@ -74,20 +75,14 @@ class ReleaseStatements(SQL):
         # Permits chosen by a column ("request_id" or "id") in a transaction:
         # their semaphores' release counters, locked in semaphore id order,
         # what they hold read under the locks, then the updates.
-        self.held_on_sql = (
-            f"SELECT DISTINCT {q('semaphore_id')} FROM {permit}"
-            f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
-        )
+        chosen_sql = f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
+        self.held_on_sql = f"SELECT DISTINCT {q('semaphore_id')} FROM {permit}{chosen_sql}"
         self.locks_by_id: dict[int, str] = {}
         self.held_counts_sql = (
-            f"SELECT {q('semaphore_id')}, SUM({q('count')}) FROM {permit}"
-            f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
+            f"SELECT {q('semaphore_id')}, SUM({q('count')}) FROM {permit}{chosen_sql}"
             f" GROUP BY {q('semaphore_id')}"
         )
-        self.release_permits_sql = (
-            f"UPDATE {permit} SET {q('state')} = %s"
-            f" WHERE {{column}} IN ({{ids}}) AND {q('state')} = %s"
-        )
+        self.release_permits_sql = f"UPDATE {permit} SET {q('state')} = %s{chosen_sql}"
         self.release_requests_sql = (
             f"UPDATE {request} SET {q('state')} = %s, {q('released_at')} = {now},"
             f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
@@ -234,8 +229,7 @@ class ReleaseStatements(SQL):
         the permits of these requests that ended with ``reason``."""
         with self.connection.cursor() as cursor:
             cursor.execute(
-                self.holds_sql.format(ids=placeholders(len(request_ids))),
-                [*request_ids, reason],
+                self.holds_sql.format(ids=placeholders(len(request_ids))), [*request_ids, reason]
             )
             return list(cursor.fetchall())
 
@@ -282,7 +276,7 @@ class ReleaseStatements(SQL):
             with self.connection.cursor() as cursor:
                 cursor.execute(
                     f"CALL {ROUTINE}(%s, %s, %s, %s{', NULL' * (1 + len(POSTGRES_READ))})",
-                    [key, reason, f"{int(lock_wait * 1000)}ms", read.value],
+                    [key, reason, lock_timeout(lock_wait), read.value],
                 )
                 ended, *columns = cursor.fetchone()
             rows = list(zip(*columns, strict=True)) if ended and columns[0] else []
@@ -297,12 +291,10 @@ class ReleaseStatements(SQL):
                     pass
             return ended, self._exactly(key, rows)
         acquired, released = self.acquired, self.released
-        params: list[Any]
         if self.connection.vendor == "mysql":
             params = [acquired, released, released, reason, key, acquired, key]
         else:
-            bound = f"{int(lock_wait * 1000)}ms"
-            params = [released, reason, key, acquired, bound, released, acquired]
+            params = [released, reason, key, acquired, lock_timeout(lock_wait), released, acquired]
         with self.connection.cursor() as cursor:
             cursor.execute(self.bounded(self.by_key_sql, lock_wait), params)
             if self.connection.vendor == "mysql":
@@ -318,7 +310,7 @@ class ReleaseStatements(SQL):
     ) -> tuple[int, dict[int, int]]:
         """Release these requests and their permits, lowering the counters:
         (requests this call released, semaphore id -> permits it freed)."""
-        _, freed = self._free(cursor, self.q("request_id"), request_ids, lock_wait)
+        _, freed = self.release_permits(cursor, request_ids, lock_wait, column="request_id")
         cursor.execute(
             self.release_requests_sql.format(ids=placeholders(len(request_ids))),
             [self.released, reason, *request_ids, self.acquired],
@@ -326,19 +318,14 @@ class ReleaseStatements(SQL):
         return int(cursor.rowcount), freed
 
     def release_permits(
-        self, cursor: CursorWrapper, permit_ids: list[int], lock_wait: float
+        self, cursor: CursorWrapper, ids: list[int], lock_wait: float, column: str = "id"
     ) -> tuple[int, dict[int, int]]:
-        """Release these permits, whatever their requests say, lowering the
-        counters (the sweep's repairs): (permits this call released,
-        semaphore id -> permits it freed)."""
-        return self._free(cursor, self.q("id"), permit_ids, lock_wait)
-
-    def _free(
-        self, cursor: CursorWrapper, column: str, ids: list[int], lock_wait: float
-    ) -> tuple[int, dict[int, int]]:
-        """Release the ACQUIRED permits whose ``column`` is in ``ids`` and lower
-        their semaphores' counters, under those rows' locks taken in name
-        order: (permits released, semaphore id -> count freed)."""
+        """Release the ACQUIRED permits whose ``column`` is in ``ids`` (by
+        default the permits' own ids: the sweep's repairs, whatever their
+        requests say) and lower their semaphores' counters, under the
+        release counters' locks taken in semaphore id order: (permits this
+        call released, semaphore id -> count freed)."""
+        column = self.q(column)
         listed = placeholders(len(ids))
         if self.connection.features.has_select_for_update:
             cursor.execute(

@@ -35,9 +35,7 @@ class Command(BaseCommand):
             "capacity", help="A capacity (3), or a rate (100/s): a rate limit's capacity, window."
         )
         parser.add_argument(
-            "--no-window",
-            action="store_true",
-            help="Remove the window: a concurrency limit again.",
+            "--no-window", action="store_true", help="Remove the window: a concurrency limit again."
         )
         parser.add_argument("--reason", default="", help="Why, for the capacity history.")
 
