@@ -108,13 +108,16 @@ def seed() -> None:
     holder(backups, 1, "cron@db-2", 20, ttl=None)
     change(backups, 1, alice, "Storage array degraded", timedelta(minutes=10))
 
-    # exports is fair: a big rebuild waits in line ahead of a smaller job
-    # (tickets as a waiting acquire(...) leaves them).
+    # On exports a big rebuild waits in line ahead of a smaller job; an
+    # urgent one (priority 100: 100 s ahead) came a minute after the small
+    # one and goes before it, not before the rebuild (tickets as a waiting
+    # acquire(...) leaves them).
     with engine_writes():  # the line's state, as the waiting acquires would leave it
         Semaphore.objects.filter(pk=exports.pk).update(queued_until=now + 2 * hour)
-    for count, owner, waited, key in [
-        (3, "celery@worker-2 pid 6021", 7, "exports-quarter-end-rebuild"),
-        (1, "web-2 pid 3141", 2, "exports-csv-9f2c41"),
+    for count, owner, waited, key, priority in [
+        (3, "celery@worker-2 pid 6021", 7, "exports-quarter-end-rebuild", 0),
+        (1, "web-2 pid 3141", 2, "exports-csv-9f2c41", 0),
+        (1, "web-1 pid 2718", 1, "exports-board-report-1d07", 100),
     ]:
         Ticket.objects.create(
             semaphore=exports,
@@ -122,6 +125,8 @@ def seed() -> None:
             owner=owner,
             count=count,
             created_at=now - timedelta(minutes=waited),
+            priority=priority,
+            ranked_at=now - timedelta(minutes=waited, seconds=priority),
             expires_at=now + 2 * hour,
         )
 
