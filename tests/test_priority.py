@@ -5,6 +5,7 @@ and parked tasks alike, bounded so that a low priority never waits forever
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from datetime import timedelta
 from io import StringIO
@@ -87,6 +88,52 @@ def test_a_low_priority_waiter_is_passed_only_within_its_aging_bound(make_semaph
         release(waiter.key)
         waiter.finish()
     assert order == [patient.key, late.key]
+
+
+@pytest.mark.slow
+@override_settings(DJANGO_SEMAPHORE={"PRIORITY_STEP": timedelta(milliseconds=10)})
+def test_a_low_priority_waiter_runs_within_its_bound_in_a_stream_of_urgent_work(
+    make_semaphore,
+):
+    """4 threads take and give back a capacity of 1 at priority 100, holding
+    20 ms, for 8 s; a priority-0 waiter that comes meanwhile is passed by
+    those that come within 100 x 10 ms after it, then by none: granted
+    within that bound and the urgent ones already ahead, long before the
+    stream ends."""
+    semaphore = make_semaphore(1)
+    stop = threading.Event()
+    errors: list[Exception] = []
+
+    def urgent() -> None:
+        try:
+            while not stop.is_set():
+                taken = key()
+                acquire(semaphore.name, external_id=taken, timeout=30, priority=100)
+                time.sleep(0.02)
+                release(taken)
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    stream = [threading.Thread(target=urgent, daemon=True) for _ in range(4)]
+    for thread in stream:
+        thread.start()
+    try:
+        time.sleep(1.0)  # the stream keeps the semaphore busy
+        started = time.monotonic()
+        patient = key()
+        acquire(semaphore.name, external_id=patient, timeout=8)
+        waited = time.monotonic() - started
+        release(patient)
+    finally:
+        stop.set()
+        for thread in stream:
+            thread.join(30)
+    assert errors == []
+    assert not any(thread.is_alive() for thread in stream)
+    print(f"\npriority 0 waited {waited:.2f}s in a stream of priority 100 (bound 1 s)")
+    assert waited < 4.0
 
 
 def park(demand: dict[str, int], priority: int = 0) -> str:

@@ -103,9 +103,12 @@ class Standing:
     lacked: frozenset[int] = frozenset()
     # Capacities' worth of grants that must come before its own: 0, next in line.
     rounds: int = 0
-    # This process's order of waiters in a line. A ticket's is taken in its
-    # transaction, under the in-process pre-lock, so in a line of ticketed
-    # waiters (one demand) it follows their tickets' order.
+    # This process's order of waiters in a line: where its tickets rank
+    # (``Ticket.ranked_at``, as a timestamp; 0 where tickets are not ranked),
+    # then ``seq``. A ticket's ``seq`` is taken in its transaction, under the
+    # in-process pre-lock, so in a line of ticketed waiters (one demand) it
+    # follows their tickets' order.
+    rank: float = 0.0
     seq: int = 0
     # (id, name, capacity) of each semaphore, as the last attempt locked them.
     semaphores: tuple[tuple[int, str, int], ...] = ()
@@ -164,7 +167,8 @@ def admit(
         tickets.take(
             cursor, ask.key, ask.owner, asks, now, expires_at, short, lock_wait, ask.priority
         )
-    standing = _placed(standing, short, ticketed=life is not None)
+    rank = _rank(connection, now, ask.priority)
+    standing = _placed(standing, short, ticketed=life is not None, rank=rank)
     return sorted(s.name for s in locked if s.id in short), standing
 
 
@@ -199,24 +203,34 @@ def renew(alias: str, keys: Collection[str], lacked: Collection[int]) -> int:
     return found
 
 
-def refused_in_one_trip(ask: Ask, standing: Standing, refused: Refused) -> Refusal:
+def refused_in_one_trip(
+    connection: BaseDatabaseWrapper, ask: Ask, standing: Standing, refused: Refused
+) -> Refusal:
     """The one-trip grant's refusal, with the call's standing as ``admit``
     would have left it."""
     standing = replace(standing, rounds=refused.rounds, semaphores=refused.lacking)
     short = {id for id, _, _ in refused.lacking}
     error = SemaphoreExhausted(sorted(name for _, name, _ in refused.lacking))
-    return Refusal(error, _placed(standing, short, refused.ticket_taken))
+    rank = 0.0 if refused.at is None else _rank(connection, refused.at, ask.priority)
+    return Refusal(error, _placed(standing, short, refused.ticket_taken, rank))
 
 
-def _placed(standing: Standing, short: set[int], ticketed: bool) -> Standing:
+def _rank(connection: BaseDatabaseWrapper, now: datetime, priority: int) -> float:
+    """Where tickets taken ``now`` rank, as a timestamp (``Standing.rank``)."""
+    if not backends.tickets_ranked(connection):
+        return 0.0
+    return line.ranked(now, priority, app_settings.PRIORITY_STEP).timestamp()
+
+
+def _placed(standing: Standing, short: set[int], ticketed: bool, rank: float) -> Standing:
     """The standing of a refused call, which took (or marked) its tickets
-    where it lacks room (``short``) if ``ticketed``."""
+    where it lacks room (``short``) if ``ticketed``, ranked ``rank`` if
+    they are new."""
     if ticketed:
+        if standing.ticketed:
+            return replace(standing, lacked=standing.lacked | short)
         return replace(
-            standing,
-            ticketed=True,
-            lacked=standing.lacked | short,
-            seq=standing.seq if standing.ticketed else next(_sequence),
+            standing, ticketed=True, lacked=standing.lacked | short, rank=rank, seq=next(_sequence)
         )
     if standing.seq == 0:
         return replace(standing, seq=next(_sequence))

@@ -262,7 +262,7 @@ def grant_in_one_trip(
     if granted is None:
         return None
     if isinstance(granted, Refused):
-        return fairness.refused_in_one_trip(ask, standing, granted)
+        return fairness.refused_in_one_trip(connection, ask, standing, granted)
     request = _granted(
         connection.alias,
         granted.request_id,

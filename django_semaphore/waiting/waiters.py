@@ -1,9 +1,9 @@
 """This process's waiters for room, in one queue per alias and semaphore:
 whose turn it is to poll, and whom a release wakes.
 
-A process's waiters on a semaphore are served by priority, then first come,
-first served: in their tickets' order (every waiter's refusal took its
-tickets). A waiter wants the
+A process's waiters on a semaphore are in their tickets' order in line
+(every waiter's refusal took its tickets): by where they rank, priority
+included, then first come, first served. A waiter wants the
 semaphores its last refusal named and holds back the waiters behind it only
 on those, so one short on its own tenant's cap never keeps a neighbour from
 a shared semaphore that has room. A waiter whose turn it is (nobody ahead of
@@ -44,10 +44,10 @@ class Waiter:
     changed: float = field(default_factory=time.monotonic)  # when that last changed
     renewed: float = field(default_factory=time.monotonic)  # its tickets, last
 
-    def order(self) -> tuple[int, int]:
-        """Its place in the queues: by priority, then its tickets' order
-        (``Standing.seq`` is taken with them, in their transaction)."""
-        return -self.ask.priority, self.standing.seq
+    def order(self) -> tuple[float, int]:
+        """Its place in the queues: its tickets' in line (``Standing.rank``,
+        then ``seq``, taken with them in their transaction)."""
+        return self.standing.rank, self.standing.seq
 
 
 class Waiters(process.State):

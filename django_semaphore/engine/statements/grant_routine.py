@@ -44,7 +44,8 @@ from django_semaphore.engine.statements.tickets import ticket_statements
 # a release meanwhile is handed over in the same call. Waits of callers
 # that fail fast may stack (each thinks itself first): hence brief.
 HEAD_WAIT_MS, HEAD_POLL_US, BRIEF_WAIT_US = 50, 500, 2000
-# The one-name routine's answer, a row: granted, or refused (the last four).
+# The one-name routine's answer, a row: granted, or refused (the last four,
+# with the routine's clock as granted_at and the name, token and count).
 ANSWER: tuple[str, ...] = ("granted_request", "granted_at", "granted_expires_at", "granted_name")
 ANSWER += ("granted_token", "granted_in_use", "refused_id", "refused_capacity")
 ANSWER += ("refused_rounds", "refused_ticket")
@@ -177,7 +178,10 @@ class GrantRoutine(SQL):
             f" {self._held(server, row)}; {let('v_now', server.clock)};"
         )
         rounds = f"(v_reserved + {row.count} - 1) {server.div} GREATEST({row.capacity}, 1)"
+        # Refused: its clock in the grant's (a ticket it took ranks from it).
         refused = (
+            "v_now",
+            "NULL",
             row.name,
             row.fencing_counter,
             row.held,
@@ -209,7 +213,7 @@ class GrantRoutine(SQL):
             f" IF {_short(row)} AND {steps.expired_sql} THEN {server.decline} END IF;"
             f" {let('v_ticket', f'{in_line} AND NOT (p_ticketed AND p_lacked)')};"
             f" IF v_ticket THEN {steps.take_sql}; {steps.queue_until_sql}; END IF;"
-            f" {server.answer(refused, first=3)}"
+            f" {server.answer(refused, first=1)}"
             " END IF;"
             " END IF;"
             # Granted: its tickets stop holding back others; a queue that

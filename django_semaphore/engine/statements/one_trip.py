@@ -69,6 +69,7 @@ class Refused:
     rounds: int  # capacities' worth of grants that come before its own (one name)
     ticket_taken: bool  # it took its ticket (or marked it lacking room; one name)
     grants: int  # the fencing counter: the grants made before the refusal (one name)
+    at: datetime | None = None  # the routine's clock (one name): a ticket it took ranks from it
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,9 @@ class OneTripStatements(SQL):
         if request_id is None:
             lacking = tuple((int(row[6]), row[3], int(row[7])) for row in rows)
             rounds, ticket_taken = rows[0][8:] or (0, False)
-            return Refused(lacking, int(rounds), bool(ticket_taken), int(rows[0][4]))
+            stamp = backends.datetime_from_db
+            at = None if rows[0][1] is None else stamp(self.connection, rows[0][1])
+            return Refused(lacking, int(rounds), bool(ticket_taken), int(rows[0][4]), at)
         stamp = backends.datetime_from_db
         return Granted(
             int(request_id),
