@@ -25,6 +25,10 @@ class ProbeStatements(SQL):
         # release waits for it), what its row counts, and while its queue is
         # live the permits that the tickets holding a key back ask for (as
         # the grant's ``TicketStatements.older`` counts them).
+        holding_back_sql = {
+            ranked: ticket_statements(connection).holding_back(now, ranked)
+            for ranked in (True, False)
+        }
         self.probe_sql = {
             ranked: (
                 f"SELECT s.{q('id')}, s.{q('capacity')}, s.{q('fencing_counter')},"
@@ -32,7 +36,7 @@ class ProbeStatements(SQL):
                 f" CASE WHEN s.{q('queued_until')} > {now} THEN"
                 f" (SELECT SUM(t.{q('count')}) FROM {tickets} t"
                 f" WHERE t.{q('semaphore_id')} = s.{q('id')}"
-                f" AND {ticket_statements(connection).holding_back(now, ranked)}) END,"
+                f" AND {holding_back_sql[ranked]}) END,"
                 # A rate limit's slots: those open, those that ended and are not
                 # closed yet, and when the next one ends.
                 f" s.{q('window')}, s.{q('slots_open')},"

@@ -50,10 +50,11 @@ class TicketStatements(SQL):
         table = q(Ticket._meta.db_table)
         # By whether the tickets are ranked (``backends.tickets_ranked``):
         # until their migration, by id alone.
+        holding_back_sql = {ranked: self.holding_back("%s", ranked) for ranked in (True, False)}
         self.older_sql = {
             ranked: f"SELECT t.{q('semaphore_id')}, COUNT(*) AS n, SUM(t.{q('count')}) AS permits"
             f" FROM {table} t WHERE t.{q('semaphore_id')} IN ({{ids}})"
-            f" AND {self.holding_back('%s', ranked)} GROUP BY t.{q('semaphore_id')}"
+            f" AND {holding_back_sql[ranked]} GROUP BY t.{q('semaphore_id')}"
             for ranked in (True, False)
         }
         upsert, new = _UPSERTS[connection.vendor]
@@ -61,10 +62,12 @@ class TicketStatements(SQL):
         # ranks is written again.
         columns = ["semaphore_id", "external_id", "owner", "count", "created_at", "expires_at"]
         columns.append("lacked")
+        columns_sql = {
+            ranked: ", ".join(map(q, [*columns, *(backends.RANKS if ranked else ())]))
+            for ranked in (True, False)
+        }
         self.insert_sql = {
-            ranked: f"INSERT INTO {table}"
-            f" ({', '.join(map(q, [*columns, *(backends.RANKS if ranked else ())]))})"
-            " VALUES {rows}"
+            ranked: f"INSERT INTO {table} ({columns_sql[ranked]}) VALUES {{rows}}"
             + upsert.format(
                 table=table,
                 semaphore=q("semaphore_id"),
@@ -107,12 +110,14 @@ class TicketStatements(SQL):
         and the probe."""
         q, table = self.q, self.q(Ticket._meta.db_table)
         at, id = q("ranked_at"), q("id")
-        before = f"m.{at} < t.{at} OR m.{at} = t.{at} AND m.{id} < t.{id}" if ranked else ""
+        before_sql = f"m.{id} < t.{id}"
+        if ranked:
+            before_sql = f"m.{at} < t.{at} OR m.{at} = t.{at} AND {before_sql}"
         return (
             f"t.{q('lacked')} = %s AND t.{q('expires_at')} > {now} AND t.{q('external_id')} <> %s"
             f" AND NOT EXISTS (SELECT 1 FROM {table} m"
             f" WHERE m.{q('semaphore_id')} = t.{q('semaphore_id')} AND m.{q('external_id')} = %s"
-            f" AND ({before or f'm.{id} < t.{id}'}))"
+            f" AND ({before_sql}))"
         )
 
     def older(
