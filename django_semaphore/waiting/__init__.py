@@ -150,8 +150,7 @@ def wait_for_room(
                     )
                 if not WAITERS.wait_turn(waiter, min(remaining, _renewal_every())):
                     continue
-                woken = waiter.woken.is_set() and not waiter.probe_now
-                if not woken:
+                if not waiter.woken.is_set() or waiter.probe_now:
                     # The last attempt may come at the deadline, never after it.
                     pause(waiter, connection, deadline)
                 waiter.woken.clear()
