@@ -151,28 +151,16 @@ def acquire(
         )
 
     with _finish_signalled(connection, demand):
-        request = _acquire_or_wait(connection, attempt, ask, wait, deadline)
+        outcome = attempt(ask, fairness.Standing())
+        if isinstance(outcome, fairness.Refusal):
+            if not wait:
+                raise outcome.error
+            # Its tickets, taken by the refusal, keep its place while it waits.
+            outcome = waiting.wait_for_room(
+                connection, attempt, ask, outcome.standing, wait, deadline, outcome.error
+            )
     waiting.granted(connection.alias, key, demand.names)
-    return request
-
-
-def _acquire_or_wait(
-    connection: BaseDatabaseWrapper,
-    attempt: waiting.Attempt,
-    ask: fairness.Ask,
-    wait: float,
-    deadline: float,
-) -> PermitRequest:
-    """One attempt, then, with a timeout, wait for room (``waiting``): its
-    tickets, taken by the refusal, keep its place."""
-    outcome = attempt(ask, fairness.Standing())
-    if not isinstance(outcome, fairness.Refusal):
-        return outcome
-    if not wait:
-        raise outcome.error
-    return waiting.wait_for_room(
-        connection, attempt, ask, outcome.standing, wait, deadline, outcome.error
-    )
+    return outcome
 
 
 @contextmanager

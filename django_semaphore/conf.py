@@ -95,18 +95,6 @@ DEFAULTS: dict[str, Any] = {
     "LISTEN_DATABASES": {},
 }
 
-DURATION_KEYS = frozenset(
-    {
-        "STALENESS_LIMIT",
-        "RELEASED_RETENTION",
-        "HISTORY_RETENTION",
-        "MEMBER_IDLE_LIMIT",
-        "PARKED_REPUBLISH_AFTER",
-        "LEASE",
-        "TICKET_LEASE",
-    }
-)
-
 # PostgreSQL's lock_timeout is an int of milliseconds (less than one is 0:
 # no bound at all); MySQL's is at most 2**30 seconds: one range for every backend.
 MIN_LOCK_WAIT, MAX_LOCK_WAIT = 0.001, (2**31 - 1) // 1000
@@ -243,9 +231,10 @@ _SCALAR_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         ("RETRY_ATTEMPTS", "CLEANUP_BATCH_SIZE"),
         (lambda value: is_int(value, 1, MAX_COUNT), f"an int from 1 to {MAX_COUNT}"),
     ),
-    # At most what a TTL may be: "now - limit" stays a date every database holds.
+    # Every duration (a timedelta by default), at most what a TTL may be:
+    # "now - limit" stays a date every database holds; but for the two below.
     **dict.fromkeys(
-        DURATION_KEYS,
+        [key for key, default in DEFAULTS.items() if isinstance(default, timedelta)],
         (_is_duration, f"positive seconds or a timedelta, at most {MAX_TTL} seconds"),
     ),
     # Renewed every third of it by a waiter that polls every second or two.

@@ -35,7 +35,6 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.exceptions import (
     DatabaseUnavailable,
     FamilyFull,
-    InvalidRequest,
     LiveDuplicate,
     LockContention,
     PermitLost,
@@ -68,11 +67,8 @@ def run_task(
 ) -> Any:
     """Run the task holding its permits, claimed by its task id: when they
     are refused, stand by, park, retry or fail, as ``options`` say."""
-    if options.needs_a_deciding_class and not getattr(task, "decides_when_sent", False):
-        raise InvalidRequest(
-            f"Task {task.name} sets on_conflict or debounce, decided when it is sent: "
-            "make it a PermitTask (@shared_task(base=PermitTask))."
-        )
+    fix = "make it a PermitTask (@shared_task(base=PermitTask))"
+    options.refuse_undecided(task, task.name, fix)
     parks = options.parks
     if parks:
         # From this process's first parking task on, its releases (this

@@ -215,14 +215,13 @@ def _label(func: Callable[..., Any]) -> str:
 def _request_position(func: Callable[..., Any], view: bool | None) -> int | None:
     """Where a view's request is among its arguments (after ``self`` for a
     method); ``None`` for a function that is not a view."""
+    # method_decorator's partial of a bound method is wrapped as the
+    # unbound method: its own signature, without self, is the true one.
+    follow = not isinstance(func, functools.partial)
     try:
-        # method_decorator's partial of a bound method is wrapped as the
-        # unbound method: its own signature, without self, is the true one.
-        signature = inspect.signature(func, follow_wrapped=not isinstance(func, functools.partial))
+        parameters = list(inspect.signature(func, follow_wrapped=follow).parameters)
     except (TypeError, ValueError):  # a callable Python cannot read
         parameters = []
-    else:
-        parameters = list(signature.parameters)
     skip = 1 if parameters[:1] == ["self"] else 0
     if view is None:
         view = parameters[skip : skip + 1] == ["request"]

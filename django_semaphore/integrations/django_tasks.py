@@ -219,8 +219,7 @@ def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwar
         InvalidRequest: its options are decided when it is sent, and its
             task class does not (``permit_task_class``).
     """
-    _refuse_undecided(result, options)
-    options = replace(options, priority=options.priority_or(result.task.priority))
+    options = _run_options(result, options)
     key = _claim_or_defer(result, options)
     lease = options.hold_lease(key)
     try:
@@ -233,8 +232,7 @@ async def run_async(
     func: Callable[..., Any], options: Options, result: Any, args: Any, kwargs: Any
 ) -> Any:
     """``run`` for an ``async def`` task: it waits for room, never deferred."""
-    _refuse_undecided(result, options)
-    options = replace(options, priority=options.priority_or(result.task.priority))
+    options = _run_options(result, options)
     key = await sync_to_async(_claim)(_owner(result), options, options.timeout or MAX_TTL)
     lease = options.hold_lease(key)
     try:
@@ -243,12 +241,12 @@ async def run_async(
         await sync_to_async(_settle)(result, key, lease)
 
 
-def _refuse_undecided(result: Any, options: Options) -> None:
-    if options.needs_a_deciding_class and not getattr(result.task, "decides_when_sent", False):
-        raise InvalidRequest(
-            f"Task {result.task.module_path} sets on_conflict or debounce, decided when it is "
-            "sent: make its backend's task_class permit_task_class(...)."
-        )
+def _run_options(result: Any, options: Options) -> Options:
+    """The options of this run: refused where they are decided when the
+    task is sent and its class does not; its task's priority by default."""
+    fix = "make its backend's task_class permit_task_class(...)"
+    options.refuse_undecided(result.task, result.task.module_path, fix)
+    return replace(options, priority=options.priority_or(result.task.priority))
 
 
 def _claim_or_defer(result: Any, options: Options) -> str:

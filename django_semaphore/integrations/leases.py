@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections
-from django.db.models import Case, DateTimeField, F, When
+from django.db.models import Case, DateTimeField, F, QuerySet, When
 from django.db.models.functions import Greatest
 
 from django_semaphore import process
@@ -247,13 +247,8 @@ def _renew(alias: str, held: Collection[Lease]) -> int:
         output_field=DateTimeField(),
     )
     return (
-        PermitRequest.objects.using(alias)
-        .filter(
-            external_id__in=[lease.key for lease in held],
-            state=State.ACQUIRED,
-            ttl__in=ttls,
-            expires_at__gt=DatabaseNow(),
-        )
+        _still_held(alias, held)
+        .filter(ttl__in=ttls)
         .update(expires_at=Greatest(F("expires_at"), renewed), updated_at=DatabaseNow())
     )
 
@@ -261,12 +256,17 @@ def _renew(alias: str, held: Collection[Lease]) -> int:
 def _held_ttls(alias: str, held: Collection[Lease]) -> dict[str, int]:
     """Key -> ttl of the rows of ``held`` still held, read when a renewal fell
     short: a key missing from it was lost."""
-    still = PermitRequest.objects.using(alias).filter(
+    still = _still_held(alias, held).values_list("external_id", "ttl")
+    return {key: ttl for key, ttl in still if ttl is not None}
+
+
+def _still_held(alias: str, held: Collection[Lease]) -> QuerySet[PermitRequest]:
+    """The rows of ``held`` still held and unexpired by the database's clock."""
+    return PermitRequest.objects.using(alias).filter(
         external_id__in=[lease.key for lease in held],
         state=State.ACQUIRED,
         expires_at__gt=DatabaseNow(),
     )
-    return {key: ttl for key, ttl in still.values_list("external_id", "ttl") if ttl is not None}
 
 
 HEARTBEAT = Heartbeat()

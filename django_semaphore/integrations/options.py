@@ -71,6 +71,15 @@ class Options:
         of any other class fails, rather than run without them."""
         return self.on_conflict is not None or self.debounce is not None
 
+    def refuse_undecided(self, task: Any, name: str, fix: str) -> None:
+        """Raise ``InvalidRequest`` when these options need a deciding class
+        (``needs_a_deciding_class``) and ``task`` (named ``name``) is not of
+        one; ``fix`` says which class to use."""
+        if self.needs_a_deciding_class and not getattr(task, "decides_when_sent", False):
+            raise InvalidRequest(
+                f"Task {name} sets on_conflict or debounce, decided when it is sent: {fix}."
+            )
+
     @property
     def has_send_policy(self) -> bool:
         """Whether a deciding class (``PermitTask``, ``permit_task_class``)

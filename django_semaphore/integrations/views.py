@@ -31,7 +31,7 @@ from django_semaphore.exceptions import (
     PermitRefused,
     SemaphoreExhausted,
 )
-from django_semaphore.integrations.leases import Lease, hold
+from django_semaphore.integrations.leases import Lease
 from django_semaphore.integrations.options import Options
 from django_semaphore.models import PermitRequest
 from django_semaphore.owners import process_owner
@@ -51,7 +51,7 @@ def run_view(
     held = _acquire_for_view(options, request)
     if isinstance(held, HttpResponseBase):
         return held
-    lease = _hold_lease(held)
+    lease = options.hold_lease(held.external_id)
     try:
         with _requested_transactions(func):
             response = func(*args, **kwargs)
@@ -75,7 +75,7 @@ async def run_async_view(
     held = await sync_to_async(_acquire_for_view)(options, request)
     if isinstance(held, HttpResponseBase):
         return held
-    lease = _hold_lease(held)
+    lease = options.hold_lease(held.external_id)
     try:
         response = await func(*args, **kwargs)
     except BaseException:
@@ -104,11 +104,6 @@ def _requested_transactions(view: Callable[..., Any]) -> ExitStack:
     for alias in _atomic_aliases(view):
         stack.enter_context(transaction.atomic(using=alias))
     return stack
-
-
-def _hold_lease(held: PermitRequest) -> Lease | None:
-    """The process heartbeat renews the permit until the response is sent."""
-    return None if held.ttl is None else hold(held)
 
 
 def _view_owner(options: Options, request: HttpRequest) -> str:

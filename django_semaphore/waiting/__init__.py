@@ -150,8 +150,7 @@ def wait_for_room(
                     )
                 if not WAITERS.wait_turn(waiter, min(remaining, _renewal_every())):
                     continue
-                woken = waiter.woken.is_set() and not waiter.probe_now
-                if not woken:
+                if not waiter.woken.is_set() or waiter.probe_now:
                     # The last attempt may come at the deadline, never after it.
                     pause(waiter, connection, deadline)
                 waiter.woken.clear()
@@ -175,7 +174,7 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
         connection: the connection it probes on.
         deadline: ``time.monotonic()``; the pause never runs past it.
     """
-    hold = _learned_hold(waiter.ask.demand.names)
+    hold = max(learned_holds(waiter.ask.demand.names), default=None)
     now = time.monotonic()
     if waiter.expected_room:
         # Refused where its probe saw room (a newcomer took it first): a
@@ -297,11 +296,6 @@ def _rounds(waiter: Waiter, found: dict[int, Room]) -> int:
     )
 
 
-def _learned_hold(names: Iterable[str]) -> float | None:
-    holds = learned_holds(dict.fromkeys(names, 1))
-    return max(holds) if holds else None
-
-
 # --- what this process holds, and its releases ---------------------------------------
 
 
@@ -341,7 +335,7 @@ def released(connection: BaseDatabaseWrapper, key: str) -> None:
     if grant is None:
         return
     names, since = grant
-    learn_hold(dict.fromkeys(names, 1), time.monotonic() - since)
+    learn_hold(names, time.monotonic() - since)
     WAITERS.room_made(alias, names)
     if _waited_lately(alias, names) and listen_alias(alias) is not None:
         notify(connection, names)

@@ -123,7 +123,14 @@ class Listener(process.State):
     def _run(self, alias: str, via: str) -> None:
         try:
             while self._wanted(alias, via):
-                self._listen_or_retry(alias, via)
+                try:
+                    self._listen(alias, via)
+                except Exception as exc:  # a lost connection: the probes carry on meanwhile
+                    logger.info("Listening for releases on %r failed, will retry: %s", alias, exc)
+                    self._listening.discard(alias)
+                    with suppress(Exception):
+                        connections[via].close()
+                    time.sleep(LISTEN_RETRY)
         finally:
             self._listening.discard(alias)
             connections[via].close()  # this thread's own connection
@@ -138,16 +145,6 @@ class Listener(process.State):
                 connections[via].close()
                 WAITERS.changed.wait_for(waiting)
             return not self._stopping
-
-    def _listen_or_retry(self, alias: str, via: str) -> None:
-        try:
-            self._listen(alias, via)
-        except Exception as exc:  # a lost connection: the probes carry on meanwhile
-            logger.info("Listening for releases on %r failed, will retry: %s", alias, exc)
-            self._listening.discard(alias)
-            with suppress(Exception):
-                connections[via].close()
-            time.sleep(LISTEN_RETRY)
 
     def _listen(self, alias: str, via: str) -> None:
         """Listen on ``via`` while this process waits on ``alias``; wake on

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -50,11 +50,11 @@ class Standbys(process.State):
 STANDBYS = Standbys()
 
 
-def learn_hold(demand: Mapping[str, int], seconds: float) -> None:
+def learn_hold(names: Iterable[str], seconds: float) -> None:
     """Note how long a holder in this process held its permits (a parking
     task's run, or a grant until its ``release``): whether, and how often,
     the next refused ones probe (``stand_by``, ``pause``)."""
-    for name in demand:
+    for name in names:
         _holds[_hold_key(name)] = seconds
 
 
@@ -65,9 +65,9 @@ def _hold_key(name: str) -> str:
     return name if family is None else family.pattern
 
 
-def learned_holds(demand: Mapping[str, int]) -> list[float]:
+def learned_holds(names: Iterable[str]) -> list[float]:
     """The holds this process learned for these semaphores (see ``learn_hold``)."""
-    keys = {_hold_key(name) for name in demand}
+    keys = {_hold_key(name) for name in names}
     return [_holds[key] for key in keys if key in _holds]
 
 

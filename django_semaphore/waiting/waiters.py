@@ -73,19 +73,16 @@ class Waiters(process.State):
             yield waiter
             granted_here = True
         finally:
-            self._leave(waiter, granted_here)
-
-    def _leave(self, waiter: Waiter, granted_here: bool) -> None:
-        with self.changed:
-            for name in waiter.ask.demand.names:
-                queue = self.queues[(waiter.alias, name)]
-                queue.remove(waiter)
-                if not queue:
-                    del self.queues[(waiter.alias, name)]
-            if not granted_here:
-                # It may have been a poller: its successors attempt at once.
-                self._wake_pollers(waiter.alias, waiter.ask.demand.names)
-            self.changed.notify_all()
+            with self.changed:
+                for name in ask.demand.names:
+                    queue = self.queues[(alias, name)]
+                    queue.remove(waiter)
+                    if not queue:
+                        del self.queues[(alias, name)]
+                if not granted_here:
+                    # It may have been a poller: its successors attempt at once.
+                    self._wake_pollers(alias, ask.demand.names)
+                self.changed.notify_all()
 
     def has_turn(self, waiter: Waiter) -> bool:
         """Whether nobody ahead of ``waiter`` wants what it wants (the lock held)."""
