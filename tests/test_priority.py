@@ -30,6 +30,20 @@ pytestmark = pytest.mark.django_db(transaction=True)
 SETTLED = 0.3
 
 
+def served_in_turn(order: list[str], *waiters: Waiter) -> None:
+    """Each waiter granted in turn (within 20 s), then released so that the
+    next one can be; every waiter joined, none failed."""
+    for waiter in waiters:
+        deadline = time.monotonic() + 20
+        while waiter.key not in order:
+            assert time.monotonic() < deadline, f"{waiter.key} never granted"
+            time.sleep(0.01)
+        release(waiter.key)
+    for waiter in waiters:
+        waiter.finish()
+        assert waiter.error is None
+
+
 def test_a_high_priority_waiter_goes_ahead_of_the_older_ones(make_semaphore):
     semaphore = make_semaphore(1)
     holder = key()
@@ -49,15 +63,7 @@ def test_a_high_priority_waiter_goes_ahead_of_the_older_ones(make_semaphore):
     ]
 
     release(holder)
-    for waiter in (urgent, *low):
-        deadline = time.monotonic() + 20
-        while waiter.key not in order:
-            assert time.monotonic() < deadline, f"{waiter.key} never granted"
-            time.sleep(0.01)
-        release(waiter.key)
-    for waiter in (urgent, *low):
-        waiter.finish()
-        assert waiter.error is None
+    served_in_turn(order, urgent, *low)
     assert order == [urgent.key, *(waiter.key for waiter in low)]
 
 
@@ -80,13 +86,7 @@ def test_a_low_priority_waiter_is_passed_only_within_its_aging_bound(make_semaph
     time.sleep(SETTLED)
 
     release(holder)
-    for waiter in (patient, late):
-        deadline = time.monotonic() + 20
-        while waiter.key not in order:
-            assert time.monotonic() < deadline, f"{waiter.key} never granted"
-            time.sleep(0.01)
-        release(waiter.key)
-        waiter.finish()
+    served_in_turn(order, patient, late)
     assert order == [patient.key, late.key]
 
 
@@ -187,13 +187,7 @@ def test_why_waiting_and_the_status_say_the_priority(make_semaphore):
         assert (low.key in second, second.split()[-1]) == (True, "0")
     finally:
         release("holder")
-        for waiter in (urgent, low):
-            deadline = time.monotonic() + 20
-            while waiter.key not in order:
-                assert time.monotonic() < deadline, f"{waiter.key} never granted"
-                time.sleep(0.01)
-            release(waiter.key)
-            waiter.finish()
+        served_in_turn(order, urgent, low)
 
 
 @pytest.mark.parametrize("priority", [101, -101, 1.5, "5", True, None])
