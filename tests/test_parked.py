@@ -623,7 +623,8 @@ def test_a_refused_task_stands_by_and_takes_the_next_release(holds):
     releaser.join()
 
     assert key == "new"
-    assert 0.3 <= waited < 0.3 + 0.25, waited
+    # Woken by the release, well before its stand-by (STANDBY_WAIT) ends.
+    assert 0.3 <= waited < 0.3 + 1.0, waited
     assert PermitRequest.objects.get(external_id="new").state == State.ACQUIRED
     assert parked_ids() == []
 
