@@ -191,9 +191,12 @@ def test_a_parked_tenant_is_woken_by_the_next_release_of_the_shared_semaphore(
 @pytest.mark.slow
 def test_one_tenants_backlog_leaves_worker_processes_to_another_tenant(celery_worker: Any, wakes):
     """A's 20 tasks wait for A's own cap (1); B's one task, sent behind them,
-    finds the shared semaphore with room: it starts within 2 s, because one
-    of A's tasks stands by in a worker process and the rest park (they took
-    every process of the worker, standing by, and B's message waited)."""
+    finds the shared semaphore with room: it starts within 4 s, not after
+    A's 10 s of backlog, because one of A's tasks stands by in a worker
+    process and the rest park (they took every process of the worker,
+    standing by, and B's message waited). Measured 0.4-0.6 s on a quiet
+    machine; a few of A's tasks refused at once may each stand by up to
+    ``STANDBY_WAIT`` (2 s) on a loaded one."""
     Semaphore.objects.create(name=tasks.SHARED, capacity=4)
     Semaphore.objects.create(name=tasks.TENANT_A, capacity=1)
     Semaphore.objects.create(name=tasks.TENANT_B, capacity=1)
@@ -208,7 +211,7 @@ def test_one_tenants_backlog_leaves_worker_processes_to_another_tenant(celery_wo
     for result in a_results:
         result.revoke()
     settled([b_result])
-    assert started_after < 2, f"B started {started_after:.1f} s after it was sent"
+    assert started_after < 4, f"B started {started_after:.1f} s after it was sent"
 
 
 # --- fair mode: real threads ------------------------------------------------------------
