@@ -100,7 +100,7 @@ POSTGRES_DISCONNECT_PREFIXES = ("08", "57P01", "57P02", "57P03", "25006")
 def classify(connection: BaseDatabaseWrapper, exc: Error) -> Failure | None:
     """Whether ``exc`` is worth retrying, and how; ``None`` means surface it."""
     vendor, code = connection.vendor, _error_code(connection, exc)
-    if (code in NO_ROUTINE and "django_semaphore_" in str(exc)) or _unranked_tickets(code, exc):
+    if _routine_missing(code, exc) or _unranked_tickets(code, exc):
         # One of the app's routines is not installed, or not in the version
         # called, or the tickets' ranking is not: the code is newer than the
         # migrations.
@@ -187,6 +187,16 @@ ROUTINES_RECHECK = 60.0
 # arrival alone.
 _without_ranks: dict[str, float] = {}
 RANKS = ("priority", "ranked_at")
+
+
+def _routine_missing(code: int | str | None, exc: Error) -> bool:
+    # PostgreSQL's internal_error "cache lookup failed for function": a
+    # migration dropped the routine while this call ran it; the call, one
+    # transaction, was undone.
+    message = str(exc)
+    return "django_semaphore_" in message and (
+        code in NO_ROUTINE or (code == "XX000" and "cache lookup failed for function" in message)
+    )
 
 
 def _unranked_tickets(code: int | str | None, exc: Error) -> bool:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from io import BytesIO
 from pathlib import Path
@@ -275,6 +276,71 @@ def test_a_rolling_deploy_in_either_order_fails_no_call(fresh_routines, make_sem
     assert min(old_ops) > 0
     assert min(int(Path(d).read_text()) for d in done) > 0
     assert migrations >= 4
+
+
+def test_a_routine_dropped_while_a_call_runs_in_it_is_made_again_the_general_way(
+    fresh_routines, make_semaphore
+):
+    """A migration drops the routines (its reverse, or a later release's
+    cleanup of this version) while a release waits inside one for a row
+    lock: the call is undone as a whole and made again without them -- it
+    ends the request, once, and says so."""
+    name = make_semaphore(capacity=1).name
+    acquire(name, external_id="k")
+    outcomes: list[ReleaseOutcome] = []
+
+    def release_and_close() -> None:
+        try:
+            outcomes.append(release("k"))
+        finally:
+            connections.close_all()
+
+    def migrate_back() -> None:
+        try:
+            call_command("migrate", "django_semaphore", BEFORE_NEWEST, verbosity=0)
+        finally:
+            connections.close_all()
+
+    with row_locked_elsewhere(name, row="release counter") as unlock:
+        releasing = threading.Thread(target=release_and_close, daemon=True)
+        releasing.start()
+        assert _releasing(within=10)
+        # MariaDB's DROP waits for the call to end, PostgreSQL's does not.
+        dropping = threading.Thread(target=migrate_back, daemon=True)
+        dropping.start()
+        dropping.join(timeout=1)
+        unlock.set()
+        releasing.join(timeout=30)
+        dropping.join(timeout=30)
+    assert not releasing.is_alive()
+    assert not dropping.is_alive()
+    assert outcomes == [ReleaseOutcome.RELEASED]
+    assert release("k") is ReleaseOutcome.ALREADY_RELEASED
+
+
+def _releasing(within: float) -> bool:
+    """Whether another session runs the release routine within ``within``
+    seconds: its CALL on PostgreSQL, the statement inside it on MariaDB."""
+    running, pattern = (
+        (
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE %s",
+            "CALL django_semaphore_release_v%",
+        )
+        if connection.vendor == "postgresql"
+        else (
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST"
+            " WHERE INFO LIKE %s AND ID <> CONNECTION_ID()",
+            "%release_reason%",
+        )
+    )
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        with connection.cursor() as cursor:
+            cursor.execute(running, [pattern])
+            if cursor.fetchone()[0]:
+                return True
+        time.sleep(0.02)
+    return False
 
 
 @pytest.fixture

@@ -131,18 +131,19 @@ class ReleaseStatements(SQL):
             f" WHERE r.{q('external_id')} = %s"
         )
         # The release by key and that read as one procedure, which the
-        # server parses and plans once per connection; the read follows the
-        # release's commit, as it would by itself: MariaDB's statements
-        # commit one by one (autocommit), PostgreSQL's procedure commits
-        # between them. (MySQL: two statements.)
+        # server parses and plans once per connection. MariaDB's statements
+        # commit one by one (autocommit); PostgreSQL's call is one
+        # transaction, undone as a whole if a migration drops the procedure
+        # while it runs (the retry then releases the general way).
+        # (MySQL: two statements.)
         self.calls_procedure = bool(self.by_key_sql) and (
             self.connection.vendor == "postgresql" or backends.bounds_each_statement(connection)
         )
 
     def procedure_body(self) -> str:
-        """The release procedure's body: the release by key, then, once it
-        committed, what it released (``released_on_key_sql``) if it released
-        anything and ``p_read`` (a ``ReadBack``) says so."""
+        """The release procedure's body: the release by key, then what it
+        released (``released_on_key_sql``) if it released anything and
+        ``p_read`` (a ``ReadBack``) says so."""
         acquired, released = f"'{self.acquired}'", f"'{self.released}'"
         if self.connection.vendor == "postgresql":
             by_key_sql = with_arguments(
@@ -153,7 +154,7 @@ class ReleaseStatements(SQL):
             outputs_sql = ", ".join(POSTGRES_READ)
             aggregates_sql = ", ".join(f"array_agg(x.{output})" for output in POSTGRES_READ)
             return (
-                f"\nBEGIN\n {by_key_sql} INTO out_ended;\n COMMIT;\n"
+                f"\nBEGIN\n {by_key_sql} INTO out_ended;\n"
                 f" IF out_ended > 0 AND {self.reads_back_sql} THEN\n"
                 f"  SELECT {aggregates_sql} INTO {outputs_sql}"
                 f" FROM ({read_sql}) AS x({outputs_sql});\n"
