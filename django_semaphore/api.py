@@ -48,6 +48,7 @@ from django_semaphore.validation import (
     validate_name,
     validate_owner,
     validate_priority,
+    validate_share,
     validate_timeout,
     validate_ttl,
     validate_window,
@@ -75,6 +76,7 @@ def acquire(
     ttl: int | float | timedelta | None = None,
     timeout: int | float | timedelta = 0,
     priority: int = 0,
+    share: str | int | None = None,
     fair: bool | None = None,
 ) -> PermitRequest:
     """Grant permits on every named semaphore, or on none of them.
@@ -100,6 +102,10 @@ def acquire(
         priority: where a caller that waits stands in line: -100 to 100,
             higher first (Django's tasks' convention); a head start of
             ``PRIORITY_STEP`` per point over those that came before it.
+        share: the share key of a caller that waits (a customer's id, a
+            tenant): the keys waiting on a semaphore are served in turn, by
+            their ``SHARE_WEIGHTS``, rather than first come, first served
+            (docs/shares.md). ``None``: none; it waits by when it came.
         fair: deprecated, ignored: every call that waits waits in line.
 
     Returns:
@@ -131,12 +137,13 @@ def acquire(
     ttl_seconds = validate_ttl(ttl)
     wait = validate_timeout(timeout)
     priority = validate_priority(priority)
+    share = validate_share(share)
     warn_fair(fair)
     connection = connections[routing.alias_for_names(demand.names)]
     _refuse_outer_transaction(connection)
 
     deadline = time.monotonic() + wait
-    ask = fairness.Ask(key, owner, demand, deadline if wait else None, priority)
+    ask = fairness.Ask(key, owner, demand, deadline if wait else None, priority, share)
 
     def attempt(ask: fairness.Ask, standing: fairness.Standing) -> PermitRequest | fairness.Refusal:
         lock_wait = app_settings.LOCK_WAIT_TIMEOUT

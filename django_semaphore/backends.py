@@ -182,11 +182,12 @@ _without_routines: dict[str, float] = {}
 ROUTINES_RECHECK = 60.0
 
 
-# Alias -> when to rank tickets again (``Ticket.ranked_at``, ``priority``),
+# Alias -> when to rank tickets again (``Ticket.ranked_at``, ``priority``,
+# ``share``, ``turn_at``),
 # in this process: until their migration is applied, waiters are served by
 # arrival alone.
 _without_ranks: dict[str, float] = {}
-RANKS = ("priority", "ranked_at")
+RANKS = ("priority", "ranked_at", "share", "turn_at")
 
 
 def _routine_missing(code: int | str | None, exc: Error) -> bool:

@@ -84,6 +84,10 @@ DEFAULTS: dict[str, Any] = {
     # goes ahead of priority-0 waiters that came up to 100 steps before it,
     # and a waiter is passed by none that came 200 steps after it.
     "PRIORITY_STEP": timedelta(seconds=1),
+    # Share key -> weight, or a callable of the key that returns it: waiting
+    # share keys are served in turn, each in proportion to its weight (1
+    # unless given; docs/shares.md).
+    "SHARE_WEIGHTS": {},
     # Families (patterns in SEMAPHORES) whose members the Prometheus metrics
     # label one by one; any other family's members are one series, labelled
     # with its pattern (metrics/series.py).
@@ -100,6 +104,7 @@ DEFAULTS: dict[str, Any] = {
 MIN_LOCK_WAIT, MAX_LOCK_WAIT = 0.001, (2**31 - 1) // 1000
 MIN_TICKET_LEASE = timedelta(seconds=3)
 MAX_PRIORITY_STEP = 86_400
+MAX_SHARE_WEIGHT = 1_000
 
 
 T = TypeVar("T")
@@ -174,8 +179,24 @@ class Settings:
     LEASE = _Setting(_duration)
     TICKET_LEASE = _Setting(_duration)
     PRIORITY_STEP = _Setting(_duration)
+    SHARE_WEIGHTS: _Setting[Mapping[str, float] | Callable[[str], Any]] = _Setting(lambda v: v)
     METRICS_PER_MEMBER = _Setting(frozenset[str])
     LISTEN_DATABASES = _Setting(dict[str, str | None])
+
+    def share_weight(self, share: str) -> float:
+        """A share key's weight: as ``SHARE_WEIGHTS`` gives it, 1 otherwise.
+
+        Raises:
+            InvalidRequest: a callable ``SHARE_WEIGHTS`` gave no weight.
+        """
+        weights = self.SHARE_WEIGHTS
+        weight = weights(share) if callable(weights) else weights.get(share, 1)
+        if not _is_weight(weight):
+            raise InvalidRequest(
+                f"DJANGO_SEMAPHORE['SHARE_WEIGHTS'] gave the share key {share!r} the weight "
+                f"{weight!r}: {WEIGHTS}."
+            )
+        return float(weight)
 
     def forget(self, **kwargs: Any) -> None:
         """Read every value afresh: any setting may have changed one (a
@@ -210,6 +231,13 @@ def _is_seconds(value: Any, most: float) -> bool:
 
 def _is_duration(value: Any) -> bool:
     return _is_seconds(value.total_seconds() if isinstance(value, timedelta) else value, MAX_TTL)
+
+
+def _is_weight(value: Any) -> bool:
+    return _is_seconds(value, MAX_SHARE_WEIGHT)
+
+
+WEIGHTS = f"a weight is a positive number, at most {MAX_SHARE_WEIGHT}"
 
 
 def _is_alias(value: Any) -> bool:
@@ -274,6 +302,29 @@ def _listen_problems(value: Any) -> list[str]:
         if not _is_alias(alias)
         or not (direct is None or _is_alias(direct))
         or (direct is not None and settings.DATABASES[direct].get("DISABLE_SERVER_SIDE_CURSORS"))
+    ]
+
+
+def _weights_problems(value: Any) -> list[str]:
+    """A mapping of share keys to weights, or a callable of the key."""
+    if callable(value):
+        return []
+    if not isinstance(value, Mapping):
+        return [
+            "DJANGO_SEMAPHORE['SHARE_WEIGHTS'] must map share keys to weights, or be a callable "
+            f"of the key that returns its weight, not {value!r}."
+        ]
+    problems = [
+        f"DJANGO_SEMAPHORE['SHARE_WEIGHTS']: the share key {key!r} must be a str "
+        f"(an int key is its str: {str(key)!r})."
+        for key in value
+        if not isinstance(key, str)
+    ]
+    return problems + [
+        f"DJANGO_SEMAPHORE['SHARE_WEIGHTS'] gives the share key {key!r} the weight "
+        f"{weight!r}: {WEIGHTS}."
+        for key, weight in value.items()
+        if not _is_weight(weight)
     ]
 
 
@@ -354,6 +405,7 @@ _COMPOUND_RULES: dict[str, Callable[[Any], list[str]]] = {
     "SEMAPHORES": _declared_problems,
     "METRICS_PER_MEMBER": _per_member_problems,
     "LISTEN_DATABASES": _listen_problems,
+    "SHARE_WEIGHTS": _weights_problems,
 }
 
 # --- families: the patterns SEMAPHORES declares ----------------------------------------

@@ -4,7 +4,7 @@ calls them, so the models sit below everything that does."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Any, Self, TypeVar, cast
 
@@ -16,6 +16,7 @@ from django.db.models import (
     DurationField,
     ExpressionWrapper,
     F,
+    Max,
     Min,
     OuterRef,
     Q,
@@ -312,6 +313,20 @@ class TicketQuerySet(models.QuerySet[M]):
     def ahead_of(self, ranked_at: datetime, id: int) -> Self:
         """The tickets ahead of the place ``(ranked_at, id)`` (``engine/line.py``)."""
         return self.filter(Q(ranked_at__lt=ranked_at) | Q(ranked_at=ranked_at, id__lt=id))
+
+    def turns(
+        self, semaphore_ids: Collection[int], share: str, now: datetime
+    ) -> dict[int, tuple[datetime, datetime | None]]:
+        """Semaphore id -> the earliest turn of the live tickets with a
+        share key there, and ``share``'s latest (``engine/line.turn``);
+        semaphores where none waits are left out."""
+        turns = (
+            self.filter(semaphore_id__in=semaphore_ids, turn_at__isnull=False, expires_at__gt=now)
+            .order_by()
+            .values("semaphore_id")
+            .annotate(first=Min("turn_at"), last=Max("turn_at", filter=Q(share=share)))
+        )
+        return {row["semaphore_id"]: (row["first"], row["last"]) for row in turns}
 
     def of_parked(self) -> Self:
         """Live tickets of parked tasks not woken yet."""

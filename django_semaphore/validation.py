@@ -176,6 +176,16 @@ def validate_priority(priority: Any) -> int:
     return validate_int(priority, "priority", -100, 100)
 
 
+def validate_share(share: Any) -> str:
+    """A share key (a str, or an int such as a customer's id, as its str);
+    ``None`` or ``""``: none, ``""``."""
+    if share is None or share == "":
+        return ""
+    if isinstance(share, int) and not isinstance(share, bool):
+        return str(share)
+    return validate_text(share, "share key")
+
+
 def validate_token(token: Any) -> int:
     """A fencing token as its column can hold it, on every database."""
     return validate_int(token, "A fencing token", 0, MAX_TOKEN)

@@ -89,6 +89,7 @@ class Ask:
     demand: Demand
     deadline: float | None  # monotonic; None: fails fast, never takes a ticket
     priority: int = 0  # where its tickets rank (``line.ranked``)
+    share: str = ""  # its share key: its tickets take its key's turn (``line.turn``)
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ def admit(
         return [], standing
     takes = line.takes_tickets(standing.ticketed, short, standing.lacked)
     life = ticket_life(ask) if takes else None
+    ranked_at = None
     if life is not None:
         # On all of its semaphores, marked where it lacks room; a key's
         # tickets are kept, with their place (a retry with the same key from
@@ -164,10 +166,11 @@ def admit(
         # pushes their expiry).
         expires_at = now + timedelta(seconds=life)
         asks = {s.id: counts[s.name] for s in locked}
-        tickets.take(
-            cursor, ask.key, ask.owner, asks, now, expires_at, short, lock_wait, ask.priority
-        )
-    rank = _rank(connection, now, ask.priority)
+        ranked_at = tickets.take(
+            cursor, ask.key, ask.owner, asks, now, expires_at, short, lock_wait,
+            ask.priority, ask.share,
+        )  # fmt: skip
+    rank = _rank(ranked_at)
     standing = _placed(standing, short, ticketed=life is not None, rank=rank)
     return sorted(s.name for s in locked if s.id in short), standing
 
@@ -211,15 +214,15 @@ def refused_in_one_trip(
     standing = replace(standing, rounds=refused.rounds, semaphores=refused.lacking)
     short = {id for id, _, _ in refused.lacking}
     error = SemaphoreExhausted(sorted(name for _, name, _ in refused.lacking))
-    rank = 0.0 if refused.at is None else _rank(connection, refused.at, ask.priority)
-    return Refusal(error, _placed(standing, short, refused.ticket_taken, rank))
+    # The routine ranks a ticket it takes from its clock (no share key).
+    step = app_settings.PRIORITY_STEP
+    ranked_at = None if refused.at is None else line.ranked(refused.at, ask.priority, step)
+    return Refusal(error, _placed(standing, short, refused.ticket_taken, _rank(ranked_at)))
 
 
-def _rank(connection: BaseDatabaseWrapper, now: datetime, priority: int) -> float:
-    """Where tickets taken ``now`` rank, as a timestamp (``Standing.rank``)."""
-    if not backends.tickets_ranked(connection):
-        return 0.0
-    return line.ranked(now, priority, app_settings.PRIORITY_STEP).timestamp()
+def _rank(ranked_at: datetime | None) -> float:
+    """``Standing.rank`` of tickets ranked ``ranked_at``: 0 where they are not."""
+    return 0.0 if ranked_at is None else ranked_at.timestamp()
 
 
 def _placed(standing: Standing, short: set[int], ticketed: bool, rank: float) -> Standing:

@@ -257,7 +257,13 @@ def grant_in_one_trip(
         return None
     key, owner = ask.key, ask.owner
     # Where the call stands, as the one-trip grant that may refuse it takes it.
-    line = Line(standing.ticketed, bool(standing.lacked), fairness.ticket_life(ask), ask.priority)
+    line = Line(
+        standing.ticketed,
+        bool(standing.lacked),
+        fairness.ticket_life(ask),
+        ask.priority,
+        bool(ask.share),
+    )
     granted = sql.grant(ask.demand.counts, key, owner, ttl, lock_wait, line)
     if granted is None:
         return None

@@ -2,11 +2,12 @@
 permits held, its count and what the tickets ahead of it that lacked room
 ask for (``kept``: their room is kept for them) stay within the capacity.
 
-A ticket's place in line is ``(ranked_at, id)``: when its waiter came,
-moved earlier by its priority's head start (``ranked``), then the ticket's
-id (the order of the grant transactions that took them). One order on
-every semaphore: all of a waiter's tickets have one ``ranked_at``, and
-take their ids in one transaction under all of its rows' locks.
+A ticket's place in line is ``(ranked_at, id)``: when its waiter came --
+for a waiter with a share key, its key's turn (``turn``) -- moved earlier
+by its priority's head start (``ranked``), then the ticket's id (the order
+of the grant transactions that took them). One order on every semaphore:
+all of a waiter's tickets have one ``ranked_at``, and take their ids in one
+transaction under all of its rows' locks.
 
 The general grant (``grant``, ``fairness.admit``), parking's wake-up
 (``wakeups``), the probes and the waiter that reads them (``waiting``) and
@@ -28,6 +29,27 @@ def ranked(now: datetime, priority: int, step: timedelta) -> datetime:
     a waiter is passed only by those that came within their priorities'
     difference of steps after it, so none waits forever."""
     return now - priority * step
+
+
+def turn(
+    now: datetime,
+    turns: tuple[datetime, datetime | None] | None,
+    count: int,
+    weight: float,
+    step: timedelta,
+) -> datetime:
+    """Where a waiter of a share key takes its turn on a semaphore (start-time
+    fair queuing), given the earliest turn waiting there and its own key's
+    latest (``turns``; ``None`` when no share key waits there): beside that
+    earliest one (``now`` when none waits), or ``step`` per permit it asks,
+    divided by its key's ``weight``, after its key's latest -- whichever is
+    later. A key that starts waiting is served beside the one at the head
+    of the line; one with a backlog spreads it out, so that the keys
+    waiting are served in turn, each as often as its weight."""
+    if turns is None:
+        return now
+    first, last = turns
+    return first if last is None else max(first, last + step * count / weight)
 
 
 def room(held: int, capacity: int, kept: int = 0) -> int:

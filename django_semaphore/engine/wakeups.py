@@ -64,11 +64,13 @@ def line_up(
     *,
     woken: bool = False,
     priority: int = 0,
+    share: str = "",
 ) -> Lined:
     """In the caller's transaction: lock these semaphores' rows and take
     the task's tickets, lacking room where it does not fit beside the older
     tickets that lacked it (expired holders reclaimed first), ranked by
-    ``priority``. A task parked again keeps its tickets, and so its place.
+    ``priority`` (from its ``share`` key's turn, where it has one). A task
+    parked again keeps its tickets, and so its place.
     ``woken``: a task that fits everywhere takes its tickets lacking room
     everywhere, which keeps the room for its run (as a wake-up does).
 
@@ -98,7 +100,7 @@ def line_up(
             queued = [row.queued_until for row in rows if row.queued_until is not None]
             until = max([until, *queued]) + timedelta(microseconds=1)
         counts = {ids[name]: count for name, count in demand.items()}
-        statements.take(cursor, key, "", counts, now, until, lacking, lock_wait, priority)
+        statements.take(cursor, key, "", counts, now, until, lacking, lock_wait, priority, share)
     return Lined(ids, {row.id for row in rows if row.limit.is_rate}, short)
 
 

@@ -141,6 +141,7 @@ def _claim_or_stand_by(task: Any, options: Options) -> str:
         options.demand,
         options.lease,
         priority=options.priority_or(0),
+        share=options.share_key,
         rerun_finished=not options.parks,
     )
     try:
@@ -173,6 +174,7 @@ def _park_task(task: Any, options: Options) -> None:
             task_keys.next_key(task.request.id),
             options.max_waiting,
             options.priority_or(0),
+            options.share_key,
         )
     except SemaphoreError as exc:
         if not _database_failed(exc):

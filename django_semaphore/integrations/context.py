@@ -33,6 +33,7 @@ class HeldPermit:
         timeout: int | float | timedelta,
         heartbeat: bool,
         priority: int = 0,
+        share: str | int | None = None,
     ) -> None:
         self._acquire_args: dict[str, Any] = {
             "names": names,
@@ -41,6 +42,7 @@ class HeldPermit:
             "ttl": lease_seconds(ttl),
             "timeout": timeout,
             "priority": priority,
+            "share": share,
         }
         self._renews = validate_flag(heartbeat, "heartbeat")
         self._lease: Lease | None = None
@@ -112,6 +114,7 @@ def permit(
     timeout: int | float | timedelta = 0,
     heartbeat: bool = True,
     priority: int = 0,
+    share: str | int | None = None,
     fair: bool | None = None,
 ) -> HeldPermit:
     """Hold permits for a ``with`` (or ``async with``) block.
@@ -123,7 +126,7 @@ def permit(
     process killed mid-block gives them back when the lease runs out. If the
     permit is lost meanwhile, leaving the block raises ``PermitLost``.
 
-    ``names``, ``owner``, ``ttl``, ``timeout`` and ``priority`` are as for
+    ``names``, ``owner``, ``ttl``, ``timeout``, ``priority`` and ``share`` are as for
     [`acquire`][django_semaphore.acquire], and so is every error raised on entry
     (the block does not run then).
 
@@ -138,6 +141,7 @@ def permit(
         timeout: how long to wait for room on entry.
         heartbeat: renew the TTL while the block runs.
         priority: where it stands in line while it waits, -100 to 100.
+        share: its share key while it waits (docs/shares.md).
         fair: deprecated, ignored: every call that waits waits in line.
 
     Returns:
@@ -155,4 +159,5 @@ def permit(
         timeout=timeout,
         heartbeat=heartbeat,
         priority=priority,
+        share=share,
     )

@@ -38,6 +38,7 @@ from django_semaphore.validation import (
     validate_flag,
     validate_int,
     validate_priority,
+    validate_share,
     validate_timeout,
     validate_ttl,
     warn_fair,
@@ -54,6 +55,7 @@ def holds_permit(
     timeout: int | float | timedelta = 0,
     retry_after: int = 1,
     priority: int | Callable[..., int] | None = None,
+    share: str | int | Callable[..., str | int | None] | None = None,
     fair: bool | None = None,
     park: bool | None = None,
     max_waiting: int | None = None,
@@ -111,6 +113,12 @@ def holds_permit(
             it (as ``names``). ``None``: a Django task's own priority, 0 for
             anything else (a Celery message's priority is its broker's, in
             its broker's order: not read).
+        share: the call's share key while it waits (a customer's id, a
+            tenant), or a callable of the call's arguments that returns it
+            (as ``names``): the keys waiting on a semaphore are served in
+            turn, by their ``SHARE_WEIGHTS`` (docs/shares.md). With
+            ``max_waiting``, each share key may have that many tasks
+            waiting. ``None``: none.
         fair: deprecated, ignored: every call that waits waits in line.
         park: tasks only: whether a task that finds no room is parked
             (``True``) or retried (``False``; a Django task waits in its
@@ -161,6 +169,8 @@ def holds_permit(
     validate_int(retry_after, "retry_after (seconds)", 0, MAX_TTL)
     if not callable(priority) and priority is not None:
         validate_priority(priority)
+    if not callable(share):
+        share = validate_share(share)
     warn_fair(fair)
     if max_waiting is not None:
         validate_int(max_waiting, "max_waiting", 1, MAX_COUNT)
@@ -183,7 +193,7 @@ def holds_permit(
         _refuse_task_object(func)
         options = Options(
             demand, lease, timeout, retry_after, _label(func), park, count, names_of,
-            max_waiting, on_conflict, debounce_seconds, priority,
+            max_waiting, on_conflict, debounce_seconds, priority, share,
         )  # fmt: skip
         request_at = _request_position(func, view)
         if inspect.iscoroutinefunction(func):
@@ -273,7 +283,12 @@ def _permit(call: Options) -> HeldPermit:
     """A plain function's permit, held for the call with a fresh key."""
     owner = process_owner(call.label)
     return permit(
-        call.demand, owner=owner, ttl=call.lease, timeout=call.timeout, priority=call.priority_or(0)
+        call.demand,
+        owner=owner,
+        ttl=call.lease,
+        timeout=call.timeout,
+        priority=call.priority_or(0),
+        share=call.share_key,
     )
 
 

@@ -191,7 +191,9 @@ def send(task: Any, enqueue: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         sent.append(enqueue(task, *args, **kwargs))  # again on a retried transaction
         result = sent[-1]
         priority = call.priority_or(task.priority)
-        return Row.of_django(result.id, result.id, task.module_path, result.backend, priority)
+        return Row.of_django(
+            result.id, result.id, task.module_path, result.backend, priority, call.share_key
+        )
 
     admitted = admission.enqueue(row_of, call.demand, call.policy, also=deferred.alias())
     if admitted.existing:
@@ -268,7 +270,13 @@ def _claim_or_defer(result: Any, options: Options) -> str:
         if (stood_by := standby.stand_by(result.id, options.demand, claim)) is None:
             key = task_keys.next_key(result.id)
             task = (result.id, key, result.task.module_path, result.backend)
-            parking.defer(*task, options.demand, options.max_waiting, options.priority_or(0))
+            parking.defer(
+                *task,
+                options.demand,
+                options.max_waiting,
+                options.priority_or(0),
+                options.share_key,
+            )
             _defer(result, options, None)
         key = stood_by
     parking.started(result.id, options.demand)
@@ -277,7 +285,12 @@ def _claim_or_defer(result: Any, options: Options) -> str:
 
 def _claim(me: TaskOwner, options: Options, timeout: float | timedelta) -> str:
     return task_keys.claim(
-        me, options.demand, options.lease, timeout, priority=options.priority_or(0)
+        me,
+        options.demand,
+        options.lease,
+        timeout,
+        priority=options.priority_or(0),
+        share=options.share_key,
     )
 
 

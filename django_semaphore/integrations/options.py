@@ -18,7 +18,7 @@ from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.integrations.leases import HEARTBEAT, DefaultLease, Lease, lease_seconds
 from django_semaphore.parking.admission import Policy
-from django_semaphore.validation import validate_demand, validate_priority
+from django_semaphore.validation import validate_demand, validate_priority, validate_share
 
 # Attribute of a decorated function that carries its options (a task's body:
 # what PermitTask reads when the task is sent).
@@ -58,6 +58,9 @@ class Options:
     # Where a call stands in line: an int, one computed from each call's
     # arguments, or None: a Django task's own priority (0 elsewhere).
     priority: int | Callable[..., Any] | None = None
+    # Its share key while it waits ("": none), or one computed from each
+    # call's arguments.
+    share: str | Callable[..., Any] = ""
 
     @property
     def policy(self) -> Policy:
@@ -96,8 +99,8 @@ class Options:
         return HEARTBEAT.hold(key, ttl, routing.alias_for_names(self.demand))
 
     def for_call(self, *args: Any, **kwargs: Any) -> Options:
-        """The options of one call: its demand and its priority computed
-        from its arguments, where the decorator was given callables."""
+        """The options of one call: its demand, priority and share key
+        computed from its arguments, where the decorator was given callables."""
         call = self
         if self.names_of is not None:
             names = _called(self.names_of, "names semaphores", args, kwargs)
@@ -105,7 +108,15 @@ class Options:
         if callable(self.priority):
             priority = _called(self.priority, "gives the priority", args, kwargs)
             call = replace(call, priority=validate_priority(priority))
+        if callable(self.share):
+            share = _called(self.share, "gives the share key", args, kwargs)
+            call = replace(call, share=validate_share(share))
         return call
+
+    @property
+    def share_key(self) -> str:
+        """The call's share key (``for_call``'s); "" where none was given."""
+        return cast(str, self.share)
 
     def priority_or(self, default: int) -> int:
         """The call's priority (``for_call``'s), or ``default`` where none was given."""

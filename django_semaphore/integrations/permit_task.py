@@ -77,7 +77,9 @@ class PermitTask(Task):  # type: ignore[misc]
             args, kwargs, task_id=task_id, link=link, link_error=link_error, shadow=shadow,
             **options,
         )  # fmt: skip
-        row_of = functools.partial(Row.of_celery, self, signature, priority=call.priority_or(0))
+        row_of = functools.partial(
+            Row.of_celery, self, signature, priority=call.priority_or(0), share=call.share_key
+        )
         admitted = admission.enqueue(row_of, call.demand, call.policy)
         if admitted.existing:
             existing = admitted.existing[0]

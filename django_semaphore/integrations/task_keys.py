@@ -44,6 +44,7 @@ def claim(
     timeout: float | timedelta = 0,
     *,
     priority: int = 0,
+    share: str = "",
     rerun_finished: bool = True,
 ) -> str:
     """Acquire (or re-attach to) the permit of ``me``'s task id, waiting up
@@ -61,7 +62,13 @@ def claim(
     for key in keys(me.task_id):
         try:
             request = api.acquire(
-                demand, external_id=key, owner=str(me), ttl=ttl, timeout=timeout, priority=priority
+                demand,
+                external_id=key,
+                owner=str(me),
+                ttl=ttl,
+                timeout=timeout,
+                priority=priority,
+                share=share,
             )
         except PermitAlreadyReleased:
             if not rerun_finished and key == me.task_id and parking.finished_before(key):

@@ -125,6 +125,7 @@ def _acquire_for_view(options: Options, request: HttpRequest) -> PermitRequest |
             ttl=options.lease,
             timeout=options.timeout,
             priority=options.priority_or(0),
+            share=options.share_key,
         )
     except SemaphoreExhausted as exc:
         logger.info("%s refused: %s", options.label, exc)

@@ -20,8 +20,9 @@ class Ticket(models.Model):
 
     Taken under the semaphore's row lock, so on each semaphore ticket ids
     follow the order of its grant transactions (see ``engine/fairness.py``).
-    Its place is ``(ranked_at, id)``: when it came, moved earlier by its
-    priority's head start (``engine/line.py``), then its id.
+    Its place is ``(ranked_at, id)``: when it came (its share key's turn,
+    ``turn_at``, for a waiter with one), moved earlier by its priority's
+    head start (``engine/line.py``), then its id.
     ``lacked``: the waiter lacked room on this semaphore (then, at a later
     attempt, or when a wake-up passed it over) or was woken to take it;
     only then does it hold back younger waiters here, by keeping the room it
@@ -42,6 +43,12 @@ class Ticket(models.Model):
     # Database defaults: a ticket taken by code that predates these columns
     # (a deploy under way) is in line from when it came, at priority 0.
     ranked_at = models.DateTimeField(_("in line from"), default=timezone.now, db_default=Now())
+    # A share key's waiters take turns with other keys' (``engine/line.turn``);
+    # "" and no turn: a waiter without one, in line from when it came.
+    share = models.CharField(
+        _("share"), max_length=MAX_LENGTH, blank=True, default="", db_default=""
+    )
+    turn_at = models.DateTimeField(_("share's turn"), null=True, blank=True)
     # The parked task whose ticket this is, by key (no column of its own):
     # none for a waiter's.
     parked = models.ForeignObject(
@@ -71,6 +78,8 @@ class Ticket(models.Model):
             models.Index(fields=["expires_at"], name="semaphore_ticket_expiry"),
             # A semaphore's line: those holding back, or not, in order.
             models.Index(fields=["semaphore", "lacked", "id"], name="semaphore_ticket_line"),
+            # A share key's latest turn on a semaphore (``TicketQuerySet.turns``).
+            models.Index(fields=["semaphore", "share", "turn_at"], name="semaphore_ticket_share"),
         ]
 
     def __str__(self) -> str:

@@ -106,11 +106,12 @@ def park(
     key: str,
     max_waiting: int | None = None,
     priority: int = 0,
+    share: str = "",
 ) -> None:
     """Write the running task's message to a ``ParkedTask`` row (once per
     task id: a woken task parked again keeps its place), its tickets under
     ``key``, the key its next run claims its permit with, ranked by
-    ``priority``; then look for room.
+    ``priority`` and ``share`` key; then look for room.
 
     Raises:
         LineFull: ``max_waiting`` tasks already wait parked on one of its
@@ -120,7 +121,7 @@ def park(
     """
     request = task.request
     signature = task.signature_from_request(request, request.args, request.kwargs)
-    row = Row.of_celery(task, signature, key, priority=priority)
+    row = Row.of_celery(task, signature, key, priority=priority, share=share)
     alias, lined = _park(row, demand, max_waiting)
     set_state(task, demand)
     wake.wake(alias, lined.ids.values())
@@ -137,6 +138,7 @@ def defer(
     demand: Mapping[str, int],
     max_waiting: int | None = None,
     priority: int = 0,
+    share: str = "",
 ) -> None:
     """Park the running Django task of this result, deferred in its task
     ``backend`` (``deferred.hold``, once its run has ended), then look for
@@ -147,7 +149,7 @@ def defer(
         LineFull: as for ``park``.
         SemaphoreError: the row could not be written.
     """
-    row = Row.of_django(result_id, key, task_name, backend, priority)
+    row = Row.of_django(result_id, key, task_name, backend, priority, share)
     alias, lined = _park(row, demand, max_waiting)
     wake.wake(alias, lined.ids.values())
 
@@ -172,11 +174,13 @@ def _insert(
     counted under their row locks (``line_up``'s), so never more."""
     alias = connection.alias
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
-        lined = wakeups.line_up(connection, row.key, demand, row.expires_at, priority=row.priority)
+        lined = wakeups.line_up(
+            connection, row.key, demand, row.expires_at, priority=row.priority, share=row.share
+        )
         parked_before = ParkedTask.objects.using(alias).filter(task_id=row.task_id)
         before = parked_before.values_list("key", flat=True).first()
         if before is None and max_waiting is not None:
-            refuse_a_full_line(alias, row.key, lined, max_waiting)
+            refuse_a_full_line(alias, row, lined, max_waiting)
         if before is not None:
             if before != row.key:
                 # A permit under its old key was released meanwhile: the
@@ -189,22 +193,25 @@ def _insert(
     return lined
 
 
-def refuse_a_full_line(alias: str, key: str, lined: wakeups.Lined, max_waiting: int) -> None:
+def refuse_a_full_line(alias: str, row: Row, lined: wakeups.Lined, max_waiting: int) -> None:
     """Raise ``LineFull`` (rolling back the tickets just taken) when
-    ``max_waiting`` parked tasks other than ``key``'s wait on a semaphore.
-    A task sent or woken (published, its room kept) that has not started
-    yet waits no more: it does not count."""
+    ``max_waiting`` parked tasks other than ``row``'s -- of its share key,
+    where it has one -- wait on a semaphore. A task sent or woken
+    (published, its room kept) that has not started yet waits no more: it
+    does not count."""
     waiting = (
         Ticket.objects.using(alias)
         .filter(semaphore__in=lined.ids.values(), parked__id__isnull=False)
         .filter(parked__woken_at__isnull=True, expires_at__gt=backends.DatabaseNow())
-        .exclude(external_id=key)
+        .filter(**({"share": row.share} if row.share else {}))
+        .exclude(external_id=row.key)
         .values_list("semaphore__name")
         .annotate(n=Count("pk"))
         .filter(n__gte=max_waiting)
     )
     if full := sorted(waiting):
-        told = "; ".join(f"{n} tasks already wait parked on {name}" for name, n in full)
+        of = f" of share {row.share!r}" if row.share else ""
+        told = "; ".join(f"{n} tasks{of} already wait parked on {name}" for name, n in full)
         raise LineFull([name for name, _ in full], f"{told}.")
 
 

@@ -251,22 +251,24 @@ def _admit(
         not_before = _not_before(policy)
         woken = not_before is None
         lined = wakeups.line_up(
-            connection, row.key, demand, row.expires_at, woken=woken, priority=row.priority
-        )
+            connection, row.key, demand, row.expires_at, woken=woken, priority=row.priority,
+            share=row.share,
+        )  # fmt: skip
         if lined.short:
             dropped, freed = aside.drop_abandoned(alias, lined.short)
             if dropped:
                 # Rolled-back sends kept that room: line up again without them.
                 transaction.on_commit(functools.partial(wake.wake, alias, freed), using=alias)
                 lined = wakeups.line_up(
-                    connection, row.key, demand, row.expires_at, woken=woken, priority=row.priority
-                )
+                    connection, row.key, demand, row.expires_at, woken=woken,
+                    priority=row.priority, share=row.share,
+                )  # fmt: skip
         if lined.short:
             if policy.on_conflict == DISCARD:
                 names = sorted(name for name, id in lined.ids.items() if id in lined.short)
                 raise _Discarded(_existing(alias, lined.short), names)
             if policy.max_waiting is not None:
-                refuse_a_full_line(alias, row.key, lined, policy.max_waiting)
+                refuse_a_full_line(alias, row, lined, policy.max_waiting)
         woken = woken and not lined.short
         try:
             woken_at = timezone.now() if woken else None

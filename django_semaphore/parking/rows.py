@@ -28,24 +28,37 @@ class Row:
     expires_at: datetime | None
     backend: str = ""
     priority: int = 0  # where its tickets rank in line (not a column of the row)
+    share: str = ""  # its share key in line (neither)
 
     @classmethod
     def of_celery(
-        cls, task: Any, signature: Any, key: str | None = None, *, priority: int = 0
+        cls,
+        task: Any,
+        signature: Any,
+        key: str | None = None,
+        *,
+        priority: int = 0,
+        share: str = "",
     ) -> Row:
         """A Celery task's row: its ``signature`` (with its ``task_id`` and
         ``expires``) as its serializer encodes it; ``key``: the task id's."""
         task_id = signature.options["task_id"]
         expires = _expiry(signature.options.get("expires"))
         encoded = _encode(task, signature)
-        return cls(task_id, key or task_id, task.name, *encoded, expires, priority=priority)
+        return cls(task_id, key or task_id, task.name, *encoded, expires, "", priority, share)
 
     @classmethod
     def of_django(
-        cls, result_id: str, key: str, task_name: str, backend: str, priority: int = 0
+        cls,
+        result_id: str,
+        key: str,
+        task_name: str,
+        backend: str,
+        priority: int = 0,
+        share: str = "",
     ) -> Row:
         """A Django task's row: its result waits in its ``backend``."""
-        return cls(result_id, key, task_name, b"", "", "", None, backend, priority)
+        return cls(result_id, key, task_name, b"", "", "", None, backend, priority, share)
 
 
 def _encode(task: Any, signature: Any) -> tuple[bytes, str, str]:

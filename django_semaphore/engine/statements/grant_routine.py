@@ -28,6 +28,7 @@ from django_semaphore.engine.statements import (
     MARKED_EVERY,
     SQL,
     built,
+    placeholders,
     queue,
     statements,
     with_arguments,
@@ -295,10 +296,12 @@ class GrantRoutine(SQL):
         older_sql = with_arguments(
             tickets.older_sql[True].format(ids="%s"), id_sql, "TRUE", "v_now", "p_key", "p_key"
         )
+        # Without a share key: a waiter with one takes its first tickets in
+        # the general grant, which reads its key's turn (``one_trip.py``).
         take_sql = with_arguments(
-            tickets.insert_sql[True].format(rows="(%s, %s, %s, %s, %s, %s, %s, %s, %s)"),
+            tickets.insert_sql[True].format(rows=f"({placeholders(11)})"),
             *(id_sql, "p_key", "p_owner", count_sql, "v_now", "v_deadline", "TRUE"),
-            *("p_priority", ranked),
+            *("p_priority", ranked, "''", "NULL"),
         )
         delete_sql = with_arguments(tickets.delete_sql.format(ids="%s"), "p_key", id_sql)
         return LineStatements(

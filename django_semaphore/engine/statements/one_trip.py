@@ -23,7 +23,8 @@ the next queued behind it; see ``grant_routine.py``).
 Anything else answers "not here" without writing anything, and the grant
 goes the general way (``grant.grant``): a refusal that needs more (a
 reclaim of expired permits, a taken key's request), a waiter's refusal on
-several names, a missing name (a family's member is created there), a live
+several names, a waiter with a share key until it has its tickets (its
+key's turn is read there), a missing name (a family's member is created there), a live
 line on several names, a rate limit, a count above the capacity.
 """
 
@@ -81,6 +82,7 @@ class Line:
     lacked: bool  # its ticket lacked room
     ticket_life: float | None  # seconds a ticket it takes lives; None: it takes none
     priority: int  # where a ticket it takes ranks (``line.ranked``)
+    shared: bool = False  # it has a share key
 
 
 class OneTripStatements(SQL):
@@ -111,6 +113,8 @@ class OneTripStatements(SQL):
         names = sorted(counts)
         one_name = len(names) == 1
         if line.ticketed and not one_name:
+            return None
+        if line.shared and line.ticket_life is not None and not line.ticketed:
             return None
         if (one_name or self.vendor == "postgresql") and not backends.routines_installed(
             self.connection

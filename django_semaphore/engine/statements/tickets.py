@@ -58,8 +58,8 @@ class TicketStatements(SQL):
             for ranked in (True, False)
         }
         upsert, new = _UPSERTS[connection.vendor]
-        # Retried, a key keeps its place: neither its priority nor where it
-        # ranks is written again.
+        # Retried, a key keeps its place: neither its priority, share key
+        # nor where it ranks is written again.
         columns = ["semaphore_id", "external_id", "owner", "count", "created_at", "expires_at"]
         columns.append("lacked")
         columns_sql = {
@@ -152,17 +152,22 @@ class TicketStatements(SQL):
         short: set[int],
         lock_wait: float,
         priority: int = 0,
-    ) -> None:
+        share: str = "",
+    ) -> datetime | None:
         """``key``'s tickets on the semaphores of ``counts`` (semaphore id ->
         permits), on rows this transaction holds locked: new ones, ranked by
-        ``priority`` (``line.ranked``), or kept with their place; marked
-        where it lacks room (``short``), where the queue is then live until
-        ``expires_at`` at least."""
+        ``priority`` from ``now`` or, with a ``share`` key, from its turn
+        (``line``), or kept with their place; marked where it lacks room
+        (``short``), where the queue is then live until ``expires_at`` at
+        least. Returns where new ones rank; ``None`` where tickets are not
+        ranked yet (a deploy under way)."""
         adapt = self.connection.ops.adapt_datetimefield_value
         created, expires = adapt(now), adapt(expires_at)
-        ranks = [priority, adapt(line.ranked(now, priority, app_settings.PRIORITY_STEP))]
-        if not (ranked := backends.tickets_ranked(self.connection)):
-            ranks = []
+        ranked_at, ranks = None, []
+        if ranked := backends.tickets_ranked(self.connection):
+            turn = self.turn(counts, share, now) if share else None
+            ranked_at = line.ranked(turn or now, priority, app_settings.PRIORITY_STEP)
+            ranks = [priority, adapt(ranked_at), share, adapt(turn)]
         values = [
             [id, key, owner, count, created, expires, id in short, *ranks]
             for id, count in counts.items()
@@ -174,6 +179,14 @@ class TicketStatements(SQL):
         )
         if short:
             self.queue_until(cursor, sorted(short), expires_at)
+        return ranked_at
+
+    def turn(self, counts: dict[int, int], share: str, now: datetime) -> datetime:
+        """Where new tickets of ``share`` (permits by semaphore id) take
+        their turn: the latest of their semaphores' (``line.turn``)."""
+        turns = Ticket.objects.using(self.connection.alias).turns(counts, share, now)
+        weight, step = app_settings.share_weight(share), app_settings.PRIORITY_STEP
+        return max(line.turn(now, turns.get(id), n, weight, step) for id, n in counts.items())
 
     def queue_until(
         self, cursor: CursorWrapper, semaphore_ids: list[int], expires_at: datetime
