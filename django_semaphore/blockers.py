@@ -10,7 +10,7 @@ lock taken: the answer is a snapshot, a moment old when it is shown.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from django.db.models import Count, Sum
@@ -59,7 +59,9 @@ class Blocker:
     holders: list[Holder]  # the first of them, oldest first
     held_by: int  # how many requests hold permits here
     next_slot: datetime | None  # a rate limit's: when its oldest counted grant stops counting
-    by_priority: int = 0  # of the waiters ahead, those that came after it
+    by_priority: int = 0  # of the waiters ahead, those that came after it, of a higher priority
+    # The share keys of the waiters ahead, and how many of each: most first.
+    by_share: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def room(self) -> int:
@@ -85,6 +87,9 @@ class Blocker:
             more = self.older - len(self.older_named)
             named = ", ".join(self.older_named) + (f" and {more} more" if more else "")
             lines.append(f"waiters ahead: {named}")
+        if self.by_share:
+            shares = ", ".join(f"share {share!r}: {n}" for share, n in self.by_share)
+            lines.append(f"ahead by share key: {shares}")
         for holder in self.holders:
             until = "never" if holder.expires_at is None else _moment(holder.expires_at)
             lines.append(
@@ -112,6 +117,7 @@ class Waiting:
     woken: bool  # a parked task woken and on its way to run
     blockers: list[Blocker]
     priority: int = 0  # where it stands in line (``engine/line.py``)
+    share: str = ""  # its share key ("": none)
     not_before: datetime | None = None  # a debounced send waits until then
     sending: bool = False  # its sender's transaction has not committed yet
 
@@ -122,6 +128,7 @@ class Waiting:
             f"{self.key} waits: {self.waiter or '-'}, since {_moment(self.since)}, "
             f"expires at {_moment(self.expires_at)}"
             + (f", priority {self.priority}" if self.priority else "")
+            + (f", share {self.share!r}" if self.share else "")
         ]
         if self.woken:
             lines.append("  Woken: room is kept for it until its run takes it.")
@@ -178,6 +185,7 @@ def _waiting(alias: str, tickets: list[Ticket]) -> Waiting:
             key=lambda blocker: blocker.semaphore,
         ),
         priority=first.priority,
+        share=first.share,
         not_before=parked.not_before if parked is not None else None,
         sending=parked is not None and parked.not_before == SENDING,
     )
@@ -219,7 +227,17 @@ def _blocker(alias: str, ticket: Ticket, semaphore: Semaphore) -> Blocker:
         kept=kept["kept"],
         older=kept["n"],
         older_named=[t.waiter for t in older.select_related("parked").in_line()[:NAMED]],
-        by_priority=older.filter(created_at__gt=ticket.created_at).count(),
+        by_priority=older.filter(
+            created_at__gt=ticket.created_at, priority__gt=ticket.priority
+        ).count(),
+        by_share=[
+            (row["share"], row["n"])
+            for row in older.exclude(share="")
+            .order_by()
+            .values("share")
+            .annotate(n=Count("pk"))
+            .order_by("-n", "share")[:NAMED]
+        ],
         holders=holders,
         held_by=held.count() if len(holders) == NAMED else len(holders),
         next_slot=next_slot,

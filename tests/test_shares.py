@@ -8,13 +8,16 @@ import collections
 import threading
 import time
 from datetime import timedelta
+from io import StringIO
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
 from django.db import connections
 from django.test import override_settings
 
 from django_semaphore import acquire, holds_permit, permit, release
+from django_semaphore.blockers import why_waiting
 from django_semaphore.conf import app_settings, setting_problems
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.models import Ticket
@@ -216,3 +219,27 @@ def test_the_ticket_lease_keeps_a_share_keys_turn(make_semaphore):
     assert turns[second.key] - turns[first.key] == timedelta(seconds=1)
     release(holder)
     served_in_turn(order, first, second)
+
+
+def test_why_waiting_and_the_status_name_the_share_keys(make_semaphore):
+    semaphore = make_semaphore(1)
+    acquire(semaphore.name, external_id=(holder := key()))
+    order: list[str] = []
+    a = line_up(semaphore.name, order, *["a"] * 3)
+    [b] = line_up(semaphore.name, order, "b")
+    waiting = why_waiting(b.key)
+    assert waiting is not None
+    [blocker] = waiting.blockers
+    assert (blocker.older, blocker.by_share) == (1, [("a", 1)])
+    explained = "\n".join(waiting.explained())
+    assert "share 'b'" in waiting.explained()[0]
+    assert "ahead by share key: share 'a': 1" in explained
+
+    out = StringIO()
+    call_command("semaphore_status", semaphore.name, stdout=out)
+    lines = out.getvalue().splitlines()
+    shown = [line.split()[-1] for line in lines if any(w.key in line for w in [*a, b])]
+    assert shown == ["a", "b", "a", "a"]
+    assert "Waiting by share key, most first: a 3, b 1" in lines
+    release(holder)
+    served_in_turn(order, a[0], b, a[1], a[2])

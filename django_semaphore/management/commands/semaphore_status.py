@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db.models import QuerySet
+from django.db.models import Count, QuerySet
 
 from django_semaphore import parking, routing, sweep
 from django_semaphore.blockers import why_waiting
@@ -109,7 +109,9 @@ class Command(BaseCommand):
             .in_line()
         )
         self.stdout.write(f"\nWaiting in line on {_shown(semaphore.name)}, first served first:")
-        rows = [("place", "owner", "key", "count", "waiting since", "expires at", "priority")]
+        rows = [
+            ("place", "owner", "key", "count", "waiting since", "expires at", "priority", "share")
+        ]
         rows += [
             (
                 str(place),
@@ -119,10 +121,21 @@ class Command(BaseCommand):
                 ticket.created_at.isoformat(timespec="seconds"),
                 ticket.expires_at.isoformat(timespec="seconds"),
                 str(ticket.priority),
+                ticket.share or "-",
             )
             for place, ticket in enumerate(tickets[:QUEUE_SHOWN], start=1)
         ]
         self._table(rows)
+        shares = (
+            tickets.exclude(share="")
+            .order_by()
+            .values_list("share")
+            .annotate(n=Count("pk"))
+            .order_by("-n", "share")[:QUEUE_SHOWN]
+        )
+        if shares:
+            counted = ", ".join(f"{_shown(share)} {n}" for share, n in shares)
+            self.stdout.write(f"Waiting by share key, most first: {counted}")
 
     def _table(self, rows: Sequence[tuple[str, ...]]) -> None:
         rows = [tuple(map(_shown, row)) for row in rows]
