@@ -10,20 +10,23 @@ import time
 from datetime import timedelta
 from io import StringIO
 
+import hypothesis
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.db import connections
 from django.test import override_settings
+from hypothesis import strategies as st
 
 from django_semaphore import acquire, holds_permit, permit, release
 from django_semaphore.blockers import why_waiting
 from django_semaphore.conf import app_settings, setting_problems
 from django_semaphore.exceptions import InvalidRequest
-from django_semaphore.models import Ticket
+from django_semaphore.models import PermitRequest, Semaphore, Ticket
 from tests.conftest import unique
 from tests.test_fair import Waiter, key, wait_for_tickets
 from tests.test_priority import SETTLED, served_in_turn
+from tests.test_rates import rate_limit
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -243,3 +246,75 @@ def test_why_waiting_and_the_status_name_the_share_keys(make_semaphore):
     assert "Waiting by share key, most first: a 3, b 1" in lines
     release(holder)
     served_in_turn(order, a[0], b, a[1], a[2])
+
+
+@pytest.mark.slow
+@hypothesis.settings(
+    max_examples=3,
+    deadline=None,
+    phases=[hypothesis.Phase.generate],  # an example takes seconds: none shrunk
+    suppress_health_check=list(hypothesis.HealthCheck),
+)
+@hypothesis.given(
+    capacity=st.integers(1, 3),
+    rate=st.integers(2, 6),
+    own=st.integers(1, 2),
+    customers=st.lists(st.sampled_from("abc"), min_size=6, max_size=6),
+    weights=st.dictionaries(st.sampled_from("abc"), st.integers(1, 3)),
+)
+def test_shares_with_a_rate_limit_and_a_family_never_exceed_any_of_them(
+    settings, capacity, rate, own, customers, weights
+):
+    """Six threads of random customers (share keys of random weights), each
+    demand the shared ``exports``, a rate limit on ``smtp`` and the
+    customer's own member of a family, in one grant: at no moment more
+    holders than a capacity, in no window more grants than the rate."""
+    prefix = unique("share")
+    settings.DJANGO_SEMAPHORE = {
+        "SEMAPHORES": {f"{prefix}:customer:*": own},
+        "SHARE_WEIGHTS": weights,
+    }
+    exports = Semaphore.objects.create(name=f"{prefix}-exports", capacity=capacity).name
+    smtp = rate_limit(rate, window=1).name
+    holding: collections.Counter[str] = collections.Counter()
+    most: collections.Counter[str] = collections.Counter()
+    lock, errors, until = threading.Lock(), [], time.monotonic() + 3
+
+    def customer(share: str) -> None:
+        demand = [exports, smtp, f"{prefix}:customer:{share}"]
+        try:
+            while time.monotonic() < until:
+                taken = key()
+                acquire(demand, external_id=taken, timeout=30, share=share)
+                with lock:
+                    holding.update(demand[::2])
+                    for name in demand[::2]:
+                        most[name] = max(most[name], holding[name])
+                time.sleep(0.01)
+                with lock:
+                    holding.subtract(demand[::2])
+                release(taken)
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=customer, args=(c,), daemon=True) for c in customers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert not errors
+    assert most[exports] <= capacity
+    assert all(most[name] <= own for name in most if name != exports)
+    granted = sorted(
+        PermitRequest.objects.filter(permits__semaphore__name=smtp).values_list(
+            "created_at", flat=True
+        )
+    )
+    assert granted
+    assert all(
+        later - earlier >= timedelta(seconds=1)
+        for earlier, later in zip(granted, granted[rate:], strict=False)
+    )
