@@ -126,11 +126,10 @@ class Command(BaseCommand):
 
     def _table(self, rows: Sequence[tuple[str, ...]]) -> None:
         rows = [tuple(map(_shown, row)) for row in rows]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        for row in rows:
-            cells = [row[0].ljust(widths[0])] + [
-                c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-            ]
+        widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
+        for first, *rest in rows:
+            cells = [first.ljust(widths[0])]
+            cells += [cell.rjust(width) for cell, width in zip(rest, widths[1:], strict=True)]
             self.stdout.write("  ".join(cells).rstrip())
 
     def _semaphores(self, alias: str, names: list[str]) -> QuerySet[Semaphore]:
