@@ -144,10 +144,7 @@ class SemaphoreAdmin(OperatorAdmin):
                 _("Usage now"),
                 {"fields": [f for f in USAGE_NOW if f != "next_slot" or obj.limit.is_rate]},
             ),
-            (
-                _("Bookkeeping"),
-                {"fields": BOOKKEEPING, "classes": ["collapse"]},
-            ),
+            (_("Bookkeeping"), {"fields": BOOKKEEPING, "classes": ["collapse"]}),
         ]
 
     def get_readonly_fields(
