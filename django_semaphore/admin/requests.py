@@ -46,7 +46,7 @@ class PermitInline(ReadOnly, admin.TabularInline):
     model = Permit
     # No extra forms, no delete boxes: ReadOnly, and the request's own page
     # is read-only too (Django then offers neither).
-    fields = ["semaphore", "count", "state", "fencing_token"]
+    fields = ("semaphore", "count", "state", "fencing_token")
     readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Permit]:
