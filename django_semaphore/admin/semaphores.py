@@ -123,7 +123,6 @@ class SemaphoreAdmin(OperatorAdmin):
     ]
     list_filter = [UsageFilter, FamilyFilter]
     search_fields = ["name"]
-    ordering = ["name"]
     readonly_fields = ["rate", "family_role", *USAGE_NOW, *BOOKKEEPING]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Semaphore]:
