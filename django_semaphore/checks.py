@@ -171,10 +171,8 @@ REQUIRED_BEAT_TASKS = (beat.WAKE_PARKED, beat.RELEASE_ORPHANS)
 def check_beat_schedule(**kwargs: Any) -> list[CheckMessage]:
     """With Celery installed, the project's beat schedule must run the sweeps
     that parked tasks (the default) and leaked permits rely on."""
-    scheduled = beat.scheduled_tasks()
-    if scheduled is None:
-        return []
-    missing = [task for task in REQUIRED_BEAT_TASKS if task not in scheduled]
+    scheduled = beat.scheduled_tasks()  # None: Celery is not installed
+    missing = [] if scheduled is None else [t for t in REQUIRED_BEAT_TASKS if t not in scheduled]
     if not missing:
         return []
     return [
