@@ -16,7 +16,7 @@ from django.apps import apps
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
+from django.db import connections, router
 from django.utils.module_loading import import_string
 
 from django_semaphore import backends, beat, declared, routing, sweep
@@ -305,8 +305,6 @@ def _routed_writes() -> set[str]:
     Asked router by router: ``router.db_for_write`` answers ``default`` when no
     router decides, which is no evidence that writes go anywhere else.
     """
-    from django.db import router
-
     chosen: set[str] = set()
     for model in (Semaphore, PermitRequest, Permit):
         for candidate in router.routers:
