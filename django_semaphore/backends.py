@@ -412,9 +412,10 @@ class DatabaseNow(Now):
         return self.as_sql(compiler, connection, template="CLOCK_TIMESTAMP()", **extra_context)
 
 
-class StatementNow(DatabaseNow):
+class StatementNow(Now):
     """The database's clock when the statement started, in UTC: one value
-    however often the statement reads it.
+    however often the statement reads it. Django's ``Now()`` but on MySQL,
+    where that is the session's local time (see :class:`DatabaseNow`).
 
     For statements that run once every lock they need is held (the grant's
     insert), where the start is after any wait and every column written from
@@ -426,9 +427,4 @@ class StatementNow(DatabaseNow):
     ) -> tuple[str, tuple[str | int, ...]]:
         if settings.USE_TZ and connection.timezone_name == "UTC":
             return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context)
-        return Now.as_mysql(self, compiler, connection, **extra_context)
-
-    def as_postgresql(
-        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
-    ) -> tuple[str, tuple[str | int, ...]]:
-        return Now.as_postgresql(self, compiler, connection, **extra_context)
+        return super().as_mysql(compiler, connection, **extra_context)

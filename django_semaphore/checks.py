@@ -16,7 +16,7 @@ from django.apps import apps
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
+from django.db import connections, router
 from django.utils.module_loading import import_string
 
 from django_semaphore import backends, beat, declared, routing, sweep
@@ -172,10 +172,8 @@ REQUIRED_BEAT_TASKS = (beat.WAKE_PARKED, beat.RELEASE_ORPHANS)
 def check_beat_schedule(**kwargs: Any) -> list[CheckMessage]:
     """With Celery installed, the project's beat schedule must run the sweeps
     that parked tasks (the default) and leaked permits rely on."""
-    scheduled = beat.scheduled_tasks()
-    if scheduled is None:
-        return []
-    missing = [task for task in REQUIRED_BEAT_TASKS if task not in scheduled]
+    scheduled = beat.scheduled_tasks()  # None: Celery is not installed
+    missing = [] if scheduled is None else [t for t in REQUIRED_BEAT_TASKS if t not in scheduled]
     if not missing:
         return []
     return [
@@ -308,8 +306,6 @@ def _routed_writes() -> set[str]:
     Asked router by router: ``router.db_for_write`` answers ``default`` when no
     router decides, which is no evidence that writes go anywhere else.
     """
-    from django.db import router
-
     chosen: set[str] = set()
     for model in (Semaphore, PermitRequest, Permit):
         for candidate in router.routers:

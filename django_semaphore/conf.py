@@ -329,11 +329,7 @@ def _weights_problems(value: Any) -> list[str]:
 
 
 def _checker_problems(value: Any) -> list[str]:
-    if (
-        isinstance(value, str)
-        or not isinstance(value, list | tuple)
-        or not all(isinstance(path, str) for path in value)
-    ):
+    if not isinstance(value, list | tuple) or not all(isinstance(path, str) for path in value):
         return [
             f"DJANGO_SEMAPHORE['LIVENESS_CHECKERS'] must be a list of dotted paths, not {value!r}."
         ]
@@ -378,7 +374,7 @@ def _per_member_problems(value: Any) -> list[str]:
     """A list of family patterns, each declared in ``SEMAPHORES``: a pattern
     declared nowhere (a typo) would keep its family's members in one series
     without a word."""
-    if isinstance(value, str) or not isinstance(value, list | tuple):
+    if not isinstance(value, list | tuple):
         return [
             "DJANGO_SEMAPHORE['METRICS_PER_MEMBER'] must be a list of family patterns, "
             f"not {value!r}."

@@ -205,9 +205,7 @@ class CeleryTaskChecker(LivenessChecker):
         if known:
             # Another run, or the next one, is on its way: it settles the permit.
             return Liveness.UNKNOWN
-        if self._is_ready(task.task_id):
-            return Liveness.DEAD
-        if task.pid != NO_PROCESS and task.hostname in answered:
+        if self._is_ready(task.task_id) or (task.pid != NO_PROCESS and task.hostname in answered):
             return Liveness.DEAD
         return Liveness.UNKNOWN
 

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
 
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.timesince import timesince
 from django.utils.translation import gettext, ngettext
 
-if TYPE_CHECKING:
-    from django_semaphore.models import CapacityChange, Permit, Ticket
+from django_semaphore.models import CapacityChange, Permit, Ticket
 
 # The admin's own palette, readable on its light and dark themes; the bar's
 # colors (in use, full, over capacity), which the chart (chart.py) shares.

@@ -17,7 +17,6 @@ class CapacityChangeAdmin(ReadOnlyAdmin):
     list_filter = ["semaphore", ("changed_by", admin.RelatedOnlyFieldListFilter)]
     list_select_related = ["semaphore", "changed_by"]
     search_fields = ["semaphore__name", "reason"]
-    ordering = ["-changed_at", "-id"]
     fields = [
         "semaphore",
         "old_capacity",

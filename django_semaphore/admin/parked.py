@@ -33,7 +33,6 @@ class ParkedTaskAdmin(Unchanged, OperatorAdmin):
     ]  # fmt: skip
     list_filter = ["tickets__semaphore", "task_name"]
     search_fields = ["task_id", "task_name"]
-    ordering = ["id"]
     actions = ["drop"]
     fields = (
         "task_name", "task_id", "semaphores", "parked_at", "not_before", "woken_at", "expires_at",

@@ -44,11 +44,10 @@ class PermitInline(ReadOnly, admin.TabularInline):
     """The request's share of each semaphore: read-only, 1..n rows."""
 
     model = Permit
-    fields = ["semaphore", "count", "state", "fencing_token"]
-    readonly_fields = ["semaphore", "count", "state", "fencing_token"]
-    extra = 0
-    can_delete = False
-    show_change_link = False
+    # No extra forms, no delete boxes: ReadOnly, and the request's own page
+    # is read-only too (Django then offers neither).
+    fields = ("semaphore", "count", "state", "fencing_token")
+    readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Permit]:
         return (

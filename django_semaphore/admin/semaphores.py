@@ -123,7 +123,6 @@ class SemaphoreAdmin(OperatorAdmin):
     ]
     list_filter = [UsageFilter, FamilyFilter]
     search_fields = ["name"]
-    ordering = ["name"]
     readonly_fields = ["rate", "family_role", *USAGE_NOW, *BOOKKEEPING]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Semaphore]:
@@ -144,10 +143,7 @@ class SemaphoreAdmin(OperatorAdmin):
                 _("Usage now"),
                 {"fields": [f for f in USAGE_NOW if f != "next_slot" or obj.limit.is_rate]},
             ),
-            (
-                _("Bookkeeping"),
-                {"fields": BOOKKEEPING, "classes": ["collapse"]},
-            ),
+            (_("Bookkeeping"), {"fields": BOOKKEEPING, "classes": ["collapse"]}),
         ]
 
     def get_readonly_fields(

@@ -69,21 +69,16 @@ class Command(BaseCommand):
             return
         if options["verify"]:
             self._verify(names or None)
-        rows = [tuple(header for header, _ in COLUMNS)]
-        queued = []
         # Every alias holding semaphores (sharded by name: see routing.py).
-        for s in sorted(
-            (s for alias in routing.aliases() for s in self._semaphores(alias, names)),
-            key=lambda s: s.name,
-        ):
-            rows.append(tuple(cell(s) for _, cell in COLUMNS))
-            if s.waiters or s.parked:  # type: ignore[attr-defined]
-                queued.append(s)
-        self._table(rows)
-        if len(rows) == 1:
+        found = [s for alias in routing.aliases() for s in self._semaphores(alias, names)]
+        semaphores = sorted(found, key=lambda s: s.name)
+        headers = tuple(header for header, _ in COLUMNS)
+        self._table([headers, *(tuple(cell(s) for _, cell in COLUMNS) for s in semaphores)])
+        if not semaphores:
             self.stdout.write("(no semaphores)")
-        for semaphore in queued:
-            self._queue(semaphore)
+        for semaphore in semaphores:
+            if semaphore.waiters or semaphore.parked:  # type: ignore[attr-defined]
+                self._queue(semaphore)
 
     def _verify(self, names: list[str] | None) -> None:
         drifts = sweep.verify_counters(names)
@@ -139,11 +134,10 @@ class Command(BaseCommand):
 
     def _table(self, rows: Sequence[tuple[str, ...]]) -> None:
         rows = [tuple(map(_shown, row)) for row in rows]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        for row in rows:
-            cells = [row[0].ljust(widths[0])] + [
-                c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-            ]
+        widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
+        for first, *rest in rows:
+            cells = [first.ljust(widths[0])]
+            cells += [cell.rjust(width) for cell, width in zip(rest, widths[1:], strict=True)]
             self.stdout.write("  ".join(cells).rstrip())
 
     def _semaphores(self, alias: str, names: list[str]) -> QuerySet[Semaphore]:

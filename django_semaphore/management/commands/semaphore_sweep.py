@@ -65,7 +65,6 @@ class Command(BaseCommand):
         parser.add_argument(
             "--batch-size",
             type=batch_size,
-            default=None,
             help="Rows per transaction, at least 1 (CLEANUP_BATCH_SIZE).",
         )
         parser.add_argument(
