@@ -53,7 +53,7 @@ from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.models.parked import SENDING
 from django_semaphore.owners import TaskOwner
 from django_semaphore.parking import aside, deferred, refuse_a_full_line, wake
-from django_semaphore.parking.rows import Row, raw_delete, write
+from django_semaphore.parking.rows import Row, drop_parked, write
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import State
 
@@ -302,9 +302,7 @@ def _waiting_alike(alias: str, task_name: str, demand: Mapping[str, int]) -> dic
 
 def _drop(alias: str, waiting: dict[str, str]) -> list[str]:
     """Drop these waiting tasks (key -> task id) and their tickets; their task ids."""
-    if waiting:
-        raw_delete(Ticket.objects.using(alias).filter(external_id__in=list(waiting)))
-        raw_delete(ParkedTask.objects.using(alias).filter(key__in=list(waiting)))
+    drop_parked(alias, waiting)
     return list(waiting.values())
 
 

@@ -37,7 +37,7 @@ from django_semaphore.backends import DatabaseNow
 from django_semaphore.models import ParkedTask, Ticket
 from django_semaphore.models.parked import SENDING
 from django_semaphore.parking import wake
-from django_semaphore.parking.rows import raw_delete
+from django_semaphore.parking.rows import drop_parked
 
 T = TypeVar("T")
 
@@ -162,10 +162,7 @@ def drop_abandoned(
         output_field=DateTimeField(),
     )
     abandoned = sending.filter(parked_at__lt=written_before).select_for_update(skip_locked=True)
-    keys = set(abandoned.values_list("key", flat=True))
-    if not keys:
-        return 0, set()
+    keys = list(abandoned.values_list("key", flat=True))
     tickets = Ticket.objects.using(alias).filter(external_id__in=keys)
     freed = set(tickets.values_list("semaphore_id", flat=True))
-    raw_delete(tickets)
-    return raw_delete(ParkedTask.objects.using(alias).filter(key__in=keys)), freed
+    return drop_parked(alias, keys), freed
