@@ -30,7 +30,6 @@ from typing import TypeVar
 
 from django.db import close_old_connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import DateTimeField, DurationField, ExpressionWrapper, Value
 
 from django_semaphore import process
 from django_semaphore.backends import DatabaseNow
@@ -157,10 +156,7 @@ def drop_abandoned(
         waiting = tickets.filter(parked__not_before=SENDING).values_list("external_id", flat=True)
         # Read first: a locking read through a subquery would lock its rows too.
         sending = sending.filter(key__in=set(waiting))
-    written_before = ExpressionWrapper(
-        DatabaseNow() - Value(ABANDONED_AFTER, output_field=DurationField()),
-        output_field=DateTimeField(),
-    )
+    written_before = DatabaseNow() - ABANDONED_AFTER
     abandoned = sending.filter(parked_at__lt=written_before).select_for_update(skip_locked=True)
     keys = list(abandoned.values_list("key", flat=True))
     tickets = Ticket.objects.using(alias).filter(external_id__in=keys)
