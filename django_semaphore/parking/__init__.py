@@ -71,8 +71,6 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import (
     BigIntegerField,
     Count,
-    DurationField,
-    ExpressionWrapper,
     F,
     OuterRef,
     QuerySet,
@@ -353,8 +351,4 @@ def with_parked(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
         parked_since=Subquery(
             ParkedTask.objects.filter(key=Subquery(first_in_line)).values("parked_at")
         ),
-    ).annotate(
-        oldest_parked=ExpressionWrapper(
-            backends.DatabaseNow() - F("parked_since"), output_field=DurationField()
-        ),
-    )
+    ).annotate(oldest_parked=backends.DatabaseNow() - F("parked_since"))
