@@ -75,6 +75,11 @@ class Policy:
     max_waiting: int | None = None
     debounce: float | None = None  # seconds
 
+    @property
+    def delay(self) -> timedelta | None:
+        """``debounce`` as a ``timedelta``."""
+        return None if self.debounce is None else timedelta(seconds=self.debounce)
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -197,7 +202,7 @@ def _decide_aside(
             # Swept as abandoned, its sender stalled that long: decide again.
             raise _Discarded([], sorted(demand))
         if row.backend and parked.woken_at is None:
-            _defer(row, policy)
+            deferred.park(row.task_id, policy.delay)
     aside.watch(alias, parked.pk)
     return lined, parked, replaced
 
@@ -217,16 +222,7 @@ def _atomic_beside(also: str | None, alias: str) -> Any:
 
 def _not_before(policy: Policy) -> Any:
     """When a debounced send's delay ends (by the database's clock); ``None``."""
-    if policy.debounce is None:
-        return None
-    return DatabaseNow() + timedelta(seconds=policy.debounce)
-
-
-def _defer(row: Row, policy: Policy) -> None:
-    """A Django task's result waits parked (``deferred.park``), in the
-    transaction that wrote it."""
-    debounce = policy.debounce
-    deferred.park(row.task_id, None if debounce is None else timedelta(seconds=debounce))
+    return None if policy.delay is None else DatabaseNow() + policy.delay
 
 
 def _admit(
@@ -276,7 +272,7 @@ def _admit(
             # This task id was sent before: that one is the existing task.
             raise _Discarded([row.task_id], sorted(demand)) from None
         if row.backend and not woken and not sending:
-            _defer(row, policy)
+            deferred.park(row.task_id, policy.delay)
     return lined, parked, replaced
 
 
