@@ -75,18 +75,13 @@ def _verify_batch(
     with backends.bounded_transaction(connection, app_settings.LOCK_WAIT_TIMEOUT):
         # The semaphores (no grant now), then their release counters (no
         # release now), each in its lock order.
-        recorded = {
-            id: (name, counted, folded)
-            for id, name, counted, folded in Semaphore.objects.using(alias)
-            .filter(id__in=semaphore_ids)
-            .locked()
-            .values_list("id", "name", "in_use_counter", "released_folded")
-        }
+        locked = Semaphore.objects.using(alias).filter(id__in=semaphore_ids).locked()
+        recorded = list(locked.values_list("id", "name", "in_use_counter", "released_folded"))
         counters = ReleaseCounter.objects.using(alias).filter(semaphore_id__in=semaphore_ids)
         released = dict(counters.locked().values_list("semaphore_id", "released"))
         held = _per_semaphore(alias, semaphore_ids, Sum("count"), state=State.ACQUIRED)
         drifts: dict[int, signals.Drift] = {}
-        for id, (name, counted, folded) in recorded.items():
+        for id, name, counted, folded in recorded:
             in_use = permits_held(counted, folded, released.get(id, 0))
             if in_use != int(held.get(id) or 0):
                 drifts[id] = signals.Drift(name, in_use, int(held.get(id) or 0))

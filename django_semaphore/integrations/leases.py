@@ -195,11 +195,9 @@ class Heartbeat(process.State):
         try:
             renewed = run_with_retries(connection, functools.partial(_renew, alias, held))
             # Only a renewal that fell short reads which keys it missed.
-            ttls = (
-                run_with_retries(connection, functools.partial(_held_ttls, alias, held))
-                if renewed < len(held)
-                else None
-            )
+            ttls = None
+            if renewed < len(held):
+                ttls = run_with_retries(connection, functools.partial(_held_ttls, alias, held))
         except SemaphoreError as exc:
             self._failed(held, exc)
             return

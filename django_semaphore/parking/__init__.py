@@ -71,8 +71,6 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import (
     BigIntegerField,
     Count,
-    DurationField,
-    ExpressionWrapper,
     F,
     OuterRef,
     QuerySet,
@@ -86,7 +84,7 @@ from django_semaphore.engine import wakeups
 from django_semaphore.exceptions import LineFull
 from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.parking import wake
-from django_semaphore.parking.rows import Row, raw_delete, write
+from django_semaphore.parking.rows import Row, drop_parked, raw_delete, write
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import ReleaseReason
 from django_semaphore.validation import validate_keys
@@ -236,9 +234,8 @@ def started(task_id: str, demand: Mapping[str, int]) -> None:
     parked = ParkedTask.objects.using(alias).filter(task_id=task_id)
     keys = list(parked.values_list("key", flat=True))
     if keys:
-        raw_delete(parked)
-        # Unless its grant deleted them (where the line was live).
-        raw_delete(Ticket.objects.using(alias).filter(external_id__in=keys))
+        # Its tickets too, unless its grant deleted them (where the line was live).
+        drop_parked(alias, keys)
         rate_limits = set(
             Semaphore.objects.using(alias)
             .rate_limits()
@@ -285,13 +282,10 @@ def cancel(task_ids: Iterable[str]) -> int:
     dropped = 0
     for alias in routing.aliases():
         parked = ParkedTask.objects.using(alias).filter(task_id__in=keys)
-        found = dict(parked.values_list("key", "id"))
-        if not found:
-            continue
-        tickets = Ticket.objects.using(alias).filter(external_id__in=list(found))
-        semaphore_ids = set(tickets.filter(lacked=True).values_list("semaphore_id", flat=True))
-        raw_delete(tickets)
-        dropped += raw_delete(ParkedTask.objects.using(alias).filter(id__in=found.values()))
+        found = list(parked.values_list("key", flat=True))
+        lacking = Ticket.objects.using(alias).filter(external_id__in=found, lacked=True)
+        semaphore_ids = set(lacking.values_list("semaphore_id", flat=True))
+        dropped += drop_parked(alias, found)
         wake.wake(alias, semaphore_ids)
     return dropped
 
@@ -364,8 +358,4 @@ def with_parked(queryset: QuerySet[Semaphore]) -> QuerySet[Semaphore]:
         parked_since=Subquery(
             ParkedTask.objects.filter(key=Subquery(first_in_line)).values("parked_at")
         ),
-    ).annotate(
-        oldest_parked=ExpressionWrapper(
-            backends.DatabaseNow() - F("parked_since"), output_field=DurationField()
-        ),
-    )
+    ).annotate(oldest_parked=backends.DatabaseNow() - F("parked_since"))

@@ -53,7 +53,7 @@ from django_semaphore.models import ParkedTask, PermitRequest, Semaphore, Ticket
 from django_semaphore.models.parked import SENDING
 from django_semaphore.owners import TaskOwner
 from django_semaphore.parking import aside, deferred, refuse_a_full_line, wake
-from django_semaphore.parking.rows import Row, raw_delete, write
+from django_semaphore.parking.rows import Row, drop_parked, write
 from django_semaphore.retry import run_with_retries
 from django_semaphore.states import State
 
@@ -74,6 +74,11 @@ class Policy:
     on_conflict: str | None = None
     max_waiting: int | None = None
     debounce: float | None = None  # seconds
+
+    @property
+    def delay(self) -> timedelta | None:
+        """``debounce`` as a ``timedelta``."""
+        return None if self.debounce is None else timedelta(seconds=self.debounce)
 
 
 @dataclass(frozen=True)
@@ -197,7 +202,7 @@ def _decide_aside(
             # Swept as abandoned, its sender stalled that long: decide again.
             raise _Discarded([], sorted(demand))
         if row.backend and parked.woken_at is None:
-            _defer(row, policy)
+            deferred.park(row.task_id, policy.delay)
     aside.watch(alias, parked.pk)
     return lined, parked, replaced
 
@@ -217,16 +222,7 @@ def _atomic_beside(also: str | None, alias: str) -> Any:
 
 def _not_before(policy: Policy) -> Any:
     """When a debounced send's delay ends (by the database's clock); ``None``."""
-    if policy.debounce is None:
-        return None
-    return DatabaseNow() + timedelta(seconds=policy.debounce)
-
-
-def _defer(row: Row, policy: Policy) -> None:
-    """A Django task's result waits parked (``deferred.park``), in the
-    transaction that wrote it."""
-    debounce = policy.debounce
-    deferred.park(row.task_id, None if debounce is None else timedelta(seconds=debounce))
+    return None if policy.delay is None else DatabaseNow() + policy.delay
 
 
 def _admit(
@@ -278,7 +274,7 @@ def _admit(
             # This task id was sent before: that one is the existing task.
             raise _Discarded([row.task_id], sorted(demand)) from None
         if row.backend and not woken and not sending:
-            _defer(row, policy)
+            deferred.park(row.task_id, policy.delay)
     return lined, parked, replaced
 
 
@@ -304,9 +300,7 @@ def _waiting_alike(alias: str, task_name: str, demand: Mapping[str, int]) -> dic
 
 def _drop(alias: str, waiting: dict[str, str]) -> list[str]:
     """Drop these waiting tasks (key -> task id) and their tickets; their task ids."""
-    if waiting:
-        raw_delete(Ticket.objects.using(alias).filter(external_id__in=list(waiting)))
-        raw_delete(ParkedTask.objects.using(alias).filter(key__in=list(waiting)))
+    drop_parked(alias, waiting)
     return list(waiting.values())
 
 

@@ -30,14 +30,13 @@ from typing import TypeVar
 
 from django.db import close_old_connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import DateTimeField, DurationField, ExpressionWrapper, Value
 
 from django_semaphore import process
 from django_semaphore.backends import DatabaseNow
 from django_semaphore.models import ParkedTask, Ticket
 from django_semaphore.models.parked import SENDING
 from django_semaphore.parking import wake
-from django_semaphore.parking.rows import raw_delete
+from django_semaphore.parking.rows import drop_parked
 
 T = TypeVar("T")
 
@@ -157,15 +156,9 @@ def drop_abandoned(
         waiting = tickets.filter(parked__not_before=SENDING).values_list("external_id", flat=True)
         # Read first: a locking read through a subquery would lock its rows too.
         sending = sending.filter(key__in=set(waiting))
-    written_before = ExpressionWrapper(
-        DatabaseNow() - Value(ABANDONED_AFTER, output_field=DurationField()),
-        output_field=DateTimeField(),
-    )
+    written_before = DatabaseNow() - ABANDONED_AFTER
     abandoned = sending.filter(parked_at__lt=written_before).select_for_update(skip_locked=True)
-    keys = set(abandoned.values_list("key", flat=True))
-    if not keys:
-        return 0, set()
+    keys = list(abandoned.values_list("key", flat=True))
     tickets = Ticket.objects.using(alias).filter(external_id__in=keys)
     freed = set(tickets.values_list("semaphore_id", flat=True))
-    raw_delete(tickets)
-    return raw_delete(ParkedTask.objects.using(alias).filter(key__in=keys)), freed
+    return drop_parked(alias, keys), freed

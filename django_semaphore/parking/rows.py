@@ -3,6 +3,7 @@ as its serializer encodes it, and the plain writes of the rows."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -12,7 +13,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from django_semaphore import backends
-from django_semaphore.models import ParkedTask
+from django_semaphore.models import ParkedTask, Ticket
 
 
 @dataclass(frozen=True)
@@ -113,3 +114,13 @@ def raw_delete(queryset: QuerySet[Any]) -> int:
     """Delete these rows by one statement, without Django's collector
     (which reads them first); how many."""
     return int(queryset._raw_delete(queryset.db))
+
+
+def drop_parked(alias: str, keys: Collection[str]) -> int:
+    """Delete the parked tasks of these keys and their tickets, by key (a
+    delete through a subquery would lock, and wait for, the rows it reads);
+    how many tasks."""
+    if not keys:
+        return 0
+    raw_delete(Ticket.objects.using(alias).filter(external_id__in=list(keys)))
+    return raw_delete(ParkedTask.objects.using(alias).filter(key__in=list(keys)))

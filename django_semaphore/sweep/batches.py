@@ -10,14 +10,12 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import fields
-from datetime import timedelta
 from typing import TYPE_CHECKING, NamedTuple, ParamSpec, TypeVar
 
 from django.db import connections
-from django.db.models import DateTimeField, DurationField, ExpressionWrapper, QuerySet, Value
+from django.db.models import QuerySet
 
 from django_semaphore import backends, routing
-from django_semaphore.backends import DatabaseNow
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import LockContention
 from django_semaphore.parking.rows import raw_delete
@@ -28,7 +26,6 @@ from django_semaphore.validation import validate_batch_size, validate_time_budge
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
     from django.db.models import Model
-    from django.db.models.expressions import CombinedExpression
 
 logger = logging.getLogger("django_semaphore")
 
@@ -100,13 +97,6 @@ def _delete_in_batches(
     if report.deleted:
         logger.info("%s", report)
     return report
-
-
-def _ago(delta: timedelta) -> ExpressionWrapper[CombinedExpression]:
-    """``now - delta`` computed by the database, in SQL."""
-    return ExpressionWrapper(
-        DatabaseNow() - Value(delta, output_field=DurationField()), output_field=DateTimeField()
-    )
 
 
 class Limits(NamedTuple):

@@ -27,7 +27,6 @@ from django_semaphore.parking.rows import raw_delete
 from django_semaphore.states import State
 from django_semaphore.sweep.batches import (
     DEFAULT_TIME_BUDGET,
-    _ago,
     _delete_in_batches,
     _limits,
     _on_every_alias,
@@ -62,7 +61,7 @@ def clean_released(
     limits = _limits(batch_size, time_budget, dry_run)
     alias = routing.current_alias()
     old = PermitRequest.objects.using(alias).filter(
-        state=State.RELEASED, released_at__lte=_ago(app_settings.RELEASED_RETENTION)
+        state=State.RELEASED, released_at__lte=DatabaseNow() - app_settings.RELEASED_RETENTION
     )
     # A permit whose slot a rate limit still counts (open, or ended and not
     # closed yet) stays: its slot is closed by its end, read from the row.
@@ -103,7 +102,7 @@ def clean_history(
     limits = _limits(batch_size, time_budget, dry_run)
     alias = routing.current_alias()
     old = CapacityChange.objects.using(alias).filter(
-        changed_at__lte=_ago(app_settings.HISTORY_RETENTION)
+        changed_at__lte=DatabaseNow() - app_settings.HISTORY_RETENTION
     )
     report = CleanupReport("capacity history", dry_run=dry_run)
     return _delete_in_batches(old.order_by("changed_at"), report, limits, progress)
@@ -131,12 +130,11 @@ def clean_idle_members(
     # The row lock of each batch re-reads these conditions on the latest
     # committed row (InnoDB's locking read; PostgreSQL re-checks a row
     # changed meanwhile), so a member granted since it was listed is kept.
+    idle_since = DatabaseNow() - app_settings.MEMBER_IDLE_LIMIT
     idle = (
         Semaphore.objects.using(alias)
         .exclude(family="")
-        .filter(
-            Q(in_use=0), own_capacity=False, updated_at__lte=_ago(app_settings.MEMBER_IDLE_LIMIT)
-        )
+        .filter(Q(in_use=0), own_capacity=False, updated_at__lte=idle_since)
         .filter(Q(queued_until__isnull=True) | Q(queued_until__lte=DatabaseNow()))
         .filter(~Exists(Permit.objects.filter(semaphore=OuterRef("pk"), state=State.ACQUIRED)))
         # A parked task waits for it: deleting it would drop the task's demand.

@@ -18,7 +18,7 @@ from django_semaphore.engine import verifier
 from django_semaphore.engine.releasing import release_requests
 from django_semaphore.models import PermitRequest
 from django_semaphore.states import ReleaseReason, State
-from django_semaphore.sweep.batches import Limits, _ago, _batches, _limits, _on_every_alias, _past
+from django_semaphore.sweep.batches import Limits, _batches, _limits, _on_every_alias, _past
 from django_semaphore.sweep.repairs import (
     _announce_repair,
     _orphan_permits,
@@ -73,7 +73,7 @@ def release_orphans(
     alias = routing.current_alias()
     half_released = _partly_released()
     expired = Q(expires_at__lte=DatabaseNow())
-    stale = Q(created_at__lte=_ago(app_settings.STALENESS_LIMIT))
+    stale = Q(created_at__lte=DatabaseNow() - app_settings.STALENESS_LIMIT)
     # The permits are free (or some of them), only the request still says
     # ACQUIRED: every release is one transaction, so only rows changed from
     # outside (a manual edit, a restore, a crash of a version before 0.1)

@@ -15,7 +15,7 @@ from django_semaphore.exceptions import SemaphoreNotFound
 from django_semaphore.models import ParkedTask, PermitRequest, Ticket
 from django_semaphore.models.parked import SENDING
 from django_semaphore.parking import aside, deferred, wake
-from django_semaphore.parking.rows import raw_delete
+from django_semaphore.parking.rows import drop_parked, raw_delete
 
 logger = logging.getLogger("django_semaphore")
 
@@ -54,10 +54,8 @@ def sweep_parked() -> ParkedReport:
         tasks = ParkedTask.objects.using(alias).exclude(not_before=SENDING)
         # By their keys, read first: a delete through a subquery would lock
         # (and wait for) the rows the subquery reads.
-        expired = list(tasks.filter(expires_at__lte=timezone.now()).values_list("key", flat=True))
-        if expired:
-            raw_delete(Ticket.objects.using(alias).filter(external_id__in=expired))
-            report.dropped += raw_delete(ParkedTask.objects.using(alias).filter(key__in=expired))
+        expired = tasks.filter(expires_at__lte=timezone.now()).values_list("key", flat=True)
+        report.dropped += drop_parked(alias, list(expired))
         report.orphaned += _drop_orphans(alias)
         report.unsent += _drop_unsent(alias)
         overdue_since = timezone.now() - app_settings.PARKED_REPUBLISH_AFTER
