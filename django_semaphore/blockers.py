@@ -230,14 +230,7 @@ def _blocker(alias: str, ticket: Ticket, semaphore: Semaphore) -> Blocker:
         by_priority=older.filter(
             created_at__gt=ticket.created_at, priority__gt=ticket.priority
         ).count(),
-        by_share=[
-            (row["share"], row["n"])
-            for row in older.exclude(share="")
-            .order_by()
-            .values("share")
-            .annotate(n=Count("pk"))
-            .order_by("-n", "share")[:NAMED]
-        ],
+        by_share=list(older.per_share()[:NAMED]),
         holders=holders,
         held_by=held.count() if len(holders) == NAMED else len(holders),
         next_slot=next_slot,

@@ -328,6 +328,13 @@ class TicketQuerySet(models.QuerySet[M]):
         )
         return {row["semaphore_id"]: (row["first"], row["last"]) for row in turns}
 
+    def per_share(self) -> models.QuerySet[Any, tuple[str, int]]:
+        """``(share key, tickets)`` of these tickets that have a share key,
+        most first."""
+        shared = self.exclude(share="").order_by().values_list("share")
+        counted = shared.annotate(n=Count("pk")).order_by("-n", "share")
+        return cast(models.QuerySet[Any, tuple[str, int]], counted)
+
     def of_parked(self) -> Self:
         """Live tickets of parked tasks not woken yet."""
         return self.filter(

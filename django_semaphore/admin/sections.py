@@ -75,6 +75,7 @@ def sections(page: OperatorAdmin, request: HttpRequest, obj: Semaphore) -> dict[
         "holders_url": holders_url(page, obj) if can_view_requests else "",
         "queue": _queue(page, request, obj, waiting, now),
         "queue_total": queue.count() if len(waiting) == HOLDERS_SHOWN else len(waiting),
+        "queue_by_share": list(queue.per_share()[:HOLDERS_SHOWN]),
         "history": [
             {
                 "changed_at": change.changed_at,
@@ -125,6 +126,7 @@ def _queue(
                 ),
                 "count": ticket.count,
                 "priority": ticket.priority,
+                "share": ticket.share,
                 "free": free,
                 "lacks": ticket.count > free,
                 "waiting": duration(ticket.created_at, now),

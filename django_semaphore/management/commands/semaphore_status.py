@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db.models import Count, QuerySet
+from django.db.models import QuerySet
 
 from django_semaphore import parking, routing, sweep
 from django_semaphore.blockers import why_waiting
@@ -121,14 +121,7 @@ class Command(BaseCommand):
             for place, ticket in enumerate(tickets[:QUEUE_SHOWN], start=1)
         ]
         self._table(rows)
-        shares = (
-            tickets.exclude(share="")
-            .order_by()
-            .values_list("share")
-            .annotate(n=Count("pk"))
-            .order_by("-n", "share")[:QUEUE_SHOWN]
-        )
-        if shares:
+        if shares := tickets.per_share()[:QUEUE_SHOWN]:
             counted = ", ".join(f"{_shown(share)} {n}" for share, n in shares)
             self.stdout.write(f"Waiting by share key, most first: {counted}")
 
