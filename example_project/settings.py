@@ -82,6 +82,8 @@ DJANGO_SEMAPHORE = {
     # created on the customer's first export (see docs/families.md).
     # "mirror-syncs" is a rate limit: at most 5 mirror syncs started in any
     # minute, however short each one is (see docs/rates.md).
+    # "bulk-exports": one at a time, the customers waiting taking turns
+    # (share keys, see docs/shares.md and manage.py demo_shares).
     "SEMAPHORES": {
         "exports": 3,
         "backups": 1,
@@ -91,6 +93,7 @@ DJANGO_SEMAPHORE = {
         "thumbnails": 2,
         "mirror-syncs": {"rate": "5/m"},
         "export:customer:*": 2,
+        "bulk-exports": 1,
     },
     # The demo's idle customers are deleted by the clean-up after 10 minutes.
     "MEMBER_IDLE_LIMIT": 600,

@@ -21,6 +21,19 @@ def build_export(self: Any, report_id: int) -> str:
 
 
 @shared_task(bind=True)
+@holds_permit("bulk-exports", ttl=60, share=lambda customer, report_id: customer)
+def customer_export(self: Any, customer: str, report_id: int) -> str:
+    """One customer's bulk export, one at a time for all customers. Its
+    share key is the customer: the customers waiting take turns, so one
+    customer's backlog never puts another's export behind it all
+    (``manage.py demo_shares``; docs/shares.md). To cap each customer as
+    well, ask for its family member beside the shared semaphore:
+    ``lambda customer, report_id: ["bulk-exports", f"export:customer:{customer}"]``."""
+    time.sleep(random.uniform(1, 2))
+    return f"{customer}: report {report_id} built"
+
+
+@shared_task(bind=True)
 @holds_permit({"backups": 1, "network": 1}, ttl=120)
 def run_backup(self: Any, host: str) -> str:
     """One backup at a time, and it also takes one of the two network slots."""
