@@ -115,6 +115,12 @@ def debounced(context: Any, label: str, hold: float = 0.0) -> str:
     return _logged(context, label, hold)
 
 
+@task(backend="permits-database", takes_context=True)
+@holds_permit(ONCE, max_waiting=5, share=lambda label, hold=0.0: label[0])
+def shared_by_customers(context: Any, label: str, hold: float = 0.0) -> str:
+    return _logged(context, label, hold)
+
+
 @task(backend="database")
 @holds_permit(ONCE, on_conflict="discard")
 def discards_without_its_class() -> None:

@@ -262,6 +262,12 @@ def urgent_first(self: Any, label: str, urgent: bool) -> int:
     return _work_on(LATEST, label, 0, self)
 
 
+@shared_task(bind=True, base=PermitTask, max_retries=0)
+@holds_permit(LATEST, max_waiting=2, share=lambda customer, label: customer)
+def per_customer(self: Any, customer: str, label: str) -> int:
+    return _work_on(LATEST, label, 0, self)
+
+
 @shared_task(bind=True, max_retries=0)
 @holds_permit(ONCE, on_conflict="discard")
 def discards_without_its_class(self: Any) -> None:

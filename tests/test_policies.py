@@ -205,6 +205,24 @@ def test_a_celery_tasks_computed_priority_puts_it_ahead_in_line(latest, publishe
     assert parked_ids() == [*(task.id for task in low), urgent.id]
 
 
+def test_a_celery_tasks_share_key_takes_its_turn_and_max_waiting_counts_per_key(latest, published):
+    acquire(tasks.LATEST, external_id="held-by-the-test")
+    a = [tasks.per_customer.delay("a", label) for label in ("a1", "a2")]
+    with pytest.raises(LineFull, match="2 tasks of share 'a' already wait parked on"):
+        tasks.per_customer.delay("a", "a3")
+    b = tasks.per_customer.delay("b", "b1")
+
+    line = Ticket.objects.filter(semaphore=latest).in_line()
+    assert list(line.values_list("external_id", "share")) == [
+        (a[0].id, "a"),
+        (b.id, "b"),
+        (a[1].id, "a"),
+    ]
+    release("held-by-the-test")
+    wake.wake("default", [latest.pk])
+    assert published == [a[0].id]
+
+
 def test_max_waiting_counts_the_tasks_that_wait_not_the_one_sent(latest, published):
     sent = tasks.at_most_two_wait.delay("a", 0)  # fits: sent, its room kept until it runs
     waiting = [tasks.at_most_two_wait.delay(label, 0) for label in "bc"]
@@ -405,6 +423,21 @@ def test_a_waiting_django_task_stands_in_line_at_its_own_priority(django_once, p
     release("held-by-the-test")
     wake.wake("default", [django_once.pk])
     assert published == [urgent.id]
+
+
+def test_a_waiting_django_task_takes_its_share_keys_turn(django_once, published):
+    acquire(own_tasks.ONCE, external_id="held-by-the-test")
+    sent = [own_tasks.shared_by_customers.enqueue(label) for label in ("a1", "a2", "b1")]
+
+    line = Ticket.objects.filter(semaphore=django_once).in_line()
+    assert list(line.values_list("external_id", "share")) == [
+        (sent[0].id, "a"),
+        (sent[2].id, "b"),
+        (sent[1].id, "a"),
+    ]
+    release("held-by-the-test")
+    wake.wake("default", [django_once.pk])
+    assert published == [sent[0].id]
 
 
 def test_replace_fails_the_waiting_django_tasks(django_once, published):
