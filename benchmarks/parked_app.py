@@ -137,6 +137,14 @@ def export(self: Any, tenant: str, enqueued: float) -> None:
     time.sleep(HOLD)
 
 
+@app.task(bind=True)
+@holds_permit(tenant_demand, park=True, share=lambda tenant, enqueued: tenant)
+def export_shared(self: Any, tenant: str, enqueued: float) -> None:
+    """``export``, the tenant its share key on the shared semaphore."""
+    counts.rpush(STARTS, f"{tenant} {enqueued} {time.time()}")
+    time.sleep(HOLD)
+
+
 @before_task_publish.connect
 def _count_publish(**kwargs: Any) -> None:
     counts.incr(PUBLISHED)

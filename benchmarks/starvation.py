@@ -9,7 +9,8 @@ shared semaphore binds. Reported: when B's last task finished after B's
 first send, in A's rounds (a round: ``--capacity`` of A's tasks side by
 side, measured as A's drain time over its rounds), and how many of A's
 tasks started before B's last one. Served first come, first served, B
-waits behind A's whole burst; shared fairly, within a few rounds.
+waits behind A's whole burst; with ``--shares`` (each customer its share
+key, ``docs/shares.md``), within a few rounds.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold", type=float, default=0.02)
     parser.add_argument("--concurrency", type=int, default=8, help="worker processes")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--shares", action="store_true", help="each customer its share key")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     return measure(args, "starvation", run, format_result)
@@ -59,11 +61,12 @@ def run(args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
         Semaphore.objects.create(name=name, capacity=capacity)
     log = ROOT / ".runtime" / "benchmarks" / "starvation-worker.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    export = parked_app.export_shared if args.shares else parked_app.export
     with worker(args.concurrency, log, parked_app):
         for _ in range(args.backlog):
-            parked_app.export.delay("A", time.time())
+            export.delay("A", time.time())
         for _ in range(args.tasks):
-            parked_app.export.delay("B", time.time())
+            export.delay("B", time.time())
         every = args.backlog + args.tasks
         _until(lambda: counts.llen(parked_app.STARTS) >= every, args.timeout, "every task ran")
         time.sleep(args.hold)  # the last ones end
@@ -73,6 +76,7 @@ def run(args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
     b_sent = min(enqueued for _, enqueued in b)
     b_done = b[-1][0] + args.hold - b_sent
     return {
+        "shares": args.shares,
         "backlog": args.backlog,
         "tasks": args.tasks,
         "a_round_ms": round(a_round * 1000, 1),
@@ -85,6 +89,7 @@ def run(args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
 
 def format_result(r: dict[str, Any]) -> str:
     return (
+        f"{'shares' if r.get('shares') else 'first come'}: "
         f"B's {r['tasks']} tasks behind A's {r['backlog']}: all done {r['b_done_after_s']} s "
         f"after B's first send = {r['b_done_in_a_rounds']} of A's rounds "
         f"({r['a_round_ms']} ms each); {r['a_started_before_b_last']} of A's tasks started "
