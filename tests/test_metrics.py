@@ -4,6 +4,7 @@ processes counted together in multiprocess mode."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -23,11 +24,20 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 
 import django_semaphore.metrics
-from django_semaphore import acquire, force_release, release, set_capacity, set_window, sweep
+from django_semaphore import (
+    acquire,
+    force_release,
+    parking,
+    release,
+    set_capacity,
+    set_window,
+    sweep,
+)
 from django_semaphore.exceptions import AcquireTimeout, SemaphoreExhausted
 from django_semaphore.metrics import checks
 from django_semaphore.metrics.views import metrics
 from django_semaphore.models import Permit, PermitRequest, Semaphore
+from django_semaphore.parking.rows import Row
 from tests.children import Outbox, join, spawn
 from tests.conftest import unique
 from tests.metrics_clients import acquire_and_release, scrape
@@ -360,17 +370,38 @@ def test_a_scrape_reads_no_permit_only_what_it_reports(client, family):
     with CaptureQueriesContext(connections["default"]) as queries:
         client.get("/metrics/")
 
-    (read,) = [q["sql"] for q in queries if Semaphore._meta.db_table in q["sql"]]
+    permit = Permit._meta.db_table
+    (read,) = [q["sql"] for q in queries if permit in q["sql"]]
     # Permits are read only where a rate limit's in-use is its grants in the
     # window (the slots not closed yet: two ranges of the (semaphore,
     # slot_ends) index, one chosen); never the held permits (no holders'
     # subquery, which would filter on their state).
-    permit = Permit._meta.db_table
     reads = read.split(f"FROM {connections['default'].ops.quote_name(permit)}")[1:]
     assert len(reads) == 2
     wheres = [after.partition("GROUP BY")[0] for after in reads]
     assert all("slot_ends" in where for where in wheres)
     assert all("state" not in where for where in wheres)
+
+
+def test_waiters_per_share_key_are_a_gauge_by_the_keys_the_weights_name(
+    client, make_semaphore, settings
+):
+    """A key SHARE_WEIGHTS names is its own series; any other key is
+    "other" (a key per customer grows no series per customer)."""
+    settings.DJANGO_SEMAPHORE = {"SHARE_WEIGHTS": {"gold": 2}}
+    sem = make_semaphore(capacity=1)
+    acquire(sem.name, external_id=unique())
+    for share in ("gold", "gold", "7", "8", ""):
+        task_id = unique("task")
+        row = Row(task_id, task_id, "tests.parked", b"{}", "application/json", "utf-8", None)
+        parked = dataclasses.replace(row, share=share)
+        parking._insert(connections["default"], parked, {sem.name: 1}, None)
+
+    samples = parse(client.get("/metrics/").content.decode())
+    per_share = "django_semaphore_waiters_per_share"
+    assert at(samples, per_share, semaphore=sem.name, share="gold") == 2
+    assert at(samples, per_share, semaphore=sem.name, share="other") == 2
+    assert at(samples, per_share, semaphore=sem.name, share="") is None
 
 
 def test_a_rate_limits_window_is_a_gauge_beside_its_grants_in_the_window(client, make_semaphore):

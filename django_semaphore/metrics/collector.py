@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 from collections.abc import Iterable
 
 from django.db import Error
+from django.db.models import Count
 from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from django_semaphore import routing
 from django_semaphore.metrics import series
-from django_semaphore.models import Semaphore
+from django_semaphore.models import Semaphore, Ticket
 from django_semaphore.parking import with_parked
 
 logger = logging.getLogger("django_semaphore")
@@ -62,19 +64,28 @@ GAUGES = (
 class SemaphoreCollector(Collector):
     """Capacity, a rate limit's window, permits in use, waiters,
     the longest wait, parked tasks and the oldest of them, of every semaphore (a family's members
-    together, see ``series``), and whether the database answered."""
+    together, see ``series``); waiters per share key; and whether the database answered."""
 
     def describe(self) -> Iterable[Metric]:
         # What register() reads instead of calling collect(): no query at start-up.
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
-        *per_semaphore, up = families = self._families()
+        *per_semaphore, per_share, up = families = self._families()
+        alias = routing.current_alias()
         try:
             rows = list(
-                with_parked(Semaphore.objects.db_manager(routing.current_alias()).with_usage())
+                with_parked(Semaphore.objects.db_manager(alias).with_usage())
                 .order_by()
                 .values(*series.COLUMNS)
+            )
+            shared = list(
+                Ticket.objects.db_manager(alias)
+                .live()
+                .exclude(share="")
+                .order_by()
+                .values_list("semaphore__name", "share")
+                .annotate(n=Count("pk"))
             )
         except Error:
             logger.warning("Metrics: could not read the semaphores' usage.", exc_info=True)
@@ -85,12 +96,23 @@ class SemaphoreCollector(Collector):
         for label in sorted(gauges):
             for (figure, _, _), family in zip(GAUGES, per_semaphore, strict=True):
                 family.add_metric([label], getattr(gauges[label], figure))
+        waiters: Counter[tuple[str, str]] = Counter()
+        for name, share, n in shared:
+            waiters[series.event_label(name), series.share_label(share)] += n
+        for labels, n in sorted(waiters.items()):
+            per_share.add_metric(list(labels), n)
         return families
 
     @staticmethod
     def _families() -> list[GaugeMetricFamily]:
         return [
             *(GaugeMetricFamily(name, text, labels=["semaphore"]) for _, name, text in GAUGES),
+            GaugeMetricFamily(
+                "django_semaphore_waiters_per_share",
+                "Waiters queued (live tickets) with a share key, by key: a key SHARE_WEIGHTS "
+                "names, any other as 'other'.",
+                labels=["semaphore", "share"],
+            ),
             GaugeMetricFamily(
                 "django_semaphore_database_up",
                 "1 if this scrape could read the semaphores from the database, else 0.",

@@ -46,6 +46,15 @@ def event_label(name: str) -> str:
     return family.pattern
 
 
+def share_label(share: str) -> str:
+    """The ``share`` label of a waiter's share key: the key itself where
+    ``SHARE_WEIGHTS`` names it (a mapping: keys the project chose, a bounded
+    number), ``"other"`` for any other key, so that a key per customer does
+    not grow a series per customer."""
+    weights = app_settings.SHARE_WEIGHTS
+    return share if isinstance(weights, Mapping) and share in weights else "other"
+
+
 @dataclass
 class Gauges:
     """One series' gauges: a semaphore's, or a family's members' together.
