@@ -24,8 +24,9 @@ Anything else answers "not here" without writing anything, and the grant
 goes the general way (``grant.grant``): a refusal that needs more (a
 reclaim of expired permits, a taken key's request), a waiter's refusal on
 several names, a waiter with a share key until it has its tickets (its
-key's turn is read there), a missing name (a family's member is created there), a live
-line on several names, a rate limit, a count above the capacity.
+key's turn is read there), a missing name (a family's member is created
+there), a live line on several names, a rate limit, a count above the
+capacity.
 """
 
 from __future__ import annotations
