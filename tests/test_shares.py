@@ -202,7 +202,8 @@ def test_three_keys_with_backlogs_are_granted_by_their_weights(make_semaphore):
     stop.set()
     for thread in threads:
         thread.join(30)
-    assert not errors
+    if errors:
+        raise errors[0]
     assert not any(thread.is_alive() for thread in threads)
     # The first 100 while the backlogs build up; then 600 with all three waiting.
     counted = collections.Counter(grants[100:700])
@@ -305,7 +306,8 @@ def test_shares_with_a_rate_limit_and_a_family_never_exceed_any_of_them(
     for thread in threads:
         thread.join(60)
     assert not any(thread.is_alive() for thread in threads)
-    assert not errors
+    if errors:
+        raise errors[0]
     assert most[exports] <= capacity
     assert all(most[name] <= own for name in most if name != exports)
     granted = sorted(

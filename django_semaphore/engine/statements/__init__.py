@@ -224,6 +224,10 @@ class Statements(SQL):
         cursor.execute(self.bounded(self.lock_sql(len(names)), lock_wait), list(names))
         locked = [LockedSemaphore(*row) for row in cursor.fetchall()]
         for s in locked:
+            # A row created while this read waited for it (a family member)
+            # may have its release counter read from before (MariaDB's
+            # snapshot): NULL, nothing counted until ``read_released``.
+            s.released = s.released or 0
             if s.slots_closed_until is not None:
                 s.slots_closed_until = backends.datetime_from_db(
                     self.connection, s.slots_closed_until
