@@ -137,10 +137,20 @@ def export(self: Any, tenant: str, enqueued: float) -> None:
     time.sleep(HOLD)
 
 
-@app.task(bind=True)
-@holds_permit(tenant_demand, park=True, share=lambda tenant, enqueued: tenant)
+@app.task(bind=True, base=PermitTask)
+@holds_permit(tenant_demand, max_waiting=100_000)
+def export_when_sent(self: Any, tenant: str, enqueued: float) -> None:
+    """``export``, parked as it is sent when it has no room (a send policy,
+    ``max_waiting``, makes ``PermitTask`` decide then): it waits in the
+    semaphores' line, not in the broker's queue."""
+    counts.rpush(STARTS, f"{tenant} {enqueued} {time.time()}")
+    time.sleep(HOLD)
+
+
+@app.task(bind=True, base=PermitTask)
+@holds_permit(tenant_demand, max_waiting=100_000, share=lambda tenant, enqueued: tenant)
 def export_shared(self: Any, tenant: str, enqueued: float) -> None:
-    """``export``, the tenant its share key on the shared semaphore."""
+    """``export_when_sent``, the tenant its share key on the shared semaphore."""
     counts.rpush(STARTS, f"{tenant} {enqueued} {time.time()}")
     time.sleep(HOLD)
 

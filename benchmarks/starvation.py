@@ -9,8 +9,10 @@ shared semaphore binds. Reported: when B's last task finished after B's
 first send, in A's rounds (a round: ``--capacity`` of A's tasks side by
 side, measured as A's drain time over its rounds), and how many of A's
 tasks started before B's last one. Served first come, first served, B
-waits behind A's whole burst; with ``--shares`` (each customer its share
-key, ``docs/shares.md``), within a few rounds.
+waits behind A's whole burst. ``--line``: a plain task waits in the
+broker's queue (``broker``); a ``PermitTask`` is parked as it is sent, in
+the semaphores' line (``sent``), where each customer may take its share
+key (``shares``, ``docs/shares.md``): B within a few rounds.
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold", type=float, default=0.02)
     parser.add_argument("--concurrency", type=int, default=8, help="worker processes")
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--shares", action="store_true", help="each customer its share key")
+    parser.add_argument(
+        "--line",
+        choices=("broker", "sent", "shares"),
+        default="broker",
+        help="where tasks without room wait: the broker's queue (a plain task), the "
+        "semaphores' line from when they are sent (PermitTask), the line with each "
+        "customer its share key",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     return measure(args, "starvation", run, format_result)
@@ -61,7 +70,11 @@ def run(args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
         Semaphore.objects.create(name=name, capacity=capacity)
     log = ROOT / ".runtime" / "benchmarks" / "starvation-worker.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    export = parked_app.export_shared if args.shares else parked_app.export
+    export = {
+        "broker": parked_app.export,
+        "sent": parked_app.export_when_sent,
+        "shares": parked_app.export_shared,
+    }[args.line]
     with worker(args.concurrency, log, parked_app):
         for _ in range(args.backlog):
             export.delay("A", time.time())
@@ -76,7 +89,7 @@ def run(args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
     b_sent = min(enqueued for _, enqueued in b)
     b_done = b[-1][0] + args.hold - b_sent
     return {
-        "shares": args.shares,
+        "line": args.line,
         "backlog": args.backlog,
         "tasks": args.tasks,
         "a_round_ms": round(a_round * 1000, 1),
@@ -89,7 +102,7 @@ def run(args: argparse.Namespace, parked_app: Any) -> dict[str, Any]:
 
 def format_result(r: dict[str, Any]) -> str:
     return (
-        f"{'shares' if r.get('shares') else 'first come'}: "
+        f"{r.get('line', 'broker')}: "
         f"B's {r['tasks']} tasks behind A's {r['backlog']}: all done {r['b_done_after_s']} s "
         f"after B's first send = {r['b_done_in_a_rounds']} of A's rounds "
         f"({r['a_round_ms']} ms each); {r['a_started_before_b_last']} of A's tasks started "
