@@ -190,7 +190,7 @@ def test_holds_permit_has_no_way_to_take_a_key_from_a_request():
 
     parameters = set(inspect.signature(holds_permit).parameters)
     assert parameters == {
-        "names", "count", "ttl", "timeout", "retry_after", "priority", "fair", "park",
+        "names", "count", "ttl", "timeout", "retry_after", "priority", "share", "fair", "park",
         "max_waiting",
         "on_conflict", "debounce", "view",
     }  # fmt: skip
