@@ -114,10 +114,11 @@ def seed() -> None:
     # acquire(...) leaves them).
     with engine_writes():  # the line's state, as the waiting acquires would leave it
         Semaphore.objects.filter(pk=exports.pk).update(queued_until=now + 2 * hour)
-    for count, owner, waited, key, priority in [
-        (3, "celery@worker-2 pid 6021", 7, "exports-quarter-end-rebuild", 0),
-        (1, "web-2 pid 3141", 2, "exports-csv-9f2c41", 0),
-        (1, "web-1 pid 2718", 1, "exports-board-report-1d07", 100),
+    # Each customer's exports carry its share key.
+    for count, owner, waited, key, priority, share in [
+        (3, "celery@worker-2 pid 6021", 7, "exports-quarter-end-rebuild", 0, "acme"),
+        (1, "web-2 pid 3141", 2, "exports-csv-9f2c41", 0, "globex"),
+        (1, "web-1 pid 2718", 1, "exports-board-report-1d07", 100, "acme"),
     ]:
         Ticket.objects.create(
             semaphore=exports,
@@ -127,6 +128,8 @@ def seed() -> None:
             created_at=now - timedelta(minutes=waited),
             priority=priority,
             ranked_at=now - timedelta(minutes=waited, seconds=priority),
+            share=share,
+            turn_at=now - timedelta(minutes=waited),
             expires_at=now + 2 * hour,
         )
 
