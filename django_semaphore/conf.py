@@ -194,7 +194,7 @@ class Settings:
         if not _is_weight(weight):
             raise InvalidRequest(
                 f"DJANGO_SEMAPHORE['SHARE_WEIGHTS'] gave the share key {share!r} the weight "
-                f"{weight!r}: {WEIGHTS}."
+                f"{weight!r}: {_WEIGHT_RULE}."
             )
         return float(weight)
 
@@ -237,7 +237,7 @@ def _is_weight(value: Any) -> bool:
     return _is_seconds(value, MAX_SHARE_WEIGHT)
 
 
-WEIGHTS = f"a weight is a positive number, at most {MAX_SHARE_WEIGHT}"
+_WEIGHT_RULE = f"a weight is a positive number, at most {MAX_SHARE_WEIGHT}"
 
 
 def _is_alias(value: Any) -> bool:
@@ -322,7 +322,7 @@ def _weights_problems(value: Any) -> list[str]:
     ]
     return problems + [
         f"DJANGO_SEMAPHORE['SHARE_WEIGHTS'] gives the share key {key!r} the weight "
-        f"{weight!r}: {WEIGHTS}."
+        f"{weight!r}: {_WEIGHT_RULE}."
         for key, weight in value.items()
         if not _is_weight(weight)
     ]

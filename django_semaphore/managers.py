@@ -328,12 +328,12 @@ class TicketQuerySet(models.QuerySet[M]):
         )
         return {row["semaphore_id"]: (row["first"], row["last"]) for row in turns}
 
-    def per_share(self) -> models.QuerySet[Any, tuple[str, int]]:
-        """``(share key, tickets)`` of these tickets that have a share key,
-        most first."""
-        shared = self.exclude(share="").order_by().values_list("share")
-        counted = shared.annotate(n=Count("pk")).order_by("-n", "share")
-        return cast(models.QuerySet[Any, tuple[str, int]], counted)
+    def per_share(self, *by: str) -> models.QuerySet[Any, tuple[Any, ...]]:
+        """``(*by, share key, tickets)`` of these tickets that have a share
+        key, most first: per key, and per the fields ``by`` names too."""
+        shared = self.exclude(share="").order_by().values_list(*by, "share")
+        counted = shared.annotate(n=Count("pk")).order_by("-n", *by, "share")
+        return cast(models.QuerySet[Any, tuple[Any, ...]], counted)
 
     def of_parked(self) -> Self:
         """Live tickets of parked tasks not woken yet."""

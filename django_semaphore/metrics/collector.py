@@ -14,7 +14,6 @@ from collections import Counter
 from collections.abc import Iterable
 
 from django.db import Error
-from django.db.models import Count
 from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -79,14 +78,7 @@ class SemaphoreCollector(Collector):
                 .order_by()
                 .values(*series.COLUMNS)
             )
-            shared = list(
-                Ticket.objects.db_manager(alias)
-                .live()
-                .exclude(share="")
-                .order_by()
-                .values_list("semaphore__name", "share")
-                .annotate(n=Count("pk"))
-            )
+            shared = list(Ticket.objects.db_manager(alias).live().per_share("semaphore__name"))
         except Error:
             logger.warning("Metrics: could not read the semaphores' usage.", exc_info=True)
             up.add_metric([], 0)
