@@ -6,13 +6,11 @@ JavaScript, no extra table."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
+from django.template.loader import render_to_string
 from django.utils import timezone
-from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
@@ -30,9 +28,8 @@ CAPACITY = "#417690"
 
 @dataclass(frozen=True)
 class _Scale:
-    """Maps times and counts to SVG coordinates, already formatted as text:
-    ``format_html`` escapes its arguments into strings before formatting, so
-    numbers are passed to it ready-made."""
+    """Maps times and counts to SVG coordinates, already formatted as text
+    for the template."""
 
     start: datetime
     seconds: float
@@ -66,9 +63,10 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
         title: the chart's accessible name, e.g. the semaphore's name.
 
     Returns:
-        Markup safe to insert into a page; every value went through
-        ``format_html``. Hovering a capacity-change marker shows who changed
-        it, when and why (an SVG ``<title>``, no script).
+        Markup safe to insert into a page, rendered from the template
+        ``utilization.svg``, which escapes every value. Hovering a
+        capacity-change marker shows who changed it, when and why (an SVG
+        ``<title>``, no script).
     """
     ticks = axis_ticks(utilization.highest)
     scale = _Scale(
@@ -86,98 +84,50 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
         area.append(f"V{scale.y(segment.in_use)} H{scale.x(segment.end)}")
         capacity_line.append(f"V{scale.y(segment.capacity)} H{scale.x(segment.end)}")
     area.append(f"V{baseline} Z")
-
-    grid = _each(
-        '<line x1="{left}" x2="{right}" y1="{y}" y2="{y}" stroke="currentColor" '
-        'stroke-opacity=".15"/>'
-        '<text x="{label_x}" y="{y}" text-anchor="end" dominant-baseline="middle">{value}</text>',
-        {"left": left, "right": right, "label_x": LEFT - 6},
-        ({"y": scale.y(t), "value": t} for t in ticks),
+    counted = _counted(utilization)
+    return render_to_string(
+        "admin/django_semaphore/semaphore/utilization.svg",
+        {
+            "width": WIDTH,
+            "height": HEIGHT,
+            "title": title,
+            "summary": describe(utilization),
+            "windowed": utilization.windowed,
+            "left": left,
+            "right": right,
+            "top": TOP,
+            "baseline": baseline,
+            "label_x": LEFT - 6,
+            "label_y": _number(float(baseline) + 16),
+            "legend_y": HEIGHT - 12,
+            "grid": [(scale.y(t), t) for t in ticks],
+            "hours": [
+                (scale.x(at), timezone.localtime(at).strftime("%H:%M"))
+                for at in _hour_marks(utilization.start, utilization.end)
+            ],
+            "area": " ".join(area),
+            "over_capacity": [
+                {
+                    "x": scale.x(s.start),
+                    "y": scale.y(s.in_use),
+                    "width": _number(max(float(scale.x(s.end)) - float(scale.x(s.start)), 1.0)),
+                    "height": _number(float(scale.y(s.capacity)) - float(scale.y(s.in_use))),
+                    "text": _("%(in_use)d %(counted)s, capacity %(capacity)d")
+                    % {"in_use": s.in_use, "counted": counted, "capacity": s.capacity},
+                }
+                for s in segments
+                if s.over_capacity
+            ],
+            "capacity_line": " ".join(capacity_line),
+            "changes": [
+                (scale.x(change.at), _describe_change(change)) for change in utilization.changes
+            ],
+            "in_use_color": BLUE,
+            "capacity_color": CAPACITY,
+            "over_color": RED,
+            "change_color": AMBER,
+        },
     )
-    hours = _each(
-        '<line x1="{x}" x2="{x}" y1="{top}" y2="{bottom}" stroke="currentColor" '
-        'stroke-opacity=".08"/><text x="{x}" y="{label_y}" text-anchor="middle">{text}</text>',
-        {"top": TOP, "bottom": baseline, "label_y": _number(float(baseline) + 16)},
-        (
-            {"x": scale.x(at), "text": timezone.localtime(at).strftime("%H:%M")}
-            for at in _hour_marks(utilization.start, utilization.end)
-        ),
-    )
-    over = _each(
-        '<rect class="over-capacity" x="{x}" y="{y}" width="{width}" height="{height}" '
-        'fill="{color}"><title>{text}</title></rect>',
-        {"color": RED},
-        (
-            {
-                "x": scale.x(s.start),
-                "y": scale.y(s.in_use),
-                "width": _number(max(float(scale.x(s.end)) - float(scale.x(s.start)), 1.0)),
-                "height": _number(float(scale.y(s.capacity)) - float(scale.y(s.in_use))),
-                "text": _("%(in_use)d %(counted)s, capacity %(capacity)d")
-                % {"in_use": s.in_use, "counted": _counted(utilization), "capacity": s.capacity},
-            }
-            for s in segments
-            if s.over_capacity
-        ),
-    )
-    markers = _each(
-        '<g class="capacity-change"><title>{text}</title>'
-        '<line x1="{x}" x2="{x}" y1="{top}" y2="{bottom}" stroke="{color}" stroke-width="2"/>'
-        '<line x1="{x}" x2="{x}" y1="{top}" y2="{bottom}" stroke="transparent" '
-        'stroke-width="10"/><circle cx="{x}" cy="{top}" r="4" fill="{color}"/></g>',
-        {"top": TOP, "bottom": baseline, "color": AMBER},
-        (
-            {"text": _describe_change(change), "x": scale.x(change.at)}
-            for change in utilization.changes
-        ),
-    )
-    return format_html(
-        '<svg class="semaphore-utilization" xmlns="http://www.w3.org/2000/svg" '
-        'viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
-        'font-family="sans-serif" font-size="11" fill="currentColor" '
-        'style="max-width: 100%; height: auto">'
-        "<title>{title}</title><desc>{summary}</desc>"
-        "{grid}{hours}"
-        '<path class="in-use" d="{area}" fill="{in_use}" fill-opacity=".55" stroke="{in_use}"/>'
-        "{over}"
-        '<path class="capacity" d="{capacity_line}" fill="none" stroke="{capacity}" '
-        'stroke-width="2" stroke-dasharray="6 3"/>'
-        "{markers}"
-        '<g transform="translate({left} {legend_y})">'
-        '<rect y="-8" width="14" height="10" fill="{in_use}" fill-opacity=".55"/>'
-        '<text x="18">{in_use_label}</text>'
-        '<line x1="90" x2="108" y1="-3" y2="-3" stroke="{capacity}" stroke-width="2" '
-        'stroke-dasharray="6 3"/><text x="112">{capacity_label}</text>'
-        '<rect x="190" y="-8" width="14" height="10" fill="{over_color}"/>'
-        '<text x="208">{over_label}</text>'
-        '<circle cx="317" cy="-3" r="4" fill="{change}"/><text x="326">{change_label}</text>'
-        "</g></svg>",
-        width=WIDTH,
-        height=HEIGHT,
-        title=title,
-        summary=describe(utilization),
-        grid=grid,
-        hours=hours,
-        area=" ".join(area),
-        in_use=BLUE,
-        over=over,
-        capacity_line=" ".join(capacity_line),
-        capacity=CAPACITY,
-        markers=markers,
-        left=LEFT,
-        legend_y=HEIGHT - 12,
-        in_use_label=_("in window") if utilization.windowed else _("in use"),
-        capacity_label=_("capacity"),
-        over_color=RED,
-        over_label=_("over capacity"),
-        change=AMBER,
-        change_label=_("capacity change"),
-    )
-
-
-def _each(template: str, shared: dict[str, Any], rows: Iterable[dict[str, Any]]) -> SafeString:
-    """``template`` filled in once per row, with the row's values and the ``shared`` ones."""
-    return format_html_join("", template, ({**shared, **row} for row in rows))
 
 
 def _hour_marks(start: datetime, end: datetime, every: int = 3) -> list[datetime]:
