@@ -50,13 +50,8 @@ class PermitInline(ReadOnly, admin.TabularInline):
     readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Permit]:
-        return (
-            super()
-            .get_queryset(request)
-            .using(routing.current_alias())
-            .select_related("semaphore")
-            .order_by("semaphore__name")
-        )
+        permits = super().get_queryset(request).using(routing.current_alias())
+        return permits.select_related("semaphore").order_by("semaphore__name")
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # Permits have no admin of their own: seeing the request is seeing them.
