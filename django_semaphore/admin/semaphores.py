@@ -137,12 +137,10 @@ class SemaphoreAdmin(OperatorAdmin):
             settings.append("reason")
         if obj.family or conf.is_family_default(obj.name):
             settings.append("family_role")
+        usage_now = [f for f in USAGE_NOW if f != "next_slot" or obj.limit.is_rate]
         return [
             (None, {"fields": settings}),
-            (
-                _("Usage now"),
-                {"fields": [f for f in USAGE_NOW if f != "next_slot" or obj.limit.is_rate]},
-            ),
+            (_("Usage now"), {"fields": usage_now}),
             (_("Bookkeeping"), {"fields": BOOKKEEPING, "classes": ["collapse"]}),
         ]
 
