@@ -6,6 +6,7 @@ JavaScript, no extra table."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -102,8 +103,9 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
             "legend_y": HEIGHT - 12,
             "grid": [(scale.y(t), t) for t in ticks],
             "hours": [
-                (scale.x(at), timezone.localtime(at).strftime("%H:%M"))
-                for at in _hour_marks(utilization.start, utilization.end)
+                (scale.x(at), at.strftime("%H:%M"))
+                for at in _whole_hours(utilization.start, utilization.end)
+                if at.hour % 3 == 0
             ],
             "area": " ".join(area),
             "over_capacity": [
@@ -130,16 +132,12 @@ def render_svg(utilization: Utilization, *, title: str) -> SafeString:
     )
 
 
-def _hour_marks(start: datetime, end: datetime, every: int = 3) -> list[datetime]:
-    """Whole local hours divisible by ``every`` inside the period."""
-    local = timezone.localtime(start).replace(minute=0, second=0, microsecond=0)
-    marks = []
-    at = local + timedelta(hours=1)
+def _whole_hours(start: datetime, end: datetime) -> Iterator[datetime]:
+    """The whole hours inside the period, in local time."""
+    at = timezone.localtime(start).replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
     while at < end:
-        if timezone.localtime(at).hour % every == 0:
-            marks.append(at)
+        yield timezone.localtime(at)
         at += timedelta(hours=1)
-    return marks
 
 
 def _counted(utilization: Utilization) -> str:
