@@ -12,15 +12,14 @@ from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.db.models import Prefetch, QuerySet
 from django.http import HttpRequest
-from django.utils.html import format_html, format_html_join
-from django.utils.safestring import SafeString
+from django.template.loader import render_to_string
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_semaphore import parking, routing
 from django_semaphore.admin.base import OperatorAdmin, Unchanged
 from django_semaphore.admin.display import demand
-from django_semaphore.blockers import Waiting, why_waiting
+from django_semaphore.blockers import why_waiting
 from django_semaphore.models import ParkedTask, Ticket
 
 
@@ -66,6 +65,7 @@ class ParkedTaskAdmin(Unchanged, OperatorAdmin):
         waiting = why_waiting(obj.key)
         if waiting is None:
             return gettext("It no longer waits in line: its run has started, or it expired.")
+        note = ""
         if waiting.sending:
             note = gettext("Being sent: its sender's transaction has not committed yet.")
         elif waiting.woken:
@@ -74,9 +74,10 @@ class ParkedTaskAdmin(Unchanged, OperatorAdmin):
             note = gettext("Debounced: not woken before %(moment)s.") % {
                 "moment": waiting.not_before.isoformat(timespec="seconds")
             }
-        else:
-            return _explained(waiting)
-        return format_html("<p>{}</p>{}", note, _explained(waiting))
+        return render_to_string(
+            "admin/django_semaphore/parkedtask/why.html",
+            {"note": note, "blockers": [blocker.explained() for blocker in waiting.blockers]},
+        )
 
     @admin.action(permissions=["delete"], description=_("Drop selected parked tasks"))
     def drop(self, request: HttpRequest, queryset: QuerySet[ParkedTask]) -> None:
@@ -101,17 +102,3 @@ class ParkedTaskAdmin(Unchanged, OperatorAdmin):
             % {"count": dropped},
             messages.SUCCESS,
         )
-
-
-def _explained(waiting: Waiting) -> SafeString:
-    return format_html(
-        '<ul class="why-waiting">{}</ul>',
-        format_html_join(
-            "",
-            "<li><strong>{}</strong>{}</li>",
-            (
-                (summary, format_html_join("", "<br>{}", ((line,) for line in details)))
-                for summary, *details in (blocker.explained() for blocker in waiting.blockers)
-            ),
-        ),
-    )
