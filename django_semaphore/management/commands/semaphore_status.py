@@ -134,9 +134,8 @@ class Command(BaseCommand):
             self.stdout.write("  ".join(cells).rstrip())
 
     def _semaphores(self, alias: str, names: list[str]) -> QuerySet[Semaphore]:
-        semaphores = Semaphore.objects.db_manager(alias).with_usage()
-        parked = parking.with_parked(semaphores)
-        return parked.filter(name__in=names) if names else parked
+        semaphores = parking.with_parked(Semaphore.objects.db_manager(alias).with_usage())
+        return semaphores.filter(name__in=names) if names else semaphores
 
 
 def _seconds(wait: timedelta | None) -> str:
