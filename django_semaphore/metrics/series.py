@@ -12,26 +12,12 @@ follow the same rule, so a family's grants and its usage share a label.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
 
 from django_semaphore import conf
 from django_semaphore.conf import app_settings
-
-COLUMNS = (
-    "name",
-    "family",
-    "capacity",
-    "window",
-    "in_use",
-    "waiters",
-    "longest_wait",
-    "parked",
-    "oldest_parked",
-)
-"""What the gauges report of each row: the scrape selects these and nothing
-else of ``with_usage()`` and ``with_parked()`` (no holders' subquery)."""
 
 
 def event_label(name: str) -> str:
@@ -83,6 +69,11 @@ class Gauges:
         self.longest_wait = max(self.longest_wait, _seconds(row["longest_wait"]))
         self.parked += int(row["parked"])
         self.oldest_parked = max(self.oldest_parked, _seconds(row["oldest_parked"]))
+
+
+COLUMNS = ("name", "family", *(field.name for field in fields(Gauges)))
+"""What the scrape selects of each row: its name, family and gauges, nothing
+else of ``with_usage()`` and ``with_parked()`` (no holders' subquery)."""
 
 
 def gauges_by_label(rows: Iterable[Mapping[str, Any]]) -> dict[str, Gauges]:
