@@ -381,8 +381,7 @@ def refuse_deleting_a_semaphore_in_use(
     # no new one is made until the delete commits.
     sender.objects.using(using).filter(pk=instance.pk).locked().exists()
     held = instance.permits.using(using).filter(state=State.ACQUIRED)
-    holders = held.values("request_id").distinct().count()
-    if holders:
+    if holders := held.values("request_id").distinct().count():
         raise PermitHeld(
             f"Semaphore {instance.name!r} is held by {holders} request(s) and cannot be "
             f"deleted: {RELEASE_FIRST}"
