@@ -278,13 +278,9 @@ def _renew_on(alias: str, key: str, ttl_seconds: int | None) -> PermitRequest:
         expires_at = request.db_now + timedelta(seconds=new_ttl)  # type: ignore[attr-defined]
         # Conditional on still being held and unexpired by the database's
         # clock: a lapsed permit is never silently revived.
-        renewed = (
-            PermitRequest.objects.using(alias)
-            .filter(pk=request.pk, state=State.ACQUIRED)
-            .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=DatabaseNow()))
-            .update(ttl=new_ttl, expires_at=expires_at, updated_at=DatabaseNow())
-        )
-        if not renewed:
+        held = PermitRequest.objects.using(alias).filter(pk=request.pk, state=State.ACQUIRED)
+        unexpired = held.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=DatabaseNow()))
+        if not unexpired.update(ttl=new_ttl, expires_at=expires_at, updated_at=DatabaseNow()):
             raise PermitAlreadyReleased(f"Request {key!r} ended while being renewed.")
         request.ttl, request.expires_at = new_ttl, expires_at
         return request
@@ -371,8 +367,7 @@ def _change(
         raise InvalidRequest(f"changed_by must be a saved user or None, not {changed_by!r}.")
     connection = connections[routing.alias_for_name(name)]
     semaphore = run_with_retries(
-        connection,
-        lambda: change_limits(connection.alias, name, limits, changed_by, reason),
+        connection, lambda: change_limits(connection.alias, name, limits, changed_by, reason)
     )
     # A raise, or a window set or removed, may make room (what counts
     # against the capacity changes: holders, or grants in the window).
@@ -426,18 +421,13 @@ def _force_release_on(alias: str, keys: list[str], reason: str) -> dict[str, Rel
     retried as ``release`` is (a request ends once, so a retry is safe)."""
     connection = connections[alias]
     requests = PermitRequest.objects.using(alias).filter(external_id__in=keys)
-    rows = {
-        key: (pk, state)
-        for key, pk, state in run_with_retries(
-            connection, lambda: list(requests.values_list("external_id", "pk", "state"))
-        )
-    }
-    outcomes: dict[str, ReleaseOutcome] = {}
+    rows = requests.values_list("external_id", "pk", "state")
+    found = run_with_retries(connection, lambda: {key: (pk, state) for key, pk, state in rows})
+    outcomes = dict.fromkeys(keys, ReleaseOutcome.NOT_FOUND)
     for key in keys:
-        if key not in rows:
-            outcomes[key] = ReleaseOutcome.NOT_FOUND
+        if key not in found:
             continue
-        pk, state = rows[key]
+        pk, state = found[key]
         outcomes[key] = ReleaseOutcome.ALREADY_RELEASED
         if state != State.ACQUIRED:
             continue

@@ -197,21 +197,10 @@ def held(counter: type[models.Model]) -> Greatest:
     """The permits held on a semaphore, as the grant counts them
     (``rows.held``): its ``in_use_counter`` less the releases counted on its
     ``ReleaseCounter`` since the last fold, never below zero.
-
-    Signed arithmetic: MySQL refuses an unsigned difference below zero.
     """
-    released = Subquery(
-        counter._default_manager.filter(semaphore=OuterRef("pk")).values("released")
-    )
-    unfolded = Coalesce(Cast(released, BigIntegerField()), 0) - Cast(
-        "released_folded", BigIntegerField()
-    )
-    return Greatest(
-        Cast("in_use_counter", BigIntegerField())
-        - Greatest(unfolded, 0, output_field=BigIntegerField()),
-        0,
-        output_field=BigIntegerField(),
-    )
+    released = counter._default_manager.filter(semaphore=OuterRef("pk")).values("released")
+    unfolded = Coalesce(_signed(Subquery(released)), 0) - _signed("released_folded")
+    return _not_below_zero(_signed("in_use_counter") - _not_below_zero(unfolded))
 
 
 def in_window(permit: type[models.Model]) -> Greatest:
@@ -220,12 +209,17 @@ def in_window(permit: type[models.Model]) -> Greatest:
     by a range of the permits' (semaphore, slot_ends) index: about a
     window's grants at most (the grant closes them once a window), never
     the slots of past windows."""
-    return Greatest(
-        Cast("slots_open", BigIntegerField())
-        - Coalesce(not_closed(permit, slot_ends__lte=DatabaseNow()), 0),
-        0,
-        output_field=BigIntegerField(),
-    )
+    ended = Coalesce(not_closed(permit, slot_ends__lte=DatabaseNow()), 0)
+    return _not_below_zero(_signed("slots_open") - ended)
+
+
+def _signed(value: Any) -> Cast:
+    """``value`` as a signed BIGINT: MySQL refuses an unsigned difference below zero."""
+    return Cast(value, BigIntegerField())
+
+
+def _not_below_zero(value: Any) -> Greatest:
+    return Greatest(value, 0, output_field=BigIntegerField())
 
 
 def not_closed(permit: type[models.Model], **slots: Any) -> Case:

@@ -69,12 +69,6 @@ def this_process() -> str:
     return f"{socket.gethostname()} pid {pid}{_since(own_start(pid))}"
 
 
-@functools.cache
-def own_start(pid: int) -> int | None:
-    """This process's start, read once per pid (a forked child reads its own)."""
-    return process_start(pid)
-
-
 def process_start(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks after boot (the 22nd
     field of Linux's ``/proc/<pid>/stat``); ``None`` where that cannot be
@@ -91,6 +85,10 @@ def _stat(pid: int) -> list[str] | None:
             return file.read().rpartition(b")")[2].decode().split()
     except OSError:
         return None
+
+
+# This process's start, read once per pid (a forked child reads its own).
+own_start = functools.cache(process_start)
 
 
 def gone_from_this_machine(owner: str) -> bool:

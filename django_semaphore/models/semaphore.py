@@ -274,19 +274,11 @@ class Semaphore(GuardedModel):
         Django's reload leaves as it was)."""
         fields = None if fields is None else [f for f in fields if f != "in_use"] or None
         super().refresh_from_db(using=using, fields=fields, from_queryset=from_queryset)
-        self.in_use = (
-            Semaphore.objects.using(self._state.db)
-            .values_list(F("in_use"), flat=True)
-            .get(pk=self.pk)
-        )
+        semaphores = Semaphore.objects.using(self._state.db)
+        self.in_use = semaphores.values_list(F("in_use"), flat=True).get(pk=self.pk)
 
     def record_change(
-        self,
-        limit: Limit,
-        *,
-        changed_by: AbstractBaseUser | None,
-        reason: str,
-        using: str,
+        self, limit: Limit, *, changed_by: AbstractBaseUser | None, reason: str, using: str
     ) -> None:
         """Change this row's limit (capacity and window), which the caller's
         transaction holds locked, and record it in ``CapacityChange``: the
@@ -388,14 +380,8 @@ def refuse_deleting_a_semaphore_in_use(
     # committed after Django collected the rows to delete is seen here, and
     # no new one is made until the delete commits.
     sender.objects.using(using).filter(pk=instance.pk).locked().exists()
-    holders = (
-        instance.permits.using(using)
-        .filter(state=State.ACQUIRED)
-        .values("request_id")
-        .distinct()
-        .count()
-    )
-    if holders:
+    held = instance.permits.using(using).filter(state=State.ACQUIRED)
+    if holders := held.values("request_id").distinct().count():
         raise PermitHeld(
             f"Semaphore {instance.name!r} is held by {holders} request(s) and cannot be "
             f"deleted: {RELEASE_FIRST}"

@@ -74,9 +74,8 @@ def _delete_in_batches(
         # Locks only this batch's rows (by the index on the age column, under
         # READ COMMITTED: no gap locks); SKIP LOCKED lets a second clean-up
         # take the next rows instead of waiting for these.
-        ids = list(
-            old.select_for_update(skip_locked=True).values_list("pk", flat=True)[: limits.size]
-        )
+        locked = old.select_for_update(skip_locked=True)
+        ids = list(locked.values_list("pk", flat=True)[: limits.size])
         if not ids:
             return 0, 0, 0
         dependents = before(ids) if before is not None else 0

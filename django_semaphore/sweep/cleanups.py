@@ -69,12 +69,8 @@ def clean_released(
     # granted less than a window (a day at most) before the oldest last
     # close of a rate limit that counts slots: a bound on the request's own
     # row, where a look at its permits would cost every batch a scan.
-    oldest_close = (
-        Semaphore.objects.using(alias)
-        .rate_limits()
-        .filter(slots_open__gt=0)
-        .aggregate(at=Min(Coalesce("slots_closed_until", DatabaseNow())))["at"]
-    )
+    counting = Semaphore.objects.using(alias).rate_limits().filter(slots_open__gt=0)
+    oldest_close = counting.aggregate(at=Min(Coalesce("slots_closed_until", DatabaseNow())))["at"]
     if oldest_close is not None:
         old = old.filter(created_at__lte=oldest_close - timedelta(seconds=MAX_WINDOW))
     report = CleanupReport("released requests", dry_run=dry_run)
@@ -151,11 +147,7 @@ def clean_idle_members(
         return raw_delete(Permit.objects.using(alias).filter(semaphore_id__in=ids))
 
     return _delete_in_batches(
-        idle.order_by("family", "updated_at"),
-        report,
-        limits,
-        progress,
-        before=delete_dependents,
+        idle.order_by("family", "updated_at"), report, limits, progress, before=delete_dependents
     )
 
 

@@ -120,11 +120,8 @@ def _release_matching(limits: Limits, condition: Q, reason: str, repair: str = "
 
     def batch() -> tuple[int, int]:
         # SKIP LOCKED: rows another sweeper is releasing right now are its job.
-        ids = list(
-            held.select_for_update(skip_locked=True)
-            .order_by("pk")
-            .values_list("pk", flat=True)[: limits.size]
-        )
+        locked = held.select_for_update(skip_locked=True).order_by("pk")
+        ids = list(locked.values_list("pk", flat=True)[: limits.size])
         released, freed = release_requests(alias, ids, reason)
         parking.room_made(alias, freed)
         if repair:
@@ -167,11 +164,8 @@ def _release_dead_owners(limits: Limits, checkers: list[liveness.LivenessChecker
                 # Re-read under the row lock, after the checkers answered: a
                 # run that adopted the permit meanwhile (a task's retry or
                 # redelivery rewrites the owner) was not the one judged dead.
-                rows = (
-                    held.select_for_update(skip_locked=True)
-                    .filter(pk__in=judged)
-                    .values_list("pk", "owner")
-                )
+                locked = held.select_for_update(skip_locked=True).filter(pk__in=judged)
+                rows = locked.values_list("pk", "owner")
                 unchanged = [pk for pk, owner in rows if judged[pk] == owner]
                 released, freed = release_requests(alias, unchanged, ReleaseReason.OWNER_DEAD)
                 parking.room_made(alias, freed)

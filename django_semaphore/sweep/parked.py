@@ -59,9 +59,8 @@ def sweep_parked() -> ParkedReport:
         report.orphaned += _drop_orphans(alias)
         report.unsent += _drop_unsent(alias)
         overdue_since = timezone.now() - app_settings.PARKED_REPUBLISH_AFTER
-        overdue = list(
-            tasks.filter(woken_at__lte=overdue_since).order_by("id").values_list("id", flat=True)
-        )
+        woken = tasks.filter(woken_at__lte=overdue_since).order_by("id")
+        overdue = list(woken.values_list("id", flat=True))
         if overdue:
             tasks.filter(id__in=overdue).update(woken_at=timezone.now())
             report.republished += wake.publish(alias, overdue)

@@ -62,12 +62,9 @@ class CleanupReport:
 
     def __str__(self) -> str:
         verb = "would delete" if self.dry_run else "deleted"
-        permits = (
-            f" and {self.permits} permits"
-            if self.what in {"released requests", "idle family members"}
-            else ""
-        )
-        text = f"{self.what.capitalize()}: {verb} {self.deleted}{permits}"
+        text = f"{self.what.capitalize()}: {verb} {self.deleted}"
+        if self.what in {"released requests", "idle family members"}:
+            text += f" and {self.permits} permits"
         if not self.dry_run:
             text += f" in {self.batches} batches"
             if not self.finished:
