@@ -235,7 +235,7 @@ async def run_async(
 ) -> Any:
     """``run`` for an ``async def`` task: it waits for room, never deferred."""
     options = _run_options(result, options)
-    key = await sync_to_async(_claim)(_owner(result), options, options.timeout or MAX_TTL)
+    key = await sync_to_async(task_keys.claim)(_owner(result), options, options.timeout or MAX_TTL)
     lease = options.hold_lease(key)
     try:
         return await func(*args, **kwargs)
@@ -254,19 +254,18 @@ def _run_options(result: Any, options: Options) -> Options:
 def _claim_or_defer(result: Any, options: Options) -> str:
     """The key of the run's permit, claimed at once, after standing by, or
     after waiting in the worker where the backend cannot defer."""
-    me = _owner(result)
+    claim = functools.partial(task_keys.claim, _owner(result), options)
     backend = type(result.task.get_backend())
     if options.timeout or not options.parks or not deferred.can_defer(backend):
-        return _claim(me, options, options.timeout or MAX_TTL)
+        return claim(options.timeout or MAX_TTL)
     parking.enable()  # this process's releases resume the tasks parked for their room
     try:
-        key = _claim(me, options, 0)
+        key = claim(0)
     except LiveDuplicate:
         raise
     except SemaphoreExhausted as refused:
         if refused.retry_after is not None:  # only rate limits: their next slot
             _defer(result, options, timezone.now() + timedelta(seconds=refused.retry_after))
-        claim = functools.partial(_claim, me, options)
         if (stood_by := standby.stand_by(result.id, options.demand, claim)) is None:
             key = task_keys.next_key(result.id)
             task = (result.id, key, result.task.module_path, result.backend)
@@ -281,17 +280,6 @@ def _claim_or_defer(result: Any, options: Options) -> str:
         key = stood_by
     parking.started(result.id, options.demand)
     return key
-
-
-def _claim(me: TaskOwner, options: Options, timeout: float | timedelta) -> str:
-    return task_keys.claim(
-        me,
-        options.demand,
-        options.lease,
-        timeout,
-        priority=options.priority_or(0),
-        share=options.share_key,
-    )
 
 
 def _settle(result: Any, key: str, lease: Lease | None) -> None:
