@@ -190,10 +190,10 @@ def send(task: Any, enqueue: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     def row_of() -> Row:
         sent.append(enqueue(task, *args, **kwargs))  # again on a retried transaction
         result = sent[-1]
-        priority = call.priority_or(task.priority)
-        return Row.of_django(
-            result.id, result.id, task.module_path, result.backend, priority, call.share_key
-        )
+        return Row(
+            result.id, result.id, task.module_path, backend=result.backend,
+            priority=call.priority_or(task.priority), share=call.share_key,
+        )  # fmt: skip
 
     admitted = admission.enqueue(row_of, call.demand, call.policy, also=deferred.alias())
     if admitted.existing:
