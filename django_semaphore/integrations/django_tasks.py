@@ -153,12 +153,6 @@ def running_result_of(body: Callable[..., Any]) -> Any:
     return result if result is not None and getattr(result.task, "func", None) is body else None
 
 
-def own_arguments(result: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The task's own arguments: without the ``TaskContext`` a task that
-    ``takes_context`` gets first (computed names never see it)."""
-    return args[1:] if result.task.takes_context else args
-
-
 def send(task: Any, enqueue: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """Enqueue ``task`` by ``enqueue`` (its class's own), under its
     ``@holds_permit``'s policies (``on_conflict``, ``max_waiting``,
@@ -213,7 +207,9 @@ def _existing(task: Any, task_ids: list[str], demand: dict[str, int]) -> Any:
 
 def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwargs: Any) -> Any:
     """Run the task's body holding its permit, claimed under its result's
-    id: when refused, defer it where its backend can, else wait for room.
+    id (``options``: its decorator's, computed here for this run's
+    arguments): when refused, defer it where its backend can, else wait
+    for room.
 
     Raises:
         TaskDeferred: the run was deferred (its worker records that).
@@ -221,7 +217,7 @@ def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwar
         InvalidRequest: its options are decided when it is sent, and its
             task class does not (``permit_task_class``).
     """
-    options = _run_options(result, options)
+    options = _run_options(result, options, args, kwargs)
     key = _claim_or_defer(result, options)
     lease = options.hold_lease(key)
     try:
@@ -234,7 +230,7 @@ async def run_async(
     func: Callable[..., Any], options: Options, result: Any, args: Any, kwargs: Any
 ) -> Any:
     """``run`` for an ``async def`` task: it waits for room, never deferred."""
-    options = _run_options(result, options)
+    options = _run_options(result, options, args, kwargs)
     key = await sync_to_async(task_keys.claim)(_owner(result), options, options.timeout or MAX_TTL)
     lease = options.hold_lease(key)
     try:
@@ -243,12 +239,16 @@ async def run_async(
         await sync_to_async(_settle)(result, key, lease)
 
 
-def _run_options(result: Any, options: Options) -> Options:
-    """The options of this run: refused where they are decided when the
-    task is sent and its class does not; its task's priority by default."""
+def _run_options(result: Any, options: Options, args: Any, kwargs: Any) -> Options:
+    """The options of this run, computed from the task's own arguments
+    (without the ``TaskContext`` a task that ``takes_context`` gets first):
+    refused where they are decided when the task is sent and its class
+    does not; its task's priority by default."""
+    own = args[1:] if result.task.takes_context else args
+    call = options.for_call(*own, **kwargs)
     fix = "make its backend's task_class permit_task_class(...)"
-    options.refuse_undecided(result.task, result.task.module_path, fix)
-    return replace(options, priority=options.priority_or(result.task.priority))
+    call.refuse_undecided(result.task, result.task.module_path, fix)
+    return replace(call, priority=call.priority_or(result.task.priority))
 
 
 def _claim_or_defer(result: Any, options: Options) -> str:
