@@ -136,13 +136,7 @@ def _claim_or_stand_by(task: Any, options: Options) -> str:
     no room, standing by in this worker for a release (``standby.stand_by``).
     Raises as ``task_keys.claim``."""
     claim_within = functools.partial(
-        task_keys.claim,
-        current_owner(task),
-        options.demand,
-        options.lease,
-        priority=options.priority_or(0),
-        share=options.share_key,
-        rerun_finished=not options.parks,
+        task_keys.claim, current_owner(task), options, rerun_finished=not options.parks
     )
     try:
         return claim_within()

@@ -23,28 +23,9 @@ class HeldPermit:
     """What ``with permit(...) as grant`` yields: the request, its fencing
     tokens, and whether the permit was lost while the block ran."""
 
-    def __init__(
-        self,
-        names: Any,
-        *,
-        external_id: str | None,
-        owner: str,
-        ttl: int | float | timedelta | DefaultLease | None,
-        timeout: int | float | timedelta,
-        heartbeat: bool,
-        priority: int = 0,
-        share: str | int | None = None,
-    ) -> None:
-        self._acquire_args: dict[str, Any] = {
-            "names": names,
-            "external_id": uuid.uuid4().hex if external_id is None else validate_key(external_id),
-            "owner": owner,
-            "ttl": lease_seconds(ttl),
-            "timeout": timeout,
-            "priority": priority,
-            "share": share,
-        }
-        self._renews = validate_flag(heartbeat, "heartbeat")
+    def __init__(self, acquire_args: dict[str, Any], renews: bool) -> None:
+        self._acquire_args = acquire_args  # api.acquire's, as permit() checked them
+        self._renews = renews
         self._lease: Lease | None = None
         self.request: PermitRequest | None = None
 
@@ -151,13 +132,13 @@ def permit(
         PermitLost: on exit, when the permit was lost while the block ran.
     """
     warn_fair(fair)
-    return HeldPermit(
-        names,
-        external_id=external_id,
-        owner=caller_owner() if owner == "" else owner,
-        ttl=ttl,
-        timeout=timeout,
-        heartbeat=heartbeat,
-        priority=priority,
-        share=share,
-    )
+    acquire_args = {
+        "names": names,
+        "external_id": uuid.uuid4().hex if external_id is None else validate_key(external_id),
+        "owner": caller_owner() if owner == "" else owner,
+        "ttl": lease_seconds(ttl),
+        "timeout": timeout,
+        "priority": priority,
+        "share": share,
+    }
+    return HeldPermit(acquire_args, validate_flag(heartbeat, "heartbeat"))

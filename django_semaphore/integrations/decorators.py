@@ -281,10 +281,9 @@ def _running_task_of(body: Callable[..., Any]) -> Any:
 
 def _permit(call: Options) -> HeldPermit:
     """A plain function's permit, held for the call with a fresh key."""
-    owner = process_owner(call.label)
     return permit(
         call.demand,
-        owner=owner,
+        owner=process_owner(call.label),
         ttl=call.lease,
         timeout=call.timeout,
         priority=call.priority_or(0),
@@ -306,8 +305,7 @@ def _sync_wrapper(func: F, options: Options, request_at: int | None) -> Callable
             return run_task(func, options.for_call(*own, **kwargs), task, args, kwargs)
         result = django_tasks.running_result_of(wrapper)
         if result is not None:
-            own = django_tasks.own_arguments(result, args)
-            return django_tasks.run(func, options.for_call(*own, **kwargs), result, args, kwargs)
+            return django_tasks.run(func, options, result, args, kwargs)
         with _permit(options.for_call(*args, **kwargs)):
             return func(*args, **kwargs)
 
@@ -319,9 +317,7 @@ def _async_wrapper(func: F, options: Options, request_at: int | None) -> Callabl
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         result = django_tasks.running_result_of(wrapper)
         if result is not None:
-            own = django_tasks.own_arguments(result, args)
-            call = options.for_call(*own, **kwargs)
-            return await django_tasks.run_async(func, call, result, args, kwargs)
+            return await django_tasks.run_async(func, options, result, args, kwargs)
         if request_at is None:
             async with _permit(options.for_call(*args, **kwargs)):
                 return await func(*args, **kwargs)

@@ -153,12 +153,6 @@ def running_result_of(body: Callable[..., Any]) -> Any:
     return result if result is not None and getattr(result.task, "func", None) is body else None
 
 
-def own_arguments(result: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The task's own arguments: without the ``TaskContext`` a task that
-    ``takes_context`` gets first (computed names never see it)."""
-    return args[1:] if result.task.takes_context else args
-
-
 def send(task: Any, enqueue: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """Enqueue ``task`` by ``enqueue`` (its class's own), under its
     ``@holds_permit``'s policies (``on_conflict``, ``max_waiting``,
@@ -190,10 +184,10 @@ def send(task: Any, enqueue: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     def row_of() -> Row:
         sent.append(enqueue(task, *args, **kwargs))  # again on a retried transaction
         result = sent[-1]
-        priority = call.priority_or(task.priority)
-        return Row.of_django(
-            result.id, result.id, task.module_path, result.backend, priority, call.share_key
-        )
+        return Row(
+            result.id, result.id, task.module_path, backend=result.backend,
+            priority=call.priority_or(task.priority), share=call.share_key,
+        )  # fmt: skip
 
     admitted = admission.enqueue(row_of, call.demand, call.policy, also=deferred.alias())
     if admitted.existing:
@@ -213,7 +207,9 @@ def _existing(task: Any, task_ids: list[str], demand: dict[str, int]) -> Any:
 
 def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwargs: Any) -> Any:
     """Run the task's body holding its permit, claimed under its result's
-    id: when refused, defer it where its backend can, else wait for room.
+    id (``options``: its decorator's, computed here for this run's
+    arguments): when refused, defer it where its backend can, else wait
+    for room.
 
     Raises:
         TaskDeferred: the run was deferred (its worker records that).
@@ -221,7 +217,7 @@ def run(func: Callable[..., Any], options: Options, result: Any, args: Any, kwar
         InvalidRequest: its options are decided when it is sent, and its
             task class does not (``permit_task_class``).
     """
-    options = _run_options(result, options)
+    options = _run_options(result, options, args, kwargs)
     key = _claim_or_defer(result, options)
     lease = options.hold_lease(key)
     try:
@@ -234,8 +230,8 @@ async def run_async(
     func: Callable[..., Any], options: Options, result: Any, args: Any, kwargs: Any
 ) -> Any:
     """``run`` for an ``async def`` task: it waits for room, never deferred."""
-    options = _run_options(result, options)
-    key = await sync_to_async(_claim)(_owner(result), options, options.timeout or MAX_TTL)
+    options = _run_options(result, options, args, kwargs)
+    key = await sync_to_async(task_keys.claim)(_owner(result), options, options.timeout or MAX_TTL)
     lease = options.hold_lease(key)
     try:
         return await func(*args, **kwargs)
@@ -243,30 +239,33 @@ async def run_async(
         await sync_to_async(_settle)(result, key, lease)
 
 
-def _run_options(result: Any, options: Options) -> Options:
-    """The options of this run: refused where they are decided when the
-    task is sent and its class does not; its task's priority by default."""
+def _run_options(result: Any, options: Options, args: Any, kwargs: Any) -> Options:
+    """The options of this run, computed from the task's own arguments
+    (without the ``TaskContext`` a task that ``takes_context`` gets first):
+    refused where they are decided when the task is sent and its class
+    does not; its task's priority by default."""
+    own = args[1:] if result.task.takes_context else args
+    call = options.for_call(*own, **kwargs)
     fix = "make its backend's task_class permit_task_class(...)"
-    options.refuse_undecided(result.task, result.task.module_path, fix)
-    return replace(options, priority=options.priority_or(result.task.priority))
+    call.refuse_undecided(result.task, result.task.module_path, fix)
+    return replace(call, priority=call.priority_or(result.task.priority))
 
 
 def _claim_or_defer(result: Any, options: Options) -> str:
     """The key of the run's permit, claimed at once, after standing by, or
     after waiting in the worker where the backend cannot defer."""
-    me = _owner(result)
+    claim = functools.partial(task_keys.claim, _owner(result), options)
     backend = type(result.task.get_backend())
     if options.timeout or not options.parks or not deferred.can_defer(backend):
-        return _claim(me, options, options.timeout or MAX_TTL)
+        return claim(options.timeout or MAX_TTL)
     parking.enable()  # this process's releases resume the tasks parked for their room
     try:
-        key = _claim(me, options, 0)
+        key = claim(0)
     except LiveDuplicate:
         raise
     except SemaphoreExhausted as refused:
         if refused.retry_after is not None:  # only rate limits: their next slot
             _defer(result, options, timezone.now() + timedelta(seconds=refused.retry_after))
-        claim = functools.partial(_claim, me, options)
         if (stood_by := standby.stand_by(result.id, options.demand, claim)) is None:
             key = task_keys.next_key(result.id)
             task = (result.id, key, result.task.module_path, result.backend)
@@ -281,17 +280,6 @@ def _claim_or_defer(result: Any, options: Options) -> str:
         key = stood_by
     parking.started(result.id, options.demand)
     return key
-
-
-def _claim(me: TaskOwner, options: Options, timeout: float | timedelta) -> str:
-    return task_keys.claim(
-        me,
-        options.demand,
-        options.lease,
-        timeout,
-        priority=options.priority_or(0),
-        share=options.share_key,
-    )
 
 
 def _settle(result: Any, key: str, lease: Lease | None) -> None:

@@ -11,14 +11,17 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from django_semaphore import routing
+from django_semaphore import api, routing
 from django_semaphore.conf import app_settings
 from django_semaphore.exceptions import InvalidRequest
 from django_semaphore.integrations.leases import HEARTBEAT, DefaultLease, Lease, lease_seconds
 from django_semaphore.parking.admission import Policy
 from django_semaphore.validation import validate_demand, validate_priority, validate_share
+
+if TYPE_CHECKING:
+    from django_semaphore.models import PermitRequest
 
 # Attribute of a decorated function that carries its options (a task's body:
 # what PermitTask reads when the task is sent).
@@ -97,6 +100,19 @@ class Options:
         if ttl is None:
             return None
         return HEARTBEAT.hold(key, ttl, routing.alias_for_names(self.demand))
+
+    def acquire(self, key: str, owner: str, timeout: float | timedelta) -> PermitRequest:
+        """``api.acquire`` of the call's demand (``for_call``'s) under ``key``,
+        with its lease, priority and share key."""
+        return api.acquire(
+            self.demand,
+            external_id=key,
+            owner=owner,
+            ttl=self.lease,
+            timeout=timeout,
+            priority=self.priority_or(0),
+            share=self.share_key,
+        )
 
     def for_call(self, *args: Any, **kwargs: Any) -> Options:
         """The options of one call: its demand, priority and share key

@@ -22,13 +22,14 @@ from typing import Any
 from django.db import connections
 from django.db.models import QuerySet
 
-from django_semaphore import api, liveness, parking, routing
+from django_semaphore import liveness, parking, routing
 from django_semaphore.exceptions import (
     LiveDuplicate,
     PermitAlreadyReleased,
     SemaphoreError,
     TaskAlreadyRan,
 )
+from django_semaphore.integrations.options import Options
 from django_semaphore.models import PermitRequest
 from django_semaphore.owners import NO_PROCESS, TaskOwner, own_start
 from django_semaphore.retry import run_with_retries
@@ -38,17 +39,11 @@ MAX_GENERATIONS = 50
 
 
 def claim(
-    me: TaskOwner,
-    demand: Any,
-    ttl: int | None,
-    timeout: float | timedelta = 0,
-    *,
-    priority: int = 0,
-    share: str = "",
-    rerun_finished: bool = True,
+    me: TaskOwner, options: Options, timeout: float | timedelta = 0, *, rerun_finished: bool = True
 ) -> str:
-    """Acquire (or re-attach to) the permit of ``me``'s task id, waiting up
-    to ``timeout`` seconds for room; returns the key held.
+    """Acquire (or re-attach to) the permit of ``me``'s task id, as
+    ``options`` say, waiting up to ``timeout`` seconds for room; returns
+    the key held.
 
     ``rerun_finished=False`` (parked Celery tasks, which may be published
     twice): a run whose task id's permit was released by its holder -- the
@@ -61,15 +56,7 @@ def claim(
     """
     for key in keys(me.task_id):
         try:
-            request = api.acquire(
-                demand,
-                external_id=key,
-                owner=str(me),
-                ttl=ttl,
-                timeout=timeout,
-                priority=priority,
-                share=share,
-            )
+            request = options.acquire(key, str(me), timeout)
         except PermitAlreadyReleased:
             if not rerun_finished and key == me.task_id and parking.finished_before(key):
                 raise TaskAlreadyRan(f"Task {key} already ran; this copy is dropped.") from None

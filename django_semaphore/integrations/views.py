@@ -118,15 +118,7 @@ def _acquire_for_view(options: Options, request: HttpRequest) -> PermitRequest |
     """Acquire for a view, under a fresh key: the request held, or the
     refusal to send instead."""
     try:
-        return api.acquire(
-            options.demand,
-            external_id=uuid.uuid4().hex,
-            owner=_view_owner(options, request),
-            ttl=options.lease,
-            timeout=options.timeout,
-            priority=options.priority_or(0),
-            share=options.share_key,
-        )
+        return options.acquire(uuid.uuid4().hex, _view_owner(options, request), options.timeout)
     except SemaphoreExhausted as exc:
         logger.info("%s refused: %s", options.label, exc)
         # A rate limit knows when its next slot frees; a concurrency limit

@@ -147,7 +147,7 @@ def defer(
         LineFull: as for ``park``.
         SemaphoreError: the row could not be written.
     """
-    row = Row.of_django(result_id, key, task_name, backend, priority, share)
+    row = Row(result_id, key, task_name, backend=backend, priority=priority, share=share)
     alias, lined = _park(row, demand, max_waiting)
     wake.wake(alias, lined.ids.values())
 

@@ -246,19 +246,17 @@ def _admit(
         replaced = _drop(alias, alike) if policy.on_conflict == REPLACE else []
         not_before = _not_before(policy)
         woken = not_before is None
-        lined = wakeups.line_up(
-            connection, row.key, demand, row.expires_at, woken=woken, priority=row.priority,
-            share=row.share,
+        line_up = functools.partial(
+            wakeups.line_up, connection, row.key, demand, row.expires_at, woken=woken,
+            priority=row.priority, share=row.share,
         )  # fmt: skip
+        lined = line_up()
         if lined.short:
             dropped, freed = aside.drop_abandoned(alias, lined.short)
             if dropped:
                 # Rolled-back sends kept that room: line up again without them.
                 transaction.on_commit(functools.partial(wake.wake, alias, freed), using=alias)
-                lined = wakeups.line_up(
-                    connection, row.key, demand, row.expires_at, woken=woken,
-                    priority=row.priority, share=row.share,
-                )  # fmt: skip
+                lined = line_up()
         if lined.short:
             if policy.on_conflict == DISCARD:
                 names = sorted(name for name, id in lined.ids.items() if id in lined.short)

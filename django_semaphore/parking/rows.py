@@ -23,10 +23,12 @@ class Row:
     task_id: str
     key: str
     task_name: str
-    body: bytes
-    content_type: str
-    encoding: str
-    expires_at: datetime | None
+    # A Celery task's message; none for a Django task, whose result waits
+    # in its ``backend``.
+    body: bytes = b""
+    content_type: str = ""
+    encoding: str = ""
+    expires_at: datetime | None = None
     backend: str = ""
     priority: int = 0  # where its tickets rank in line (not a column of the row)
     share: str = ""  # its share key in line (neither)
@@ -47,19 +49,6 @@ class Row:
         expires = _expiry(signature.options.get("expires"))
         encoded = _encode(task, signature)
         return cls(task_id, key or task_id, task.name, *encoded, expires, "", priority, share)
-
-    @classmethod
-    def of_django(
-        cls,
-        result_id: str,
-        key: str,
-        task_name: str,
-        backend: str,
-        priority: int = 0,
-        share: str = "",
-    ) -> Row:
-        """A Django task's row: its result waits in its ``backend``."""
-        return cls(result_id, key, task_name, b"", "", "", None, backend, priority, share)
 
 
 def _encode(task: Any, signature: Any) -> tuple[bytes, str, str]:
