@@ -228,10 +228,7 @@ class Statements(SQL):
             # may have its release counter read from before (MariaDB's
             # snapshot): NULL, nothing counted until ``read_released``.
             s.released = s.released or 0
-            if s.slots_closed_until is not None:
-                s.slots_closed_until = backends.datetime_from_db(
-                    self.connection, s.slots_closed_until
-                )
+            s.slots_closed_until = backends.datetime_from_db(self.connection, s.slots_closed_until)
         return locked
 
     def lock_sql(self, count: int) -> str:
@@ -320,7 +317,7 @@ class Statements(SQL):
             cursor.execute(self.stamps_sql, [request_id])
             now, expires_at = cursor.fetchone()
         stamp = functools.partial(backends.datetime_from_db, self.connection)
-        return int(request_id), stamp(now), None if expires_at is None else stamp(expires_at)
+        return int(request_id), stamp(now), stamp(expires_at)
 
     def count_grant(
         self,
