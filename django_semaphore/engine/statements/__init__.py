@@ -124,15 +124,14 @@ class Statements(SQL):
         self.returning = connection.features.can_return_columns_from_insert
         # The request's insert reads the clock once: when it starts, every row
         # it depends on is locked already.
-        stamp, _ = compiler.compile(StatementNow())
+        self.stamp, _ = compiler.compile(StatementNow())
         self.duration = DurationField()
         expiry = CombinedExpression(
             StatementNow(), "+", Value(timedelta(), self.duration), output_field=DateTimeField()
         )
-        expires, expires_params = compiler.compile(expiry.resolve_expression(compiler.query))
-        if len(expires_params) != 1:  # pragma: no cover - a Django change would show here
-            raise AssertionError(f"Unexpected parameters in the expiry: {expires_params!r}")
-        self.expires_sql = expires
+        self.expires_sql, params = compiler.compile(expiry.resolve_expression(compiler.query))
+        if len(params) != 1:  # pragma: no cover - a Django change would show here
+            raise AssertionError(f"Unexpected parameters in the expiry: {params!r}")
         # Whether an expired request still holds one of the semaphores ``{ids}``
         # at ``{now}``: only then is a reclaim worth its statements.
         self.expired_sql = (
@@ -154,7 +153,6 @@ class Statements(SQL):
             f" WHERE {q('semaphore_id')} IN ({{ids}})"
         )
         # The routines run these three writes too (``grant_routine.py``).
-        self.stamp = stamp
         self.insert_request_sql = (
             f"INSERT INTO {request} ({q('external_id')}, {q('owner')}, {q('state')},"
             f" {q('ttl')}, {q('expires_at')}, {q('created_at')}, {q('updated_at')},"
@@ -336,20 +334,17 @@ class Statements(SQL):
         # A rate limit's slots: what it grants counts until its window ends,
         # released or not (the release counter counts its holders).
         slots = {s.id: added[s.id] if s.limit.is_rate else 0 for s in locked}
+        case = self.case_placeholders(len(locked))
+        adapt = self.connection.ops.adapt_datetimefield_value
         # No lock wait to bound: the rows are this transaction's already.
         cursor.execute(
             self.grant_sql.format(
-                counted=self.case_placeholders(len(counted)),
-                folded=self.case_placeholders(len(folded)),
-                slots=self.case_placeholders(len(slots)),
-                ids=placeholders(len(locked)),
+                counted=case, folded=case, slots=case, ids=placeholders(len(locked))
             ),
             [
-                *_case_params(counted),
-                *_case_params(folded),
-                *_case_params(slots),
-                self.connection.ops.adapt_datetimefield_value(now - MARKED_EVERY),
-                self.connection.ops.adapt_datetimefield_value(now),
+                *(value for values in (counted, folded, slots) for value in _case_params(values)),
+                adapt(now - MARKED_EVERY),
+                adapt(now),
                 *counted,
             ],
         )
