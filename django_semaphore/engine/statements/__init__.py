@@ -70,6 +70,7 @@ class SQL:
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
         self.connection = connection
         self.use_tz = settings.USE_TZ
+        self.adapt = connection.ops.adapt_datetimefield_value  # a datetime as a parameter
         self.acquired, self.released = State.ACQUIRED.value, State.RELEASED.value
         self.q = q = connection.ops.quote_name
         self.semaphore, self.request, self.permit, self.counter = (
@@ -335,7 +336,6 @@ class Statements(SQL):
         # released or not (the release counter counts its holders).
         slots = {s.id: added[s.id] if s.limit.is_rate else 0 for s in locked}
         case = self.case_placeholders(len(locked))
-        adapt = self.connection.ops.adapt_datetimefield_value
         # No lock wait to bound: the rows are this transaction's already.
         cursor.execute(
             self.grant_sql.format(
@@ -343,8 +343,8 @@ class Statements(SQL):
             ),
             [
                 *(value for values in (counted, folded, slots) for value in _case_params(values)),
-                adapt(now - MARKED_EVERY),
-                adapt(now),
+                self.adapt(now - MARKED_EVERY),
+                self.adapt(now),
                 *counted,
             ],
         )
@@ -358,10 +358,9 @@ class Statements(SQL):
         # semaphores) are this transaction's, and no other can insert a token
         # of these semaphores while it holds them.
         values = "VALUES " + ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(rows))
-        adapt = self.connection.ops.adapt_datetimefield_value
         cursor.execute(
             self.insert_permits_sql.format(rows=values),
-            [value for *row, ends in rows for value in (*row, adapt(ends), self.acquired)],
+            [value for *row, ends in rows for value in (*row, self.adapt(ends), self.acquired)],
         )
 
     def close_slots(self, cursor: CursorWrapper, s: LockedSemaphore, now: datetime) -> None:
@@ -369,13 +368,12 @@ class Statements(SQL):
         this transaction) that ended by ``now``: those since it last closed
         them."""
         closed = s.slots_closed_until
-        adapt = self.connection.ops.adapt_datetimefield_value
         cursor.execute(
             self.ended_sql[closed is None],
-            [s.id, adapt(now)] + ([] if closed is None else [adapt(closed)]),
+            [s.id, self.adapt(now)] + ([] if closed is None else [self.adapt(closed)]),
         )
         (ended,) = cursor.fetchone()
-        cursor.execute(self.close_slots_sql, [int(ended), adapt(now), s.id])
+        cursor.execute(self.close_slots_sql, [int(ended), self.adapt(now), s.id])
         s.slots_open -= int(ended)
         s.slots_closed_until = now
 
@@ -386,8 +384,7 @@ class Statements(SQL):
         ended for ``wanted`` more permits (``None``: the slots do not add
         up, a counter written behind the engine's back)."""
         needed = s.in_use + wanted - s.capacity
-        adapt = self.connection.ops.adapt_datetimefield_value
-        cursor.execute(self.next_slots_sql, [s.id, adapt(now), needed])
+        cursor.execute(self.next_slots_sql, [s.id, self.adapt(now), needed])
         for ends, count in cursor.fetchall():
             needed -= int(count)
             if needed <= 0:
