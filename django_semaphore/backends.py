@@ -291,9 +291,12 @@ def start_bounded_transaction(connection: BaseDatabaseWrapper, seconds: float) -
     if connection.vendor == "postgresql":
         # SET LOCAL ends with the transaction: nothing to restore.
         with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT set_config('lock_timeout', %s, true)", [f"{int(seconds * 1000)}ms"]
-            )
+            cursor.execute("SELECT set_config('lock_timeout', %s, true)", [lock_timeout(seconds)])
+
+
+def lock_timeout(seconds: float) -> str:
+    """PostgreSQL's ``lock_timeout`` setting for ``seconds``."""
+    return f"{int(seconds * 1000)}ms"
 
 
 @contextmanager

@@ -41,7 +41,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
 from django_semaphore.conf import app_settings
-from django_semaphore.engine.statements import SQL, built, placeholders, queue, routine
+from django_semaphore.engine.statements import SQL, built, placeholders, routine
 from django_semaphore.engine.statements.grant_routine import grant_routine
 
 # A function on PostgreSQL, a procedure on MariaDB (routines.py renders it, a
@@ -129,12 +129,12 @@ class OneTripStatements(SQL):
         fails_fast = line.ticket_life is None
         if one_name and self.vendor == "postgresql":
             sql = f"SELECT * FROM {ONE_NAME_ROUTINE}({placeholders(11)})"
-            params = [names[0], counts[names[0]], key, owner, ttl, queue.lock_timeout(lock_wait)]
+            params = [names[0], counts[names[0]], key, owner, ttl, backends.lock_timeout(lock_wait)]
             params += in_line
         elif self.vendor == "postgresql":
             sql = f"SELECT * FROM {ROUTINE}(%s, %s, %s, %s, %s, %s, %s)"
             params = [names, [counts[n] for n in names], key, owner, ttl]
-            params += [queue.lock_timeout(lock_wait), fails_fast]
+            params += [backends.lock_timeout(lock_wait), fails_fast]
         elif one_name:
             sql = f"CALL {ROUTINE}({placeholders(11)})"
             params = [names[0], counts[names[0]], ttl, key, owner, wait, *in_line]
