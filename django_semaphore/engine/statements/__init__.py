@@ -112,6 +112,14 @@ class SQL:
             raise AssertionError(f"Unexpected parameters in the locking read: {params!r}")
         return str(sql)
 
+    @staticmethod
+    def replaced_once(sql: str, old: str, new: str) -> str:
+        """``sql`` (as Django compiled it) with ``old``, found there exactly
+        once, made ``new``."""
+        if sql.count(old) != 1:  # pragma: no cover - a Django change would show here
+            raise AssertionError(f"Unexpected SQL, {old!r} not once in: {sql!r}")
+        return sql.replace(old, new)
+
 
 class Statements(SQL):
     """The grant's statements (and the verifier's), for one connection."""

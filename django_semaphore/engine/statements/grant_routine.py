@@ -326,9 +326,7 @@ class GrantRoutine(SQL):
         if not targets:
             return sql
         source = f" FROM {self.semaphore} WHERE "
-        if sql.count(source) != 1:  # pragma: no cover - a Django change would show here
-            raise AssertionError(f"Unexpected locking read: {sql!r}")
-        return sql.replace(source, f" INTO {targets}{source}")
+        return self.replaced_once(sql, source, f" INTO {targets}{source}")
 
     # --- PostgreSQL -------------------------------------------------------------
 
@@ -411,11 +409,7 @@ class GrantRoutine(SQL):
     def _locking_read_of(self, names_sql: str, targets: str = "") -> str:
         """The manager's locking read of one name, its condition on the name
         made ``names_sql`` (a PostgreSQL function's parameters)."""
-        one_name = "IN (%s)"
-        locking = self.lock_into(1, targets)
-        if locking.count(one_name) != 1:  # pragma: no cover - a Django change would show here
-            raise AssertionError(f"Unexpected locking read: {locking!r}")
-        return locking.replace(one_name, names_sql)
+        return self.replaced_once(self.lock_into(1, targets), "IN (%s)", names_sql)
 
     # --- MariaDB ----------------------------------------------------------------
 

@@ -378,10 +378,7 @@ class ReleaseStatements(SQL):
         statement released (its "p"): the manager's, its one id placeholder
         made a read of "p" (with neither RawSQL nor values in the text)."""
         sql = self.locking_read(ReleaseCounter, "semaphore_id", [0], "semaphore_id")
-        one_id = f"IN ({placeholders(1)})"
-        if sql.count(one_id) != 1:  # pragma: no cover - a Django change would show here
-            raise AssertionError(f"Unexpected locking read: {sql!r}")
-        return sql.replace(one_id, f"IN (SELECT {self.q('semaphore_id')} FROM p)")
+        return self.replaced_once(sql, "IN (%s)", f"IN (SELECT {self.q('semaphore_id')} FROM p)")
 
 
 def release_statements(connection: BaseDatabaseWrapper) -> ReleaseStatements:
