@@ -426,17 +426,13 @@ class GrantRoutine(SQL):
         pair for each locked row. The
         rows are read by a cursor over the locking read, opened under the
         lock-wait bound (which ``SET STATEMENT`` cannot wrap)."""
-        block = self.blocks.get((count, wait))
-        if block is None:
-            block = self.blocks[count, wait] = self._mariadb_block(count, wait)
-        return block
+        if (count, wait) not in self.blocks:
+            self.blocks[count, wait] = self._mariadb_block(count, wait)
+        return self.blocks[count, wait]
 
     def _mariadb_block(self, count: int, wait: int) -> str:
-        server = _Server(
-            postgresql=False,
-            clock=self.now,
-            bound=f"SET STATEMENT innodb_lock_wait_timeout = {wait} FOR ",
-        )
+        bound = f"SET STATEMENT innodb_lock_wait_timeout = {wait} FOR "
+        server = _Server(postgresql=False, clock=self.now, bound=bound)
         q, rows = self.q, [_Row.named(f"v_{{}}_{i}") for i in range(1, count + 1)]
         column = f"{self.request}.{q('external_id')}"
         # Names are exact, as Python compares them (not as the collation does).
