@@ -87,9 +87,8 @@ class ReleaseStatements(SQL):
             f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
             f" WHERE {q('id')} IN ({{ids}}) AND {q('state')} = %s"
         )
-        counter = self.counter
         self.add_released_sql = (
-            f"UPDATE {counter} SET {q('released')} = {q('released')} + CASE {{cases}} END"
+            f"UPDATE {self.counter} SET {q('released')} = {q('released')} + CASE {{cases}} END"
             f" WHERE {q('semaphore_id')} IN ({{ids}})"
         )
         self.add_case_sql = f"WHEN {q('semaphore_id')} = %s THEN %s"
