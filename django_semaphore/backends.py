@@ -291,9 +291,12 @@ def start_bounded_transaction(connection: BaseDatabaseWrapper, seconds: float) -
     if connection.vendor == "postgresql":
         # SET LOCAL ends with the transaction: nothing to restore.
         with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT set_config('lock_timeout', %s, true)", [f"{int(seconds * 1000)}ms"]
-            )
+            cursor.execute("SELECT set_config('lock_timeout', %s, true)", [lock_timeout(seconds)])
+
+
+def lock_timeout(seconds: float) -> str:
+    """PostgreSQL's ``lock_timeout`` setting for ``seconds``."""
+    return f"{int(seconds * 1000)}ms"
 
 
 @contextmanager
@@ -371,19 +374,32 @@ def is_sqlite_without_immediate_transactions(database: dict[str, Any]) -> bool:
 
 def datetime_from_db(connection: BaseDatabaseWrapper, value: Any) -> Any:
     """A ``DatabaseNow()`` value read with a raw cursor, converted as the ORM
-    would (SQLite returns text, MySQL a naive datetime)."""
+    would (SQLite returns text, MySQL a naive datetime); ``None`` stays ``None``."""
     expression = DatabaseNow()
     for convert in connection.ops.get_db_converters(expression):
         value = convert(value, expression, connection)
     return value
 
 
-class DatabaseNow(Now):
+class _UtcNow(Now):
+    """Django's ``Now()`` but on MySQL, where that is the session's local
+    time: with ``USE_TZ`` the stored values are UTC, so MySQL reads
+    ``mysql_utc``."""
+
+    mysql_utc = ""
+
+    def as_mysql(
+        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
+    ) -> tuple[str, tuple[str | int, ...]]:
+        if settings.USE_TZ and connection.timezone_name == "UTC":
+            return self.as_sql(compiler, connection, template=self.mysql_utc, **extra_context)
+        return super().as_mysql(compiler, connection, **extra_context)
+
+
+class DatabaseNow(_UtcNow):
     """The database's clock, in UTC, as Django stores datetimes.
 
     Expiry is decided by one clock (the database's), never by each client's.
-    Django's ``Now()`` is the MySQL session's local time; with ``USE_TZ`` the
-    stored values are UTC, so MySQL must read ``UTC_TIMESTAMP``.
 
     It is the time the value is computed, not when the statement started
     (``UTC_TIMESTAMP()``, ``STATEMENT_TIMESTAMP()``): in the grant's locking
@@ -391,20 +407,12 @@ class DatabaseNow(Now):
     from there would be cut short by that wait.
     """
 
-    def as_mysql(
-        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
-    ) -> tuple[str, tuple[str | int, ...]]:
-        if settings.USE_TZ and connection.timezone_name == "UTC":
-            # UTC at the statement's start, plus the time since (SYSDATE is
-            # evaluated when read, NOW at the start; both session-local).
-            return self.as_sql(
-                compiler,
-                connection,
-                template="TIMESTAMPADD(MICROSECOND, TIMESTAMPDIFF(MICROSECOND, NOW(6),"
-                " SYSDATE(6)), UTC_TIMESTAMP(6))",
-                **extra_context,
-            )
-        return super().as_mysql(compiler, connection, **extra_context)
+    # UTC at the statement's start, plus the time since (SYSDATE is
+    # evaluated when read, NOW at the start; both session-local).
+    mysql_utc = (
+        "TIMESTAMPADD(MICROSECOND, TIMESTAMPDIFF(MICROSECOND, NOW(6),"
+        " SYSDATE(6)), UTC_TIMESTAMP(6))"
+    )
 
     def as_postgresql(
         self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
@@ -412,19 +420,13 @@ class DatabaseNow(Now):
         return self.as_sql(compiler, connection, template="CLOCK_TIMESTAMP()", **extra_context)
 
 
-class StatementNow(Now):
+class StatementNow(_UtcNow):
     """The database's clock when the statement started, in UTC: one value
-    however often the statement reads it. Django's ``Now()`` but on MySQL,
-    where that is the session's local time (see :class:`DatabaseNow`).
+    however often the statement reads it.
 
     For statements that run once every lock they need is held (the grant's
     insert), where the start is after any wait and every column written from
     the clock must agree.
     """
 
-    def as_mysql(
-        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
-    ) -> tuple[str, tuple[str | int, ...]]:
-        if settings.USE_TZ and connection.timezone_name == "UTC":
-            return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context)
-        return super().as_mysql(compiler, connection, **extra_context)
+    mysql_utc = "UTC_TIMESTAMP(6)"

@@ -70,6 +70,7 @@ class SQL:
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
         self.connection = connection
         self.use_tz = settings.USE_TZ
+        self.adapt = connection.ops.adapt_datetimefield_value  # a datetime as a parameter
         self.acquired, self.released = State.ACQUIRED.value, State.RELEASED.value
         self.q = q = connection.ops.quote_name
         self.semaphore, self.request, self.permit, self.counter = (
@@ -111,6 +112,14 @@ class SQL:
             raise AssertionError(f"Unexpected parameters in the locking read: {params!r}")
         return str(sql)
 
+    @staticmethod
+    def replaced_once(sql: str, old: str, new: str) -> str:
+        """``sql`` (as Django compiled it) with ``old``, found there exactly
+        once, made ``new``."""
+        if sql.count(old) != 1:  # pragma: no cover - a Django change would show here
+            raise AssertionError(f"Unexpected SQL, {old!r} not once in: {sql!r}")
+        return sql.replace(old, new)
+
 
 class Statements(SQL):
     """The grant's statements (and the verifier's), for one connection."""
@@ -124,15 +133,14 @@ class Statements(SQL):
         self.returning = connection.features.can_return_columns_from_insert
         # The request's insert reads the clock once: when it starts, every row
         # it depends on is locked already.
-        stamp, _ = compiler.compile(StatementNow())
+        self.stamp, _ = compiler.compile(StatementNow())
         self.duration = DurationField()
         expiry = CombinedExpression(
             StatementNow(), "+", Value(timedelta(), self.duration), output_field=DateTimeField()
         )
-        expires, expires_params = compiler.compile(expiry.resolve_expression(compiler.query))
-        if len(expires_params) != 1:  # pragma: no cover - a Django change would show here
-            raise AssertionError(f"Unexpected parameters in the expiry: {expires_params!r}")
-        self.expires_sql = expires
+        self.expires_sql, params = compiler.compile(expiry.resolve_expression(compiler.query))
+        if len(params) != 1:  # pragma: no cover - a Django change would show here
+            raise AssertionError(f"Unexpected parameters in the expiry: {params!r}")
         # Whether an expired request still holds one of the semaphores ``{ids}``
         # at ``{now}``: only then is a reclaim worth its statements.
         self.expired_sql = (
@@ -154,7 +162,6 @@ class Statements(SQL):
             f" WHERE {q('semaphore_id')} IN ({{ids}})"
         )
         # The routines run these three writes too (``grant_routine.py``).
-        self.stamp = stamp
         self.insert_request_sql = (
             f"INSERT INTO {request} ({q('external_id')}, {q('owner')}, {q('state')},"
             f" {q('ttl')}, {q('expires_at')}, {q('created_at')}, {q('updated_at')},"
@@ -228,10 +235,7 @@ class Statements(SQL):
             # may have its release counter read from before (MariaDB's
             # snapshot): NULL, nothing counted until ``read_released``.
             s.released = s.released or 0
-            if s.slots_closed_until is not None:
-                s.slots_closed_until = backends.datetime_from_db(
-                    self.connection, s.slots_closed_until
-                )
+            s.slots_closed_until = backends.datetime_from_db(self.connection, s.slots_closed_until)
         return locked
 
     def lock_sql(self, count: int) -> str:
@@ -320,7 +324,7 @@ class Statements(SQL):
             cursor.execute(self.stamps_sql, [request_id])
             now, expires_at = cursor.fetchone()
         stamp = functools.partial(backends.datetime_from_db, self.connection)
-        return int(request_id), stamp(now), None if expires_at is None else stamp(expires_at)
+        return int(request_id), stamp(now), stamp(expires_at)
 
     def count_grant(
         self,
@@ -339,20 +343,16 @@ class Statements(SQL):
         # A rate limit's slots: what it grants counts until its window ends,
         # released or not (the release counter counts its holders).
         slots = {s.id: added[s.id] if s.limit.is_rate else 0 for s in locked}
+        case = self.case_placeholders(len(locked))
         # No lock wait to bound: the rows are this transaction's already.
         cursor.execute(
             self.grant_sql.format(
-                counted=self.case_placeholders(len(counted)),
-                folded=self.case_placeholders(len(folded)),
-                slots=self.case_placeholders(len(slots)),
-                ids=placeholders(len(locked)),
+                counted=case, folded=case, slots=case, ids=placeholders(len(locked))
             ),
             [
-                *_case_params(counted),
-                *_case_params(folded),
-                *_case_params(slots),
-                self.connection.ops.adapt_datetimefield_value(now - MARKED_EVERY),
-                self.connection.ops.adapt_datetimefield_value(now),
+                *(value for values in (counted, folded, slots) for value in _case_params(values)),
+                self.adapt(now - MARKED_EVERY),
+                self.adapt(now),
                 *counted,
             ],
         )
@@ -366,10 +366,9 @@ class Statements(SQL):
         # semaphores) are this transaction's, and no other can insert a token
         # of these semaphores while it holds them.
         values = "VALUES " + ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(rows))
-        adapt = self.connection.ops.adapt_datetimefield_value
         cursor.execute(
             self.insert_permits_sql.format(rows=values),
-            [value for *row, ends in rows for value in (*row, adapt(ends), self.acquired)],
+            [value for *row, ends in rows for value in (*row, self.adapt(ends), self.acquired)],
         )
 
     def close_slots(self, cursor: CursorWrapper, s: LockedSemaphore, now: datetime) -> None:
@@ -377,13 +376,12 @@ class Statements(SQL):
         this transaction) that ended by ``now``: those since it last closed
         them."""
         closed = s.slots_closed_until
-        adapt = self.connection.ops.adapt_datetimefield_value
         cursor.execute(
             self.ended_sql[closed is None],
-            [s.id, adapt(now)] + ([] if closed is None else [adapt(closed)]),
+            [s.id, self.adapt(now)] + ([] if closed is None else [self.adapt(closed)]),
         )
         (ended,) = cursor.fetchone()
-        cursor.execute(self.close_slots_sql, [int(ended), adapt(now), s.id])
+        cursor.execute(self.close_slots_sql, [int(ended), self.adapt(now), s.id])
         s.slots_open -= int(ended)
         s.slots_closed_until = now
 
@@ -394,8 +392,7 @@ class Statements(SQL):
         ended for ``wanted`` more permits (``None``: the slots do not add
         up, a counter written behind the engine's back)."""
         needed = s.in_use + wanted - s.capacity
-        adapt = self.connection.ops.adapt_datetimefield_value
-        cursor.execute(self.next_slots_sql, [s.id, adapt(now), needed])
+        cursor.execute(self.next_slots_sql, [s.id, self.adapt(now), needed])
         for ends, count in cursor.fetchall():
             needed -= int(count)
             if needed <= 0:

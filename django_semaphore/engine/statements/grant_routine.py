@@ -134,26 +134,13 @@ def _short(row: _Row, kept: str = "") -> str:
     return f"{row.held} + {row.count}{f' + {kept}' if kept else ''} > {row.capacity}"
 
 
-@dataclass(frozen=True)
-class LineStatements:
-    """The line's statements (``tickets.py``, the grant's reads) as a
-    routine runs them on one semaphore, its values named."""
-
-    ahead_sql: str  # the older tickets that lacked room into (v_ahead, v_reserved)
-    key_taken_sql: str  # EXISTS: a request has the key
-    expired_sql: str  # EXISTS: an expired request holds the semaphore
-    take_sql: str  # the key's ticket, lacking room until v_deadline (its expiry)
-    queue_until_sql: str  # the queue live until v_deadline at least
-    delete_sql: str  # the key's ticket
-    over_sql: str  # the queue over, where no live ticket lacks room
-
-
 class GrantRoutine(SQL):
     """The grant routines' text, for one connection."""
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
         super().__init__(connection)
         self.general = statements(connection)
+        self.key_taken_sql = f"EXISTS ({with_arguments(self.key_sql, 'p_key')})"
         # MariaDB's blocks: by number of names, then by lock-wait bound.
         self.blocks: dict[tuple[int, int], str] = {}
 
@@ -169,8 +156,39 @@ class GrantRoutine(SQL):
         caller that fails fast); a waiter is refused with its ticket taken,
         a caller that fails fast plainly. A taken key's request and a
         reclaim of expired permits are left to the general grant
-        (``one_trip.py`` says why)."""
-        let, steps = server.let, self._line_statements(row.id, row.count, server)
+        (``one_trip.py`` says why).
+
+        It runs the line's statements (``tickets.py``) on the row, in a
+        routine whose key, owner, priority (and its head start, seconds),
+        clock and deadline are ``p_key``, ``p_owner``, ``p_priority``,
+        ``p_head_start``, ``v_now`` and ``v_deadline``; the writes that may
+        wait for a lock bounded."""
+        let, tickets, bound = server.let, ticket_statements(self.connection), server.bound
+        # The line's statements on the row: the older tickets that lack room;
+        # the key's ticket taken (lacking room until v_deadline, its expiry),
+        # the queue live until then at least; the key's ticket deleted; the
+        # queue over where no live ticket lacks room.
+        older_sql = with_arguments(
+            tickets.older_sql[True].format(ids="%s"), row.id, "TRUE", "v_now", "p_key", "p_key"
+        )
+        ahead_sql = (
+            "SELECT COUNT(*), COALESCE(SUM(o.permits), 0) INTO v_ahead, v_reserved"
+            f" FROM ({older_sql}) o"
+        )
+        ranked = server.after("v_now", "-ROUND(p_head_start * 1000000)", "MICROSECOND")
+        # Without a share key: a waiter with one takes its first tickets in
+        # the general grant, which reads its key's turn (``one_trip.py``).
+        take_sql = bound + with_arguments(
+            tickets.insert_sql[True].format(rows=f"({placeholders(11)})"),
+            *(row.id, "p_key", "p_owner", row.count, "v_now", "v_deadline", "TRUE"),
+            *("p_priority", ranked, "''", "NULL"),
+        )
+        queue_until_sql = with_arguments(
+            tickets.queued_until_sql.format(ids="%s"), "v_deadline", row.id, "v_deadline"
+        )
+        delete_sql = bound + with_arguments(tickets.delete_sql.format(ids="%s"), "p_key", row.id)
+        over_sql = with_arguments(tickets.queue_over_sql.format(ids="%s"), row.id, "TRUE", "v_now")
+        expired_sql = self.general.expired_sql.format(ids=row.id, now="v_now")
         in_line = "p_life IS NOT NULL"
         head_wait = f"CASE WHEN {in_line} THEN {HEAD_WAIT_MS * 1000} ELSE {BRIEF_WAIT_US} END"
         life = "ROUND(p_life * 1000000)"
@@ -196,9 +214,9 @@ class GrantRoutine(SQL):
             f" IF {row.queued_until} > v_now OR p_ticketed OR {_short(row)} THEN"
             f" {let('v_live', f'COALESCE({row.queued_until} > v_now, FALSE)')};"
             # What the older tickets that lacked room ask for stays theirs.
-            f" IF v_live THEN {steps.ahead_sql}; END IF;"
+            f" IF v_live THEN {ahead_sql}; END IF;"
             f" IF {_short(row, 'v_reserved')} THEN"
-            f" IF {steps.key_taken_sql} THEN {server.decline} END IF;"
+            f" IF {self.key_taken_sql} THEN {server.decline} END IF;"
             # Where its ticket, if it takes one, expires: a lease (the
             # waiter renews it), at most its deadline; no wait runs past it.
             f" {let('v_deadline', server.after('v_now', life, 'MICROSECOND'))};"
@@ -211,16 +229,16 @@ class GrantRoutine(SQL):
             f" IF {_short(row, 'v_reserved')} THEN"
             # Read last: MariaDB reads it locking the holders' requests,
             # which their releases would wait for all through the wait.
-            f" IF {_short(row)} AND {steps.expired_sql} THEN {server.decline} END IF;"
+            f" IF {_short(row)} AND {expired_sql} THEN {server.decline} END IF;"
             f" {let('v_ticket', f'{in_line} AND NOT (p_ticketed AND p_lacked)')};"
-            f" IF v_ticket THEN {steps.take_sql}; {steps.queue_until_sql}; END IF;"
+            f" IF v_ticket THEN {take_sql}; {queue_until_sql}; END IF;"
             f" {server.answer(refused, first=1)}"
             " END IF;"
             " END IF;"
             # Granted: its tickets stop holding back others; a queue that
             # held nobody back any more is over.
-            f" IF p_ticketed OR v_live THEN {steps.delete_sql};"
-            f" IF v_live AND v_ahead = 0 AND NOT p_ticketed THEN {steps.over_sql}; END IF;"
+            f" IF p_ticketed OR v_live THEN {delete_sql};"
+            f" IF v_live AND v_ahead = 0 AND NOT p_ticketed THEN {over_sql}; END IF;"
             " END IF;"
             " END IF;"
         )
@@ -267,9 +285,8 @@ class GrantRoutine(SQL):
         left to the general grant: it waits (refused there, measured faster:
         ``one_trip.py``), its key is taken, or expired holders are there to
         reclaim. A call that fails fast is refused in the routine."""
-        key_taken = with_arguments(self.key_sql, "p_key")
         expired = self.general.expired_sql.format(ids=ids_sql, now="v_now")
-        return f"NOT p_fail_fast OR EXISTS ({key_taken}) OR {expired}"
+        return f"NOT p_fail_fast OR {self.key_taken_sql} OR {expired}"
 
     def _held(self, server: _Server, row: _Row) -> str:
         """The row's permits held (``rows.held``), into ``row.held``."""
@@ -285,40 +302,6 @@ class GrantRoutine(SQL):
             f" WHERE c.{self.q('semaphore_id')} = {row.id}"
         )
 
-    def _line_statements(self, id_sql: str, count_sql: str, server: _Server) -> LineStatements:
-        """The line's statements on the semaphore ``id_sql`` for
-        ``count_sql`` permits, in a routine whose key, owner, priority (and
-        its head start, seconds), clock and deadline are ``p_key``,
-        ``p_owner``, ``p_priority``, ``p_head_start``, ``v_now`` and
-        ``v_deadline``; the writes that may wait for a lock bounded."""
-        tickets, bound = ticket_statements(self.connection), server.bound
-        ranked = server.after("v_now", "-ROUND(p_head_start * 1000000)", "MICROSECOND")
-        older_sql = with_arguments(
-            tickets.older_sql[True].format(ids="%s"), id_sql, "TRUE", "v_now", "p_key", "p_key"
-        )
-        # Without a share key: a waiter with one takes its first tickets in
-        # the general grant, which reads its key's turn (``one_trip.py``).
-        take_sql = with_arguments(
-            tickets.insert_sql[True].format(rows=f"({placeholders(11)})"),
-            *(id_sql, "p_key", "p_owner", count_sql, "v_now", "v_deadline", "TRUE"),
-            *("p_priority", ranked, "''", "NULL"),
-        )
-        delete_sql = with_arguments(tickets.delete_sql.format(ids="%s"), "p_key", id_sql)
-        return LineStatements(
-            ahead_sql="SELECT COUNT(*), COALESCE(SUM(o.permits), 0) INTO v_ahead, v_reserved"
-            f" FROM ({older_sql}) o",
-            key_taken_sql=f"EXISTS ({with_arguments(self.key_sql, 'p_key')})",
-            expired_sql=self.general.expired_sql.format(ids=id_sql, now="v_now"),
-            take_sql=bound + take_sql,
-            queue_until_sql=with_arguments(
-                tickets.queued_until_sql.format(ids="%s"), "v_deadline", id_sql, "v_deadline"
-            ),
-            delete_sql=bound + delete_sql,
-            over_sql=with_arguments(
-                tickets.queue_over_sql.format(ids="%s"), id_sql, "TRUE", "v_now"
-            ),
-        )
-
     def lock_into(self, count: int, targets: str = "") -> str:
         """The manager's locking read of ``count`` semaphores by name (as the
         general path compiles it), its columns read into ``targets``, if given."""
@@ -326,9 +309,7 @@ class GrantRoutine(SQL):
         if not targets:
             return sql
         source = f" FROM {self.semaphore} WHERE "
-        if sql.count(source) != 1:  # pragma: no cover - a Django change would show here
-            raise AssertionError(f"Unexpected locking read: {sql!r}")
-        return sql.replace(source, f" INTO {targets}{source}")
+        return self.replaced_once(sql, source, f" INTO {targets}{source}")
 
     # --- PostgreSQL -------------------------------------------------------------
 
@@ -411,11 +392,7 @@ class GrantRoutine(SQL):
     def _locking_read_of(self, names_sql: str, targets: str = "") -> str:
         """The manager's locking read of one name, its condition on the name
         made ``names_sql`` (a PostgreSQL function's parameters)."""
-        one_name = "IN (%s)"
-        locking = self.lock_into(1, targets)
-        if locking.count(one_name) != 1:  # pragma: no cover - a Django change would show here
-            raise AssertionError(f"Unexpected locking read: {locking!r}")
-        return locking.replace(one_name, names_sql)
+        return self.replaced_once(self.lock_into(1, targets), "IN (%s)", names_sql)
 
     # --- MariaDB ----------------------------------------------------------------
 
@@ -449,17 +426,13 @@ class GrantRoutine(SQL):
         pair for each locked row. The
         rows are read by a cursor over the locking read, opened under the
         lock-wait bound (which ``SET STATEMENT`` cannot wrap)."""
-        block = self.blocks.get((count, wait))
-        if block is None:
-            block = self.blocks[count, wait] = self._mariadb_block(count, wait)
-        return block
+        if (count, wait) not in self.blocks:
+            self.blocks[count, wait] = self._mariadb_block(count, wait)
+        return self.blocks[count, wait]
 
     def _mariadb_block(self, count: int, wait: int) -> str:
-        server = _Server(
-            postgresql=False,
-            clock=self.now,
-            bound=f"SET STATEMENT innodb_lock_wait_timeout = {wait} FOR ",
-        )
+        bound = f"SET STATEMENT innodb_lock_wait_timeout = {wait} FOR "
+        server = _Server(postgresql=False, clock=self.now, bound=bound)
         q, rows = self.q, [_Row.named(f"v_{{}}_{i}") for i in range(1, count + 1)]
         column = f"{self.request}.{q('external_id')}"
         # Names are exact, as Python compares them (not as the collation does).

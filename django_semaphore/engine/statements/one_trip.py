@@ -31,6 +31,7 @@ capacity.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from datetime import datetime
@@ -40,7 +41,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_semaphore import backends
 from django_semaphore.conf import app_settings
-from django_semaphore.engine.statements import SQL, built, placeholders, queue, routine
+from django_semaphore.engine.statements import SQL, built, placeholders, routine
 from django_semaphore.engine.statements.grant_routine import grant_routine
 
 # A function on PostgreSQL, a procedure on MariaDB (routines.py renders it, a
@@ -128,12 +129,12 @@ class OneTripStatements(SQL):
         fails_fast = line.ticket_life is None
         if one_name and self.vendor == "postgresql":
             sql = f"SELECT * FROM {ONE_NAME_ROUTINE}({placeholders(11)})"
-            params = [names[0], counts[names[0]], key, owner, ttl, queue.lock_timeout(lock_wait)]
+            params = [names[0], counts[names[0]], key, owner, ttl, backends.lock_timeout(lock_wait)]
             params += in_line
         elif self.vendor == "postgresql":
             sql = f"SELECT * FROM {ROUTINE}(%s, %s, %s, %s, %s, %s, %s)"
             params = [names, [counts[n] for n in names], key, owner, ttl]
-            params += [queue.lock_timeout(lock_wait), fails_fast]
+            params += [backends.lock_timeout(lock_wait), fails_fast]
         elif one_name:
             sql = f"CALL {ROUTINE}({placeholders(11)})"
             params = [names[0], counts[names[0]], ttl, key, owner, wait, *in_line]
@@ -153,17 +154,17 @@ class OneTripStatements(SQL):
         if not rows or rows[0][3] is None:
             return None
         request_id, granted_at, expires_at = rows[0][:3]
+        stamp = functools.partial(backends.datetime_from_db, self.connection)
         if request_id is None:
             lacking = tuple((int(row[6]), row[3], int(row[7])) for row in rows)
             rounds, ticket_taken = rows[0][8:] or (0, False)
-            stamp = backends.datetime_from_db
-            at = None if rows[0][1] is None else stamp(self.connection, rows[0][1])
-            return Refused(lacking, int(rounds), bool(ticket_taken), int(rows[0][4]), at)
-        stamp = backends.datetime_from_db
+            return Refused(
+                lacking, int(rounds), bool(ticket_taken), int(rows[0][4]), stamp(granted_at)
+            )
         return Granted(
             int(request_id),
-            stamp(self.connection, granted_at),
-            None if expires_at is None else stamp(self.connection, expires_at),
+            stamp(granted_at),
+            stamp(expires_at),
             {row[3]: int(row[4]) for row in rows},
             {row[3]: int(row[5]) for row in rows},
         )

@@ -20,7 +20,6 @@ class ProbeStatements(SQL):
         q = self.q
         now, _ = self.compiler.compile(StatementNow())
         tickets = q(Ticket._meta.db_table)
-        permit = self.permit
         # What each semaphore's releases added up to (a plain read: no
         # release waits for it), what its row counts, and while its queue is
         # live the permits that the tickets holding a key back ask for (as
@@ -45,13 +44,13 @@ class ProbeStatements(SQL):
                 # and reads every slot the semaphore ever had.
                 f" CASE WHEN s.{q('window')} IS NULL THEN NULL"
                 f" WHEN s.{q('slots_closed_until')} IS NULL THEN"
-                f" (SELECT SUM(p.{q('count')}) FROM {permit} p"
+                f" (SELECT SUM(p.{q('count')}) FROM {self.permit} p"
                 f" WHERE p.{q('semaphore_id')} = s.{q('id')} AND p.{q('slot_ends')} <= {now})"
-                f" ELSE (SELECT SUM(p.{q('count')}) FROM {permit} p"
+                f" ELSE (SELECT SUM(p.{q('count')}) FROM {self.permit} p"
                 f" WHERE p.{q('semaphore_id')} = s.{q('id')} AND p.{q('slot_ends')} <= {now}"
                 f" AND p.{q('slot_ends')} > s.{q('slots_closed_until')}) END,"
                 f" CASE WHEN s.{q('window')} IS NOT NULL THEN"
-                f" (SELECT MIN(p.{q('slot_ends')}) FROM {permit} p"
+                f" (SELECT MIN(p.{q('slot_ends')}) FROM {self.permit} p"
                 f" WHERE p.{q('semaphore_id')} = s.{q('id')} AND p.{q('slot_ends')} > {now}) END,"
                 f" {now} FROM {self.semaphore} s"
                 f" JOIN {self.counter} c ON c.{q('semaphore_id')} = s.{q('id')}"

@@ -66,16 +66,12 @@ def waits_for_one_sql(name_sql: str, lock_wait_sql: str) -> str:
     )
 
 
-def function_body() -> str:
-    """The routine's body."""
-    return f"\nBEGIN\n{waits_sql('p_names', 'p_lock_wait')}END\n"
-
-
 def create_sql() -> str:
     """The routine's ``CREATE`` (``routines.creates`` lists it)."""
     return (
         f"CREATE OR REPLACE FUNCTION {ROUTINE}(p_names text[], p_lock_wait text)"
-        f" RETURNS void LANGUAGE plpgsql VOLATILE AS $queue${function_body()}$queue$"
+        f" RETURNS void LANGUAGE plpgsql VOLATILE AS $queue$\nBEGIN\n"
+        f"{waits_sql('p_names', 'p_lock_wait')}END\n$queue$"
     )
 
 
@@ -88,9 +84,4 @@ def enter(connection: BaseDatabaseWrapper, names: Sequence[str], lock_wait: floa
         backends.start_bounded_transaction(connection, lock_wait)
         return
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {ROUTINE}(%s, %s)", [list(names), lock_timeout(lock_wait)])
-
-
-def lock_timeout(seconds: float) -> str:
-    """``lock_timeout``'s value for ``seconds``."""
-    return f"{int(seconds * 1000)}ms"
+        cursor.execute(f"SELECT {ROUTINE}(%s, %s)", [list(names), backends.lock_timeout(lock_wait)])

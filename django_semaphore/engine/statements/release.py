@@ -21,7 +21,6 @@ from django.db.backends.utils import CursorWrapper
 
 from django_semaphore import backends
 from django_semaphore.engine.statements import SQL, built, placeholders, routine, with_arguments
-from django_semaphore.engine.statements.queue import lock_timeout
 from django_semaphore.models import ParkedTask, ReleaseCounter, Ticket
 
 # The release by key as a procedure that also reads what it ended, once
@@ -88,9 +87,8 @@ class ReleaseStatements(SQL):
             f" {q('updated_at')} = {now}, {q('release_reason')} = %s"
             f" WHERE {q('id')} IN ({{ids}}) AND {q('state')} = %s"
         )
-        counter = self.counter
         self.add_released_sql = (
-            f"UPDATE {counter} SET {q('released')} = {q('released')} + CASE {{cases}} END"
+            f"UPDATE {self.counter} SET {q('released')} = {q('released')} + CASE {{cases}} END"
             f" WHERE {q('semaphore_id')} IN ({{ids}})"
         )
         self.add_case_sql = f"WHEN {q('semaphore_id')} = %s THEN %s"
@@ -145,11 +143,9 @@ class ReleaseStatements(SQL):
         released (``released_on_key_sql``) if it released anything and
         ``p_read`` (a ``ReadBack``) says so."""
         acquired, released = f"'{self.acquired}'", f"'{self.released}'"
+        arguments = self._by_key_params(acquired, released, "p_reason", "p_key", "p_lock_wait")
         if self.connection.vendor == "postgresql":
-            by_key_sql = with_arguments(
-                self.by_key_sql,
-                *(released, "p_reason", "p_key", acquired, "p_lock_wait", released, acquired),
-            )
+            by_key_sql = with_arguments(self.by_key_sql, *arguments)
             read_sql = with_arguments(self.released_on_key_sql, "p_key")
             outputs_sql = ", ".join(POSTGRES_READ)
             aggregates_sql = ", ".join(f"array_agg(x.{output})" for output in POSTGRES_READ)
@@ -166,8 +162,18 @@ class ReleaseStatements(SQL):
             " SET v_released = ROW_COUNT(); SELECT v_released;"
             f" IF v_released > 0 AND {self.reads_back_sql} THEN"
             f" {self.released_on_key_sql}; END IF; END",
-            *(acquired, released, released, "p_reason", "p_key", acquired, "p_key", "p_key"),
+            *arguments,
+            "p_key",
         )
+
+    def _by_key_params(
+        self, acquired: str, released: str, reason: str, key: str, lock_timeout: str
+    ) -> list[str]:
+        """The parameters of ``by_key_sql``, in its order (``lock_timeout``:
+        PostgreSQL's only)."""
+        if self.connection.vendor == "mysql":
+            return [acquired, released, released, reason, key, acquired, key]
+        return [released, reason, key, acquired, lock_timeout, released, acquired]
 
     def _by_key_sql(self) -> str:
         """Release by key in one statement where the database can update
@@ -277,7 +283,7 @@ class ReleaseStatements(SQL):
             with self.connection.cursor() as cursor:
                 cursor.execute(
                     f"CALL {ROUTINE}(%s, %s, %s, %s{', NULL' * (1 + len(POSTGRES_READ))})",
-                    [key, reason, lock_timeout(lock_wait), read.value],
+                    [key, reason, backends.lock_timeout(lock_wait), read.value],
                 )
                 ended, *columns = cursor.fetchone()
             rows = list(zip(*columns, strict=True)) if ended and columns[0] else []
@@ -291,11 +297,9 @@ class ReleaseStatements(SQL):
                 while cursor.nextset():  # the call's closing status
                     pass
             return ended, self._exactly(key, rows)
-        acquired, released = self.acquired, self.released
-        if self.connection.vendor == "mysql":
-            params = [acquired, released, released, reason, key, acquired, key]
-        else:
-            params = [released, reason, key, acquired, lock_timeout(lock_wait), released, acquired]
+        params = self._by_key_params(
+            self.acquired, self.released, reason, key, backends.lock_timeout(lock_wait)
+        )
         with self.connection.cursor() as cursor:
             cursor.execute(self.bounded(self.by_key_sql, lock_wait), params)
             if self.connection.vendor == "mysql":
@@ -373,10 +377,7 @@ class ReleaseStatements(SQL):
         statement released (its "p"): the manager's, its one id placeholder
         made a read of "p" (with neither RawSQL nor values in the text)."""
         sql = self.locking_read(ReleaseCounter, "semaphore_id", [0], "semaphore_id")
-        one_id = f"IN ({placeholders(1)})"
-        if sql.count(one_id) != 1:  # pragma: no cover - a Django change would show here
-            raise AssertionError(f"Unexpected locking read: {sql!r}")
-        return sql.replace(one_id, f"IN (SELECT {self.q('semaphore_id')} FROM p)")
+        return self.replaced_once(sql, "IN (%s)", f"IN (SELECT {self.q('semaphore_id')} FROM p)")
 
 
 def release_statements(connection: BaseDatabaseWrapper) -> ReleaseStatements:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
@@ -59,19 +59,9 @@ class Usage:
     expired: bool  # an expired request holds one of the semaphores
 
 
-LOCKED_COLUMNS = (
-    "id",
-    "name",
-    "capacity",
-    "in_use_counter",
-    "released_folded",
-    "fencing_counter",
-    "queued_until",
-    "queue_live",
-    "window",
-    "slots_open",
-    "slots_closed_until",
-)
+# The locking read's columns: ``LockedSemaphore``'s fields in their order,
+# but the release total (``Statements._released_with_the_lock``).
+LOCKED_COLUMNS = tuple(field.name for field in fields(LockedSemaphore) if field.name != "released")
 
 
 def held(counted: int, folded: int, released: int) -> int:

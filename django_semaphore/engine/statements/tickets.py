@@ -137,7 +137,7 @@ class TicketStatements(SQL):
                 ),
                 lock_wait,
             ),
-            [*semaphore_ids, True, self.connection.ops.adapt_datetimefield_value(now), key, key],
+            [*semaphore_ids, True, self.adapt(now), key, key],
         )
         return {int(id): (int(n), int(units)) for id, n, units in cursor.fetchall()}
 
@@ -161,13 +161,12 @@ class TicketStatements(SQL):
         (``short``), where the queue is then live until ``expires_at`` at
         least. Returns where new ones rank; ``None`` where tickets are not
         ranked yet (a deploy under way)."""
-        adapt = self.connection.ops.adapt_datetimefield_value
-        created, expires = adapt(now), adapt(expires_at)
+        created, expires = self.adapt(now), self.adapt(expires_at)
         ranked_at, ranks = None, []
         if ranked := backends.tickets_ranked(self.connection):
             turn = self.turn(counts, share, now) if share else None
             ranked_at = line.ranked(turn or now, priority, app_settings.PRIORITY_STEP)
-            ranks = [priority, adapt(ranked_at), share, adapt(turn)]
+            ranks = [priority, self.adapt(ranked_at), share, self.adapt(turn)]
         values = [
             [id, key, owner, count, created, expires, id in short, *ranks]
             for id, count in counts.items()
@@ -193,7 +192,7 @@ class TicketStatements(SQL):
     ) -> None:
         """The queues of these semaphores (rows this transaction holds
         locked: no lock wait to bound) live until ``expires_at`` at least."""
-        expires = self.connection.ops.adapt_datetimefield_value(expires_at)
+        expires = self.adapt(expires_at)
         cursor.execute(
             self.queued_until_sql.format(ids=placeholders(len(semaphore_ids))),
             [expires, *semaphore_ids, expires],
@@ -214,7 +213,7 @@ class TicketStatements(SQL):
         ticket lacks room any more."""
         cursor.execute(
             self.queue_over_sql.format(ids=placeholders(len(semaphore_ids))),
-            [*semaphore_ids, True, self.connection.ops.adapt_datetimefield_value(now)],
+            [*semaphore_ids, True, self.adapt(now)],
         )
 
 
