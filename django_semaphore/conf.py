@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from fnmatch import fnmatchcase
 from typing import Any, Generic, TypeVar
@@ -420,14 +420,11 @@ class Family:
 
 def families() -> list[Family]:
     """The declared families, in settings order (the order names are matched in)."""
-    families = []
-    for pattern, value in app_settings.SEMAPHORES.items():
-        if is_pattern(pattern):
-            declared = validate_declared(pattern, value)
-            families.append(
-                Family(pattern, declared.capacity, declared.window, declared.max_members)
-            )
-    return families
+    return [
+        Family(pattern, **asdict(validate_declared(pattern, value)))
+        for pattern, value in app_settings.SEMAPHORES.items()
+        if is_pattern(pattern)
+    ]
 
 
 def family_of(name: str) -> Family | None:
