@@ -333,15 +333,7 @@ def _checker_problems(value: Any) -> list[str]:
         return [
             f"DJANGO_SEMAPHORE['LIVENESS_CHECKERS'] must be a list of dotted paths, not {value!r}."
         ]
-    problems: list[str] = []
-    for path in value:
-        try:
-            import_string(path)
-        except ImportError as exc:
-            problems.append(
-                f"DJANGO_SEMAPHORE['LIVENESS_CHECKERS']: {path!r} cannot be imported: {exc}"
-            )
-    return problems
+    return [problem for path in value for problem in _import_problems("LIVENESS_CHECKERS", path)]
 
 
 def _refused_view_problems(value: Any) -> list[str]:
@@ -349,12 +341,18 @@ def _refused_view_problems(value: Any) -> list[str]:
     imported by the check: the default's module is the app's own."""
     if not isinstance(value, str):
         return [f"DJANGO_SEMAPHORE['REFUSED_VIEW'] must be a dotted path, not {value!r}."]
-    try:
-        view = import_string(value)
-    except ImportError as exc:
-        return [f"DJANGO_SEMAPHORE['REFUSED_VIEW']: {value!r} cannot be imported: {exc}"]
-    if not callable(view):
+    if problems := _import_problems("REFUSED_VIEW", value):
+        return problems
+    if not callable(import_string(value)):
         return [f"DJANGO_SEMAPHORE['REFUSED_VIEW']: {value!r} is not callable."]
+    return []
+
+
+def _import_problems(key: str, path: str) -> list[str]:
+    try:
+        import_string(path)
+    except ImportError as exc:
+        return [f"DJANGO_SEMAPHORE[{key!r}]: {path!r} cannot be imported: {exc}"]
     return []
 
 
