@@ -340,43 +340,35 @@ def check_database_servers(databases: Any = None, **kwargs: Any) -> list[CheckMe
     return [warning for alias, server in servers for warning in _server_warnings(alias, server)]
 
 
-def _server_warnings(alias: str, server: backends.ServerSettings) -> list[CheckMessage]:
-    warnings: list[CheckMessage] = []
+def _server_warnings(alias: str, server: backends.ServerSettings) -> Iterator[CheckMessage]:
     if server.read_only:
-        warnings.append(
-            Warning(
-                f"The semaphore database {alias!r} is read-only ({server.read_only}): "
-                "a replica, or a demoted primary.",
-                hint="Point the alias at the primary (or the cluster's writer endpoint).",
-                id="django_semaphore.W011",
-            )
+        yield Warning(
+            f"The semaphore database {alias!r} is read-only ({server.read_only}): "
+            "a replica, or a demoted primary.",
+            hint="Point the alias at the primary (or the cluster's writer endpoint).",
+            id="django_semaphore.W011",
         )
     if server.galera and not server.causal_reads:
-        warnings.append(
-            Warning(
-                f"The semaphore database {alias!r} is a Galera node without causal reads "
-                "(wsrep_sync_wait lacks 1): grants stay safe, but a release or renew on "
-                "another node than the grant's may not find it yet (NOT_FOUND, the "
-                "permit then held until its TTL or the sweep).",
-                hint="Add \"SET SESSION wsrep_sync_wait = 1\" to OPTIONS['init_command'], or "
-                f"send every client of the app to one node. See {SITE}clusters/.",
-                id="django_semaphore.W004",
-            )
+        yield Warning(
+            f"The semaphore database {alias!r} is a Galera node without causal reads "
+            "(wsrep_sync_wait lacks 1): grants stay safe, but a release or renew on "
+            "another node than the grant's may not find it yet (NOT_FOUND, the "
+            "permit then held until its TTL or the sweep).",
+            hint="Add \"SET SESSION wsrep_sync_wait = 1\" to OPTIONS['init_command'], or "
+            f"send every client of the app to one node. See {SITE}clusters/.",
+            id="django_semaphore.W004",
         )
     if server.isolation not in {"", "read committed", "read-committed"}:
-        warnings.append(
-            Warning(
-                f"The semaphore database {alias!r} runs at {server.isolation.upper()}: the "
-                "grant is designed for READ COMMITTED (it reads the permits committed "
-                "before its row lock); other levels cost retried serialization failures, "
-                "refusals for permits never committed, and the line's hand-off at the "
-                "head (the first waiter does not wait there for a release it would not see).",
-                hint=f"Leave DATABASES[{alias!r}]['OPTIONS']['isolation_level'] unset, or "
-                "give the app its own alias at READ COMMITTED.",
-                id="django_semaphore.W005",
-            )
+        yield Warning(
+            f"The semaphore database {alias!r} runs at {server.isolation.upper()}: the "
+            "grant is designed for READ COMMITTED (it reads the permits committed "
+            "before its row lock); other levels cost retried serialization failures, "
+            "refusals for permits never committed, and the line's hand-off at the "
+            "head (the first waiter does not wait there for a release it would not see).",
+            hint=f"Leave DATABASES[{alias!r}]['OPTIONS']['isolation_level'] unset, or "
+            "give the app its own alias at READ COMMITTED.",
+            id="django_semaphore.W005",
         )
-    return warnings
 
 
 @register(Tags.database)
