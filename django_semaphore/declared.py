@@ -81,8 +81,6 @@ def drift(using: str, *, missing: bool = True) -> list[Drift]:
         DatabaseError: the tables cannot be read (not migrated, unreachable).
     """
     declared = declared_on(using)
-    if not declared:
-        return []
     stored = {
         name: Limit(capacity, window)
         for name, capacity, window in Semaphore.objects.using(using)
@@ -106,8 +104,6 @@ def create_declared_semaphores(
         return
     # A family's pattern is created too: its row holds the family default.
     declared = declared_on(using)
-    if not declared:
-        return
     semaphores = Semaphore.objects.using(using)
     existing = set(semaphores.filter(name__in=declared).values_list("name", flat=True))
     semaphores.bulk_create(
