@@ -377,12 +377,9 @@ def _per_member_problems(value: Any) -> list[str]:
             "DJANGO_SEMAPHORE['METRICS_PER_MEMBER'] must be a list of family patterns, "
             f"not {value!r}."
         ]
-    declared = app_settings.user_settings.get("SEMAPHORES", {})
-    families = (
-        [name for name in declared if isinstance(name, str) and is_pattern(name)]
-        if isinstance(declared, Mapping)
-        else []
-    )
+    declared = app_settings.user_settings.get("SEMAPHORES")
+    names = declared if isinstance(declared, Mapping) else {}
+    families = [name for name in names if isinstance(name, str) and is_pattern(name)]
     return [
         f"DJANGO_SEMAPHORE['METRICS_PER_MEMBER'] names {pattern!r}, which is not a family "
         f"declared in SEMAPHORES (declared: {families!r})."
