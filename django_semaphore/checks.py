@@ -265,39 +265,35 @@ def _app_aliases() -> list[str]:
 @register(Tags.compatibility)
 def check_production_database(**kwargs: Any) -> list[CheckMessage]:
     """SQLite outside DEBUG, or an alias that looks like a replica."""
-    warnings: list[CheckMessage] = []
+    return list(_production_database_warnings())
+
+
+def _production_database_warnings() -> Iterator[CheckMessage]:
     aliases = _app_aliases()
     elsewhere = _routed_writes() - set(aliases) if aliases else set()
     if elsewhere:
         # Grants decided away from where the app's writes go could over-grant.
-        warnings.append(
-            Warning(
-                f"The routers send semaphore writes to {', '.join(sorted(elsewhere))}, not "
-                f"to the app's alias {routing.current_alias()!r}: it looks like a replica.",
-                hint=f"Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See {SITE}clusters/.",
-                id="django_semaphore.W003",
-            )
+        yield Warning(
+            f"The routers send semaphore writes to {', '.join(sorted(elsewhere))}, not "
+            f"to the app's alias {routing.current_alias()!r}: it looks like a replica.",
+            hint=f"Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See {SITE}clusters/.",
+            id="django_semaphore.W003",
         )
     for alias in aliases:
         database = settings.DATABASES[alias]
         if database.get("ENGINE", "").endswith("sqlite3") and not settings.DEBUG:
-            warnings.append(
-                Warning(
-                    f"The semaphore database {alias!r} is SQLite outside DEBUG: permits are "
-                    "shared only by the processes of this one machine.",
-                    hint="Use MariaDB/MySQL or PostgreSQL when several machines acquire.",
-                    id="django_semaphore.W002",
-                )
+            yield Warning(
+                f"The semaphore database {alias!r} is SQLite outside DEBUG: permits are "
+                "shared only by the processes of this one machine.",
+                hint="Use MariaDB/MySQL or PostgreSQL when several machines acquire.",
+                id="django_semaphore.W002",
             )
         if database.get("TEST", {}).get("MIRROR"):
-            warnings.append(
-                Warning(
-                    f"The semaphore database {alias!r} looks like a replica (a test mirror).",
-                    hint=f"Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See {SITE}clusters/.",
-                    id="django_semaphore.W003",
-                )
+            yield Warning(
+                f"The semaphore database {alias!r} looks like a replica (a test mirror).",
+                hint=f"Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See {SITE}clusters/.",
+                id="django_semaphore.W003",
             )
-    return warnings
 
 
 def _routed_writes() -> set[str]:
