@@ -10,7 +10,6 @@ from django.utils.translation import gettext_lazy as _
 
 class DjangoSemaphoreConfig(AppConfig):
     name = "django_semaphore"
-    label = "django_semaphore"
     verbose_name = _("Semaphores")
     default_auto_field = "django.db.models.BigAutoField"
 
