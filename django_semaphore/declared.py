@@ -103,14 +103,11 @@ def create_declared_semaphores(
     if not router.allow_migrate_model(using, Semaphore):
         return
     # A family's pattern is created too: its row holds the family default.
-    declared = declared_on(using)
-    semaphores = Semaphore.objects.using(using)
-    existing = set(semaphores.filter(name__in=declared).values_list("name", flat=True))
-    semaphores.bulk_create(
+    Semaphore.objects.using(using).bulk_create(
         [
-            Semaphore(name=name, capacity=limits.capacity, window=limits.window)
-            for name, limits in sorted(declared.items())
-            if name not in existing
+            Semaphore(name=each.name, capacity=each.declared.capacity, window=each.declared.window)
+            for each in drift(using)
+            if each.stored is None
         ],
         ignore_conflicts=True,
     )
