@@ -213,22 +213,6 @@ def check_task_backends(**kwargs: Any) -> list[CheckMessage]:
 
 
 @register(Tags.compatibility)
-def check_sqlite_transactions(**kwargs: Any) -> list[CheckMessage]:
-    """Deferred SQLite transactions make concurrent acquirers fail with
-    "database is locked" instead of waiting their turn."""
-    return [
-        Warning(
-            f"SQLite database {alias!r} does not use immediate transactions: "
-            "concurrent acquires may fail instead of waiting.",
-            hint=f"Set DATABASES[{alias!r}]['OPTIONS']['transaction_mode'] = 'IMMEDIATE'.",
-            id="django_semaphore.W001",
-        )
-        for alias in _app_aliases()
-        if backends.is_sqlite_without_immediate_transactions(settings.DATABASES[alias])
-    ]
-
-
-@register(Tags.compatibility)
 def check_listening(**kwargs: Any) -> list[CheckMessage]:
     """A PostgreSQL alias behind a transaction pooler, with no direct
     connection named for ``LISTEN``: its waiters poll (``waiting.listening``)."""
@@ -264,7 +248,8 @@ def _app_aliases() -> list[str]:
 
 @register(Tags.compatibility)
 def check_production_database(**kwargs: Any) -> list[CheckMessage]:
-    """SQLite outside DEBUG, or an alias that looks like a replica."""
+    """SQLite outside DEBUG or with deferred transactions, or an alias that
+    looks like a replica."""
     return list(_production_database_warnings())
 
 
@@ -281,6 +266,15 @@ def _production_database_warnings() -> Iterator[CheckMessage]:
         )
     for alias in aliases:
         database = settings.DATABASES[alias]
+        # Deferred SQLite transactions make concurrent acquirers fail with
+        # "database is locked" instead of waiting their turn.
+        if backends.is_sqlite_without_immediate_transactions(database):
+            yield Warning(
+                f"SQLite database {alias!r} does not use immediate transactions: "
+                "concurrent acquires may fail instead of waiting.",
+                hint=f"Set DATABASES[{alias!r}]['OPTIONS']['transaction_mode'] = 'IMMEDIATE'.",
+                id="django_semaphore.W001",
+            )
         if database.get("ENGINE", "").endswith("sqlite3") and not settings.DEBUG:
             yield Warning(
                 f"The semaphore database {alias!r} is SQLite outside DEBUG: permits are "
