@@ -59,28 +59,20 @@ class Drift:
         )
 
 
-def declared_on(using: str) -> dict[str, Declared]:
-    """The declared semaphores (and family patterns) placed on ``using``.
+def drift(using: str, *, missing: bool = True) -> list[Drift]:
+    """The declared semaphores (and family patterns) placed on ``using``
+    whose row differs from settings (and, with ``missing``, those with no
+    row), in name order.
 
     Raises:
         ImproperlyConfigured: ``SEMAPHORES`` (or the routing settings) is malformed.
+        DatabaseError: the tables cannot be read (not migrated, unreachable).
     """
-    return {
+    declared = {
         name: validate_declared(name, value)
         for name, value in app_settings.SEMAPHORES.items()
         if routing.alias_for_name(name) == using
     }
-
-
-def drift(using: str, *, missing: bool = True) -> list[Drift]:
-    """The declared semaphores on ``using`` whose row differs from settings
-    (and, with ``missing``, those with no row), in name order.
-
-    Raises:
-        ImproperlyConfigured: the settings are malformed.
-        DatabaseError: the tables cannot be read (not migrated, unreachable).
-    """
-    declared = declared_on(using)
     stored = {
         name: Limit(capacity, window)
         for name, capacity, window in Semaphore.objects.using(using)
