@@ -424,10 +424,8 @@ def families() -> list[Family]:
 
 def family_of(name: str) -> Family | None:
     """The family whose pattern matches ``name`` first; ``None`` if none does."""
-    for family in families():
-        if name != family.pattern and fnmatchcase(name, family.pattern):
-            return family
-    return None
+    matching = (f for f in families() if name != f.pattern and fnmatchcase(name, f.pattern))
+    return next(matching, None)
 
 
 def declared_capacity(name: str) -> float:
