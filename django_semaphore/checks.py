@@ -193,23 +193,24 @@ def check_beat_schedule(**kwargs: Any) -> list[CheckMessage]:
 def check_task_backends(**kwargs: Any) -> list[CheckMessage]:
     """Where a Django tasks backend cannot defer a run, a task under
     ``@holds_permit`` that finds no room waits in its worker: say so."""
-    messages: list[CheckMessage] = []
-    for alias, options in getattr(settings, "TASKS", {}).items():
-        try:
-            backend = import_string(options["BACKEND"])
-        except (ImportError, KeyError, TypeError):
-            continue  # the tasks framework's own checks report it
-        if issubclass(backend, django_tasks.inline_backends()) or deferred.can_defer(backend):
-            continue
-        messages.append(
-            Info(
-                f"Django tasks of the task backend {alias!r} that find no room wait in "
-                "their worker, which they keep busy: it cannot defer runs.",
-                hint=f"django-tasks-db's DatabaseBackend defers them; see {SITE}django-tasks/.",
-                id="django_semaphore.I001",
-            )
+    return [
+        Info(
+            f"Django tasks of the task backend {alias!r} that find no room wait in "
+            "their worker, which they keep busy: it cannot defer runs.",
+            hint=f"django-tasks-db's DatabaseBackend defers them; see {SITE}django-tasks/.",
+            id="django_semaphore.I001",
         )
-    return messages
+        for alias, options in getattr(settings, "TASKS", {}).items()
+        if _waits_in_worker(options)
+    ]
+
+
+def _waits_in_worker(options: Any) -> bool:
+    try:
+        backend = import_string(options["BACKEND"])
+    except (ImportError, KeyError, TypeError):
+        return False  # the tasks framework's own checks report it
+    return not (issubclass(backend, django_tasks.inline_backends()) or deferred.can_defer(backend))
 
 
 @register(Tags.compatibility)
