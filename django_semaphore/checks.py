@@ -300,8 +300,7 @@ def _routed_writes() -> set[str]:
     chosen: set[str] = set()
     for model in (Semaphore, PermitRequest, Permit):
         for candidate in router.routers:
-            method = getattr(candidate, "db_for_write", None)
-            alias = None if method is None else method(model)
+            alias = getattr(candidate, "db_for_write", lambda model: None)(model)
             if alias is not None:
                 chosen.add(alias)
                 break
