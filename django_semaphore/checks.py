@@ -81,9 +81,7 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
     ]
     for key, value in user.items():
         if key in DEFAULTS:
-            errors.extend(
-                _error(SETTING_IDS[key], problem) for problem in setting_problems(key, value)
-            )
+            errors += [_error(SETTING_IDS[key], each) for each in setting_problems(key, value)]
     if "SEMAPHORES" in user and not setting_problems("SEMAPHORES", user["SEMAPHORES"]):
         errors.extend(_shadowed_families(user["SEMAPHORES"]))
     return errors
