@@ -310,8 +310,7 @@ def _read_each(databases: Any, read: Callable[[str], T]) -> Iterator[tuple[str, 
     ``check --database`` asks about; none unless asked, as Django's own
     database checks. An alias ``read`` fails on is passed over: unreachable
     or not migrated, Django's own checks and ``migrate`` say so."""
-    asked = [] if databases is None else [a for a in _app_aliases() if a in databases]
-    for alias in asked:
+    for alias in [] if databases is None else [a for a in _app_aliases() if a in databases]:
         try:
             found = read(alias)
         except db.Error:
