@@ -10,17 +10,13 @@ from django.utils.translation import gettext_lazy as _
 
 class DjangoSemaphoreConfig(AppConfig):
     name = "django_semaphore"
-    label = "django_semaphore"
     verbose_name = _("Semaphores")
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
         # Imported here, as Django asks: this module is imported while the app
         # registry loads, before any model can be.
-        from django_semaphore import (
-            checks,  # noqa: F401  (registers the checks)
-            parking,
-        )
+        from django_semaphore import checks, parking  # noqa: F401  (checks registers the checks)
         from django_semaphore.conf import app_settings
         from django_semaphore.declared import create_declared_semaphores
         from django_semaphore.integrations import celery_tasks, django_tasks

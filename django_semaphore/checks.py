@@ -81,9 +81,7 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
     ]
     for key, value in user.items():
         if key in DEFAULTS:
-            errors.extend(
-                _error(SETTING_IDS[key], problem) for problem in setting_problems(key, value)
-            )
+            errors += [_error(SETTING_IDS[key], each) for each in setting_problems(key, value)]
     if "SEMAPHORES" in user and not setting_problems("SEMAPHORES", user["SEMAPHORES"]):
         errors.extend(_shadowed_families(user["SEMAPHORES"]))
     return errors
@@ -193,39 +191,24 @@ def check_beat_schedule(**kwargs: Any) -> list[CheckMessage]:
 def check_task_backends(**kwargs: Any) -> list[CheckMessage]:
     """Where a Django tasks backend cannot defer a run, a task under
     ``@holds_permit`` that finds no room waits in its worker: say so."""
-    messages: list[CheckMessage] = []
-    for alias, options in getattr(settings, "TASKS", {}).items():
-        try:
-            backend = import_string(options["BACKEND"])
-        except (ImportError, KeyError, TypeError):
-            continue  # the tasks framework's own checks report it
-        if issubclass(backend, django_tasks.inline_backends()) or deferred.can_defer(backend):
-            continue
-        messages.append(
-            Info(
-                f"Django tasks of the task backend {alias!r} that find no room wait in "
-                "their worker, which they keep busy: it cannot defer runs.",
-                hint=f"django-tasks-db's DatabaseBackend defers them; see {SITE}django-tasks/.",
-                id="django_semaphore.I001",
-            )
-        )
-    return messages
-
-
-@register(Tags.compatibility)
-def check_sqlite_transactions(**kwargs: Any) -> list[CheckMessage]:
-    """Deferred SQLite transactions make concurrent acquirers fail with
-    "database is locked" instead of waiting their turn."""
     return [
-        Warning(
-            f"SQLite database {alias!r} does not use immediate transactions: "
-            "concurrent acquires may fail instead of waiting.",
-            hint=f"Set DATABASES[{alias!r}]['OPTIONS']['transaction_mode'] = 'IMMEDIATE'.",
-            id="django_semaphore.W001",
+        Info(
+            f"Django tasks of the task backend {alias!r} that find no room wait in "
+            "their worker, which they keep busy: it cannot defer runs.",
+            hint=f"django-tasks-db's DatabaseBackend defers them; see {SITE}django-tasks/.",
+            id="django_semaphore.I001",
         )
-        for alias in _app_aliases()
-        if backends.is_sqlite_without_immediate_transactions(settings.DATABASES[alias])
+        for alias, options in getattr(settings, "TASKS", {}).items()
+        if _waits_in_worker(options)
     ]
+
+
+def _waits_in_worker(options: Any) -> bool:
+    try:
+        backend = import_string(options["BACKEND"])
+    except (ImportError, KeyError, TypeError):
+        return False  # the tasks framework's own checks report it
+    return not (issubclass(backend, django_tasks.inline_backends()) or deferred.can_defer(backend))
 
 
 @register(Tags.compatibility)
@@ -264,40 +247,46 @@ def _app_aliases() -> list[str]:
 
 @register(Tags.compatibility)
 def check_production_database(**kwargs: Any) -> list[CheckMessage]:
-    """SQLite outside DEBUG, or an alias that looks like a replica."""
-    warnings: list[CheckMessage] = []
+    """SQLite outside DEBUG or with deferred transactions, or an alias that
+    looks like a replica."""
+    return list(_production_database_warnings())
+
+
+def _production_database_warnings() -> Iterator[CheckMessage]:
     aliases = _app_aliases()
     elsewhere = _routed_writes() - set(aliases) if aliases else set()
     if elsewhere:
         # Grants decided away from where the app's writes go could over-grant.
-        warnings.append(
-            Warning(
-                f"The routers send semaphore writes to {', '.join(sorted(elsewhere))}, not "
-                f"to the app's alias {routing.current_alias()!r}: it looks like a replica.",
-                hint=f"Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See {SITE}clusters/.",
-                id="django_semaphore.W003",
-            )
+        yield Warning(
+            f"The routers send semaphore writes to {', '.join(sorted(elsewhere))}, not "
+            f"to the app's alias {routing.current_alias()!r}: it looks like a replica.",
+            hint=f"Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See {SITE}clusters/.",
+            id="django_semaphore.W003",
         )
     for alias in aliases:
         database = settings.DATABASES[alias]
+        # Deferred SQLite transactions make concurrent acquirers fail with
+        # "database is locked" instead of waiting their turn.
+        if backends.is_sqlite_without_immediate_transactions(database):
+            yield Warning(
+                f"SQLite database {alias!r} does not use immediate transactions: "
+                "concurrent acquires may fail instead of waiting.",
+                hint=f"Set DATABASES[{alias!r}]['OPTIONS']['transaction_mode'] = 'IMMEDIATE'.",
+                id="django_semaphore.W001",
+            )
         if database.get("ENGINE", "").endswith("sqlite3") and not settings.DEBUG:
-            warnings.append(
-                Warning(
-                    f"The semaphore database {alias!r} is SQLite outside DEBUG: permits are "
-                    "shared only by the processes of this one machine.",
-                    hint="Use MariaDB/MySQL or PostgreSQL when several machines acquire.",
-                    id="django_semaphore.W002",
-                )
+            yield Warning(
+                f"The semaphore database {alias!r} is SQLite outside DEBUG: permits are "
+                "shared only by the processes of this one machine.",
+                hint="Use MariaDB/MySQL or PostgreSQL when several machines acquire.",
+                id="django_semaphore.W002",
             )
         if database.get("TEST", {}).get("MIRROR"):
-            warnings.append(
-                Warning(
-                    f"The semaphore database {alias!r} looks like a replica (a test mirror).",
-                    hint=f"Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See {SITE}clusters/.",
-                    id="django_semaphore.W003",
-                )
+            yield Warning(
+                f"The semaphore database {alias!r} looks like a replica (a test mirror).",
+                hint=f"Point DJANGO_SEMAPHORE['DATABASE'] at the primary. See {SITE}clusters/.",
+                id="django_semaphore.W003",
             )
-    return warnings
 
 
 def _routed_writes() -> set[str]:
@@ -309,8 +298,7 @@ def _routed_writes() -> set[str]:
     chosen: set[str] = set()
     for model in (Semaphore, PermitRequest, Permit):
         for candidate in router.routers:
-            method = getattr(candidate, "db_for_write", None)
-            alias = None if method is None else method(model)
+            alias = getattr(candidate, "db_for_write", lambda model: None)(model)
             if alias is not None:
                 chosen.add(alias)
                 break
@@ -322,8 +310,7 @@ def _read_each(databases: Any, read: Callable[[str], T]) -> Iterator[tuple[str, 
     ``check --database`` asks about; none unless asked, as Django's own
     database checks. An alias ``read`` fails on is passed over: unreachable
     or not migrated, Django's own checks and ``migrate`` say so."""
-    asked = [] if databases is None else [a for a in _app_aliases() if a in databases]
-    for alias in asked:
+    for alias in [] if databases is None else [a for a in _app_aliases() if a in databases]:
         try:
             found = read(alias)
         except db.Error:
@@ -340,43 +327,35 @@ def check_database_servers(databases: Any = None, **kwargs: Any) -> list[CheckMe
     return [warning for alias, server in servers for warning in _server_warnings(alias, server)]
 
 
-def _server_warnings(alias: str, server: backends.ServerSettings) -> list[CheckMessage]:
-    warnings: list[CheckMessage] = []
+def _server_warnings(alias: str, server: backends.ServerSettings) -> Iterator[CheckMessage]:
     if server.read_only:
-        warnings.append(
-            Warning(
-                f"The semaphore database {alias!r} is read-only ({server.read_only}): "
-                "a replica, or a demoted primary.",
-                hint="Point the alias at the primary (or the cluster's writer endpoint).",
-                id="django_semaphore.W011",
-            )
+        yield Warning(
+            f"The semaphore database {alias!r} is read-only ({server.read_only}): "
+            "a replica, or a demoted primary.",
+            hint="Point the alias at the primary (or the cluster's writer endpoint).",
+            id="django_semaphore.W011",
         )
     if server.galera and not server.causal_reads:
-        warnings.append(
-            Warning(
-                f"The semaphore database {alias!r} is a Galera node without causal reads "
-                "(wsrep_sync_wait lacks 1): grants stay safe, but a release or renew on "
-                "another node than the grant's may not find it yet (NOT_FOUND, the "
-                "permit then held until its TTL or the sweep).",
-                hint="Add \"SET SESSION wsrep_sync_wait = 1\" to OPTIONS['init_command'], or "
-                f"send every client of the app to one node. See {SITE}clusters/.",
-                id="django_semaphore.W004",
-            )
+        yield Warning(
+            f"The semaphore database {alias!r} is a Galera node without causal reads "
+            "(wsrep_sync_wait lacks 1): grants stay safe, but a release or renew on "
+            "another node than the grant's may not find it yet (NOT_FOUND, the "
+            "permit then held until its TTL or the sweep).",
+            hint="Add \"SET SESSION wsrep_sync_wait = 1\" to OPTIONS['init_command'], or "
+            f"send every client of the app to one node. See {SITE}clusters/.",
+            id="django_semaphore.W004",
         )
     if server.isolation not in {"", "read committed", "read-committed"}:
-        warnings.append(
-            Warning(
-                f"The semaphore database {alias!r} runs at {server.isolation.upper()}: the "
-                "grant is designed for READ COMMITTED (it reads the permits committed "
-                "before its row lock); other levels cost retried serialization failures, "
-                "refusals for permits never committed, and the line's hand-off at the "
-                "head (the first waiter does not wait there for a release it would not see).",
-                hint=f"Leave DATABASES[{alias!r}]['OPTIONS']['isolation_level'] unset, or "
-                "give the app its own alias at READ COMMITTED.",
-                id="django_semaphore.W005",
-            )
+        yield Warning(
+            f"The semaphore database {alias!r} runs at {server.isolation.upper()}: the "
+            "grant is designed for READ COMMITTED (it reads the permits committed "
+            "before its row lock); other levels cost retried serialization failures, "
+            "refusals for permits never committed, and the line's hand-off at the "
+            "head (the first waiter does not wait there for a release it would not see).",
+            hint=f"Leave DATABASES[{alias!r}]['OPTIONS']['isolation_level'] unset, or "
+            "give the app its own alias at READ COMMITTED.",
+            id="django_semaphore.W005",
         )
-    return warnings
 
 
 @register(Tags.database)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from fnmatch import fnmatchcase
 from typing import Any, Generic, TypeVar
@@ -333,15 +333,7 @@ def _checker_problems(value: Any) -> list[str]:
         return [
             f"DJANGO_SEMAPHORE['LIVENESS_CHECKERS'] must be a list of dotted paths, not {value!r}."
         ]
-    problems: list[str] = []
-    for path in value:
-        try:
-            import_string(path)
-        except ImportError as exc:
-            problems.append(
-                f"DJANGO_SEMAPHORE['LIVENESS_CHECKERS']: {path!r} cannot be imported: {exc}"
-            )
-    return problems
+    return [problem for path in value for problem in _import_problems("LIVENESS_CHECKERS", path)]
 
 
 def _refused_view_problems(value: Any) -> list[str]:
@@ -349,12 +341,18 @@ def _refused_view_problems(value: Any) -> list[str]:
     imported by the check: the default's module is the app's own."""
     if not isinstance(value, str):
         return [f"DJANGO_SEMAPHORE['REFUSED_VIEW'] must be a dotted path, not {value!r}."]
-    try:
-        view = import_string(value)
-    except ImportError as exc:
-        return [f"DJANGO_SEMAPHORE['REFUSED_VIEW']: {value!r} cannot be imported: {exc}"]
-    if not callable(view):
+    if problems := _import_problems("REFUSED_VIEW", value):
+        return problems
+    if not callable(import_string(value)):
         return [f"DJANGO_SEMAPHORE['REFUSED_VIEW']: {value!r} is not callable."]
+    return []
+
+
+def _import_problems(key: str, path: str) -> list[str]:
+    try:
+        import_string(path)
+    except ImportError as exc:
+        return [f"DJANGO_SEMAPHORE[{key!r}]: {path!r} cannot be imported: {exc}"]
     return []
 
 
@@ -379,12 +377,9 @@ def _per_member_problems(value: Any) -> list[str]:
             "DJANGO_SEMAPHORE['METRICS_PER_MEMBER'] must be a list of family patterns, "
             f"not {value!r}."
         ]
-    declared = app_settings.user_settings.get("SEMAPHORES", {})
-    families = (
-        [name for name in declared if isinstance(name, str) and is_pattern(name)]
-        if isinstance(declared, Mapping)
-        else []
-    )
+    declared = app_settings.user_settings.get("SEMAPHORES")
+    names = declared if isinstance(declared, Mapping) else {}
+    families = [name for name in names if isinstance(name, str) and is_pattern(name)]
     return [
         f"DJANGO_SEMAPHORE['METRICS_PER_MEMBER'] names {pattern!r}, which is not a family "
         f"declared in SEMAPHORES (declared: {families!r})."
@@ -420,22 +415,17 @@ class Family:
 
 def families() -> list[Family]:
     """The declared families, in settings order (the order names are matched in)."""
-    families = []
-    for pattern, value in app_settings.SEMAPHORES.items():
-        if is_pattern(pattern):
-            declared = validate_declared(pattern, value)
-            families.append(
-                Family(pattern, declared.capacity, declared.window, declared.max_members)
-            )
-    return families
+    return [
+        Family(pattern, **asdict(validate_declared(pattern, value)))
+        for pattern, value in app_settings.SEMAPHORES.items()
+        if is_pattern(pattern)
+    ]
 
 
 def family_of(name: str) -> Family | None:
     """The family whose pattern matches ``name`` first; ``None`` if none does."""
-    for family in families():
-        if name != family.pattern and fnmatchcase(name, family.pattern):
-            return family
-    return None
+    matching = (f for f in families() if name != f.pattern and fnmatchcase(name, f.pattern))
+    return next(matching, None)
 
 
 def declared_capacity(name: str) -> float:

@@ -59,30 +59,20 @@ class Drift:
         )
 
 
-def declared_on(using: str) -> dict[str, Declared]:
-    """The declared semaphores (and family patterns) placed on ``using``.
+def drift(using: str, *, missing: bool = True) -> list[Drift]:
+    """The declared semaphores (and family patterns) placed on ``using``
+    whose row differs from settings (and, with ``missing``, those with no
+    row), in name order.
 
     Raises:
         ImproperlyConfigured: ``SEMAPHORES`` (or the routing settings) is malformed.
+        DatabaseError: the tables cannot be read (not migrated, unreachable).
     """
-    return {
+    declared = {
         name: validate_declared(name, value)
         for name, value in app_settings.SEMAPHORES.items()
         if routing.alias_for_name(name) == using
     }
-
-
-def drift(using: str, *, missing: bool = True) -> list[Drift]:
-    """The declared semaphores on ``using`` whose row differs from settings
-    (and, with ``missing``, those with no row), in name order.
-
-    Raises:
-        ImproperlyConfigured: the settings are malformed.
-        DatabaseError: the tables cannot be read (not migrated, unreachable).
-    """
-    declared = declared_on(using)
-    if not declared:
-        return []
     stored = {
         name: Limit(capacity, window)
         for name, capacity, window in Semaphore.objects.using(using)
@@ -105,16 +95,11 @@ def create_declared_semaphores(
     if not router.allow_migrate_model(using, Semaphore):
         return
     # A family's pattern is created too: its row holds the family default.
-    declared = declared_on(using)
-    if not declared:
-        return
-    semaphores = Semaphore.objects.using(using)
-    existing = set(semaphores.filter(name__in=declared).values_list("name", flat=True))
-    semaphores.bulk_create(
+    Semaphore.objects.using(using).bulk_create(
         [
-            Semaphore(name=name, capacity=limits.capacity, window=limits.window)
-            for name, limits in sorted(declared.items())
-            if name not in existing
+            Semaphore(name=each.name, capacity=each.declared.capacity, window=each.declared.window)
+            for each in drift(using)
+            if each.stored is None
         ],
         ignore_conflicts=True,
     )

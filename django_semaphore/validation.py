@@ -272,14 +272,13 @@ def validate_declared(name: Any, value: Any) -> Declared:
                 f"give a capacity (with an optional window) or a rate, and only "
                 f"{sorted(keys)}, not {dict(value)!r}."
             )
-        window: int | None
-        if "rate" in value:
-            if "window" in value:
-                raise InvalidRequest("a rate has its window already ('100/s').")
-            capacity, window = parse_rate(value["rate"])
-        else:
+        if "rate" not in value:
             capacity = validate_capacity(value["capacity"])
             window = validate_window(value.get("window"))
+        elif "window" in value:
+            raise InvalidRequest("a rate has its window already ('100/s').")
+        else:
+            capacity, window = parse_rate(value["rate"])
         bound = value.get("max_members")
         if bound is not None:
             validate_int(bound, "max_members", 1, MAX_COUNT)
