@@ -215,7 +215,7 @@ def validate_window(window: Any) -> int | None:
 
 def _window_seconds(window: Any) -> int:
     seconds = _seconds(window, "window")
-    if seconds != int(seconds) or not 1 <= seconds <= MAX_WINDOW:
+    if not 1 <= seconds <= MAX_WINDOW or seconds != int(seconds):
         raise InvalidRequest(
             f"window must be whole seconds from 1 to {MAX_WINDOW}, or None, not {window!r}."
         )

@@ -392,6 +392,7 @@ def test_rates_read_as_a_capacity_per_window(rate, limits):
         {"capacity": 5, "window": 0},
         {"capacity": 5, "window": 1.5},
         {"capacity": 5, "window": 100_000},
+        pytest.param({"capacity": 5, "window": 10**400}, id="beyond-every-float"),
         {"capacity": 5, "max_members": 3},  # a family's only
     ],
 )
@@ -401,7 +402,10 @@ def test_malformed_declared_rates_fail_the_system_check(settings, value):
     assert "django_semaphore.E009" in [m.id for m in run_checks(tags=[Tags.compatibility])]
 
 
-@pytest.mark.parametrize("window", [0, -1, 1.5, 86_401, "60", True, timedelta(milliseconds=10)])
+@pytest.mark.parametrize(
+    "window",
+    [0, -1, 1.5, 86_401, pytest.param(10**400, id="huge"), "60", True, timedelta(milliseconds=10)],
+)
 def test_set_window_refuses_malformed_windows_and_writes_nothing(window):
     stripe = Semaphore.objects.create(name=unique(), capacity=10)
 
