@@ -343,29 +343,16 @@ def refusal(
     )
     if not waiting_on:
         return None
-    error = SemaphoreExhausted(
-        waiting_on, retry_after=_next_slot_in(sql, cursor, locked, demand, usage.now)
-    )
-    return fairness.Refusal(error, standing)
-
-
-def _next_slot_in(
-    sql: Statements,
-    cursor: CursorWrapper,
-    locked: list[LockedSemaphore],
-    demand: Demand,
-    now: datetime,
-) -> float | None:
-    """Seconds until the rate limits that lack room have room for this
-    demand; ``None`` when a concurrency limit lacks room too (its holders'
-    releases cannot be foretold)."""
-    lacking = lacking_room(locked, demand.counts)
-    if not lacking or not all(s.limit.is_rate for s in lacking):
-        return None
-    frees = [sql.next_slot(cursor, s, demand.counts[s.name], now) for s in lacking]
-    if None in frees:
-        return None
-    return max((at - now).total_seconds() for at in frees if at is not None)
+    # Seconds until the rate limits that lack room have room for this demand;
+    # none when a concurrency limit lacks room too (its holders' releases
+    # cannot be foretold).
+    retry_after = None
+    short = lacking_room(locked, demand.counts)
+    if short and all(s.limit.is_rate for s in short):
+        frees = [sql.next_slot(cursor, s, demand.counts[s.name], usage.now) for s in short]
+        if None not in frees:
+            retry_after = max((at - usage.now).total_seconds() for at in frees if at is not None)
+    return fairness.Refusal(SemaphoreExhausted(waiting_on, retry_after=retry_after), standing)
 
 
 # --- idempotent re-entry -----------------------------------------------------
