@@ -28,7 +28,7 @@ from datetime import datetime, timedelta
 from typing import NamedTuple
 
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Exists, F, OuterRef, Q, Subquery
+from django.db.models import Exists, F, Max, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from django_semaphore import backends
@@ -298,9 +298,7 @@ def _hold_back(connection: BaseDatabaseWrapper, ticket_ids: list[int]) -> None:
         return
     tickets = Ticket.objects.using(connection.alias).filter(id__in=ticket_ids)
     tickets.update(lacked=True)
-    latest: dict[int, datetime] = {}
-    for semaphore_id, expires_at in tickets.values_list("semaphore_id", "expires_at"):
-        latest[semaphore_id] = max(expires_at, latest.get(semaphore_id, expires_at))
+    latest = tickets.order_by().values("semaphore_id").annotate(latest=Max("expires_at"))
     with connection.cursor() as cursor:
-        for semaphore_id, expires_at in latest.items():
+        for semaphore_id, expires_at in latest.values_list("semaphore_id", "latest"):
             ticket_statements(connection).queue_until(cursor, [semaphore_id], expires_at)
