@@ -181,9 +181,8 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
         # round of holds before the next probe, or it would attempt at once
         # again and again.
         interval = min(hold or PROBE_EVERY, POLL_CAP) * random.uniform(0.5, 1.0)
-        if waiter.woken.wait(max(min(interval, deadline - now), 0)) and not WAITERS.notified(
-            waiter
-        ):
+        woken = waiter.woken.wait(max(min(interval, deadline - now), 0))
+        if woken and not WAITERS.notified(waiter):
             return
     low, high = PROBE_BOUNDS
     base = min(max(hold / PROBES_PER_HOLD, low), high) if hold else PROBE_EVERY
