@@ -386,24 +386,20 @@ def reattach_key(connection: BaseDatabaseWrapper, key: str, demand: Demand) -> P
 
 
 def _reattach(alias: str, request: PermitRequest, demand: Demand) -> PermitRequest:
-    held = {
-        name: (count, token)
-        for name, count, token in request.permits.using(alias).values_list(
-            "semaphore__name", "count", "fencing_token"
-        )
-    }
-    if {name: count for name, (count, _) in held.items()} != demand.counts:
+    held = request.permits.using(alias).values_list("semaphore__name", "count", "fencing_token")
+    counts = {name: count for name, count, _ in held}
+    if counts != demand.counts:
         raise IdempotencyConflict(
-            f"Key {request.external_id!r} already holds {_describe(held)}, "
-            f"not {_describe({n: (c, 0) for n, c in demand.counts.items()})}."
+            f"Key {request.external_id!r} already holds {_describe(counts)}, "
+            f"not {_describe(demand.counts)}."
         )
     raise_if_not_held(alias, request)
-    request.__dict__["fencing_tokens"] = {name: token for name, (_, token) in held.items()}
+    request.__dict__["fencing_tokens"] = {name: token for name, _, token in held}
     return request
 
 
-def _describe(held: dict[str, tuple[int, int]]) -> str:
-    return ", ".join(f"{name}x{count}" for name, (count, _) in sorted(held.items())) or "nothing"
+def _describe(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name}x{count}" for name, count in sorted(counts.items())) or "nothing"
 
 
 def raise_if_not_held(alias: str, request: PermitRequest) -> None:
