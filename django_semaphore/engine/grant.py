@@ -255,7 +255,6 @@ def grant_in_one_trip(
     sql = one_trip_statements(connection)
     if not sql.applies():
         return None
-    key, owner = ask.key, ask.owner
     # Where the call stands, as the one-trip grant that may refuse it takes it.
     line = Line(
         standing.ticketed,
@@ -264,7 +263,7 @@ def grant_in_one_trip(
         ask.priority,
         bool(ask.share),
     )
-    granted = sql.grant(ask.demand.counts, key, owner, ttl, lock_wait, line)
+    granted = sql.grant(ask.demand.counts, ask.key, ask.owner, ttl, lock_wait, line)
     if granted is None:
         return None
     if isinstance(granted, Refused):
@@ -272,8 +271,8 @@ def grant_in_one_trip(
     request = _granted(
         connection.alias,
         granted.request_id,
-        key,
-        owner,
+        ask.key,
+        ask.owner,
         ttl,
         granted.expires_at,
         granted.granted_at,
