@@ -206,8 +206,7 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
                     return
             _renew_tickets(connection)
             probed = _probe(connection, waiter)
-            lacking = [room for count, _, room in probed if not room.fits(count)]
-            if not lacking:
+            if not (lacking := [room for count, _, room in probed if not room.fits(count)]):
                 waiter.expected_room = True
                 return
             # A rate limit it lacks room on frees a slot when its window
