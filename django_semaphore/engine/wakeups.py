@@ -168,10 +168,7 @@ def next_slots(alias: str, semaphore_ids: set[int]) -> dict[int, float]:
         .rate_limits()
         .filter(id__in=semaphore_ids)
         .filter(Exists(Ticket.objects.of_parked().filter(semaphore=OuterRef("pk"))))
-        .annotate(
-            next_ends=Subquery(slots.values("slot_ends")[:1]),
-            db_now=DatabaseNow(),
-        )
+        .annotate(next_ends=Subquery(slots.values("slot_ends")[:1]), db_now=DatabaseNow())
         .values_list("id", "next_ends", "db_now")
     )
     return {
