@@ -323,8 +323,7 @@ def refusal(
     permits on the semaphores that lack it, or older tickets waiting (a call
     that waits takes its tickets then). ``None``: it may."""
     demand = ask.demand
-    ids = [s.id for s in locked]
-    usage = sql.usage(cursor, ask.key, ids)
+    usage = sql.usage(cursor, ask.key, [s.id for s in locked])
     if usage.key_taken:
         # A repeated call is answered with its request even when full.
         return KeyTaken()
