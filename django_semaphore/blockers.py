@@ -199,7 +199,8 @@ def _blocker(alias: str, ticket: Ticket, semaphore: Semaphore) -> Blocker:
         .ahead_of(ticket.ranked_at, ticket.pk)
     )
     kept = older.aggregate(n=Count("pk"), kept=Coalesce(Sum("count"), 0))
-    held = Permit.objects.using(alias).filter(semaphore=semaphore, state=State.ACQUIRED)
+    permits = Permit.objects.using(alias).filter(semaphore=semaphore)
+    held = permits.filter(state=State.ACQUIRED)
     holders = [
         Holder(
             key=permit.request.external_id,
@@ -210,15 +211,7 @@ def _blocker(alias: str, ticket: Ticket, semaphore: Semaphore) -> Blocker:
         )
         for permit in held.select_related("request").order_by("request__created_at", "pk")[:NAMED]
     ]
-    next_slot = None
-    if semaphore.limit.is_rate:
-        next_slot = (
-            Permit.objects.using(alias)
-            .counting()
-            .filter(semaphore=semaphore)
-            .values_list("slot_ends", flat=True)
-            .first()
-        )
+    slots = permits.counting().values_list("slot_ends", flat=True)
     return Blocker(
         semaphore=semaphore.name,
         wants=ticket.count,
@@ -233,5 +226,5 @@ def _blocker(alias: str, ticket: Ticket, semaphore: Semaphore) -> Blocker:
         by_share=list(older.per_share()[:NAMED]),
         holders=holders,
         held_by=held.count() if len(holders) == NAMED else len(holders),
-        next_slot=next_slot,
+        next_slot=slots.first() if semaphore.limit.is_rate else None,
     )

@@ -214,15 +214,13 @@ class GuardedModel(models.Model):
         only if the instance changed it and the ORM may (a refused change is
         a mistake to report; unchanged ones are dropped, also when named:
         ``update_or_create()`` names every date field)."""
-        names = (
-            set(update_fields)
-            if update_fields is not None
-            else {
-                field.name
-                for field in self._meta.concrete_fields
-                if not field.primary_key and field.attname not in self.get_deferred_fields()
-            }
-        )
+        if update_fields is None:
+            deferred = self.get_deferred_fields()
+            fields = self._meta.concrete_fields
+            update_fields = [
+                f.name for f in fields if not f.primary_key and f.attname not in deferred
+            ]
+        names = set(update_fields)
         loaded = self.__dict__.get("_loaded", {})
         for name in sorted(names & set(self.ENGINE_OWNED_FIELDS)):
             if name not in loaded or not self._changed(name):

@@ -170,8 +170,7 @@ def admit(
             cursor, ask.key, ask.owner, asks, now, expires_at, short, lock_wait,
             ask.priority, ask.share,
         )  # fmt: skip
-    rank = _rank(ranked_at)
-    standing = _placed(standing, short, ticketed=life is not None, rank=rank)
+    standing = _placed(standing, short, ticketed=life is not None, rank=_rank(ranked_at))
     return sorted(s.name for s in locked if s.id in short), standing
 
 

@@ -115,8 +115,7 @@ def _lock_templates(alias: str, wanted: list[Family]) -> dict[str, _Template]:
         .values_list("name", "capacity", "window", DatabaseNow())
     )
     locked = {name: _Template._make(values) for name, *values in locking}
-    absent = [family for family in wanted if family.pattern not in locked]
-    if absent:
+    if absent := [family for family in wanted if family.pattern not in locked]:
         semaphores.bulk_create(
             [
                 Semaphore(name=family.pattern, capacity=family.capacity, window=family.window)

@@ -255,7 +255,6 @@ def grant_in_one_trip(
     sql = one_trip_statements(connection)
     if not sql.applies():
         return None
-    key, owner = ask.key, ask.owner
     # Where the call stands, as the one-trip grant that may refuse it takes it.
     line = Line(
         standing.ticketed,
@@ -264,7 +263,7 @@ def grant_in_one_trip(
         ask.priority,
         bool(ask.share),
     )
-    granted = sql.grant(ask.demand.counts, key, owner, ttl, lock_wait, line)
+    granted = sql.grant(ask.demand.counts, ask.key, ask.owner, ttl, lock_wait, line)
     if granted is None:
         return None
     if isinstance(granted, Refused):
@@ -272,8 +271,8 @@ def grant_in_one_trip(
     request = _granted(
         connection.alias,
         granted.request_id,
-        key,
-        owner,
+        ask.key,
+        ask.owner,
         ttl,
         granted.expires_at,
         granted.granted_at,
@@ -324,8 +323,7 @@ def refusal(
     permits on the semaphores that lack it, or older tickets waiting (a call
     that waits takes its tickets then). ``None``: it may."""
     demand = ask.demand
-    ids = [s.id for s in locked]
-    usage = sql.usage(cursor, ask.key, ids)
+    usage = sql.usage(cursor, ask.key, [s.id for s in locked])
     if usage.key_taken:
         # A repeated call is answered with its request even when full.
         return KeyTaken()
@@ -343,29 +341,16 @@ def refusal(
     )
     if not waiting_on:
         return None
-    error = SemaphoreExhausted(
-        waiting_on, retry_after=_next_slot_in(sql, cursor, locked, demand, usage.now)
-    )
-    return fairness.Refusal(error, standing)
-
-
-def _next_slot_in(
-    sql: Statements,
-    cursor: CursorWrapper,
-    locked: list[LockedSemaphore],
-    demand: Demand,
-    now: datetime,
-) -> float | None:
-    """Seconds until the rate limits that lack room have room for this
-    demand; ``None`` when a concurrency limit lacks room too (its holders'
-    releases cannot be foretold)."""
-    lacking = lacking_room(locked, demand.counts)
-    if not lacking or not all(s.limit.is_rate for s in lacking):
-        return None
-    frees = [sql.next_slot(cursor, s, demand.counts[s.name], now) for s in lacking]
-    if None in frees:
-        return None
-    return max((at - now).total_seconds() for at in frees if at is not None)
+    # Seconds until the rate limits that lack room have room for this demand;
+    # none when a concurrency limit lacks room too (its holders' releases
+    # cannot be foretold).
+    retry_after = None
+    short = lacking_room(locked, demand.counts)
+    if short and all(s.limit.is_rate for s in short):
+        frees = [sql.next_slot(cursor, s, demand.counts[s.name], usage.now) for s in short]
+        if None not in frees:
+            retry_after = max((at - usage.now).total_seconds() for at in frees if at is not None)
+    return fairness.Refusal(SemaphoreExhausted(waiting_on, retry_after=retry_after), standing)
 
 
 # --- idempotent re-entry -----------------------------------------------------
@@ -399,24 +384,20 @@ def reattach_key(connection: BaseDatabaseWrapper, key: str, demand: Demand) -> P
 
 
 def _reattach(alias: str, request: PermitRequest, demand: Demand) -> PermitRequest:
-    held = {
-        name: (count, token)
-        for name, count, token in request.permits.using(alias).values_list(
-            "semaphore__name", "count", "fencing_token"
-        )
-    }
-    if {name: count for name, (count, _) in held.items()} != demand.counts:
+    held = request.permits.using(alias).values_list("semaphore__name", "count", "fencing_token")
+    counts = {name: count for name, count, _ in held}
+    if counts != demand.counts:
         raise IdempotencyConflict(
-            f"Key {request.external_id!r} already holds {_describe(held)}, "
-            f"not {_describe({n: (c, 0) for n, c in demand.counts.items()})}."
+            f"Key {request.external_id!r} already holds {_describe(counts)}, "
+            f"not {_describe(demand.counts)}."
         )
     raise_if_not_held(alias, request)
-    request.__dict__["fencing_tokens"] = {name: token for name, (_, token) in held.items()}
+    request.__dict__["fencing_tokens"] = {name: token for name, _, token in held}
     return request
 
 
-def _describe(held: dict[str, tuple[int, int]]) -> str:
-    return ", ".join(f"{name}x{count}" for name, (count, _) in sorted(held.items())) or "nothing"
+def _describe(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name}x{count}" for name, count in sorted(counts.items())) or "nothing"
 
 
 def raise_if_not_held(alias: str, request: PermitRequest) -> None:

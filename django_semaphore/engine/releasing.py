@@ -204,14 +204,10 @@ def announce(alias: str, request_ids: list[int], reason: str) -> None:
     holds.send_hold_ended(PermitRequest, request_ids, reason, alias)
 
 
-# The signals whose receivers are told what a release ended.
-RELEASE_SIGNALS = (signals.permit_released, signals.hold_ended)
-
-
 def read_back(parked: bool) -> ReadBack:
     """What a release by key reads of what it ended: all of it for
     ``permit_released``'s and ``hold_ended``'s receivers; with ``parked``,
     where parked tasks wait, while some do."""
-    if any(signal.has_listeners(PermitRequest) for signal in RELEASE_SIGNALS):
+    if any(s.has_listeners(PermitRequest) for s in (signals.permit_released, signals.hold_ended)):
         return ReadBack.ALWAYS
     return ReadBack.PARKED if parked else ReadBack.NEVER

@@ -28,7 +28,7 @@ from datetime import datetime, timedelta
 from typing import NamedTuple
 
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Exists, F, OuterRef, Q, Subquery
+from django.db.models import Exists, F, Max, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from django_semaphore import backends
@@ -168,10 +168,7 @@ def next_slots(alias: str, semaphore_ids: set[int]) -> dict[int, float]:
         .rate_limits()
         .filter(id__in=semaphore_ids)
         .filter(Exists(Ticket.objects.of_parked().filter(semaphore=OuterRef("pk"))))
-        .annotate(
-            next_ends=Subquery(slots.values("slot_ends")[:1]),
-            db_now=DatabaseNow(),
-        )
+        .annotate(next_ends=Subquery(slots.values("slot_ends")[:1]), db_now=DatabaseNow())
         .values_list("id", "next_ends", "db_now")
     )
     return {
@@ -254,41 +251,36 @@ def wake_once(connection: BaseDatabaseWrapper, freed: set[int]) -> list[int]:
             external_id__in=list(waiting), semaphore_id__in=list(lines)
         ).values_list("ranked_at", "id", "external_id", "semaphore_id", "count", "lacked"):
             places[key][semaphore_id] = (_Place(ranked_at, id, key, count), lacked)
-        choice = _choose(places, lines)
-        _hold_back(connection, choice.lacking)
-        woken = [waiting[key] for key in choice.woken]
+        chosen, lacking = _choose(places, lines)
+        _hold_back(connection, lacking)
+        woken = [waiting[key] for key in chosen]
         if woken:
             ParkedTask.objects.using(alias).filter(id__in=woken).update(woken_at=timezone.now())
     return woken
 
 
-@dataclass
-class Choice:
-    """A wake-up's decision: the tasks to wake (keys, oldest first), and the
-    tickets that lack room from now on (newly: woken, or passed over)."""
-
-    woken: list[str] = field(default_factory=list)
-    lacking: list[int] = field(default_factory=list)
-
-
 def _choose(
     places: Mapping[str, Mapping[int, tuple[_Place, bool]]], lines: Mapping[int, _Line]
-) -> Choice:
-    """The tasks to wake, first in line first (by their first ticket): one
-    that fits beside the tickets ahead of it holding back on each of its
-    semaphores is woken and holds back there; one that does not lacks room
-    where it does not fit, and holds back those behind it there."""
-    choice = Choice()
+) -> tuple[list[str], list[int]]:
+    """A wake-up's decision: the tasks to wake (keys, oldest first), and the
+    tickets that lack room from now on (newly: woken, or passed over).
+
+    First in line first (by their first ticket): a task that fits beside
+    the tickets ahead of it holding back on each of its semaphores is woken
+    and holds back there; one that does not lacks room where it does not
+    fit, and holds back those behind it there."""
+    woken: list[str] = []
+    lacking: list[int] = []
     for key in sorted(places, key=lambda key: min(p for p, _ in places[key].values())):
         asks = places[key]
         short = {s for s, (place, _) in asks.items() if not lines[s].fits(place)}
         for s, (place, lacked) in asks.items():
             if not lacked and (not short or s in short):
                 lines[s].hold_back(place)
-                choice.lacking.append(place.id)
+                lacking.append(place.id)
         if not short:
-            choice.woken.append(key)
-    return choice
+            woken.append(key)
+    return woken, lacking
 
 
 def _hold_back(connection: BaseDatabaseWrapper, ticket_ids: list[int]) -> None:
@@ -298,9 +290,7 @@ def _hold_back(connection: BaseDatabaseWrapper, ticket_ids: list[int]) -> None:
         return
     tickets = Ticket.objects.using(connection.alias).filter(id__in=ticket_ids)
     tickets.update(lacked=True)
-    latest: dict[int, datetime] = {}
-    for semaphore_id, expires_at in tickets.values_list("semaphore_id", "expires_at"):
-        latest[semaphore_id] = max(expires_at, latest.get(semaphore_id, expires_at))
+    latest = tickets.order_by().values("semaphore_id").annotate(latest=Max("expires_at"))
     with connection.cursor() as cursor:
-        for semaphore_id, expires_at in latest.items():
+        for semaphore_id, expires_at in latest.values_list("semaphore_id", "latest"):
             ticket_statements(connection).queue_until(cursor, [semaphore_id], expires_at)

@@ -181,9 +181,8 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
         # round of holds before the next probe, or it would attempt at once
         # again and again.
         interval = min(hold or PROBE_EVERY, POLL_CAP) * random.uniform(0.5, 1.0)
-        if waiter.woken.wait(max(min(interval, deadline - now), 0)) and not WAITERS.notified(
-            waiter
-        ):
+        woken = waiter.woken.wait(max(min(interval, deadline - now), 0))
+        if woken and not WAITERS.notified(waiter):
             return
     low, high = PROBE_BOUNDS
     base = min(max(hold / PROBES_PER_HOLD, low), high) if hold else PROBE_EVERY
@@ -206,8 +205,8 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
                 if not WAITERS.notified(waiter):
                     return
             _renew_tickets(connection)
-            found = _probe(connection, waiter)
-            if found is None or not (lacking := _lacking(waiter, found)):
+            probed = _probe(connection, waiter)
+            if not (lacking := [room for count, _, room in probed if not room.fits(count)]):
                 waiter.expected_room = True
                 return
             # A rate limit it lacks room on frees a slot when its window
@@ -220,13 +219,13 @@ def pause(waiter: Waiter, connection: BaseDatabaseWrapper, deadline: float) -> N
                 waiter.woken.wait(max(slot, 0))
                 waiter.expected_room = True
                 return
-            grants = sum(c.grants for c in found.values())
+            grants = sum(room.grants for _, _, room in probed)
             if grants != waiter.grants:  # others are granted: keep alert
                 waiter.grants, waiter.changed, every = grants, now, base
             elif now > waiter.changed + slower_after:
                 every = min(2 * every, POLL_CAP)
-            waiter.standing = replace(waiter.standing, rounds=_rounds(waiter, found))
-            interval = max(every, min((hold or PROBE_EVERY) * _holds_away(waiter, found), POLL_CAP))
+            waiter.standing = replace(waiter.standing, rounds=_rounds(probed))
+            interval = max(every, min((hold or PROBE_EVERY) * _holds_away(probed), POLL_CAP))
     finally:
         waiter.every = every
 
@@ -251,49 +250,37 @@ def _renew_tickets(connection: BaseDatabaseWrapper) -> None:
                 waiter.standing = replace(waiter.standing, lacked=frozenset())
 
 
-def _probe(connection: BaseDatabaseWrapper, waiter: Waiter) -> dict[int, Room] | None:
+# One of a waiter's semaphores as its probe found it: the permits it asks
+# there, the capacity its last attempt saw, and the room.
+Probed = tuple[int, int, Room]
+
+
+def _probe(connection: BaseDatabaseWrapper, waiter: Waiter) -> list[Probed]:
     """Its semaphores' room and the tickets ahead of it there, by one
-    plain read (no lock, no transaction); None when it failed (the attempt
+    plain read (no lock, no transaction); none when it failed (the attempt
     tells why) or no attempt has read the semaphores yet."""
     semaphores = waiter.standing.semaphores
     if not semaphores:
-        return None
+        return []
     try:
-        return probe(connection, [id for id, _, _ in semaphores], waiter.ask.key)
+        found = probe(connection, [id for id, _, _ in semaphores], waiter.ask.key)
     except Error:
-        return None
-
-
-def _lacking(waiter: Waiter, found: dict[int, Room]) -> list[Room]:
-    """Its semaphores where an attempt would be refused as ``found`` says:
-    no room beside what the tickets ahead of it ask for there."""
+        return []
     counts = waiter.ask.demand.counts
-    return [
-        found[id]
-        for id, name, _ in waiter.standing.semaphores
-        if id in found and not found[id].fits(counts[name])
-    ]
+    return [(counts[name], capacity, found[id]) for id, name, capacity in semaphores if id in found]
 
 
-def _holds_away(waiter: Waiter, found: dict[int, Room]) -> float:
+def _holds_away(probed: list[Probed]) -> float:
     """Holds until enough permits were released for it and the tickets
     ahead of it, on the semaphore where that takes longest: each hold
     releases a capacity's worth."""
-    counts = waiter.ask.demand.counts
-    return max(
-        (counts[name] - found[id].free) / max(capacity, 1) if id in found else 0
-        for id, name, capacity in waiter.standing.semaphores
-    )
+    return max((count - room.free) / max(capacity, 1) for count, capacity, room in probed)
 
 
-def _rounds(waiter: Waiter, found: dict[int, Room]) -> int:
+def _rounds(probed: list[Probed]) -> int:
     """Capacities' worth of permits that must be granted before it: 0 when
     it is next in line."""
-    counts = waiter.ask.demand.counts
-    return max(
-        rounds(counts[name], capacity, found[id].ahead) if id in found else 0
-        for id, name, capacity in waiter.standing.semaphores
-    )
+    return max(rounds(count, capacity, room.ahead) for count, capacity, room in probed)
 
 
 # --- what this process holds, and its releases ---------------------------------------

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Protocol
 
 from django_semaphore import process, routing
 from django_semaphore.conf import family_of
@@ -32,10 +31,8 @@ STANDBY_WAIT = 2 * SHORT_HOLD
 _holds: dict[str, float] = {}
 
 
-class Claim(Protocol):
-    """A task's claim of its permit, waiting up to ``timeout`` seconds."""
-
-    def __call__(self, timeout: float) -> str: ...
+# A task's claim of its permit, waiting up to so many seconds: the key it took.
+Claim = Callable[[float], str]
 
 
 class Standbys(process.State):
