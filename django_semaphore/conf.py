@@ -351,7 +351,7 @@ def _refused_view_problems(value: Any) -> list[str]:
 def _import_problems(key: str, path: str) -> list[str]:
     try:
         import_string(path)
-    except ImportError as exc:
+    except (ImportError, TypeError, ValueError) as exc:  # not a dotted path: ".x", "."
         return [f"DJANGO_SEMAPHORE[{key!r}]: {path!r} cannot be imported: {exc}"]
     return []
 

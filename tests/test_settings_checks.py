@@ -137,6 +137,13 @@ def test_a_bad_refused_view_is_e017(settings, value):
     assert "django_semaphore.E017" in [m.id for m in checks.check_settings()]
 
 
+@pytest.mark.parametrize("path", [".", ".view", ".."])
+def test_a_path_import_module_refuses_with_other_errors_is_e017_not_a_crash(settings, path):
+    """``import_string`` raises ValueError or TypeError, not ImportError, here."""
+    settings.DJANGO_SEMAPHORE = {"REFUSED_VIEW": path}
+    assert "django_semaphore.E017" in [m.id for m in checks.check_settings()]
+
+
 def test_a_given_refused_view_is_imported_at_each_read(settings):
     settings.DJANGO_SEMAPHORE = {"REFUSED_VIEW": f"{__name__}.page"}
     assert checks.check_settings() == []
