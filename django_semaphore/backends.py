@@ -374,7 +374,10 @@ def is_sqlite_without_immediate_transactions(database: dict[str, Any]) -> bool:
 
 def datetime_from_db(connection: BaseDatabaseWrapper, value: Any) -> Any:
     """A ``DatabaseNow()`` value read with a raw cursor, converted as the ORM
-    would (SQLite returns text, MySQL a naive datetime); ``None`` stays ``None``."""
+    would (SQLite returns text, MySQL a naive datetime); ``None`` stays ``None``
+    without building the converters (a grant without a ttl has no expiry)."""
+    if value is None:
+        return None
     expression = DatabaseNow()
     for convert in connection.ops.get_db_converters(expression):
         value = convert(value, expression, connection)
