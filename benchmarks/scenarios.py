@@ -113,6 +113,9 @@ class Bench:
 
     def _available_systems(self) -> set[str]:
         from django.conf import settings
+        from django.db import connection
+
+        from django_semaphore.engine.statements import routines
 
         found = {
             systems.LIMIT_HOT,
@@ -132,6 +135,8 @@ class Bench:
             found.add(systems.DB_MUTEX)
         if self.target.vendor in {"mysql", "postgresql"}:
             found.add(systems.GET_LOCK)
+        if routines.names_on(connection):
+            found.add(systems.APP_SQL)
         try:
             import redis
 
@@ -249,6 +254,7 @@ class Bench:
                 systems.SEED,
                 systems.APP,
                 systems.APP_PERMIT,
+                systems.APP_SQL,
             ]:
                 self.fresh(["hot"], HOT_CAPACITY)
                 self.measure("1 hot", system, clients, lambda i: ["hot"], HOT_CAPACITY)

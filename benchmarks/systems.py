@@ -20,6 +20,7 @@ LIMIT_ROWS = "limit: row per client"
 SEED = "seed design (raw SQL)"
 APP = "app acquire/release"
 APP_PERMIT = "app permit()"
+APP_SQL = "app's SQL alone"
 APP_NO_PRELOCK = "app, pre-lock off"
 DB_MUTEX = "django-db-mutex"
 GET_LOCK = "GET_LOCK (not durable)"
@@ -30,12 +31,13 @@ SYSTEMS = [
     SEED,
     APP,
     APP_PERMIT,
+    APP_SQL,
     APP_NO_PRELOCK,
     DB_MUTEX,
     GET_LOCK,
     REDIS,
 ]
-APP_SYSTEMS = {APP, APP_PERMIT, APP_NO_PRELOCK}
+APP_SYSTEMS = {APP, APP_PERMIT, APP_SQL, APP_NO_PRELOCK}
 
 
 @dataclass
@@ -291,6 +293,46 @@ class AppPermit(App):
         self.block.__exit__(None, None, None)
 
 
+class AppSQL(DjangoClient):
+    """The app's two statements alone, through Django's cursor: its grant in
+    one trip and its release by key, without the public API's Python around
+    them (validation, routing, retries, signals, wake-ups). The limit the
+    app's SQL sets; MariaDB and PostgreSQL, where the routines are."""
+
+    def setup(self) -> None:
+        super().setup()
+        from django.db import DEFAULT_DB_ALIAS, connections
+
+        from django_semaphore.conf import app_settings
+        from django_semaphore.engine.statements.one_trip import (
+            Line,
+            Refused,
+            one_trip_statements,
+        )
+        from django_semaphore.engine.statements.release import ReadBack, release_statements
+        from django_semaphore.states import ReleaseReason
+
+        connection = connections[DEFAULT_DB_ALIAS]
+        self.grant = one_trip_statements(connection).grant
+        self.release_by_key = release_statements(connection).release_by_key
+        self.demand = dict.fromkeys(self.spec.names, 1)
+        self.fails_fast = Line(ticketed=False, lacked=False, ticket_life=None, priority=0)
+        self.refused, self.reason, self.read = Refused, ReleaseReason.RELEASED, ReadBack.PARKED
+        self.lock_wait = app_settings.LOCK_WAIT_TIMEOUT
+
+    def acquire(self) -> bool:
+        self.key = uuid.uuid4().hex
+        granted = self.grant(self.demand, self.key, "bench", None, self.lock_wait, self.fails_fast)
+        if granted is None:
+            raise RuntimeError("the one-trip grant declined: the general grant is needed")
+        return not isinstance(granted, self.refused)
+
+    def release(self) -> None:
+        if self.spec.hold:
+            time.sleep(self.spec.hold)
+        self.release_by_key(self.key, self.reason, self.lock_wait, self.read)
+
+
 class DbMutex(DjangoClient):
     """django-db-mutex: a mutex as a row inserted under a unique key."""
 
@@ -318,6 +360,7 @@ CLIENTS: dict[str, type[Client]] = {
     SEED: Seed,
     APP: App,
     APP_PERMIT: AppPermit,
+    APP_SQL: AppSQL,
     APP_NO_PRELOCK: App,
     DB_MUTEX: DbMutex,
     GET_LOCK: GetLock,
