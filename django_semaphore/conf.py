@@ -10,6 +10,7 @@ settings, the dict is not to be changed in place at run time.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable, Mapping
@@ -116,7 +117,7 @@ def _duration(value: Any) -> timedelta:
 
 class _Setting(Generic[T]):
     """A key of the dict, read through ``Settings._get`` as type ``T``
-    (``convert`` is called at each read)."""
+    (``convert`` is called at its first read, and kept with the value)."""
 
     def __init__(self, convert: Callable[[Any], T]) -> None:
         self.convert = convert
@@ -125,7 +126,7 @@ class _Setting(Generic[T]):
         self.key = name
 
     def __get__(self, instance: Settings, owner: type[Settings] | None = None) -> T:
-        return self.convert(instance._get(self.key))
+        return instance._get(self.key, self.convert)
 
 
 class Settings:
@@ -148,13 +149,13 @@ class Settings:
             )
         return user
 
-    def _get(self, key: str) -> Any:
+    def _get(self, key: str, convert: Callable[[Any], T]) -> T:
         if key not in self._checked:
             user = self.user_settings  # a default is the app's own: not checked
             if key in user and (problems := setting_problems(key, user[key])):
                 raise ImproperlyConfigured(" ".join(problems))
-            self._checked[key] = user.get(key, DEFAULTS[key])
-        return self._checked[key]
+            self._checked[key] = convert(user.get(key, DEFAULTS[key]))
+        return self._checked[key]  # type: ignore[no-any-return]
 
     # The alias configured; ``routing.current_alias()`` says which to use.
     DATABASE: _Setting[str | None] = _Setting(lambda alias: alias)
@@ -169,8 +170,8 @@ class Settings:
     LIVENESS_CHECKERS = _Setting(list[str])
     VIEW_STATUS_CODE = _Setting(int)
 
-    # The view that answers a refused request, imported at each read (so
-    # ``override_settings`` works, and nothing is imported before it is used).
+    # The view that answers a refused request, imported at its first read
+    # (nothing is imported before it is used).
     REFUSED_VIEW: _Setting[Callable[..., Any]] = _Setting(import_string)
     SEMAPHORES = _Setting(dict[str, Any])
     MEMBER_IDLE_LIMIT = _Setting(_duration)
@@ -202,6 +203,7 @@ class Settings:
         """Read every value afresh: any setting may have changed one (a
         ``DATABASE`` alias is checked against ``DATABASES``)."""
         self._checked = {}
+        families.cache_clear()
 
 
 app_settings = Settings()
@@ -413,13 +415,16 @@ class Family:
     max_members: int | None
 
 
-def families() -> list[Family]:
-    """The declared families, in settings order (the order names are matched in)."""
-    return [
+@functools.cache
+def families() -> tuple[Family, ...]:
+    """The declared families, in settings order (the order names are matched
+    in). Built once, as the settings' values are read once: every release
+    asks which family each of its names is in."""
+    return tuple(
         Family(pattern, **asdict(validate_declared(pattern, value)))
         for pattern, value in app_settings.SEMAPHORES.items()
         if is_pattern(pattern)
-    ]
+    )
 
 
 def family_of(name: str) -> Family | None:

@@ -20,7 +20,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import path
 from django.utils import timezone
 
-from django_semaphore import acquire, holds_permit, permit, release, set_capacity, sweep
+from django_semaphore import acquire, conf, holds_permit, permit, release, set_capacity, sweep
 from django_semaphore.declared import create_declared_semaphores
 from django_semaphore.exceptions import (
     FamilyFull,
@@ -389,6 +389,18 @@ def test_well_formed_families_pass_the_checks(settings):
 
     ids = {message.id for message in settings_checks()}
     assert not ids & {"django_semaphore.E015", "django_semaphore.E009", "django_semaphore.W006"}
+
+
+def test_a_change_of_settings_changes_the_families(settings):
+    """The families are built once per settings state (every release asks
+    which family each of its names is in), and afresh when settings change."""
+    settings.DJANGO_SEMAPHORE = {"SEMAPHORES": {"x": 3}}
+    assert conf.family_of("tenant:1") is None
+
+    settings.DJANGO_SEMAPHORE = {"SEMAPHORES": {"x": 3, "tenant:*": {"capacity": 2}}}
+
+    assert conf.family_of("tenant:1") == conf.Family("tenant:*", 2, None, None)
+    assert conf.declared_capacity("tenant:1") == 2
 
 
 def settings_checks() -> list[CheckMessage]:
